@@ -699,12 +699,12 @@ def build_wheel(lock: Lock, src: Path, dist: Path) -> Path:
     out = dist / wheel_name(lock)
     tmp = out.with_name(out.name + ".tmp")
     t0 = time.monotonic()
-    records: dict[str, str] = {}
+    records: dict[str, list[str]] = {}
     with zipfile.ZipFile(upstream_whl) as zin, zipfile.ZipFile(tmp, "w") as zout:
         old_record = zin.read(f"{old_di}/RECORD").decode()
         for row in csv.reader(io.StringIO(old_record)):
             if row:
-                records[row[0]] = ",".join(row)
+                records[row[0]] = row
         members = zin.infolist()
         new_files: dict[str, bytes] = dict(changed)
         new_files["vllm/_version.py"] = version_py(
@@ -716,7 +716,7 @@ def build_wheel(lock: Lock, src: Path, dist: Path) -> Path:
         if n != 1:
             raise DDTreeError("METADATA has no Version: line")
         new_files[f"{new_di}/METADATA"] = metadata.encode()
-        record_lines: list[str] = []
+        record_rows: list[list[str]] = []
         last = time.monotonic()
         for i, info in enumerate(members, 1):
             name = info.filename
@@ -729,10 +729,10 @@ def build_wheel(lock: Lock, src: Path, dist: Path) -> Path:
             if target in new_files:
                 continue  # written below
             copy_raw_member(zin, zout, info, target)
-            line = records.get(name)
-            if line is None:
+            row = records.get(name)
+            if row is None:
                 raise DDTreeError(f"{name} is not in the upstream RECORD")
-            record_lines.append(target + line[len(name):])
+            record_rows.append([target, *row[1:]])
         for name, data in sorted(new_files.items()):
             if name in zout.NameToInfo:
                 continue
@@ -740,12 +740,14 @@ def build_wheel(lock: Lock, src: Path, dist: Path) -> Path:
             zi.external_attr = 0o644 << 16
             zi.compress_type = zipfile.ZIP_DEFLATED
             zout.writestr(zi, data)
-            record_lines.append(f"{name},{record_hash(data)},{len(data)}")
-        record_lines.append(f"{new_di}/RECORD,,")
+            record_rows.append([name, record_hash(data), str(len(data))])
+        record_rows.append([f"{new_di}/RECORD", "", ""])
+        record_buf = io.StringIO()
+        csv.writer(record_buf, lineterminator="\n").writerows(record_rows)
         zi = zipfile.ZipInfo(f"{new_di}/RECORD", date_time=(2000, 1, 1, 0, 0, 0))
         zi.external_attr = 0o644 << 16
         zi.compress_type = zipfile.ZIP_DEFLATED
-        zout.writestr(zi, "\n".join(record_lines) + "\n")
+        zout.writestr(zi, record_buf.getvalue())
     tmp.rename(out)
     log(f"wrote {out} ({out.stat().st_size >> 20} MiB) in {time.monotonic() - t0:.1f}s")
     return out

@@ -1,0 +1,60 @@
+# vllm-ddtree: vLLM 0.26.0 + the patch stack in patches/ (see README.md).
+PYTHON ?= python3
+TOOL := $(PYTHON) apply_patches.py
+SRC ?= build/src
+VERSION := $(shell $(PYTHON) apply_patches.py version)
+WHEEL := dist/$(shell $(PYTHON) apply_patches.py wheel-name)
+IMAGE ?= vllm-ddtree:$(subst +,-,$(VERSION))
+PYTEST_ARGS ?=
+
+.PHONY: all fetch check apply export wheel test lint-docker image clean
+
+all: wheel
+
+fetch:
+	$(TOOL) fetch
+
+check:
+	$(TOOL) check
+
+apply: fetch
+	$(TOOL) apply --src $(SRC) --verify
+
+export:
+	$(TOOL) export --src $(SRC)
+
+wheel: $(WHEEL)
+
+$(WHEEL): upstream.lock patches/series $(wildcard patches/*.patch) apply_patches.py
+	@echo "== wheel $(VERSION): fetch, apply, repack"
+	$(TOOL) fetch
+	$(TOOL) apply --src $(SRC) --verify
+	$(TOOL) wheel --src $(SRC)
+
+lint-docker:
+	hadolint Dockerfile
+
+test:
+	@echo "== [1/6] fetch (cache: $${VLLM_DDTREE_CACHE:-~/.cache/vllm-ddtree})"
+	$(TOOL) fetch
+	@echo "== [2/6] apply --verify into $(SRC)"
+	$(TOOL) apply --src $(SRC) --verify
+	@echo "== [3/6] check"
+	$(TOOL) check
+	@echo "== [4/6] export --dry-run (drift gate)"
+	$(TOOL) export --src $(SRC) --dry-run
+	@echo "== [5/6] wheel + Dockerfile lint"
+	$(MAKE) --no-print-directory wheel lint-docker
+	@echo "== [6/6] pytest"
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+# Needs a Docker engine (GPU hosts); our CI/dev machines have none.
+image: $(WHEEL)
+	docker build \
+	  --build-arg DDTREE_VERSION=$(VERSION) \
+	  --build-arg UPSTREAM_COMMIT=$$($(TOOL) lock-get upstream.commit) \
+	  --build-arg SERIES_SHA256=$$($(TOOL) series-hash) \
+	  -t $(IMAGE) .
+
+clean:
+	rm -rf build dist .pytest_cache

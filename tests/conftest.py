@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared fixtures for vllm-ddtree tests.
+
+`load_patched_module(relpath)` imports one file of the patched vLLM tree
+($VLLM_DDTREE_SRC, default <repo>/build/src) by path, under a private module
+name, without importing the `vllm` package: for code that only needs torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import apply_patches  # noqa: E402
+
+
+def patched_src() -> Path:
+    return Path(os.environ.get("VLLM_DDTREE_SRC", REPO_ROOT / "build" / "src")).resolve()
+
+
+def load_patched_module(relpath: str) -> ModuleType:
+    """Import `<patched tree>/<relpath>` as a standalone module (no `vllm` import)."""
+    path = patched_src() / relpath
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found; run `make apply` (or set VLLM_DDTREE_SRC)"
+        )
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    name = "_ddtree_patched_" + relpath.replace("/", "_").removesuffix(".py") + "_" + digest
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+@pytest.fixture(name="load_patched_module")
+def load_patched_module_fixture() -> Callable[[str], ModuleType]:
+    return load_patched_module
+
+
+@pytest.fixture(scope="session")
+def src_tree() -> Path:
+    src = patched_src()
+    if not (src / ".git").exists():
+        pytest.fail(f"{src} is not a patched tree; run `make apply` first")
+    return src
+
+
+@pytest.fixture(scope="session")
+def lock() -> apply_patches.Lock:
+    return apply_patches.Lock.load(apply_patches.DEFAULT_LOCK)
+
+
+@pytest.fixture(scope="session")
+def our_wheel(lock: apply_patches.Lock) -> Path:
+    wheel = REPO_ROOT / "dist" / apply_patches.wheel_name(lock)
+    if not wheel.is_file():
+        pytest.fail(f"{wheel} missing; run `make wheel` first")
+    return wheel
+
+
+@pytest.fixture(scope="session")
+def wheel_venv(our_wheel: Path) -> Path:
+    """A cached venv with our wheel and all its dependencies (torch, ...)."""
+    import ddtree_venv
+
+    return ddtree_venv.ensure_venv(our_wheel)
+
+
+@pytest.fixture()
+def stack_copy(tmp_path: Path) -> tuple[Path, Path]:
+    """Copies of upstream.lock and patches/ that a test may corrupt."""
+    lock = tmp_path / "upstream.lock"
+    shutil.copy(apply_patches.DEFAULT_LOCK, lock)
+    patches = tmp_path / "patches"
+    shutil.copytree(apply_patches.DEFAULT_PATCHES, patches)
+    return lock, patches
