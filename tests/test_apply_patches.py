@@ -206,7 +206,9 @@ def test_drift_and_export_round_trip(stack_copy: tuple[Path, Path], tmp_path: Pa
     target.write_text(target.read_text().replace(
         "Keep full KV allocation; SWA remains a compute-time limit.",
         "Keep the full KV allocation; SWA stays a compute-time limit."))
-    git(src, "commit", "-q", "-a", "--fixup", "HEAD")
+    # The first patch's commit is the oldest one above the pristine base.
+    first = git(src, "rev-list", "--reverse", "upstream..HEAD").split()[0]
+    git(src, "commit", "-q", "-a", "--fixup", first)
     r = tool(lock, patches, "export", "--src", src, "--dry-run")
     assert r.returncode == 1
     git(src, "-c", "sequence.editor=true", "rebase", "-q", "-i", "--autosquash", "upstream")
@@ -231,14 +233,16 @@ def test_new_commit_becomes_a_new_patch(stack_copy: tuple[Path, Path], tmp_path:
     lock, patches = stack_copy
     src = tmp_path / "src"
     assert tool(lock, patches, "apply", "--src", src).returncode == 0
-    new = src / "vllm/v1/spec_decode/ddtree/__init__.py"
+    new = src / "vllm/v1/spec_decode/ddtree_example/__init__.py"
     new.parent.mkdir(parents=True)
     new.write_text("# SPDX-License-Identifier: Apache-2.0\n")
     git(src, "add", str(new))
     git(src, "commit", "-q", "-m",
         "ddtree: Add package\n\nWhy: w\nOrigin: vendor\nForwarded: not-needed\nTest: none")
     assert tool(lock, patches, "export", "--src", src).returncode == 0
-    assert apply_patches.read_series(patches) == [FIRST_PATCH, "ddtree-add-package.patch"]
+    series = apply_patches.read_series(patches)
+    assert series[0] == FIRST_PATCH and series[-1] == "ddtree-add-package.patch"
+    assert len(series) == len(apply_patches.read_series(apply_patches.DEFAULT_PATCHES)) + 1
     assert tool(lock, patches, "check").returncode == 0
 
 
