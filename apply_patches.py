@@ -168,19 +168,35 @@ def verify_sha256(path: Path, expected: str) -> None:
         )
 
 
+PYPI_SIMPLE = "https://pypi.org/simple/{project}/"
+
+
+def pypi_index(project: str) -> dict[str, dict]:
+    """filename -> {url, sha256, yanked} from PyPI's JSON simple API."""
+    url = PYPI_SIMPLE.format(project=project)
+    req = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            index = json.load(r)
+    except (OSError, ValueError) as e:
+        raise DDTreeError(f"cannot read the package index {url}: {e}") from e
+    return {
+        f["filename"]: {
+            "url": f["url"],
+            "sha256": str(f.get("hashes", {}).get("sha256", "")).lower(),
+            "yanked": bool(f.get("yanked")),
+        }
+        for f in index.get("files", [])
+    }
+
+
 def resolve_url(filename: str) -> str:
     """Find a file's URL through PyPI's JSON simple API."""
     project = filename.split("-", 1)[0]
-    req = urllib.request.Request(
-        f"https://pypi.org/simple/{project}/",
-        headers={"Accept": "application/vnd.pypi.simple.v1+json"},
-    )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        index = json.load(r)
-    for f in index.get("files", []):
-        if f["filename"] == filename:
-            return f["url"]
-    raise DDTreeError(f"{filename} not found on https://pypi.org/simple/{project}/")
+    entry = pypi_index(project).get(filename)
+    if entry is None:
+        raise DDTreeError(f"{filename} not found on {PYPI_SIMPLE.format(project=project)}")
+    return entry["url"]
 
 
 def download(url: str, dest: Path) -> None:
@@ -551,6 +567,44 @@ def render_patches(src: Path) -> list[tuple[str, bytes]]:
     return out
 
 
+def export_drift(lock: Lock, patches_dir: Path, rendered: list[tuple[str, bytes]],
+                 upstream_tree: str, head_tree: str) -> tuple[list[str], list[str]]:
+    """(drift descriptions, stale patch files) between `rendered` and patches_dir/lock."""
+    drift: list[str] = []
+    for name, data in rendered:
+        p = patches_dir / name
+        if not p.exists() or p.read_bytes() != data:
+            drift.append(name)
+    new_names = {n for n, _ in rendered}
+    stale = sorted(p.name for p in patches_dir.glob("*.patch") if p.name not in new_names)
+    drift.extend(f"{n} (would be removed)" for n in stale)
+    series_path = patches_dir / "series"
+    old_series = series_path.read_text() if series_path.exists() else ""
+    if [line for line in old_series.splitlines() if line.strip() and not line.startswith("#")] != [
+        n for n, _ in rendered
+    ]:
+        drift.append("series")
+    if lock.tree("patched_tree") != head_tree:
+        drift.append(f"upstream.lock patched_tree ({lock.tree('patched_tree')!r} -> {head_tree})")
+    if lock.tree("upstream_tree") != upstream_tree:
+        drift.append(f"upstream.lock upstream_tree -> {upstream_tree}")
+    return drift, stale
+
+
+def write_patches(patches_dir: Path, rendered: list[tuple[str, bytes]],
+                  stale: list[str]) -> None:
+    """Write the rendered patches and the series (keeping its comment lines)."""
+    series_path = patches_dir / "series"
+    old_series = series_path.read_text() if series_path.exists() else ""
+    patches_dir.mkdir(parents=True, exist_ok=True)
+    for name, data in rendered:
+        (patches_dir / name).write_bytes(data)
+    for name in stale:
+        (patches_dir / name).unlink()
+    comments = "".join(line + "\n" for line in old_series.splitlines() if line.startswith("#"))
+    series_path.write_text(comments + "".join(f"{name}\n" for name, _ in rendered))
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     lock = Lock.load(args.lock)
     src: Path = args.src.resolve()
@@ -561,27 +615,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if is_dirty(src):
         raise DDTreeError(f"{src} has uncommitted changes; commit them first")
     rendered = render_patches(src)
-    series_text = "".join(f"{name}\n" for name, _ in rendered)
     head_tree = tree_of(src, "HEAD")
-    drift: list[str] = []
-    for name, data in rendered:
-        p = args.patches / name
-        if not p.exists() or p.read_bytes() != data:
-            drift.append(name)
-    new_names = {n for n, _ in rendered}
-    stale = sorted(p.name for p in args.patches.glob("*.patch") if p.name not in new_names)
-    drift.extend(f"{n} (would be removed)" for n in stale)
-    series_path = args.patches / "series"
-    old_series = series_path.read_text() if series_path.exists() else ""
-    if [line for line in old_series.splitlines() if line.strip() and not line.startswith("#")] != [
-        n for n, _ in rendered
-    ]:
-        drift.append("series")
-    if lock.tree("patched_tree") != head_tree:
-        drift.append(f"upstream.lock patched_tree ({lock.tree('patched_tree')!r} -> {head_tree})")
     upstream_tree = tree_of(src, BASE_TAG)
-    if lock.tree("upstream_tree") != upstream_tree:
-        drift.append(f"upstream.lock upstream_tree -> {upstream_tree}")
+    drift, stale = export_drift(lock, args.patches, rendered, upstream_tree, head_tree)
     if args.dry_run:
         if drift:
             print("export --dry-run: drift between build tree and patches/:", file=sys.stderr)
@@ -590,13 +626,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             return 1
         log(f"export --dry-run: no drift ({len(rendered)} patches)")
         return 0
-    args.patches.mkdir(parents=True, exist_ok=True)
-    for name, data in rendered:
-        (args.patches / name).write_bytes(data)
-    for name in stale:
-        (args.patches / name).unlink()
-    comments = "".join(line + "\n" for line in old_series.splitlines() if line.startswith("#"))
-    series_path.write_text(comments + series_text)
+    write_patches(args.patches, rendered, stale)
     lock.set_tree("upstream_tree", upstream_tree)
     lock.set_tree("patched_tree", head_tree)
     log(f"exported {len(rendered)} patches; patched_tree {head_tree}")
