@@ -957,14 +957,15 @@ def rebase(lock: Lock, patches_dir: Path, version: str, report_dir: Path, *,
         run_git(work, "tag", "new-base", new_c)
         run_git(work, "checkout", "-q", "-B", "rebased", "new-base")
         records: list[dict] = []
-        skipped: list[str] = []
+        skipped: dict[str, set[str]] = {}  # conflicted (so skipped) patch -> its files
         for i, (name, pre) in enumerate(zip(series, pre_images), 1):
             rec = replay_patch(work, (patches_dir / name).resolve(), pre)
-            if skipped and rec["fate"] != "clean":
-                rec["note"] = ("earlier patches were skipped after a conflict ("
-                               + ", ".join(skipped) + "); this result may depend on them")
+            overlap = [n for n, files in skipped.items() if files & set(rec["files"])]
+            if overlap and rec["fate"] != "clean":
+                rec["note"] = ("earlier conflicted (so skipped) patches touch the same files ("
+                               + ", ".join(overlap) + "); this result may depend on them")
             if rec["fate"] == "conflict":
-                skipped.append(name)
+                skipped[name] = set(rec["files"])
             rec["upstream"] = upstream_changes(work, rec["files"],
                                                with_diff=rec["fate"] == "conflict")
             log(f"[{i}/{len(series)}] {name}: {FATE_TEXT[rec['fate']]}")
