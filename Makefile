@@ -35,18 +35,21 @@ lint-docker:
 	hadolint Dockerfile
 
 test:
-	@echo "== [1/6] fetch (cache: $${VLLM_DDTREE_CACHE:-~/.cache/vllm-ddtree})"
+	@echo "== [1/7] fetch (cache: $${VLLM_DDTREE_CACHE:-~/.cache/vllm-ddtree})"
 	$(TOOL) fetch
-	@echo "== [2/6] apply --verify into $(SRC)"
+	@echo "== [2/7] apply --verify into $(SRC)"
 	$(TOOL) apply --src $(SRC) --verify
-	@echo "== [3/6] check"
+	@echo "== [3/7] check"
 	$(TOOL) check
-	@echo "== [4/6] export --dry-run (drift gate)"
+	@echo "== [4/7] export --dry-run (drift gate)"
 	$(TOOL) export --src $(SRC) --dry-run
-	@echo "== [5/6] wheel + Dockerfile lint"
+	@echo "== [5/7] wheel + Dockerfile lint"
 	$(MAKE) --no-print-directory wheel lint-docker
-	@echo "== [6/6] pytest"
+	@echo "== [6/7] pytest (tooling, wheel round trip, DDTree core)"
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
+	@echo "== [7/7] pytest inside the wheel's venv (tests that import the patched vLLM)"
+	VENV=$$($(PYTHON) tests/ddtree_venv.py $(WHEEL)) && \
+	  $$VENV/bin/python -m pytest -c tests/in_vllm/pytest.ini tests/in_vllm $(PYTEST_ARGS)
 
 # Needs a Docker engine (GPU hosts); our CI/dev machines have none.
 image: $(WHEEL)

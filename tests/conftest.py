@@ -95,3 +95,23 @@ def stack_copy(tmp_path: Path) -> tuple[Path, Path]:
     patches = tmp_path / "patches"
     shutil.copytree(apply_patches.DEFAULT_PATCHES, patches)
     return lock, patches
+
+
+@pytest.fixture
+def ddtree_tree() -> ModuleType:
+    """The DDTree core (vllm/v1/spec_decode/ddtree/tree.py), torch only."""
+    return load_patched_module("vllm/v1/spec_decode/ddtree/tree.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # `-m gpu` selects the GPU tests; on a machine without CUDA they skip.
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

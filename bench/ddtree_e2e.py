@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Greedy decoding through vLLM with no speculation, the DFlash chain or DDTree:
+tokens/s, the acceptance length tau, and exactness against a reference run.
+
+Run on a GPU host, one engine per invocation (one configuration per process):
+
+    python3 bench/ddtree_e2e.py --target T --drafter D --mode none   --tag ref
+    python3 bench/ddtree_e2e.py --target T --drafter D --mode dflash --k 15 --ref ref
+    python3 bench/ddtree_e2e.py --target T --drafter D --mode ddtree --budget 64 --ref ref
+
+Prints one ``RESULT {json}`` line per concurrency and writes the generated
+token ids to ``<outdir>/tokens_<tag>.json`` so later runs can compare.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def load_prompts(paths: list[str], n: int) -> list[str]:
+    prompts: list[str] = []
+    for path in paths:
+        with open(path) as f:
+            rows = [json.loads(line)["prompt"] for line in f if line.strip()]
+        prompts += rows[:n] if n > 0 else rows
+    return prompts
+
+
+def spec_metrics(llm) -> tuple[float, float, list[float]]:
+    accepted = drafts = 0.0
+    per_pos: list[float] = []
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_accepted_tokens":
+            accepted = m.value
+        elif m.name == "vllm:spec_decode_num_drafts":
+            drafts = m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            per_pos = list(getattr(m, "values", []) or [])
+    return accepted, drafts, per_pos
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--drafter")
+    ap.add_argument("--mode", choices=["none", "dflash", "ddtree"], required=True)
+    ap.add_argument("--k", type=int, default=15, help="DFlash chain length")
+    ap.add_argument("--budget", type=int, default=64, help="DDTree tree_budget")
+    ap.add_argument("--depth", type=int, default=None, help="DDTree draft_depth")
+    ap.add_argument("--prompts", nargs="+", required=True)
+    ap.add_argument("--n", type=int, default=32, help="prompts per file (0 = all)")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--conc", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--tag", default=None)
+    ap.add_argument("--ref", default=None, help="tag of a reference run")
+    ap.add_argument("--outdir", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--attention-backend", default=None)
+    a = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    kw = dict(
+        model=a.target,
+        dtype=a.dtype,
+        max_model_len=a.max_model_len,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        seed=0,
+        enforce_eager=a.eager,
+        disable_log_stats=False,
+        load_format=a.load_format,
+    )
+    if a.attention_backend:
+        kw["attention_config"] = {"backend": a.attention_backend}
+    if a.mode == "dflash":
+        kw["speculative_config"] = dict(
+            method="dflash", model=a.drafter, num_speculative_tokens=a.k
+        )
+    elif a.mode == "ddtree":
+        spec = dict(method="ddtree", model=a.drafter, tree_budget=a.budget)
+        if a.depth is not None:
+            spec["draft_depth"] = a.depth
+        kw["speculative_config"] = spec
+    t0 = time.time()
+    llm = LLM(**kw)
+    startup_s = time.time() - t0
+    prompts = load_prompts(a.prompts, a.n)
+    sp = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
+
+    tag = a.tag or f"{a.mode}_{a.dtype}"
+    ref = None
+    if a.ref:
+        ref_path = os.path.join(a.outdir, f"tokens_{a.ref}.json")
+        if os.path.exists(ref_path):
+            with open(ref_path) as f:
+                ref = json.load(f)
+    all_tokens = None
+    for conc in a.conc:
+        acc0, drafts0, _ = spec_metrics(llm)
+        t = time.time()
+        toks: list[list[int]] = []
+        for i in range(0, len(prompts), conc):
+            outs = llm.generate(prompts[i : i + conc], sp, use_tqdm=False)
+            toks += [list(o.outputs[0].token_ids) for o in outs]
+        dt = time.time() - t
+        acc1, drafts1, per_pos = spec_metrics(llm)
+        drafts = drafts1 - drafts0
+        res = dict(
+            tag=tag,
+            mode=a.mode,
+            k=a.k if a.mode == "dflash" else None,
+            budget=a.budget if a.mode == "ddtree" else None,
+            dtype=a.dtype,
+            eager=a.eager,
+            conc=conc,
+            prompts=len(prompts),
+            tok_s=round(sum(map(len, toks)) / dt, 1),
+            tau=round(1 + (acc1 - acc0) / drafts, 3) if drafts else None,
+            steps=drafts,
+            startup_s=round(startup_s, 1),
+        )
+        if ref is not None:
+            same = [x == y for x, y in zip(ref, toks)]
+            res["identical"] = f"{sum(same)}/{len(same)}"
+            if not all(same):
+                first = same.index(False)
+                diff_at = next(
+                    (j for j, (x, y) in enumerate(zip(ref[first], toks[first])) if x != y),
+                    None,
+                )
+                res["first_mismatch"] = dict(prompt=first, token=diff_at)
+        print("RESULT", json.dumps(res), flush=True)
+        if all_tokens is None:
+            all_tokens = toks
+    with open(os.path.join(a.outdir, f"tokens_{tag}.json"), "w") as f:
+        json.dump(all_tokens, f)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,330 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CPU tests of DDTree's vLLM wiring: configuration validation and the
+per-step metadata (tree positions, tree attention bias, verification walk,
+KV / hidden-state compaction) that DDTreeVerifier builds around the target
+forward. They import the patched vLLM, so they run where it is installed."""
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+vllm = pytest.importorskip("vllm")
+
+SHARED = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "models", "tinypair"
+)
+TARGET = os.path.join(SHARED, "target")
+DRAFTER = os.path.join(SHARED, "drafter")
+needs_models = pytest.mark.skipif(
+    not os.path.isdir(TARGET), reason="../shared/models/tinypair not present"
+)
+
+
+# ----------------------------------------------------------------- config
+@pytest.fixture(scope="module")
+def target_model_config():
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=TARGET, dtype="float32", max_model_len=2048)
+
+
+def _spec(target_model_config, **kw):
+    from vllm.config import ParallelConfig, SpeculativeConfig
+
+    return SpeculativeConfig(
+        **kw,
+        target_model_config=target_model_config,
+        target_parallel_config=ParallelConfig(),
+    )
+
+
+@needs_models
+def test_ddtree_config_resolves_to_dflash_with_a_tree(target_model_config):
+    spec = _spec(target_model_config, method="ddtree", model=DRAFTER, tree_budget=32)
+    assert spec.use_ddtree() and spec.use_dflash()
+    assert spec.method == "dflash"
+    assert spec.num_speculative_tokens == 32  # the scheduler verifies B tokens
+    assert spec.draft_depth == 15  # drafter block_size 16 - 1
+    spec2 = _spec(
+        target_model_config, method="ddtree", model=DRAFTER, draft_depth=7
+    )
+    assert spec2.tree_budget == 64 and spec2.draft_depth == 7
+    plain = _spec(
+        target_model_config, method="dflash", model=DRAFTER, num_speculative_tokens=15
+    )
+    assert not plain.use_ddtree() and plain.tree_budget is None
+
+
+@needs_models
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tree_budget=0), "tree_budget must be a positive integer"),
+        (dict(tree_budget=-3), "tree_budget must be a positive integer"),
+        (dict(draft_depth=16), "exceeds the drafter's block_size - 1 = 15"),
+        (dict(draft_depth=-1), "draft_depth must be a positive integer"),
+        (dict(num_speculative_tokens=8), "do not set num_speculative_tokens"),
+        (dict(draft_sample_method="probabilistic"), "draft_sample_method must be"),
+    ],
+)
+def test_ddtree_config_rejects_bad_values(target_model_config, kwargs, message):
+    with pytest.raises(Exception, match="DDTree") as info:
+        _spec(target_model_config, method="ddtree", model=DRAFTER, **kwargs)
+    assert message in str(info.value)
+
+
+@needs_models
+def test_tree_budget_without_ddtree_method_is_refused(target_model_config):
+    with pytest.raises(Exception, match="only valid with method='ddtree'"):
+        _spec(
+            target_model_config,
+            method="dflash",
+            model=DRAFTER,
+            num_speculative_tokens=4,
+            tree_budget=8,
+        )
+
+
+@needs_models
+def test_non_dflash_drafter_is_refused(target_model_config):
+    from vllm.v1.spec_decode.ddtree.config import verify_ddtree_drafter
+
+    spec = _spec(target_model_config, method="ddtree", model=DRAFTER)
+    inner = spec.draft_model_config.hf_config.model
+    saved = (inner.architectures, getattr(inner, "dflash_config", None))
+    try:
+        inner.architectures = ["Qwen3ForCausalLM"]
+        inner.dflash_config = None
+        with pytest.raises(ValueError, match="must be a DFlash drafter"):
+            verify_ddtree_drafter(spec)
+    finally:
+        inner.architectures, inner.dflash_config = saved
+
+
+def test_engine_level_checks_pick_triton_and_refuse_others():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.spec_decode.ddtree.config import verify_ddtree_vllm_config
+
+    def fake(backend, v2=True, hybrid=False):
+        return SimpleNamespace(
+            use_v2_model_runner=v2,
+            attention_config=SimpleNamespace(backend=backend),
+            model_config=SimpleNamespace(
+                is_hybrid=hybrid, uses_mrope=False, architecture="X"
+            ),
+        )
+
+    cfg = fake(None)
+    verify_ddtree_vllm_config(cfg)
+    assert cfg.attention_config.backend == AttentionBackendEnum.TRITON_ATTN
+    with pytest.raises(ValueError, match="TRITON_ATTN"):
+        verify_ddtree_vllm_config(fake(AttentionBackendEnum.FLASH_ATTN))
+    with pytest.raises(ValueError, match="V2 model runner"):
+        verify_ddtree_vllm_config(fake(None, v2=False))
+    with pytest.raises(ValueError, match="hybrid"):
+        verify_ddtree_vllm_config(fake(None, hybrid=True))
+
+
+# --------------------------------------------------- verifier metadata
+B, D = 4, 3
+
+
+def _num_sampled_and_rejected(num_sampled, seq_lens, cu_num_logits, idx_mapping,
+                              prefill_len):
+    # Torch twin of the runner's Triton kernel (no Triton on the CPU).
+    chunked = seq_lens < prefill_len[idx_mapping.long()]
+    num_logits = cu_num_logits[1:] - cu_num_logits[:-1]
+    num_sampled = torch.where(chunked, 0, num_sampled)
+    return num_sampled, torch.where(chunked, 0, num_logits - num_sampled)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_kernels(monkeypatch):
+    from vllm.v1.worker.gpu.spec_decode.ddtree import verifier
+
+    monkeypatch.setattr(
+        verifier, "get_num_sampled_and_rejected", _num_sampled_and_rejected
+    )
+
+
+def _verifier(max_reqs=4, max_tokens=64):
+    from vllm.v1.worker.gpu.spec_decode.ddtree.verifier import DDTreeVerifier
+
+    cfg = SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            use_ddtree=lambda: True, tree_budget=B, draft_depth=D
+        ),
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=max_reqs, max_num_batched_tokens=max_tokens
+        ),
+    )
+    return DDTreeVerifier(cfg, torch.device("cpu"))
+
+
+# Request state 2: root -> 1 -> 3, root -> 2, 1 -> 4 (depths 1,1,2,2).
+PARENT = [0, 0, 1, 1]
+DEPTH = [1, 1, 2, 2]
+TOKENS = [11, 12, 13, 14]
+
+
+def _store_one_tree(verifier, req_state=2):
+    from vllm.v1.spec_decode.ddtree.tree import ancestor_mask, tree_attention_bias
+
+    parent = torch.tensor([PARENT])
+    spec = SimpleNamespace(
+        tree_parent_idx=parent,
+        tree_depth=torch.tensor([DEPTH]),
+        tree_valid=torch.ones(1, B, dtype=torch.bool),
+        tree_bias=tree_attention_bias(ancestor_mask(parent, D), torch.float32),
+    )
+    verifier.store_trees(torch.tensor([req_state], dtype=torch.int32), spec)
+    draft_tokens = torch.zeros(4, B, dtype=torch.int64)
+    draft_tokens[req_state] = torch.tensor(TOKENS)
+    return draft_tokens
+
+
+def _batch():
+    """Batch row 0: a prefill chunk of 3 tokens (request state 0); batch row 1:
+    tree verification of request state 2 (root + 4 nodes) at positions 20..24."""
+    positions = torch.tensor([0, 1, 2, 20, 21, 22, 23, 24, 0, 0], dtype=torch.int64)
+    return SimpleNamespace(
+        num_reqs=2,
+        num_tokens=8,
+        num_tokens_after_padding=10,
+        num_draft_tokens=B,
+        positions=positions,
+        input_ids=torch.arange(10, dtype=torch.int64),
+        logits_indices=torch.tensor([2, 3, 4, 5, 6, 7]),
+        expanded_idx_mapping=torch.tensor([0, 2, 2, 2, 2, 2], dtype=torch.int32),
+        expanded_local_pos=torch.tensor([0, 0, 1, 2, 3, 4], dtype=torch.int32),
+        idx_mapping=torch.tensor([0, 2], dtype=torch.int32),
+        idx_mapping_np=np.array([0, 2], dtype=np.int32),
+        cu_num_logits=torch.tensor([0, 1, 6], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 3, 8], dtype=torch.int32),
+        seq_lens=torch.tensor([3, 25], dtype=torch.int32),
+    )
+
+
+def test_prepare_verify_writes_tree_positions_and_bias():
+    verifier = _verifier()
+    _store_one_tree(verifier)
+    batch = _batch()
+    verifier.attn_bias.fill_(7.0)  # stale values must not survive
+    verifier.prepare_verify(batch)
+    # Root at 20, nodes at 20 + depth; the prefill rows are untouched.
+    assert batch.positions.tolist() == [0, 1, 2, 20, 21, 21, 22, 22, 0, 0]
+    assert torch.all(verifier.attn_bias[0] == 0)  # prefill request: no tree
+    bias = verifier.attn_bias[1]
+    visible = (bias == 0).int().tolist()
+    assert visible == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 0],
+        [1, 1, 0, 0, 1],
+    ]
+
+
+class _ArgmaxSampler:
+    def sample(self, logits, *args, **kwargs):
+        return logits.argmax(dim=-1), logits
+
+
+def _logits_for(targets, vocab=32):
+    logits = torch.zeros(len(targets), vocab)
+    logits[torch.arange(len(targets)), torch.tensor(targets)] = 1.0
+    return logits
+
+
+def test_sample_walks_the_tree_and_compaction_moves_the_path():
+    verifier = _verifier()
+    draft_tokens = _store_one_tree(verifier)
+    batch = _batch()
+    verifier.prepare_verify(batch)
+    # Target tokens per logit row: prefill row -> 5; tree: root says 11
+    # (node 1 accepted), node 1 says 14 (node 4 accepted, not the spine's 13),
+    # node 4 says 9 (bonus).
+    logits = _logits_for([5, 11, 14, 30, 30, 9])
+    prefill_len = torch.tensor([3, 0, 10, 0], dtype=torch.int32)
+    out = verifier.sample(_ArgmaxSampler(), logits, batch, draft_tokens, prefill_len)
+    assert out.num_sampled.tolist() == [1, 3]
+    assert out.num_rejected.tolist() == [0, 2]
+    assert out.sampled_token_ids[0, :1].tolist() == [5]
+    assert out.sampled_token_ids[1, :3].tolist() == [11, 14, 9]
+
+    # Hidden states: row = token index * 10; KV cache: one block of 16 slots
+    # per request; slot of token i = i for the prefill, 100 + (i - 3) for the tree.
+    hidden = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 2) * 10
+    slots = torch.tensor([0, 1, 2, 20 * 16 + 4, 20 * 16 + 5, 20 * 16 + 6, 20 * 16 + 7,
+                          20 * 16 + 8, -1, -1])
+    kv_cache = torch.zeros(32, 1, 16, 2)
+    for tok in range(8):
+        s = int(slots[tok])
+        kv_cache[s // 16, 0, s % 16] = float(tok)
+    verifier.target_kv_caches = {"layer": kv_cache}
+    verifier.compact(batch, {"layer": slots}, [hidden])
+    # Accepted path root(3) -> node1(4) -> node4(7): rows 3, 4, 5 hold 3, 4, 7.
+    assert hidden[:, 0].tolist() == [0, 10, 20, 30, 40, 70, 60, 70, 80, 90]
+    got = [float(kv_cache[int(slots[t]) // 16, 0, int(slots[t]) % 16, 0]) for t in range(8)]
+    assert got == [0, 1, 2, 3, 4, 7, 6, 7]
+    # Sequential positions are back for the DFlash context.
+    assert batch.positions.tolist() == [0, 1, 2, 20, 21, 22, 23, 24, 0, 0]
+
+
+def test_partially_scheduled_tree_never_accepts_unscheduled_nodes():
+    verifier = _verifier()
+    draft_tokens = _store_one_tree(verifier)
+    batch = _batch()
+    # Only root + 2 nodes scheduled for request state 2 (query 3..5).
+    batch.cu_num_logits = torch.tensor([0, 1, 4], dtype=torch.int32)
+    batch.logits_indices = torch.tensor([2, 3, 4, 5])
+    batch.expanded_idx_mapping = torch.tensor([0, 2, 2, 2], dtype=torch.int32)
+    batch.expanded_local_pos = torch.tensor([0, 0, 1, 2], dtype=torch.int32)
+    batch.num_draft_tokens = 2
+    verifier.prepare_verify(batch)
+    logits = _logits_for([5, 11, 14, 30])  # node 4 (unscheduled) would match
+    prefill_len = torch.tensor([3, 0, 10, 0], dtype=torch.int32)
+    out = verifier.sample(_ArgmaxSampler(), logits, batch, draft_tokens, prefill_len)
+    assert out.num_sampled.tolist() == [1, 2]
+    assert out.sampled_token_ids[1, :2].tolist() == [11, 14]
+
+
+def test_resolving_an_already_resolved_config_is_a_no_op():
+    from vllm.v1.spec_decode.ddtree.config import resolve_ddtree_method
+
+    spec = SimpleNamespace(
+        method="dflash", tree_budget=16, num_speculative_tokens=16, model="x"
+    )
+    resolve_ddtree_method(spec)  # a copy of a resolved config: no error
+    assert spec.method == "dflash" and spec.num_speculative_tokens == 16
+
+
+def test_attach_bias_points_triton_metadata_at_the_buffer():
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
+
+    verifier = _verifier()
+    md_a = object.__new__(TritonAttentionMetadata)
+    md_b = object.__new__(TritonAttentionMetadata)
+    verifier.attach_bias({"l0": md_a, "l1": md_a, "l2": md_b})
+    assert md_a.tree_attn_bias is verifier.attn_bias
+    assert md_b.tree_attn_bias is verifier.attn_bias
+
+    class FlashMetadata:
+        pass
+
+    with pytest.raises(ValueError, match="TRITON_ATTN"):
+        verifier.attach_bias({"l0": FlashMetadata()})
+
+
+def test_bind_refuses_model_states_without_the_hook():
+    verifier = _verifier()
+    with pytest.raises(ValueError, match="dense decoder targets"):
+        verifier.bind(object(), {"l0": torch.zeros(2, 1, 16, 4)}, set())
+    state = SimpleNamespace(attn_metadata_hook=None)
+    kv = {"t0": torch.zeros(2, 1, 16, 4), "d0": torch.zeros(2, 1, 16, 4)}
+    verifier.bind(state, kv, {"d0"})
+    assert state.attn_metadata_hook == verifier.attach_bias
+    assert list(verifier.target_kv_caches) == ["t0"]
