@@ -313,3 +313,15 @@ def test_cli_help_lists_rebase() -> None:
     r = subprocess.run([sys.executable, str(REPO_ROOT / "apply_patches.py"), "rebase", "-h"],
                        capture_output=True, text=True)
     assert r.returncode == 0 and "--onto" in r.stdout and "--write" in r.stdout
+
+
+def test_make_rebase_check_needs_version() -> None:
+    r = subprocess.run(["make", "-s", "rebase-check", f"PYTHON={sys.executable}"], cwd=REPO_ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "usage: make rebase-check VERSION=" in r.stderr
+    r = subprocess.run(["make", "-n", "rebase-check", "VERSION=0.27.0",
+                        f"PYTHON={sys.executable}"], cwd=REPO_ROOT, capture_output=True,
+                       text=True)
+    assert r.returncode == 0
+    assert "apply_patches.py rebase --onto 0.27.0 --report-dir docs/rebase" in r.stdout
