@@ -801,8 +801,14 @@ def replay_patch(scratch: Path, patch_path: Path, pre_image: str) -> dict:
         raise DDTreeError(f"rebase: cherry-pick of {patch_path.name} failed:\n"
                           f"{(pick.stderr + pick.stdout).strip()}")
     regions: list[dict] = []
+    status = {line[3:]: line[:2] for line in
+              run_git(scratch, "status", "--porcelain", "--untracked-files=no").splitlines()}
     for rel in unmerged:
-        regions.extend(conflict_regions(scratch / rel, rel))
+        found = conflict_regions(scratch / rel, rel)
+        if not found or found[0]["line"] == 0:  # modify/delete, add/add without markers
+            found = [{"file": rel, "line": 0, "text": f"(no conflict markers: git status "
+                      f"{status.get(rel, '??')}; e.g. upstream deleted or renamed the file)\n"}]
+        regions.extend(found)
     rec["fate"] = "conflict"
     rec["conflict"] = {"files": unmerged, "regions": regions}
     run_git(scratch, "reset", "-q", "--hard", "HEAD")

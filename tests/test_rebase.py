@@ -325,3 +325,28 @@ def test_make_rebase_check_needs_version() -> None:
                        text=True)
     assert r.returncode == 0
     assert "apply_patches.py rebase --onto 0.27.0 --report-dir docs/rebase" in r.stdout
+
+
+def test_conflict_when_upstream_deleted_the_file(tmp_path: Path) -> None:
+    r = tmp_path / "r"
+    r.mkdir()
+    git(r, "init", "-q")
+    git(r, "config", "user.name", "t")
+    git(r, "config", "user.email", "t@t.invalid")
+    (r / "vllm").mkdir()
+    (r / "vllm/e.py").write_text("".join(f"e_{i} = {i}\n" for i in range(20)))
+    git(r, "add", "-A")
+    git(r, "commit", "-q", "-m", "base")
+    git(r, "tag", "old-base")
+    (r / "vllm/e.py").write_text((r / "vllm/e.py").read_text().replace("e_5 = 5", "e_5 = 'x'"))
+    git(r, "commit", "-q", "-a", "-m", f"fake e\n\n{HEADERS}")
+    pre = git(r, "rev-parse", "HEAD").strip()
+    patch = tmp_path / "fake-e.patch"
+    patch.write_text(git(r, "format-patch", "--stdout", "-1", pre))
+    git(r, "checkout", "-q", "-b", "new", "old-base")
+    git(r, "rm", "-q", "vllm/e.py")
+    git(r, "commit", "-q", "-m", "upstream deletes e.py")
+    rec = apply_patches.replay_patch(r, patch, pre)
+    assert rec["fate"] == "conflict" and rec["conflict"]["files"] == ["vllm/e.py"]
+    assert "upstream deleted or renamed" in rec["conflict"]["regions"][0]["text"]
+    assert git(r, "status", "--porcelain") == ""  # reset for the next patch
