@@ -700,7 +700,8 @@ def git_env_for(repo: Path, rev: str) -> dict[str, str]:
 
 def vllm_tree_commit(repo: Path, vllm_tree: str, parent: str | None, message: str) -> str:
     """A commit whose tree holds only `vllm/` = vllm_tree."""
-    root = subprocess.run(["git", "-C", str(repo), "mktree"], input=f"040000 tree {vllm_tree}\tvllm\n",
+    root = subprocess.run(["git", "-C", str(repo), "mktree"],
+                          input=f"040000 tree {vllm_tree}\tvllm\n",
                           capture_output=True, text=True, check=True).stdout.strip()
     argv = ["commit-tree", root, "-m", message]
     if parent:
@@ -737,7 +738,8 @@ def single_hunk_patches(patch_text: str) -> list[tuple[str, int, str, str]]:
         if "\n--- " not in "\n" + head:
             head += f"--- {pf.source_file}\n+++ {pf.target_file}\n"
         for i, h in enumerate(pf, 1):
-            header = f"@@ -{h.source_start},{h.source_length} +{h.target_start},{h.target_length} @@"
+            header = (f"@@ -{h.source_start},{h.source_length} "
+                      f"+{h.target_start},{h.target_length} @@")
             if h.section_header:
                 header += f" {h.section_header}"
             out.append((pf.path, i, header, head + str(h)))
