@@ -6,8 +6,9 @@ VERSION := $(shell $(PYTHON) apply_patches.py version)
 WHEEL := dist/$(shell $(PYTHON) apply_patches.py wheel-name)
 IMAGE ?= vllm-ddtree:$(subst +,-,$(VERSION))
 PYTEST_ARGS ?=
+REPORT_DIR ?= docs/rebase
 
-.PHONY: all fetch check apply export wheel test lint-docker image clean
+.PHONY: all fetch check apply export wheel test lint-docker image clean rebase-check
 
 all: wheel
 
@@ -50,6 +51,13 @@ test:
 	@echo "== [7/7] pytest inside the wheel's venv (tests that import the patched vLLM)"
 	VENV=$$($(PYTHON) tests/ddtree_venv.py $(WHEEL)) && \
 	  $$VENV/bin/python -m pytest -c tests/in_vllm/pytest.ini tests/in_vllm $(PYTEST_ARGS)
+
+# Scheduled CI: would the stack move to vLLM $(VERSION)? Dry run; writes
+# $(REPORT_DIR)/$(VERSION).md and .json; fails when a patch conflicts.
+rebase-check:
+	@if [ "$(origin VERSION)" = file ]; then \
+	  echo "usage: make rebase-check VERSION=<vLLM release, e.g. 0.27.0>" >&2; exit 2; fi
+	$(TOOL) rebase --onto $(VERSION) --report-dir $(REPORT_DIR)
 
 # Needs a Docker engine (GPU hosts); our CI/dev machines have none.
 image: $(WHEEL)

@@ -8,6 +8,7 @@ Subcommands:
   apply            pristine sdist tree + series -> git repo (default build/src)
   export           rewrite patches/ from the commits above the `upstream` tag
   wheel            official wheel + patched vllm/ files -> dist/<our wheel>
+  rebase           replay the stack onto another vLLM release; Markdown + JSON report
   version          print our version (for the Makefile)
   series-hash      print the sha256 of the series (for image labels)
 """
@@ -46,6 +47,7 @@ DEFAULT_LOCK = REPO_ROOT / "upstream.lock"
 DEFAULT_PATCHES = REPO_ROOT / "patches"
 DEFAULT_SRC = REPO_ROOT / "build" / "src"
 DEFAULT_DIST = REPO_ROOT / "dist"
+DEFAULT_REPORTS = REPO_ROOT / "docs" / "rebase"
 BASE_TAG = "upstream"
 REQUIRED_HEADERS = ("Why", "Origin", "Forwarded", "Test")
 # Fixed identity and dates for the pristine base commit so that it is reproducible.
@@ -168,19 +170,35 @@ def verify_sha256(path: Path, expected: str) -> None:
         )
 
 
+PYPI_SIMPLE = "https://pypi.org/simple/{project}/"
+
+
+def pypi_index(project: str) -> dict[str, dict]:
+    """filename -> {url, sha256, yanked} from PyPI's JSON simple API."""
+    url = PYPI_SIMPLE.format(project=project)
+    req = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            index = json.load(r)
+    except (OSError, ValueError) as e:
+        raise DDTreeError(f"cannot read the package index {url}: {e}") from e
+    return {
+        f["filename"]: {
+            "url": f["url"],
+            "sha256": str(f.get("hashes", {}).get("sha256", "")).lower(),
+            "yanked": bool(f.get("yanked")),
+        }
+        for f in index.get("files", [])
+    }
+
+
 def resolve_url(filename: str) -> str:
     """Find a file's URL through PyPI's JSON simple API."""
     project = filename.split("-", 1)[0]
-    req = urllib.request.Request(
-        f"https://pypi.org/simple/{project}/",
-        headers={"Accept": "application/vnd.pypi.simple.v1+json"},
-    )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        index = json.load(r)
-    for f in index.get("files", []):
-        if f["filename"] == filename:
-            return f["url"]
-    raise DDTreeError(f"{filename} not found on https://pypi.org/simple/{project}/")
+    entry = pypi_index(project).get(filename)
+    if entry is None:
+        raise DDTreeError(f"{filename} not found on {PYPI_SIMPLE.format(project=project)}")
+    return entry["url"]
 
 
 def download(url: str, dest: Path) -> None:
@@ -551,6 +569,44 @@ def render_patches(src: Path) -> list[tuple[str, bytes]]:
     return out
 
 
+def export_drift(lock: Lock, patches_dir: Path, rendered: list[tuple[str, bytes]],
+                 upstream_tree: str, head_tree: str) -> tuple[list[str], list[str]]:
+    """(drift descriptions, stale patch files) between `rendered` and patches_dir/lock."""
+    drift: list[str] = []
+    for name, data in rendered:
+        p = patches_dir / name
+        if not p.exists() or p.read_bytes() != data:
+            drift.append(name)
+    new_names = {n for n, _ in rendered}
+    stale = sorted(p.name for p in patches_dir.glob("*.patch") if p.name not in new_names)
+    drift.extend(f"{n} (would be removed)" for n in stale)
+    series_path = patches_dir / "series"
+    old_series = series_path.read_text() if series_path.exists() else ""
+    if [line for line in old_series.splitlines() if line.strip() and not line.startswith("#")] != [
+        n for n, _ in rendered
+    ]:
+        drift.append("series")
+    if lock.tree("patched_tree") != head_tree:
+        drift.append(f"upstream.lock patched_tree ({lock.tree('patched_tree')!r} -> {head_tree})")
+    if lock.tree("upstream_tree") != upstream_tree:
+        drift.append(f"upstream.lock upstream_tree -> {upstream_tree}")
+    return drift, stale
+
+
+def write_patches(patches_dir: Path, rendered: list[tuple[str, bytes]],
+                  stale: list[str]) -> None:
+    """Write the rendered patches and the series (keeping its comment lines)."""
+    series_path = patches_dir / "series"
+    old_series = series_path.read_text() if series_path.exists() else ""
+    patches_dir.mkdir(parents=True, exist_ok=True)
+    for name, data in rendered:
+        (patches_dir / name).write_bytes(data)
+    for name in stale:
+        (patches_dir / name).unlink()
+    comments = "".join(line + "\n" for line in old_series.splitlines() if line.startswith("#"))
+    series_path.write_text(comments + "".join(f"{name}\n" for name, _ in rendered))
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     lock = Lock.load(args.lock)
     src: Path = args.src.resolve()
@@ -561,27 +617,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if is_dirty(src):
         raise DDTreeError(f"{src} has uncommitted changes; commit them first")
     rendered = render_patches(src)
-    series_text = "".join(f"{name}\n" for name, _ in rendered)
     head_tree = tree_of(src, "HEAD")
-    drift: list[str] = []
-    for name, data in rendered:
-        p = args.patches / name
-        if not p.exists() or p.read_bytes() != data:
-            drift.append(name)
-    new_names = {n for n, _ in rendered}
-    stale = sorted(p.name for p in args.patches.glob("*.patch") if p.name not in new_names)
-    drift.extend(f"{n} (would be removed)" for n in stale)
-    series_path = args.patches / "series"
-    old_series = series_path.read_text() if series_path.exists() else ""
-    if [line for line in old_series.splitlines() if line.strip() and not line.startswith("#")] != [
-        n for n, _ in rendered
-    ]:
-        drift.append("series")
-    if lock.tree("patched_tree") != head_tree:
-        drift.append(f"upstream.lock patched_tree ({lock.tree('patched_tree')!r} -> {head_tree})")
     upstream_tree = tree_of(src, BASE_TAG)
-    if lock.tree("upstream_tree") != upstream_tree:
-        drift.append(f"upstream.lock upstream_tree -> {upstream_tree}")
+    drift, stale = export_drift(lock, args.patches, rendered, upstream_tree, head_tree)
     if args.dry_run:
         if drift:
             print("export --dry-run: drift between build tree and patches/:", file=sys.stderr)
@@ -590,19 +628,482 @@ def cmd_export(args: argparse.Namespace) -> int:
             return 1
         log(f"export --dry-run: no drift ({len(rendered)} patches)")
         return 0
-    args.patches.mkdir(parents=True, exist_ok=True)
-    for name, data in rendered:
-        (args.patches / name).write_bytes(data)
-    for name in stale:
-        (args.patches / name).unlink()
-    comments = "".join(line + "\n" for line in old_series.splitlines() if line.startswith("#"))
-    series_path.write_text(comments + series_text)
+    write_patches(args.patches, rendered, stale)
     lock.set_tree("upstream_tree", upstream_tree)
     lock.set_tree("patched_tree", head_tree)
     log(f"exported {len(rendered)} patches; patched_tree {head_tree}")
     for d in drift:
         log(f"  updated: {d}")
     return 0
+
+
+# ------------------------------------------------------------------------ rebase
+
+FATES = ("clean", "merged", "conflict", "already-upstream")
+FATE_TEXT = {
+    "clean": "clean (applies as is)",
+    "merged": "merged three-way",
+    "conflict": "CONFLICT",
+    "already-upstream": "already upstream (empty after merge)",
+}
+MD_DIFF_LINES = 150  # upstream diff lines per conflicted patch in the Markdown report
+MD_REGION_LINES = 40  # lines per conflict region in the Markdown report
+
+
+def release_lock(lock: Lock, version: str, index: dict[str, dict]) -> Lock:
+    """An in-memory lock for upstream `version`, artifacts and sha256s from the index."""
+    old = lock.upstream["version"]
+    if version == old:
+        raise DDTreeError(f"rebase: {version} is already the pinned release")
+    data = copy.deepcopy(lock.data)
+    up = data["upstream"]
+    for kind in ("sdist", "wheel"):
+        art = lock.artifact(kind)
+        name = art.filename.replace(f"-{old}-", f"-{version}-", 1).replace(
+            f"-{old}.tar.gz", f"-{version}.tar.gz", 1)
+        project = art.filename.split("-", 1)[0]
+        entry = index.get(name)
+        if entry is None:
+            raise DDTreeError(
+                f"rebase: {name} is not on {PYPI_SIMPLE.format(project=project)}; "
+                f"is {version} a released version?"
+            )
+        if not re.fullmatch(r"[0-9a-f]{64}", entry.get("sha256", "")):
+            raise DDTreeError(f"rebase: the package index lists no sha256 for {name}")
+        if entry.get("yanked"):
+            log(f"warning: {name} is yanked on PyPI")
+        up[kind] = {"filename": name, "url": entry["url"], "sha256": entry["sha256"]}
+    up["version"] = version
+    up["tag"] = lock.upstream["tag"].replace(old, version)
+    up["base_image"] = lock.upstream["base_image"].replace(old, version)
+    up["commit"] = ""
+    data["ddtree"].update(build=1, version=f"{version}+ddtree.1", upstream_tree="",
+                          patched_tree="")
+    return Lock(lock.path, data)
+
+
+def commit_id_from_version_py(text: str) -> str:
+    m = re.search(r"^__commit_id__ = commit_id = ['\"]g?([0-9a-f]{7,40})['\"]", text, re.M)
+    return m.group(1) if m else ""
+
+
+def wheel_commit(wheel: Path) -> str:
+    with zipfile.ZipFile(wheel) as z:
+        return commit_id_from_version_py(z.read("vllm/_version.py").decode())
+
+
+def git_env_for(repo: Path, rev: str) -> dict[str, str]:
+    """Committer = the commit's author date, like `git am --committer-date-is-author-date`."""
+    date = run_git(repo, "log", "-1", "--format=%aD", rev).strip()
+    return {"GIT_COMMITTER_DATE": date}
+
+
+def vllm_tree_commit(repo: Path, vllm_tree: str, parent: str | None, message: str) -> str:
+    """A commit whose tree holds only `vllm/` = vllm_tree."""
+    root = subprocess.run(["git", "-C", str(repo), "mktree"],
+                          input=f"040000 tree {vllm_tree}\tvllm\n",
+                          capture_output=True, text=True, check=True).stdout.strip()
+    argv = ["commit-tree", root, "-m", message]
+    if parent:
+        argv += ["-p", parent]
+    return run_git(repo, *argv, env=BASE_ENV).strip()
+
+
+def sdist_vllm_tree(repo: Path, sdist: Path) -> str:
+    """Write the sdist's vllm/ directory into repo's object store; return its tree id."""
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        work = Path(tmp) / "tree"
+        with tarfile.open(sdist) as tf:
+            members = [m for m in tf.getmembers()
+                       if len(parts := m.name.split("/")) > 1 and parts[1] == "vllm"]
+            if not members:
+                raise DDTreeError(f"{sdist.name} has no vllm/ directory")
+            tf.extractall(Path(tmp) / "x", members=members, filter="data")
+        (top,) = list((Path(tmp) / "x").iterdir())
+        top.rename(work)
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index"), "GIT_WORK_TREE": str(work)}
+        run_git(repo, "add", "-A", "-f", "vllm", env=env)
+        tree = run_git(repo, "write-tree", env=env).strip()
+    return run_git(repo, "rev-parse", f"{tree}:vllm").strip()
+
+
+def single_hunk_patches(patch_text: str) -> list[tuple[str, int, str, str]]:
+    """(file, hunk number, hunk header, one-hunk patch text) for every hunk of a patch."""
+    out = []
+    for pf in unidiff.PatchSet(io.StringIO(patch_text)):
+        head = str(pf.patch_info) if pf.patch_info else ""
+        if not head.startswith("diff --git"):
+            head = f"diff --git {pf.source_file} {pf.target_file}\n"
+        head = head[head.index("diff --git"):]
+        if "\n--- " not in "\n" + head:
+            head += f"--- {pf.source_file}\n+++ {pf.target_file}\n"
+        for i, h in enumerate(pf, 1):
+            header = (f"@@ -{h.source_start},{h.source_length} "
+                      f"+{h.target_start},{h.target_length} @@")
+            if h.section_header:
+                header += f" {h.section_header}"
+            out.append((pf.path, i, header, head + str(h)))
+    return out
+
+
+def conflict_regions(path: Path, rel: str) -> list[dict]:
+    """The <<<<<<< ... >>>>>>> regions of a conflicted file (diff3 style)."""
+    regions: list[dict] = []
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return [{"file": rel, "line": 0, "text": "(deleted on one side: modify/delete conflict)"}]
+    start = None
+    for n, line in enumerate(lines, 1):
+        if line.startswith("<<<<<<< "):
+            start = n
+        elif line.startswith(">>>>>>> ") and start is not None:
+            regions.append({"file": rel, "line": start,
+                            "text": "\n".join(lines[start - 1:n]) + "\n"})
+            start = None
+    return regions
+
+
+def replay_patch(scratch: Path, patch_path: Path, pre_image: str) -> dict:
+    """Replay one patch on the current HEAD of scratch and classify it."""
+    text = patch_path.read_text(encoding="utf-8")
+    rec: dict = {"patch": patch_path.name, "subject": patch_message(text)[0],
+                 "files": sorted({pf.path for pf in unidiff.PatchSet(io.StringIO(text))})}
+    check = subprocess.run(["git", "-C", str(scratch), "apply", "--check", str(patch_path)],
+                           capture_output=True, text=True)
+    if check.returncode == 0:
+        run_git(scratch, "am", "-q", "--keep", "--committer-date-is-author-date",
+                str(patch_path))
+        rec["fate"] = "clean"
+        return rec
+    failing = []
+    for rel, i, header, one in single_hunk_patches(text):
+        r = subprocess.run(["git", "-C", str(scratch), "apply", "--check", "-"], input=one,
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            failing.append({"file": rel, "hunk": i, "header": header})
+    rec["hunks_not_applying"] = failing
+    pick = subprocess.run(
+        ["git", "-C", str(scratch), "-c", "merge.conflictStyle=diff3", "cherry-pick",
+         "--no-commit", pre_image],
+        capture_output=True, text=True)
+    if pick.returncode == 0:
+        if not run_git(scratch, "diff", "--cached", "--name-only", "HEAD").strip():
+            rec["fate"] = "already-upstream"
+            run_git(scratch, "reset", "-q", "--hard", "HEAD")
+        else:
+            run_git(scratch, "commit", "-q", "--no-verify", "-C", pre_image,
+                    env=git_env_for(scratch, pre_image))
+            rec["fate"] = "merged"
+        subprocess.run(["git", "-C", str(scratch), "cherry-pick", "--quit"],
+                       capture_output=True)
+        return rec
+    unmerged = run_git(scratch, "diff", "--name-only", "--diff-filter=U").split()
+    if not unmerged:
+        raise DDTreeError(f"rebase: cherry-pick of {patch_path.name} failed:\n"
+                          f"{(pick.stderr + pick.stdout).strip()}")
+    regions: list[dict] = []
+    status = {line[3:]: line[:2] for line in
+              run_git(scratch, "status", "--porcelain", "--untracked-files=no").splitlines()}
+    for rel in unmerged:
+        found = conflict_regions(scratch / rel, rel)
+        if not found or found[0]["line"] == 0:  # modify/delete, add/add without markers
+            found = [{"file": rel, "line": 0, "text": f"(no conflict markers: git status "
+                      f"{status.get(rel, '??')}; e.g. upstream deleted or renamed the file)\n"}]
+        regions.extend(found)
+    rec["fate"] = "conflict"
+    rec["conflict"] = {"files": unmerged, "regions": regions}
+    run_git(scratch, "reset", "-q", "--hard", "HEAD")
+    run_git(scratch, "clean", "-q", "-fd")
+    subprocess.run(["git", "-C", str(scratch), "cherry-pick", "--quit"], capture_output=True)
+    return rec
+
+
+def upstream_changes(scratch: Path, files: list[str], with_diff: bool) -> dict:
+    """How upstream changed `files` between the two releases (numstat, optional diff)."""
+    stat = []
+    for line in run_git(scratch, "diff", "--numstat", "old-base", "new-base", "--",
+                        *files).splitlines():
+        added, removed, name = line.split("\t", 2)
+        stat.append({"file": name, "added": int(added) if added.isdigit() else added,
+                     "removed": int(removed) if removed.isdigit() else removed})
+    out: dict = {"stat": stat}
+    if with_diff:
+        diff = run_git(scratch, "diff", "old-base", "new-base", "--", *files)
+        out["diff_lines"] = len(diff.splitlines())
+        out["diff"] = diff
+    return out
+
+
+def md_block(text: str, limit: int, lang: str = "diff") -> str:
+    lines = text.splitlines()
+    shown = "\n".join(lines[:limit]).replace("```", "`\u200b``")
+    more = f"\n\n_({len(lines) - limit} more lines; {len(lines)} in all: see the JSON report)_" \
+        if len(lines) > limit else ""
+    return f"```{lang}\n{shown}\n```{more}\n"
+
+
+def render_markdown(report: dict) -> str:
+    fr, to = report["from"], report["to"]
+    s = report["summary"]
+    out = [
+        f"# Rebase check: vLLM {fr['version']} -> {to['version']}",
+        "",
+        f"Generated by `apply_patches.py rebase --onto {to['version']}` "
+        f"(series sha256 `{report['series_sha256'][:16]}`, {len(report['patches'])} patches).",
+        "",
+        "| | from | to |",
+        "|---|---|---|",
+        f"| release | {fr['version']} (`{fr['tag']}`) | {to['version']} (`{to['tag']}`) |",
+        f"| commit | `{fr['commit']}` | `{to['commit'] or 'not known: wheel not fetched'}` |",
+        f"| sdist | `{fr['sdist']['filename']}` | `{to['sdist']['filename']}` |",
+        f"| sdist sha256 | `{fr['sdist']['sha256']}` | `{to['sdist']['sha256']}` (verified) |",
+        f"| wheel sha256 | `{fr['wheel']['sha256']}` | `{to['wheel']['sha256']}` "
+        f"({'verified' if to['wheel']['verified'] else 'from the index; not downloaded'}) |",
+        "",
+        f"**Result: {report['result']}** — "
+        + ", ".join(f"{s[f]} {FATE_TEXT[f].split(' (')[0]}" for f in FATES) + ". "
+        + ("`upstream.lock` and `patches/` were rewritten." if report["written"] else
+           "Nothing was rewritten" + (" (dry run)." if report["rewritable"] else
+                                     " (conflicts must be resolved first).")),
+        "",
+        "| # | patch | fate | files |",
+        "|---|---|---|---|",
+    ]
+    for i, p in enumerate(report["patches"], 1):
+        files = ", ".join(f"`{f}`" for f in p["files"])
+        out.append(f"| {i} | `{p['patch']}` | {FATE_TEXT[p['fate']]} | {files} |")
+    out.append("")
+    for i, p in enumerate(report["patches"], 1):
+        out += [f"## {i}. {p['subject']} — {FATE_TEXT[p['fate']]}", "", f"`{p['patch']}`", ""]
+        if p.get("note"):
+            out += [f"Note: {p['note']}", ""]
+        if p.get("hunks_not_applying"):
+            out.append("Hunks that do not apply as is:")
+            out.append("")
+            for h in p["hunks_not_applying"]:
+                out.append(f"- `{h['file']}` hunk #{h['hunk']} `{h['header']}`")
+            out.append("")
+        stat = p["upstream"]["stat"]
+        if stat:
+            out.append("Upstream changes to the patched files between the releases: "
+                       + ", ".join(f"`{x['file']}` +{x['added']}/-{x['removed']}" for x in stat)
+                       + ".")
+        else:
+            out.append("Upstream did not change the patched files between the releases.")
+        out.append("")
+        if p["fate"] == "conflict":
+            c = p["conflict"]
+            out += ["Conflicted files: " + ", ".join(f"`{f}`" for f in c["files"]), ""]
+            for r in c["regions"]:
+                out += [f"Conflict at `{r['file']}:{r['line']}` (ours = {to['version']}, "
+                        f"base = pre-image on {fr['version']}, theirs = the patch):", "",
+                        md_block(r["text"], MD_REGION_LINES, "text")]
+            up = p["upstream"]
+            out += [f"Upstream diff of the conflicted files, {fr['version']} -> "
+                    f"{to['version']} ({up['diff_lines']} lines):", "",
+                    md_block(up["diff"], MD_DIFF_LINES)]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def rebase(lock: Lock, patches_dir: Path, version: str, report_dir: Path, *,
+           write: bool = False, fetch_wheel: bool = False, scratch: Path | None = None,
+           index_fn=None) -> dict:
+    """Replay the stack onto `version`; write the reports; rewrite when clean and `write`."""
+    problems = check_all(lock, patches_dir)
+    if problems:
+        raise DDTreeError("rebase: `check` failed:\n  " + "\n  ".join(problems))
+    series = read_series(patches_dir)
+    index_fn = index_fn or pypi_index
+    project = lock.artifact("sdist").filename.split("-", 1)[0]
+    log(f"rebase: vLLM {lock.upstream['version']} -> {version}: looking up {project} on PyPI")
+    new = release_lock(lock, version, index_fn(project))
+    new_sdist = fetch_artifact(new, "sdist")
+    log(f"sdist {new_sdist.name}: sha256 {new.artifact('sdist').sha256} ok")
+    wheel_cached = (cache_dir() / new.artifact("wheel").filename).exists()
+    wheel_verified = False
+    if write or fetch_wheel or wheel_cached:
+        whl = fetch_artifact(new, "wheel")
+        wheel_verified = True
+        new.upstream["commit"] = wheel_commit(whl)
+        log(f"wheel {whl.name}: sha256 ok, commit {new.upstream['commit']}")
+    old_base = ensure_base_repo(lock)
+    if lock.tree("upstream_tree") and tree_of(old_base, BASE_TAG) != lock.tree("upstream_tree"):
+        raise DDTreeError(f"pristine tree of {lock.upstream['version']} differs from "
+                          f"upstream_tree in {lock.path}")
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=cache_dir(), prefix="rebase-") as tmp:
+        work = scratch.resolve() if scratch else Path(tmp) / "scratch"
+        if work.exists():
+            shutil.rmtree(work)
+        work.mkdir(parents=True)
+        run_git(work, "init", "-q")
+        configure_repo(git.Repo(work))
+        (work / ".git/objects/info/alternates").write_text(
+            str((old_base / "objects").resolve()) + "\n")
+        old_vllm = run_git(old_base, "rev-parse", f"{BASE_TAG}:vllm").strip()
+        old_c = vllm_tree_commit(work, old_vllm, None,
+                                 f"vLLM {lock.upstream['version']}: vllm/ of the sdist")
+        run_git(work, "tag", "old-base", old_c)
+        log(f"[scratch] {work}: applying the stack on {lock.upstream['version']} "
+            "(pre-images) ...")
+        run_git(work, "checkout", "-q", "-B", "stack", "old-base")
+        for name in series:
+            proc = subprocess.run(
+                ["git", "-C", str(work), "am", "-q", "--keep", "--committer-date-is-author-date",
+                 str((patches_dir / name).resolve())], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise DDTreeError(
+                    f"rebase: the stack does not apply on its own base "
+                    f"{lock.upstream['version']}; fix that first (`make apply`):\n"
+                    + explain_am_failure(work, patches_dir / name, proc.stderr + proc.stdout))
+        pre_images = run_git(work, "rev-list", "--reverse", "old-base..stack").split()
+        assert len(pre_images) == len(series)
+        log(f"[scratch] importing vllm/ of {new_sdist.name} ...")
+        new_c = vllm_tree_commit(work, sdist_vllm_tree(work, new_sdist), old_c,
+                                 f"vLLM {version}: vllm/ of the sdist")
+        run_git(work, "tag", "new-base", new_c)
+        run_git(work, "checkout", "-q", "-B", "rebased", "new-base")
+        records: list[dict] = []
+        skipped: dict[str, set[str]] = {}  # conflicted (so skipped) patch -> its files
+        for i, (name, pre) in enumerate(zip(series, pre_images), 1):
+            rec = replay_patch(work, (patches_dir / name).resolve(), pre)
+            overlap = [n for n, files in skipped.items() if files & set(rec["files"])]
+            if overlap and rec["fate"] != "clean":
+                rec["note"] = ("earlier conflicted (so skipped) patches touch the same files ("
+                               + ", ".join(overlap) + "); this result may depend on them")
+            if rec["fate"] == "conflict":
+                skipped[name] = set(rec["files"])
+            rec["upstream"] = upstream_changes(work, rec["files"],
+                                               with_diff=rec["fate"] == "conflict")
+            log(f"[{i}/{len(series)}] {name}: {FATE_TEXT[rec['fate']]}")
+            records.append(rec)
+        summary = {f: sum(r["fate"] == f for r in records) for f in FATES}
+        rewritable = summary["conflict"] == 0
+        result = ("clean" if summary["clean"] == len(records) else
+                  "no conflicts" if rewritable else f"{summary['conflict']} conflicted")
+        report = {
+            "tool": "apply_patches.py rebase",
+            "from": {
+                "version": lock.upstream["version"], "tag": lock.upstream["tag"],
+                "commit": lock.upstream["commit"],
+                "sdist": {"filename": lock.artifact("sdist").filename,
+                          "sha256": lock.artifact("sdist").sha256},
+                "wheel": {"filename": lock.artifact("wheel").filename,
+                          "sha256": lock.artifact("wheel").sha256},
+                "upstream_tree": lock.tree("upstream_tree"),
+            },
+            "to": {
+                "version": version, "tag": new.upstream["tag"],
+                "commit": new.upstream["commit"] or None,
+                "sdist": {**new.upstream["sdist"], "verified": True},
+                "wheel": {**new.upstream["wheel"], "verified": wheel_verified},
+            },
+            "series_sha256": series_hash(patches_dir),
+            "patches": records,
+            "summary": summary,
+            "result": result,
+            "rewritable": rewritable,
+            "written": False,
+        }
+        if write and rewritable:
+            run_git(work, "tag", BASE_TAG, "new-base")
+            rendered = render_patches(work)
+            write_release(lock, new, patches_dir, rendered, work)
+            report["written"] = True
+            report["to"]["upstream_tree"] = new.tree("upstream_tree")
+            report["to"]["patched_tree"] = new.tree("patched_tree")
+    log(f"replayed {len(series)} patches in {time.monotonic() - t0:.1f}s: "
+        + ", ".join(f"{summary[f]} {f}" for f in FATES))
+    report_dir.mkdir(parents=True, exist_ok=True)
+    md, js = report_dir / f"{version}.md", report_dir / f"{version}.json"
+    md.write_text(render_markdown(report))
+    js.write_text(json.dumps(report, indent=2) + "\n")
+    log(f"reports: {md} {js}")
+    return report
+
+
+def set_lock_value(text: str, section: str, key: str, value: str | int) -> str:
+    """Rewrite `key = ...` inside [section] of a TOML text, keeping everything else."""
+    m = re.search(rf"^\[{re.escape(section)}\][ \t]*$", text, re.M)
+    if not m:
+        raise DDTreeError(f"lock has no [{section}] table")
+    end = re.search(r"^\[", text[m.end():], re.M)
+    body_end = m.end() + end.start() if end else len(text)
+    body = text[m.end():body_end]
+    rendered = json.dumps(value) if isinstance(value, str) else str(value)
+    body, n = re.subn(rf"^{re.escape(key)}[ \t]*=.*$", f"{key} = {rendered}".replace("\\", "\\\\"),
+                      body, count=1, flags=re.M)
+    if n != 1:
+        raise DDTreeError(f"lock has no `{key}` in [{section}]")
+    return text[:m.end()] + body + text[body_end:]
+
+
+def write_release(old: Lock, new: Lock, patches_dir: Path,
+                  rendered: list[tuple[str, bytes]], scratch: Path) -> None:
+    """Rewrite upstream.lock and patches/ for the new release; restore them on failure."""
+    saved_lock = old.path.read_text()
+    saved = {p.name: p.read_bytes() for p in patches_dir.iterdir() if p.is_file()}
+    try:
+        base = ensure_base_repo(new)
+        upstream_tree = tree_of(base, BASE_TAG)
+        if run_git(base, "rev-parse", f"{BASE_TAG}:vllm").strip() != \
+                run_git(scratch, "rev-parse", "new-base:vllm").strip():
+            raise DDTreeError("rebase: the scratch vllm/ tree differs from the full sdist's")
+        text = saved_lock
+        up = new.upstream
+        for key in ("tag", "commit", "version", "base_image"):
+            text = set_lock_value(text, "upstream", key, up[key])
+        for kind in ("sdist", "wheel"):
+            for key in ("filename", "url", "sha256"):
+                text = set_lock_value(text, f"upstream.{kind}", key, up[kind][key])
+        text = set_lock_value(text, "ddtree", "build", 1)
+        text = set_lock_value(text, "ddtree", "version", new.data["ddtree"]["version"])
+        text = set_lock_value(text, "ddtree", "upstream_tree", upstream_tree)
+        text = set_lock_value(text, "ddtree", "patched_tree", "")
+        old.path.write_text(text)
+        _, stale = export_drift(Lock.load(old.path), patches_dir, rendered, "", "")
+        write_patches(patches_dir, rendered, stale)
+        # Prove it the ordinary way: apply the rewritten stack on the full new sdist tree.
+        with tempfile.TemporaryDirectory(dir=cache_dir(), prefix="rebase-apply-") as tmp:
+            src = Path(tmp) / "src"
+            cmd_apply(argparse.Namespace(lock=old.path, patches=patches_dir, src=src,
+                                         verify=False, force=False))
+            if render_patches(src) != rendered:
+                raise DDTreeError("rebase: re-exporting the applied stack gives other patches")
+            patched_tree = tree_of(src, "HEAD")
+        written = Lock.load(old.path)
+        written.set_tree("patched_tree", patched_tree)
+        new.data["ddtree"].update(upstream_tree=upstream_tree, patched_tree=patched_tree)
+        log(f"rewrote {old.path.name} ({up['version']}, commit {up['commit']}) and "
+            f"{len(rendered)} patches; patched_tree {patched_tree}")
+        for name in stale:
+            log(f"  dropped {name} (already upstream)")
+    except BaseException:
+        old.path.write_text(saved_lock)
+        for p in patches_dir.iterdir():
+            if p.is_file() and p.name not in saved:
+                p.unlink()
+        for name, data in saved.items():
+            (patches_dir / name).write_bytes(data)
+        raise
+
+
+def cmd_rebase(args: argparse.Namespace) -> int:
+    lock = Lock.load(args.lock)
+    lock.version  # validates the version fields
+    report = rebase(lock, args.patches, args.onto, args.report_dir, write=args.write,
+                    fetch_wheel=args.fetch_wheel, scratch=args.scratch)
+    if report["rewritable"]:
+        if not args.write:
+            log("dry run: nothing rewritten (pass --write to rewrite upstream.lock and "
+                "patches/)")
+        return 0
+    conflicted = [p["patch"] for p in report["patches"] if p["fate"] == "conflict"]
+    print(f"rebase: {len(conflicted)} of {len(report['patches'])} patches conflict with "
+          f"{args.onto}: {', '.join(conflicted)}; nothing rewritten (see "
+          f"{args.report_dir / (args.onto + '.md')})", file=sys.stderr)
+    return 1
 
 
 # ------------------------------------------------------------------------- wheel
@@ -811,6 +1312,16 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("wheel", help="build our wheel from the official one")
     p.add_argument("--src", type=Path, default=DEFAULT_SRC)
     p.add_argument("--dist", type=Path, default=DEFAULT_DIST)
+    p = sub.add_parser("rebase", help="replay the stack onto another vLLM release; report")
+    p.add_argument("--onto", required=True, metavar="VERSION", help="vLLM release, e.g. 0.27.0")
+    p.add_argument("--report-dir", type=Path, default=DEFAULT_REPORTS)
+    p.add_argument("--write", action="store_true",
+                   help="rewrite upstream.lock and patches/ when no patch conflicts")
+    p.add_argument("--fetch-wheel", action="store_true",
+                   help="also download and verify the new wheel (its commit id goes into "
+                        "the report; implied by --write)")
+    p.add_argument("--scratch", type=Path, default=None,
+                   help="keep the scratch git repo here for inspection (default: temporary)")
     sub.add_parser("version", help="print our version")
     sub.add_parser("wheel-name", help="print our wheel's file name")
     sub.add_parser("series-hash", help="print the sha256 of the patch series")
@@ -823,6 +1334,7 @@ def main(argv: list[str] | None = None) -> int:
         "apply": cmd_apply,
         "export": cmd_export,
         "wheel": cmd_wheel,
+        "rebase": cmd_rebase,
         "version": cmd_version,
         "wheel-name": cmd_wheel_name,
         "series-hash": cmd_series_hash,
