@@ -1,7 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tests that import the patched vLLM (run inside the wheel's venv)."""
+"""Tests that import the patched vLLM (run inside the wheel's venv).
+
+Without an NVIDIA GPU, the Triton kernels (vLLM's and DDTree's) run in the
+Triton interpreter on CPU tensors: both variables must be set before vLLM or
+Triton is imported, so this happens when the conftest loads.
+"""
+
+import os
 
 import pytest
+
+if not os.path.exists("/dev/nvidiactl") and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

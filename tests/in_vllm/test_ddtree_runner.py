@@ -132,24 +132,6 @@ def test_engine_level_checks_pick_triton_and_refuse_others():
 B, D = 4, 3
 
 
-def _num_sampled_and_rejected(num_sampled, seq_lens, cu_num_logits, idx_mapping,
-                              prefill_len):
-    # Torch twin of the runner's Triton kernel (no Triton on the CPU).
-    chunked = seq_lens < prefill_len[idx_mapping.long()]
-    num_logits = cu_num_logits[1:] - cu_num_logits[:-1]
-    num_sampled = torch.where(chunked, 0, num_sampled)
-    return num_sampled, torch.where(chunked, 0, num_logits - num_sampled)
-
-
-@pytest.fixture(autouse=True)
-def _cpu_kernels(monkeypatch):
-    from vllm.v1.worker.gpu.spec_decode.ddtree import verifier
-
-    monkeypatch.setattr(
-        verifier, "get_num_sampled_and_rejected", _num_sampled_and_rejected
-    )
-
-
 def _verifier(max_reqs=4, max_tokens=64):
     from vllm.v1.worker.gpu.spec_decode.ddtree.verifier import DDTreeVerifier
 
