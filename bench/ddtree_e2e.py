@@ -5,12 +5,13 @@ tokens/s, the acceptance length tau, and exactness against a reference run.
 
 Run on a GPU host, one engine per invocation (one configuration per process):
 
-    python3 bench/ddtree_e2e.py --target T --drafter D --mode none   --tag ref
-    python3 bench/ddtree_e2e.py --target T --drafter D --mode dflash --k 15 --ref ref
-    python3 bench/ddtree_e2e.py --target T --drafter D --mode ddtree --budget 64 --ref ref
+    python3 bench/ddtree_e2e.py --target T --drafter D --prompts P... --mode none --tag ref
+    python3 bench/ddtree_e2e.py ... --mode dflash --k 15 --ref ref
+    python3 bench/ddtree_e2e.py ... --mode ddtree --budget 64 --ref ref
 
 Prints one ``RESULT {json}`` line per concurrency and writes the generated
-token ids to ``<outdir>/tokens_<tag>.json`` so later runs can compare.
+token ids to ``<outdir>/tokens_<tag>_c<conc>.json``, which a later run given
+``--ref <tag>`` compares against (exactness: run both in float32).
 """
 
 import argparse
@@ -57,6 +58,12 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--conc", type=int, nargs="+", default=[1, 32])
+    ap.add_argument(
+        "--c1-n",
+        type=int,
+        default=None,
+        help="concurrency-1 phases use only the first N prompts of each file",
+    )
     ap.add_argument("--tag", default=None)
     ap.add_argument("--ref", default=None, help="tag of a reference run")
     ap.add_argument("--outdir", default=os.environ.get("OUT", "/tmp"))
@@ -92,26 +99,21 @@ def main() -> None:
     llm = LLM(**kw)
     startup_s = time.time() - t0
     prompts = load_prompts(a.prompts, a.n)
+    prompts_c1 = load_prompts(a.prompts, a.c1_n) if a.c1_n else prompts
     sp = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
 
     tag = a.tag or f"{a.mode}_{a.dtype}"
-    ref = None
-    if a.ref:
-        ref_path = os.path.join(a.outdir, f"tokens_{a.ref}.json")
-        if os.path.exists(ref_path):
-            with open(ref_path) as f:
-                ref = json.load(f)
-    all_tokens = None
     for conc in a.conc:
+        phase_prompts = prompts_c1 if conc == 1 else prompts
         acc0, drafts0, _ = spec_metrics(llm)
         t = time.time()
         toks: list[list[int]] = []
-        for i in range(0, len(prompts), conc):
-            outs = llm.generate(prompts[i : i + conc], sp, use_tqdm=False)
+        for i in range(0, len(phase_prompts), conc):
+            outs = llm.generate(phase_prompts[i : i + conc], sp, use_tqdm=False)
             toks += [list(o.outputs[0].token_ids) for o in outs]
         dt = time.time() - t
-        acc1, drafts1, per_pos = spec_metrics(llm)
+        acc1, drafts1, _ = spec_metrics(llm)
         drafts = drafts1 - drafts0
         res = dict(
             tag=tag,
@@ -121,13 +123,16 @@ def main() -> None:
             dtype=a.dtype,
             eager=a.eager,
             conc=conc,
-            prompts=len(prompts),
+            prompts=len(phase_prompts),
             tok_s=round(sum(map(len, toks)) / dt, 1),
             tau=round(1 + (acc1 - acc0) / drafts, 3) if drafts else None,
             steps=drafts,
             startup_s=round(startup_s, 1),
         )
-        if ref is not None:
+        ref_path = os.path.join(a.outdir, f"tokens_{a.ref}_c{conc}.json") if a.ref else None
+        if ref_path and os.path.exists(ref_path):
+            with open(ref_path) as f:
+                ref = json.load(f)
             same = [x == y for x, y in zip(ref, toks)]
             res["identical"] = f"{sum(same)}/{len(same)}"
             if not all(same):
@@ -138,10 +143,8 @@ def main() -> None:
                 )
                 res["first_mismatch"] = dict(prompt=first, token=diff_at)
         print("RESULT", json.dumps(res), flush=True)
-        if all_tokens is None:
-            all_tokens = toks
-    with open(os.path.join(a.outdir, f"tokens_{tag}.json"), "w") as f:
-        json.dump(all_tokens, f)
+        with open(os.path.join(a.outdir, f"tokens_{tag}_c{conc}.json"), "w") as f:
+            json.dump(toks, f)
     sys.stdout.flush()
 
 

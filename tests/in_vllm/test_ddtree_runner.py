@@ -310,3 +310,58 @@ def test_bind_refuses_model_states_without_the_hook():
     verifier.bind(state, kv, {"d0"})
     assert state.attn_metadata_hook == verifier.attach_bias
     assert list(verifier.target_kv_caches) == ["t0"]
+
+
+# ------------------------------------------------------------ budget policy
+def test_budget_schedule_shrinks_with_batch_and_keeps_a_floor():
+    from vllm.v1.spec_decode.ddtree.config import budget_schedule
+
+    schedule = budget_schedule(64, 15, 512)
+    assert schedule == [(1, 7, 64), (8, 15, 32), (16, 1024, 16)]
+    dense = {}
+    for lo, hi, budget in budget_schedule(256, 15, 512):
+        for batch in range(lo, hi + 1):
+            dense[batch] = budget
+    assert sorted(dense) == list(range(1, 1025))  # every batch size covered
+    budgets = [dense[b] for b in range(1, 1025)]
+    assert budgets == sorted(budgets, reverse=True)  # never grows with the batch
+    for batch, budget in dense.items():
+        # Within the token cap, unless at the floor (the chain's size).
+        assert (1 + budget) * batch <= 512 or budget == 16
+    assert budget_schedule(16, 15, 512) == [(1, 1024, 16)]
+    assert budget_schedule(1, 15, 512) == [(1, 1024, 1)]
+
+
+@needs_models
+def test_batch_policy_is_the_default_and_fixed_pins_the_budget(target_model_config):
+    spec = _spec(target_model_config, method="ddtree", model=DRAFTER, tree_budget=64)
+    assert spec.budget_policy == "batch"
+    assert spec.num_speculative_tokens_per_batch_size == [
+        (1, 7, 64),
+        (8, 15, 32),
+        (16, 1024, 16),
+    ]
+    assert spec.num_speculative_tokens == 64  # the most a step verifies
+    fixed = _spec(
+        target_model_config,
+        method="ddtree",
+        model=DRAFTER,
+        tree_budget=64,
+        budget_policy="fixed",
+    )
+    assert fixed.num_speculative_tokens_per_batch_size is None
+    own = _spec(
+        target_model_config,
+        method="ddtree",
+        model=DRAFTER,
+        tree_budget=64,
+        num_speculative_tokens_per_batch_size=[(1, 4, 64), (5, 256, 8)],
+    )
+    assert own.num_speculative_tokens_per_batch_size == [(1, 4, 64), (5, 256, 8)]
+    with pytest.raises(Exception, match="verify_tokens_per_step"):
+        _spec(
+            target_model_config,
+            method="ddtree",
+            model=DRAFTER,
+            verify_tokens_per_step=0,
+        )
