@@ -51,6 +51,12 @@ def test_bad_words_are_refused_and_the_rest_is_accepted():
         temperature=0.7, top_p=0.9, top_k=20, seed=3, repetition_penalty=1.2,
         frequency_penalty=0.5, presence_penalty=0.3, logprobs=2,
     )._validate_spec_decode(_ddtree_spec())
+    # min_p and logit_bias apply per tree row (Sampler.sample); the chain
+    # methods keep upstream's refusal.
+    chain_only = SamplingParams(min_p=0.1, logit_bias={3: 1.0})
+    chain_only._validate_spec_decode(_ddtree_spec())
+    with pytest.raises(ValueError, match="min_p and logit_bias"):
+        chain_only._validate_spec_decode(_ddtree_spec(on=False))
 
 
 # ------------------------------------------------------------ fakes
