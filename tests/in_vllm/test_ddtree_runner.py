@@ -211,6 +211,11 @@ def test_prepare_verify_writes_tree_positions_and_bias():
 
 
 class _ArgmaxSampler:
+    penalties_state = SimpleNamespace(use_penalty=np.zeros(4, dtype=bool))
+
+    def returns_logprobs(self, idx_mapping_np):
+        return False
+
     def sample(self, logits, *args, **kwargs):
         return logits.argmax(dim=-1), logits
 
