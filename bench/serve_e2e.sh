@@ -23,7 +23,10 @@ N=${N:-64}
 MAX_TOKENS=${MAX_TOKENS:-128}
 BUDGET=${BUDGET:-64}
 DEPTH=${DEPTH:-15}
-START_TIMEOUT=${START_TIMEOUT:-240}
+START_TIMEOUT=${START_TIMEOUT:-200}
+# The reference uses the Triton backend too (DDTree forces it on the target),
+# so that both servers run the same attention kernels.
+REF_ARGS=${REF_ARGS:---attention-backend TRITON_ATTN}
 BASE=http://127.0.0.1:$PORT
 PROMPTS=${PROMPTS:-$MODELS/prompts_heldout.jsonl}
 mkdir -p "$OUT"
@@ -70,7 +73,7 @@ PY
 
 echo "== 0. bad config: one line, non-zero exit"
 BAD="{\"method\":\"ddtree\",\"model\":\"$DRAFTER\",\"tree_budget\":0}"
-timeout 120 python3 -m vllm.entrypoints.cli.main serve "$TARGET" --dtype float32 \
+timeout 90 python3 -m vllm.entrypoints.cli.main serve "$TARGET" --dtype float32 \
   --host 127.0.0.1 --port "$PORT" --speculative-config "$BAD" >"$OUT/bad.out" 2>"$OUT/bad.err"
 rc=$?
 last=$(grep -v '^\s*$' "$OUT/bad.err" | tail -1)
@@ -79,7 +82,8 @@ if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [[ "$last" == *"DDTree: tree_budget"*
    && ! grep -q Traceback "$OUT/bad.err"; then status_bad=0; else status_bad=1; fi
 
 echo "== 1. no-spec reference server"
-if start_server nospec; then
+# shellcheck disable=SC2086
+if start_server nospec $REF_ARGS; then
   python3 bench/serve_load.py --base-url "$BASE" "${PROMPT_ARGS[@]}" --n "$N" \
     --concurrency "$N" --max-tokens "$MAX_TOKENS" --disconnect-fraction 0 \
     --save "$OUT/ref.json" | tee "$OUT/ref.result"

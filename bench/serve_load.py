@@ -22,8 +22,10 @@ Completed outputs are compared with the reference's output for the same key.
 
 Prints one ``RESULT {json}`` line and exits 0 when every request completed or
 was cancelled by us, no request failed or timed out, every compared output
-equals the reference, the server still answers /health, and (with
-``--expect-ddtree``) the DDTree counters moved.
+equals the reference, the server still answers /health and a final short
+request, it drains (``vllm:num_requests_running`` and ``_waiting`` back to 0:
+the cut requests were aborted and freed), and (with ``--expect-ddtree``) the
+DDTree counters moved.
 
 Needs aiohttp (a vLLM dependency; also on the GPU host).
 """
@@ -37,7 +39,7 @@ import random
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from urllib.parse import urlparse
 
 LOOPBACK_HOSTS = {"127.0.0.1", "::1", "localhost"}
@@ -287,9 +289,9 @@ async def wait_drained(session, base_url: str, timeout_s: float) -> bool:
 
 
 async def run(args: argparse.Namespace) -> dict:
+    base_url = check_loopback(args.base_url)
     import aiohttp
 
-    base_url = check_loopback(args.base_url)
     prompts = load_prompts(args.prompts)
     plans = make_plans(prompts, args.n, args.chat_fraction, args.disconnect_fraction,
                        args.max_chunks_before_disconnect, args.seed)
@@ -302,8 +304,13 @@ async def run(args: argparse.Namespace) -> dict:
     async with aiohttp.ClientSession(connector=connector) as session:
         model = args.model
         if model is None:
-            _, text = await _get(session, f"{base_url}/v1/models")
-            model = json.loads(text)["data"][0]["id"]
+            try:
+                _, text = await _get(session, f"{base_url}/v1/models")
+                model = json.loads(text)["data"][0]["id"]
+            except Exception as e:
+                return {"ok": False, "n": len(plans), "health": 0,
+                        "first_errors": [f"{base_url}/v1/models: "
+                                         f"{type(e).__name__}: {e}"[:300]]}
         before = await scrape(session, base_url)
         sem = asyncio.Semaphore(args.concurrency)
 
@@ -315,6 +322,13 @@ async def run(args: argparse.Namespace) -> dict:
         t0 = time.monotonic()
         outcomes = await asyncio.gather(*(limited(p) for p in plans))
         elapsed = time.monotonic() - t0
+        # One short request that finishes normally: the server still serves,
+        # and its last step publishes fresh scheduler gauges (an abort alone
+        # sends no stats, so the gauges could still show the cut requests).
+        probe = await one_request(
+            session, base_url, model, Plan("probe", "completion", "def f():"),
+            2, args.timeout,
+        )
         drained = await wait_drained(session, base_url, args.drain_timeout)
         after = await scrape(session, base_url)
         try:
@@ -345,6 +359,7 @@ async def run(args: argparse.Namespace) -> dict:
         and counts["completed"] + counts["cancelled"] == len(plans)
         and health_status == 200
         and drained
+        and probe.status == "completed"
         and not mismatches
         and (not args.expect_ddtree or delta["ddtree_moved"])
     )
@@ -359,6 +374,7 @@ async def run(args: argparse.Namespace) -> dict:
         "mismatch_keys": mismatches[:10],
         "health": health_status,
         "drained": drained,
+        "probe": probe.status,
         "elapsed_s": round(elapsed, 2),
         "tau": delta["tau"],
         "per_depth_acceptance": delta["per_depth_acceptance"],
@@ -400,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     result = asyncio.run(run(args))
     print("RESULT " + json.dumps(result, sort_keys=True), flush=True)
-    return 0 if result["ok"] else 1
+    return 0 if result.get("ok") else 1
 
 
 if __name__ == "__main__":

@@ -229,3 +229,11 @@ def test_parse_prometheus_sums_engines_and_keeps_labels():
         "vllm:spec_decode_num_drafts_total": 7.0,
         'vllm:ddtree_num_accepted_tokens_per_depth_total{depth="2"}': 5.0,
     }
+
+
+def test_unreachable_server_is_a_clean_failure():
+    args = serve_load.build_parser().parse_args(
+        ["--base-url", f"http://127.0.0.1:{_free_port()}", "--n", "2"]
+    )
+    r = asyncio.run(serve_load.run(args))
+    assert r["ok"] is False and "v1/models" in r["first_errors"][0]
