@@ -154,26 +154,76 @@ def test_plain_dflash_keeps_upstream_series_only(target_model_config, registry):
     assert len(per_pos) == 7
 
 
+STAT_LOGGERS_ON_CPU = """
+import json, sys
+from vllm import platforms
+from vllm.platforms.cpu import CpuPlatform
+if platforms.current_platform.is_unspecified():
+    platforms.current_platform = CpuPlatform()
+import prometheus_client
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+target, drafter = sys.argv[1:3]
+args = EngineArgs(model=target, dtype="float32", max_model_len=512,
+                  speculative_config={"method": "ddtree", "model": drafter,
+                                      "tree_budget": 48})
+config = args.create_engine_config()
+prom = PrometheusStatLogger(config, engine_indexes=[0])
+log = LoggingStatLogger(config, engine_index=0)
+spec = SpecDecodingStats.new(config.speculative_config.num_speculative_tokens)
+spec.observe_draft(num_draft_tokens=48, num_accepted_tokens=6)
+stats = SchedulerStats(spec_decoding_stats=spec)
+prom.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
+log.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
+lines = []
+log.spec_decoding_logging.log(log_fn=lambda fmt, *a: lines.append(fmt % a))
+samples = {
+    s.name + json.dumps({k: v for k, v in sorted(s.labels.items())
+                         if k not in ("model_name", "engine")}): s.value
+    for m in prometheus_client.REGISTRY.collect() for s in m.samples
+    if s.name.startswith(("vllm:ddtree", "vllm:spec_decode"))
+}
+print("RESULT " + json.dumps({"samples": samples, "log": lines,
+      "backend": str(config.attention_config.backend)}))
+"""
+
+
 @needs_models
-def test_prometheus_stat_logger_builds_ddtree_series(target_model_config, registry):
-    """The series come up through vLLM's own PrometheusStatLogger."""
-    from vllm.v1.metrics.loggers import PrometheusStatLogger
+def test_vllm_stat_loggers_export_ddtree_series():
+    """vLLM's own PrometheusStatLogger and LoggingStatLogger, built from the
+    engine config that `vllm serve` would build (EngineArgs ->
+    create_engine_config, on vLLM's CPU platform), fed one scheduler step."""
+    import json
 
-    spec = _spec(target_model_config, method="ddtree", model=DRAFTER, tree_budget=48)
-    vllm_config = _vllm_config_or_skip(target_model_config, spec)
-    logger = PrometheusStatLogger(vllm_config, engine_indexes=[0])
-    assert logger.spec_decoding_prom.ddtree is not None
-    text = prometheus_client.generate_latest(registry).decode()
-    assert "vllm:ddtree_tree_budget{" in text and "vllm:ddtree_draft_depth{" in text
-
-
-def _vllm_config_or_skip(model_config, spec):
-    from vllm.config import VllmConfig
-
-    try:
-        return VllmConfig(model_config=model_config, speculative_config=spec)
-    except Exception as e:  # device-dependent parts of VllmConfig on CPU
-        pytest.skip(f"VllmConfig cannot be built on this machine: {e!s:.200}")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run(
+        [sys.executable, "-c", STAT_LOGGERS_ON_CPU, TARGET, DRAFTER],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert line is not None, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
+    r = json.loads(line[len("RESULT "):])
+    s = r["samples"]
+    assert r["backend"].endswith("TRITON_ATTN")
+    assert s["vllm:ddtree_tree_budget{}"] == 48
+    assert s["vllm:ddtree_draft_depth{}"] == 15
+    assert s["vllm:ddtree_acceptance_length_count{}"] == 1
+    assert s["vllm:ddtree_acceptance_length_sum{}"] == 7
+    assert s['vllm:ddtree_num_accepted_tokens_per_depth_total{"depth": "6"}'] == 1
+    assert s['vllm:ddtree_num_accepted_tokens_per_depth_total{"depth": "7"}'] == 0
+    assert s["vllm:spec_decode_num_drafts_total{}"] == 1
+    assert s["vllm:spec_decode_num_accepted_tokens_total{}"] == 6
+    positions = [
+        k for k in s if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")
+    ]
+    assert len(positions) == 15  # per depth, not one per tree node (48)
+    assert r["log"] and r["log"][0].startswith(
+        "SpecDecoding metrics (DDTree, tree_budget=48, draft_depth=15): "
+        "Mean acceptance length: 7.00"
+    ), r["log"]
 
 
 @needs_models
