@@ -13,6 +13,14 @@ Times, per (R, B) at draft depth D and vocabulary V:
               B=64, D=15)
 * ``mask``    tree_positions + ancestor_mask + pack_ancestor_bits
 * ``full``    build + mask + walk (using the mask) + compaction
+* ``vocab``   only the vocabulary stage of build_fast (per-row top-K and
+              log-probs over [R*D, V]: `vocab_stage`)
+* ``tree``    only the tree stage (depth loop + global top-B + decode, from
+              precomputed vocab-stage output: `tree_stage`)
+
+``--backend torch|triton|auto`` picks the build backend (default auto:
+Triton on CUDA when importable); ``--stages vocab,tree`` times only those
+columns (e.g. to see where the build's time goes).
 
 each eagerly and (on CUDA) captured in a CUDA graph whose replay is timed
 with CUDA events; the median over ``--iters`` runs is reported in
@@ -38,6 +46,8 @@ from typing import Callable
 import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+ALL_COLUMNS = ("build", "build_fast", "vocab", "tree", "walk", "core", "mask",
+               "full")
 TREE_RELPATH = "vllm/v1/spec_decode/ddtree/tree.py"
 
 
@@ -105,7 +115,8 @@ def time_graph(fn: Callable[[], object], iters: int, warmup: int) -> float:
 
 def bench_case(T, device: torch.device, dtype: torch.dtype, num_reqs: int,
                depth: int, vocab: int, budget: int, iters: int, warmup: int,
-               use_graph: bool) -> dict:
+               use_graph: bool, backend: str = "auto",
+               columns: tuple[str, ...] = ()) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     # Peaked logits (like a trained drafter) in the requested dtype.
     logits = (torch.randn(num_reqs, depth, vocab, device=device,
@@ -118,20 +129,30 @@ def bench_case(T, device: torch.device, dtype: torch.dtype, num_reqs: int,
     root_positions = torch.randint(0, 4096, (num_reqs,), device=device,
                                    generator=gen)
     query_start_loc = torch.arange(num_reqs + 1, device=device) * (budget + 1)
-    tree = T.build_tree(logits, budget)
+    kw = {"backend": backend} if hasattr(T, "vocab_stage") else {}
+    tree = T.build_tree(logits, budget, **kw)
 
     def build():
-        return T.build_tree(logits, budget)
+        return T.build_tree(logits, budget, **kw)
 
     def build_fast():
-        return T.build_tree(logits, budget, exact_vocab_ties=False)
+        return T.build_tree(logits, budget, exact_vocab_ties=False, **kw)
+
+    stage_out = (T.vocab_stage(logits, budget, exact_vocab_ties=False, **kw)
+                 if hasattr(T, "vocab_stage") else None)
+
+    def vocab_only():
+        return T.vocab_stage(logits, budget, exact_vocab_ties=False, **kw)
+
+    def tree_only():
+        return T.tree_stage(*stage_out, budget, **kw)
 
     def walk():
         w = T.walk_tree(tree, target)
         return T.compaction_indices(w, query_start_loc)
 
     def core():
-        t = T.build_tree(logits, budget)
+        t = T.build_tree(logits, budget, exact_vocab_ties=False, **kw)
         w = T.walk_tree(t, target)
         return T.compaction_indices(w, query_start_loc)
 
@@ -141,7 +162,7 @@ def bench_case(T, device: torch.device, dtype: torch.dtype, num_reqs: int,
         return pos, T.pack_ancestor_bits(m)
 
     def full():
-        t = T.build_tree(logits, budget)
+        t = T.build_tree(logits, budget, exact_vocab_ties=False, **kw)
         pos = T.tree_positions(root_positions, t.depth)
         m = T.ancestor_mask(t.parent_idx, depth)
         bits = T.pack_ancestor_bits(m)
@@ -149,10 +170,12 @@ def bench_case(T, device: torch.device, dtype: torch.dtype, num_reqs: int,
         return pos, bits, T.compaction_indices(w, query_start_loc)
 
     result = {"R": num_reqs, "D": depth, "V": vocab, "B": budget,
-              "dtype": str(dtype).removeprefix("torch.")}
-    for name, fn in [("build", build), ("build_fast", build_fast),
-                     ("walk", walk), ("core", core),
-                     ("mask", mask), ("full", full)]:
+              "dtype": str(dtype).removeprefix("torch."), "backend": backend}
+    fns = {"build": build, "build_fast": build_fast, "vocab": vocab_only,
+           "tree": tree_only, "walk": walk, "core": core, "mask": mask,
+           "full": full}
+    for name in columns:
+        fn = fns[name]
         result[f"{name}_eager_us"] = time_eager(fn, device, iters, warmup)
         if use_graph:
             result[f"{name}_graph_us"] = time_graph(fn, iters, warmup)
@@ -172,6 +195,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--no-graph", action="store_true")
+    parser.add_argument("--backend", default="auto",
+                        choices=["auto", "torch", "triton"])
+    parser.add_argument("--stages", default=",".join(ALL_COLUMNS),
+                        help="columns to time, from " + ",".join(ALL_COLUMNS)
+                        + " (e.g. 'vocab,tree' to split the build)")
     parser.add_argument("--src", default=None,
                         help="patched source root (default $VLLM_DDTREE_SRC "
                         "or build/src)")
@@ -185,20 +213,23 @@ def main() -> None:
     requests = [int(x) for x in args.requests.split(",")]
     budgets = [int(x) for x in args.budgets.split(",")]
 
-    columns = ["build", "build_fast", "walk", "core", "mask", "full"]
+    columns = [c for c in args.stages.split(",") if c]
+    unknown = set(columns) - set(ALL_COLUMNS)
+    if unknown:
+        parser.error(f"unknown stages {sorted(unknown)}")
     modes = ["eager", "graph"] if use_graph else ["eager"]
     header = f"{'R':>4} {'B':>4} " + " ".join(
         f"{c + '_' + m:>16}" for c in columns for m in modes)
     print(f"device={device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) "
           f"D={args.depth} V={args.vocab} dtype={args.dtype} "
-          f"torch={torch.__version__}; median us over {args.iters} runs")
+          f"backend={args.backend} torch={torch.__version__}; median us over {args.iters} runs")
     print(header)
     results = []
     for num_reqs in requests:
         for budget in budgets:
             res = bench_case(T, device, dtype, num_reqs, args.depth,
                              args.vocab, budget, args.iters, args.warmup,
-                             use_graph)
+                             use_graph, args.backend, tuple(columns))
             results.append(res)
             print(f"{num_reqs:>4} {budget:>4} " + " ".join(
                 f"{res[f'{c}_{m}_us']:>16.1f}" for c in columns
@@ -209,6 +240,7 @@ def main() -> None:
                 if device.type == "cuda" else "cpu",
                 "torch": torch.__version__, "depth": args.depth,
                 "vocab": args.vocab, "dtype": args.dtype,
+                "backend": args.backend,
                 "iters": args.iters}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2)

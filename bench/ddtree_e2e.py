@@ -51,6 +51,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=15, help="DFlash chain length")
     ap.add_argument("--budget", type=int, default=64, help="DDTree tree_budget")
     ap.add_argument("--depth", type=int, default=None, help="DDTree draft_depth")
+    ap.add_argument(
+        "--policy", choices=["batch", "fixed"], default=None, help="DDTree budget_policy"
+    )
     ap.add_argument("--prompts", nargs="+", required=True)
     ap.add_argument("--n", type=int, default=32, help="prompts per file (0 = all)")
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -94,6 +97,8 @@ def main() -> None:
         spec = dict(method="ddtree", model=a.drafter, tree_budget=a.budget)
         if a.depth is not None:
             spec["draft_depth"] = a.depth
+        if a.policy is not None:
+            spec["budget_policy"] = a.policy
         kw["speculative_config"] = spec
     t0 = time.time()
     llm = LLM(**kw)
@@ -120,6 +125,7 @@ def main() -> None:
             mode=a.mode,
             k=a.k if a.mode == "dflash" else None,
             budget=a.budget if a.mode == "ddtree" else None,
+            policy=a.policy if a.mode == "ddtree" else None,
             dtype=a.dtype,
             eager=a.eager,
             conc=conc,

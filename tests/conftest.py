@@ -19,6 +19,16 @@ from types import ModuleType
 
 import pytest
 
+# Triton kernels (the DDTree core's Triton backend) run in the interpreter on
+# CPU tensors where there is no GPU; this must happen before Triton loads.
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -632,3 +632,185 @@ def test_cuda_topk_boundary_ties(T):
                                for x in b]), 15)
     same = all(torch.equal(x, y) for x, y in zip(a[:5], b[:5]))
     print(f"fast path equals exact path under boundary ties: {same}")
+
+
+# --------------------------------------------------------------------------
+# Triton backend (interpreter on CPU: TRITON_INTERPRET=1, set in conftest)
+# --------------------------------------------------------------------------
+
+def _has_triton():
+    try:
+        import triton  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+triton_only = pytest.mark.skipif(not _has_triton(),
+                                 reason="triton not importable")
+
+
+def assert_same_tree(a, b, scores_exact=True):
+    for name in ("token_ids", "parent_idx", "depth", "valid"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.draft_depth == b.draft_depth
+    assert a.score.dtype == b.score.dtype == torch.float32
+    if scores_exact:
+        assert torch.equal(a.score, b.score)
+    else:
+        torch.testing.assert_close(a.score, b.score, rtol=0, atol=1e-5)
+
+
+@triton_only
+@pytest.mark.parametrize("vocab,depth", SMALL_SHAPES)
+def test_triton_build_matches_brute_force(T, vocab, depth):
+    torch.manual_seed(vocab * 10 + depth)
+    num_prefixes = sum(vocab**d for d in range(1, depth + 1))
+    # (the interpreter's tl.sort is slow: keep the blocks small)
+    budgets = sorted(b for b in {1, 2, 3, vocab, vocab + 1, num_prefixes // 2,
+                                 num_prefixes - 1, num_prefixes,
+                                 num_prefixes + 2, 24} if 1 <= b <= 24)
+    random = torch.randn(2, depth, vocab) * 2
+    tied = torch.randint(0, 3, (2, depth, vocab)).float()
+    tied[0] = 0.0
+    for draft, no_ties in ((random, True), (tied, False)):
+        for budget in budgets:
+            tree = assert_matches_brute_force(T, draft, budget,
+                                              backend="triton")
+            check_structure(tree, depth)
+            fast = T.build_tree(draft, budget, backend="triton",
+                                exact_vocab_ties=False)
+            check_structure(fast, depth)
+            if no_ties:
+                # the fast path resolves vocabulary ties exactly too; only
+                # the logsumexp rounding may differ, which can only reorder
+                # (near-)tied prefix scores
+                assert_same_tree(tree, fast, scores_exact=False)
+
+
+@triton_only
+def test_triton_build_special_values(T):
+    torch.manual_seed(2)
+    draft = torch.randn(4, 3, 5)
+    draft[0, 0, 1] = float("nan")
+    draft[0, 2, :] = float("nan")
+    draft[1, 1, 2:] = NEG_INF
+    draft[2, 0, :4] = NEG_INF
+    draft[3] = NEG_INF
+    for budget in (1, 4, 9, 40):
+        assert_matches_brute_force(T, draft, budget, backend="triton")
+        fast = T.build_tree(draft, budget, backend="triton",
+                            exact_vocab_ties=False)
+        check_structure(fast, 3)
+        assert_same_tree(T.build_tree(draft, budget, backend="torch"), fast,
+                         scores_exact=False)
+    lp = torch.tensor([[[-0.5, float("nan"), -1.5, 0.0],
+                        [NEG_INF, -0.1, float("nan"), -0.0]]])
+    for budget in (1, 3, 7, 20):
+        for exact in (True, False):
+            assert_matches_brute_force(T, lp, budget, inputs_are_logprobs=True,
+                                       backend="triton",
+                                       exact_vocab_ties=exact)
+    # +0.0 and -0.0 logits tie (then the smaller id wins), +inf logits
+    signed_zero = torch.tensor([[[-0.0, 0.0, -0.0, 0.0, -1.0],
+                                 [0.0, -0.0, float("inf"), -0.0, 1.0]]])
+    for budget in (1, 2, 5, 12):
+        assert_matches_brute_force(T, signed_zero, budget, backend="triton")
+
+
+@triton_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16,
+                                   torch.float16])
+@pytest.mark.parametrize("budget", [1, 8, 32])
+def test_triton_vocab_stage_multi_chunk(T, monkeypatch, dtype, budget):
+    """Several vocabulary chunks, heavy ties across chunk borders: the
+    Triton top-K equals the exact torch top-K (set and order)."""
+    torch.manual_seed(budget)
+    R, D, V = 1, 2, 300
+    assert T._vocab_chunking(151936, 64) == (4096, 38)
+    assert T._vocab_chunking(151936, 256) == (8192, 19)
+    # small chunks (the interpreter's tl.sort is slow), last one partial
+    monkeypatch.setattr(T, "_vocab_chunking", lambda v, k: (32, -(-v // 32)))
+    logits = torch.randint(-2, 2, (R, D, V)).to(dtype)
+    logits[0, 0] = (torch.randn(V) * 3).to(dtype)
+    logits[0, 1, ::7] = float("nan")
+    logits[0, 1, 5::11] = NEG_INF
+    for exact in (True, False):
+        ref_lp, ref_tok = T.vocab_stage(logits, budget, backend="torch",
+                                        exact_vocab_ties=True)
+        lp, tok = T.vocab_stage(logits, budget, backend="triton",
+                                exact_vocab_ties=exact)
+        assert torch.equal(tok, ref_tok)
+        if exact:
+            assert torch.equal(lp, ref_lp)
+        else:
+            torch.testing.assert_close(lp, ref_lp, rtol=0, atol=2e-6)
+    lp_in = torch.log_softmax(logits.float().nan_to_num(0.0), -1).to(dtype)
+    ref = T.vocab_stage(lp_in, budget, backend="torch",
+                        inputs_are_logprobs=True)
+    out = T.vocab_stage(lp_in, budget, backend="triton",
+                        inputs_are_logprobs=True, exact_vocab_ties=False)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+@triton_only
+@pytest.mark.parametrize("depth,vocab,budget", [(15, 40, 32), (4, 50, 64),
+                                                (2, 300, 40)])
+def test_triton_build_equals_torch_build(T, depth, vocab, budget):
+    """Larger shapes (many candidate pairs per depth): Triton tree stage
+    equals the torch tree stage bit for bit, including tied inputs."""
+    torch.manual_seed(depth + budget)
+    peaked = torch.randn(1, depth, vocab) * 4
+    tied = torch.randint(0, 3, (1, depth, vocab)).float()
+    for draft in (peaked, tied):
+        a = T.build_tree(draft, budget, backend="torch")
+        b = T.build_tree(draft, budget, backend="triton")
+        assert_same_tree(a, b)
+        check_structure(b, depth)
+        # tree stage alone, from identical vocab-stage inputs
+        lp, tok = T.vocab_stage(draft, budget, backend="torch")
+        assert_same_tree(T.tree_stage(lp, tok, budget, backend="torch"),
+                         T.tree_stage(lp, tok, budget, backend="triton"))
+
+
+@triton_only
+@settings(max_examples=10, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), vocab=st.integers(1, 4), depth=st.integers(1, 3),
+       budget=st.integers(1, 20), as_logprobs=st.booleans())
+def test_triton_build_property(T, data, vocab, depth, budget, as_logprobs):
+    values = data.draw(st.lists(logprob_values, min_size=2 * depth * vocab,
+                                max_size=2 * depth * vocab))
+    draft = torch.tensor(values, dtype=torch.float32).view(2, depth, vocab)
+    tree = assert_matches_brute_force(T, draft, budget,
+                                      inputs_are_logprobs=as_logprobs,
+                                      backend="triton")
+    check_structure(tree, depth)
+
+
+def test_backend_selection(T):
+    with pytest.raises(ValueError):
+        T.build_tree(torch.randn(1, 2, 3), 2, backend="nope")
+    # auto on CPU is the torch backend unless VLLM_DDTREE_BACKEND says so
+    assert T._resolve_backend("torch", torch.device("cpu")) == "torch"
+
+
+@pytest.mark.gpu
+@triton_only
+@pytest.mark.parametrize("budget", [16, 64, 256])
+def test_cuda_triton_equals_torch(T, budget):
+    """GPU: the Triton build (exact path) equals the torch build bit for bit
+    at the production vocabulary; the fast path equals it up to logsumexp
+    rounding when there are no near-ties."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(budget)
+    logits = (torch.randn(4, 15, 151936, device=dev, generator=gen) * 4
+              ).to(torch.bfloat16)
+    a = T.build_tree(logits, budget, backend="torch")
+    b = T.build_tree(logits, budget, backend="triton")
+    assert_same_tree(a, b)
+    lp_t, tok_t = T.vocab_stage(logits, budget, backend="torch")
+    lp_f, tok_f = T.vocab_stage(logits, budget, backend="triton",
+                                exact_vocab_ties=False)
+    assert torch.equal(tok_t, tok_f)
+    torch.testing.assert_close(lp_f, lp_t, rtol=0, atol=1e-5)
