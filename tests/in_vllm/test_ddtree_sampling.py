@@ -16,7 +16,6 @@ from test_ddtree_runner import (  # noqa: E402
     PARENT,
     TOKENS,
     _batch,
-    _cpu_kernels,  # noqa: F401  (autouse: torch twin of a Triton helper)
     _store_one_tree,
     _verifier,
 )
