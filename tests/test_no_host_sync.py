@@ -1,0 +1,92 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DDTree's per-step code must not synchronise the host with the device.
+
+A static check over the patched tree: the functions that run every decoding
+step (tree build and walk, the verifier around the target forward, the DFlash
+override, the sampling and bookkeeping kernels' wrappers) must not call the
+operations that copy a device value to the host or wait for the device.
+Reading a CPU tensor (the scheduler's own numbers) is fine and is what the
+runner does; this check is about the code we add."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from conftest import patched_src
+
+# Files of ours that run in the decoding loop, and the functions in them
+# that run every step (setup code such as __init__ / bind may allocate).
+PER_STEP = {
+    "vllm/v1/spec_decode/ddtree/tree.py": None,  # every function
+    "vllm/v1/worker/gpu/spec_decode/ddtree/verifier.py": {
+        "prepare_verify", "sample", "compact", "store_trees", "attach_bias",
+    },
+    "vllm/v1/worker/gpu/spec_decode/ddtree/speculator.py": {"_generate_draft"},
+    "vllm/v1/worker/gpu/spec_decode/ddtree/kernels.py": {"ddtree_walk", "__call__"},
+    "vllm/v1/spec_decode/ddtree/sampling.py": None,
+    "vllm/v1/worker/gpu/spec_decode/ddtree/sampling.py": {
+        "apply_penalties", "sample_nodes", "paths_fn", "node_logprobs",
+    },
+}
+# Host round trips: a device tensor's value to Python, or a device wait.
+FORBIDDEN_ATTRS = {"item", "tolist", "cpu", "numpy", "synchronize", "nonzero"}
+FORBIDDEN_CALLS = {"bool", "int", "float"}  # on a tensor, these sync too
+
+
+def _functions(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+def _violations(func: ast.AST) -> list[str]:
+    found = []
+    for node in ast.walk(func):
+        if isinstance(node, ast.Call):
+            target = node.func
+            if (
+                isinstance(target, ast.Attribute)
+                and target.attr in FORBIDDEN_ATTRS
+                # numpy mirrors kept by the runner (`*_np`) live on the host.
+                and not ast.unparse(target.value).endswith("_np")
+            ):
+                found.append(f"line {node.lineno}: .{target.attr}()")
+            # int(x) / float(x) / bool(x) on something that is not a literal
+            # or a shape: flag for review (they would sync on a device tensor).
+            if (
+                isinstance(target, ast.Name)
+                and target.id in FORBIDDEN_CALLS
+                and node.args
+                and not isinstance(node.args[0], ast.Constant)
+                and "shape" not in ast.unparse(node.args[0])
+                and "stride" not in ast.unparse(node.args[0])
+            ):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("relpath", sorted(PER_STEP))
+def test_per_step_code_has_no_host_sync(relpath: str) -> None:
+    path = patched_src() / relpath
+    if not path.exists():
+        pytest.fail(f"{path} missing: run `make apply`")
+    tree = ast.parse(path.read_text())
+    wanted = PER_STEP[relpath]
+    checked = 0
+    problems = []
+    for func in _functions(tree):
+        if wanted is not None and func.name not in wanted:
+            continue
+        checked += 1
+        problems += [f"{func.name}: {v}" for v in _violations(func)]
+    assert checked, f"no per-step function found in {relpath}"
+    assert not problems, f"{relpath}: " + "; ".join(problems)
+
+
+def test_the_check_catches_a_sync() -> None:
+    bad = ast.parse(
+        "def step(x):\n    n = x.sum().item()\n    return int(x.max()) + n\n"
+    )
+    func = next(_functions(bad))
+    assert len(_violations(func)) == 2
