@@ -42,7 +42,7 @@ def main() -> None:
             return f"DFlash K={r['k']}"
         return f"DDTree B={r['budget']}"
 
-    order = ["no spec", "DFlash K=15"] + [f"DDTree B={b}" for b in (1, 16, 32, 64, 128, 256)]
+    order = ["no spec", "DFlash K=7", "DFlash K=15"] + [f"DDTree B={b}" for b in (1, 16, 32, 64, 128, 256)]
     for metric, ylabel, fname in (
         ("tok_s", "tokens/s", "tok_s"),
         ("tau", "acceptance length tau", "tau"),
