@@ -1,0 +1,106 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Compile DDTree's Triton kernels for Hopper (sm_90) without a GPU.
+
+The Triton interpreter, which runs the kernels on CPU in the other tests,
+accepts code the GPU compiler refuses (a plain Python global read inside a
+kernel passed the interpreter and failed to compile on the H200). Compiling
+for a GPUTarget needs no device, so these front-end and PTX errors are caught
+here. Runs in a subprocess: the interpreter flag set by conftest.py would
+otherwise turn the kernels into interpreted functions.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    import vllm.v1.spec_decode.ddtree.tree_triton as tt
+    import vllm.v1.worker.gpu.spec_decode.ddtree.kernels as kk
+
+    target = GPUTarget("cuda", 90, 32)
+    failures = []
+
+    def compile_kernel(fn, signature, constexprs):
+        src = triton.compiler.ASTSource(
+            fn=fn, signature=signature, constexprs=constexprs
+        )
+        try:
+            triton.compile(src, target=target)
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"{fn.__name__} {constexprs}: {e}")
+
+    C = "constexpr"
+    for key16 in (True, False):
+        compile_kernel(
+            tt._vocab_chunk_kernel,
+            {"logits_ptr": "*bf16", "part_max_ptr": "*fp32",
+             "part_sum_ptr": "*fp32", "cand_ptr": "*i64", "V": "i32",
+             "stride": "i32", "NC": "i32", "K": C, "CHUNK": C,
+             "IS_LOGPROBS": C, "COMPUTE_LSE": C, "KEY16": C},
+            {"K": 64, "CHUNK": 8192, "IS_LOGPROBS": False,
+             "COMPUTE_LSE": True, "KEY16": key16},
+        )
+    compile_kernel(
+        tt._vocab_merge_kernel,
+        {"part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "cand_ptr": "*i64",
+         "token_lp_ptr": "*fp32", "token_ids_ptr": "*i64", "lse_ptr": "*fp32",
+         "NC": "i32", "K": C, "NC_BLOCK": C, "CAND_BLOCK": C,
+         "IS_LOGPROBS": C, "HAS_LSE": C},
+        {"K": 64, "NC_BLOCK": 32, "CAND_BLOCK": 2048, "IS_LOGPROBS": False,
+         "HAS_LSE": False},
+    )
+    tree_sig = {name: "*i64" for name in (
+        "top_tokens_ptr", "col_depth_ptr", "col_cand_offset_ptr",
+        "cand_token_slot_ptr", "cand_parent_col_ptr", "col_position_ptr",
+        "out_tokens_ptr", "out_parent_ptr", "out_depth_ptr")}
+    tree_sig.update({name: "*i32" for name in (
+        "cand_a_ptr", "cand_b_ptr", "cand_count_ptr", "col_start_ptr",
+        "prefix_count_ptr", "all_cands_ptr")})
+    tree_sig.update({"token_lp_ptr": "*fp32", "all_scores_ptr": "*fp32",
+                     "out_score_ptr": "*fp32", "out_valid_ptr": "*i8",
+                     "N": "i32", "NUM_SEL": "i32", "D": C, "K": C, "B": C,
+                     "CP": C, "KP": C, "NB": C})
+    for budget, cp, nb in ((16, 64, 1024), (64, 512, 4096)):
+        compile_kernel(
+            tt._tree_kernel, tree_sig,
+            {"D": 15, "K": budget, "B": budget, "CP": cp, "KP": budget, "NB": nb},
+        )
+    walk_sig = {"target_ptr": "*i64", "cu_num_logits_ptr": "*i32",
+                "idx_mapping_ptr": "*i32", "query_start_loc_ptr": "*i32",
+                "node_tokens_ptr": "*i64", "node_tokens_stride": "i32",
+                "parent_ptr": "*i64", "parent_stride": "i32",
+                "depth_ptr": "*i64", "depth_stride": "i32",
+                "valid_ptr": "*i1", "valid_stride": "i32", "scratch_ptr": "*i64",
+                "out_tokens_ptr": "*i64", "out_tokens_stride": "i32",
+                "num_accepted_ptr": "*i32", "src_row_ptr": "*i64",
+                "dst_row_ptr": "*i64", "DRAFT_DEPTH": C, "NUM_JUMPS": C,
+                "BLOCK": C, "PATH_BLOCK": C}
+    compile_kernel(kk._ddtree_walk_kernel, walk_sig,
+                   {"DRAFT_DEPTH": 15, "NUM_JUMPS": 4, "BLOCK": 128,
+                    "PATH_BLOCK": 16})
+    print("\\n".join(failures) or "all compiled")
+    sys.exit(1 if failures else 0)
+    """
+)
+
+
+def test_ddtree_triton_kernels_compile_for_sm90():
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
