@@ -338,23 +338,23 @@ def test_budget_schedule_shrinks_with_batch_and_keeps_a_floor():
 
 
 @needs_models
-def test_batch_policy_is_the_default_and_fixed_pins_the_budget(target_model_config):
+def test_fixed_policy_is_the_default_and_batch_follows_the_schedule(target_model_config):
     spec = _spec(target_model_config, method="ddtree", model=DRAFTER, tree_budget=64)
-    assert spec.budget_policy == "batch"
-    assert spec.num_speculative_tokens_per_batch_size == [
-        (1, 7, 64),
-        (8, 15, 32),
-        (16, 1024, 16),
-    ]
-    assert spec.num_speculative_tokens == 64  # the most a step verifies
-    fixed = _spec(
+    assert spec.budget_policy == "fixed"
+    assert spec.num_speculative_tokens_per_batch_size is None
+    batch = _spec(
         target_model_config,
         method="ddtree",
         model=DRAFTER,
         tree_budget=64,
-        budget_policy="fixed",
+        budget_policy="batch",
     )
-    assert fixed.num_speculative_tokens_per_batch_size is None
+    assert batch.num_speculative_tokens_per_batch_size == [
+        (1, 7, 64),
+        (8, 15, 32),
+        (16, 1024, 16),
+    ]
+    assert batch.num_speculative_tokens == 64  # the most a step verifies
     own = _spec(
         target_model_config,
         method="ddtree",
@@ -368,5 +368,6 @@ def test_batch_policy_is_the_default_and_fixed_pins_the_budget(target_model_conf
             target_model_config,
             method="ddtree",
             model=DRAFTER,
+            budget_policy="batch",
             verify_tokens_per_step=0,
         )
