@@ -22,12 +22,9 @@ def cache_dir() -> Path:
     return d
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+# Also run as a script (`python3 tests/ddtree_venv.py WHEEL`): find the tool.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from apply_patches import sha256_file  # noqa: E402
 
 
 def venv_python(venv: Path) -> Path:

@@ -23,26 +23,13 @@ needs_models = pytest.mark.skipif(
     not os.path.isdir(TARGET), reason="../shared/models/tinypair not present"
 )
 
+from test_ddtree_runner import _spec, target_model_config  # noqa: E402,F401
+
 LABELS = ["model_name", "engine"]
 PER_ENGINE = {0: ["tiny", "0"]}
 ENGINE = {"model_name": "tiny", "engine": "0"}
 
 
-@pytest.fixture(scope="module")
-def target_model_config():
-    from vllm.config import ModelConfig
-
-    return ModelConfig(model=TARGET, dtype="float32", max_model_len=2048)
-
-
-def _spec(target_model_config, **kw):
-    from vllm.config import ParallelConfig, SpeculativeConfig
-
-    return SpeculativeConfig(
-        **kw,
-        target_model_config=target_model_config,
-        target_parallel_config=ParallelConfig(),
-    )
 
 
 @pytest.fixture
