@@ -8,8 +8,10 @@ import torch
 
 kernels = pytest.importorskip("vllm.v1.worker.gpu.spec_decode.ddtree.kernels")
 from vllm.v1.spec_decode.ddtree.tree import (  # noqa: E402
+    ancestor_mask,
     build_tree,
     compaction_indices,
+    tree_attention_bias,
     walk_tree,
 )
 
@@ -100,6 +102,27 @@ def test_walk_kernel_prefill_rows_emit_one_token():
     assert int(num_acc[0]) == 1 and int(out[0, 0]) == int(target[0, 0])
     assert out[0, 1:].cpu().tolist() == [-1] * depth
     assert src[0].cpu().tolist() == [7] * (depth + 1) == dst[0].cpu().tolist()
+
+
+@pytest.mark.parametrize(
+    "num_reqs, budget, depth, vocab",
+    [(1, 1, 1, 5), (3, 8, 3, 4), (2, 33, 15, 3), (3, 64, 15, 8), (1, 100, 7, 40)],
+)
+def test_tree_bias_kernel_matches_the_ancestor_mask(num_reqs, budget, depth, vocab):
+    tree, target, _ = _case(num_reqs, budget, depth, vocab, seed=budget)
+    # Batch row 0 has no tree this step (prefill or plain decode).
+    scheduled = [0] + [budget] * (num_reqs - 1)
+    max_reqs = num_reqs + 2
+    idx, _, par, _, _, cu, _, _ = _flatten(tree, target, scheduled, max_reqs, 0)
+    out = torch.full((max_reqs, budget + 1, budget + 1), 7.0, device=DEVICE)
+    kernels.ddtree_tree_bias(
+        par.to(DEVICE), idx.to(DEVICE), cu.to(DEVICE), depth, out
+    )
+    ref = tree_attention_bias(ancestor_mask(tree.parent_idx, depth), torch.float32)
+    ref[0] = 0.0
+    assert torch.equal(out[:num_reqs].cpu(), ref)
+    # Rows past the batch are not written.
+    assert torch.all(out[num_reqs:] == 7.0)
 
 
 @pytest.mark.parametrize("num_layers", [1, 3])

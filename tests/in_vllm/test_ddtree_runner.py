@@ -153,14 +153,10 @@ TOKENS = [11, 12, 13, 14]
 
 
 def _store_one_tree(verifier, req_state=2):
-    from vllm.v1.spec_decode.ddtree.tree import ancestor_mask, tree_attention_bias
-
-    parent = torch.tensor([PARENT])
     spec = SimpleNamespace(
-        tree_parent_idx=parent,
+        tree_parent_idx=torch.tensor([PARENT]),
         tree_depth=torch.tensor([DEPTH]),
         tree_valid=torch.ones(1, B, dtype=torch.bool),
-        tree_bias=tree_attention_bias(ancestor_mask(parent, D), torch.float32),
     )
     verifier.store_trees(torch.tensor([req_state], dtype=torch.int32), spec)
     draft_tokens = torch.zeros(4, B, dtype=torch.int64)

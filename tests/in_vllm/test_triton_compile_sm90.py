@@ -45,16 +45,22 @@ SCRIPT = textwrap.dedent(
              "part_sum_ptr": "*fp32", "cand_ptr": "*i64", "V": "i32",
              "stride": "i32", "NC": "i32", "K": C, "CHUNK": C,
              "IS_LOGPROBS": C, "COMPUTE_LSE": C, "KEY16": C},
-            {"K": 64, "CHUNK": 8192, "IS_LOGPROBS": False,
+            {"K": 64, "CHUNK": 1024, "IS_LOGPROBS": False,
              "COMPUTE_LSE": True, "KEY16": key16},
         )
+    compile_kernel(
+        tt._topk_merge_kernel,
+        {"cand_ptr": "*i64", "out_ptr": "*i64", "NCAND": "i32",
+         "NUM_GROUPS": "i32", "K": C, "GROUP": C, "BLOCK": C},
+        {"K": 64, "GROUP": 1024, "BLOCK": 1024},
+    )
     compile_kernel(
         tt._vocab_merge_kernel,
         {"part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "cand_ptr": "*i64",
          "token_lp_ptr": "*fp32", "token_ids_ptr": "*i64", "lse_ptr": "*fp32",
-         "NC": "i32", "K": C, "NC_BLOCK": C, "CAND_BLOCK": C,
+         "NC": "i32", "NCAND": "i32", "K": C, "NC_BLOCK": C, "CAND_BLOCK": C,
          "IS_LOGPROBS": C, "HAS_LSE": C},
-        {"K": 64, "NC_BLOCK": 32, "CAND_BLOCK": 2048, "IS_LOGPROBS": False,
+        {"K": 64, "NC_BLOCK": 256, "CAND_BLOCK": 1024, "IS_LOGPROBS": False,
          "HAS_LSE": False},
     )
     tree_sig = {name: "*i64" for name in (
@@ -86,6 +92,13 @@ SCRIPT = textwrap.dedent(
     compile_kernel(kk._ddtree_walk_kernel, walk_sig,
                    {"DRAFT_DEPTH": 15, "NUM_JUMPS": 4, "BLOCK": 128,
                     "PATH_BLOCK": 16})
+    compile_kernel(
+        kk._ddtree_tree_bias_kernel,
+        {"parent_ptr": "*i64", "parent_stride": "i32", "idx_mapping_ptr": "*i32",
+         "cu_num_logits_ptr": "*i32", "out_ptr": "*fp32", "NUM_NODES": C,
+         "DRAFT_DEPTH": C, "ROWS": C, "COLS": C},
+        {"NUM_NODES": 65, "DRAFT_DEPTH": 15, "ROWS": 32, "COLS": 128},
+    )
     print("\\n".join(failures) or "all compiled")
     sys.exit(1 if failures else 0)
     """
