@@ -12,13 +12,27 @@ Run on a GPU host, one engine per invocation (one configuration per process):
 Prints one ``RESULT {json}`` line per concurrency and writes the generated
 token ids to ``<outdir>/tokens_<tag>_c<conc>.json``, which a later run given
 ``--ref <tag>`` compares against (exactness: run both in float32).
+
+``--profile N`` instead decodes N prompts at concurrency 1 under the torch
+profiler (engine in-process) and prints one ``PROFILE {json}`` line: wall
+time per decoding step and the GPU kernel time per step, split into the
+DDTree tree build (our Triton build kernels), DDTree bookkeeping (tree bias,
+walk, KV compaction kernels) and everything else (the target and drafter
+forwards, sampling). Only the Triton build backend (the CUDA default) has
+kernels of its own names; with ``VLLM_DDTREE_BACKEND=torch`` the build counts
+as "other".
 """
 
 import argparse
 import json
 import os
+import re
 import sys
 import time
+
+# Kernel-name patterns of DDTree's own GPU work (see --profile).
+TREE_BUILD_KERNELS = re.compile(r"_vocab_chunk_kernel|_topk_merge_kernel|_vocab_merge_kernel|_tree_kernel\b")
+BOOKKEEPING_KERNELS = re.compile(r"_ddtree_walk_kernel|_ddtree_tree_bias_kernel|_ddtree_compact_kv_kernel")
 
 
 def load_prompts(paths: list[str], n: int) -> list[str]:
@@ -73,7 +87,13 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--attention-backend", default=None)
+    ap.add_argument(
+        "--profile", type=int, default=0, help="profile N prompts at c=1 (only that)"
+    )
     a = ap.parse_args()
+    if a.profile:
+        # The profiler sees the engine's kernels only in this process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     from vllm import LLM, SamplingParams
 
@@ -109,6 +129,9 @@ def main() -> None:
     llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
 
     tag = a.tag or f"{a.mode}_{a.dtype}"
+    if a.profile:
+        profile_steps(llm, a, tag, prompts_c1[: a.profile], sp)
+        return
     for conc in a.conc:
         phase_prompts = prompts_c1 if conc == 1 else prompts
         acc0, drafts0, _ = spec_metrics(llm)
@@ -133,6 +156,10 @@ def main() -> None:
             tok_s=round(sum(map(len, toks)) / dt, 1),
             tau=round(1 + (acc1 - acc0) / drafts, 3) if drafts else None,
             steps=drafts,
+            # Wall time of one engine step (all requests of the batch).
+            ms_per_step=round(
+                dt * 1e3 * conc / (drafts if drafts else sum(map(len, toks))), 3
+            ),
             startup_s=round(startup_s, 1),
         )
         ref_path = os.path.join(a.outdir, f"tokens_{a.ref}_c{conc}.json") if a.ref else None
@@ -152,6 +179,64 @@ def main() -> None:
         with open(os.path.join(a.outdir, f"tokens_{tag}_c{conc}.json"), "w") as f:
             json.dump(toks, f)
     sys.stdout.flush()
+
+
+def profile_steps(llm, a, tag, prompts, sp) -> None:
+    """Decode ``prompts`` one at a time under the torch profiler; print the
+    wall time and the GPU kernel time per step, by category."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    llm.generate(prompts[:1], sp, use_tqdm=False)  # warm-up outside the trace
+    acc0, drafts0, _ = spec_metrics(llm)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.time()
+        toks = 0
+        for p in prompts:
+            out = llm.generate([p], sp, use_tqdm=False)
+            toks += len(out[0].outputs[0].token_ids)
+        torch.cuda.synchronize()
+        dt = time.time() - t
+    acc1, drafts1, _ = spec_metrics(llm)
+    steps = (drafts1 - drafts0) or toks
+    us = {"tree_build": 0.0, "bookkeeping": 0.0, "other": 0.0}
+    top: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        dur = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        name = ev.name
+        if TREE_BUILD_KERNELS.search(name):
+            us["tree_build"] += dur
+        elif BOOKKEEPING_KERNELS.search(name):
+            us["bookkeeping"] += dur
+        else:
+            us["other"] += dur
+        top[name[:60]] = top.get(name[:60], 0.0) + dur
+    wall_us = dt * 1e6 / steps
+    res = dict(
+        tag=tag,
+        mode=a.mode,
+        budget=a.budget if a.mode == "ddtree" else None,
+        k=a.k if a.mode == "dflash" else None,
+        prompts=len(prompts),
+        steps=steps,
+        tau=round(1 + (acc1 - acc0) / (drafts1 - drafts0), 3) if drafts1 > drafts0 else None,
+        wall_us_per_step=round(wall_us, 1),
+        gpu_us_per_step={k: round(v / steps, 1) for k, v in us.items()},
+        ddtree_share_of_step=round((us["tree_build"] + us["bookkeeping"]) / steps / wall_us, 4),
+        top_kernels_us_per_step={
+            k: round(v / steps, 1) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]
+        },
+        # Host side: where the step's CPU time goes (self time per op).
+        top_cpu_ops_us_per_step={
+            e.key[:60]: round(e.self_cpu_time_total / steps, 1)
+            for e in sorted(
+                prof.key_averages(), key=lambda e: -e.self_cpu_time_total
+            )[:15]
+        },
+    )
+    print("PROFILE", json.dumps(res), flush=True)
 
 
 if __name__ == "__main__":

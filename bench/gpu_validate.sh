@@ -2,63 +2,97 @@
 # SPDX-License-Identifier: Apache-2.0
 # The GPU checks of the DDTree issues, in stages that each fit one 10-minute
 # device call (run them back to back: the machine stays warm ~30 s after a
-# call). Prerequisite on the GPU host: the devbundle of our wheel is unpacked
-# (../shared/gpu/README.md: `make wheel`, then
+# call). Stage `core` needs only torch + Triton and the patched tree files
+# (SRC=<dir holding vllm/v1/spec_decode/ddtree/>); the others need the
+# devbundle of our wheel unpacked (../shared/gpu/README.md: `make wheel`, then
 # `python3 ../shared/gpu/make_bundle.py --wheel dist/vllm-*.whl --models ../shared/models/tinypair`,
 # then send part-00.. with setup.sh).
 #
-#   STAGE=ref     bash bench/gpu_validate.sh   # no-spec float32 reference tokens (train+held-out)
-#   STAGE=exact1  bash bench/gpu_validate.sh   # DDTree B=1, 16 (fixed), CUDA graphs, vs ref
-#   STAGE=exact2  bash bench/gpu_validate.sh   # DDTree B=64 and 256 with enforce_eager, vs ref
-#   STAGE=speed   bash bench/gpu_validate.sh   # chain vs DDTree batch policy, c=1 and 32
-#   STAGE=core    bash bench/gpu_validate.sh   # core bench torch vs triton, -m gpu core/kernel tests
-#   STAGE=dummy8b bash bench/gpu_validate.sh   # 8B-shaped dummy target: chain vs DDTree B=64 (bf16)
-#   STAGE=sample  bash bench/gpu_validate.sh   # T=1 top-p 0.95 distribution check (issue 6)
-#   STAGE=serve   bash bench/serve_e2e.sh      # 64 streaming clients with disconnects (issue 7)
+#   STAGE=core    SRC=... bash bench/gpu_validate.sh  # core bench torch vs triton, -m gpu core tests
+#   STAGE=speed   bash bench/gpu_validate.sh  # GPU kernel tests; no-spec ref, chain K=15,
+#                                             # DDTree B=64 and 256: c=1 and c=32, float32, vs ref
+#   STAGE=profile bash bench/gpu_validate.sh  # step-time breakdown (DDTree B=64, c=1) and the
+#                                             # 8B-shaped dummy target: chain vs DDTree B=64 (bf16)
+#   STAGE=checks  bash bench/gpu_validate.sh  # concurrently (correctness only, no timing):
+#                                             # DDTree B=1, 16 (CUDA graphs) and B=64 eager vs ref,
+#                                             # batch budget policy, T=1 sampling, serving e2e
 #
 # Reference tokens are kept in /tmp/keep between calls on the same machine.
+# Logs go to one tarball ($OUT/logs-<stage>.tgz: at most 8 files come back).
 set -u
-source /tmp/site/env.sh
-export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/keep; cp /tmp/keep/tokens_*.json "$OUT"/ 2>/dev/null
+export PYTHONUNBUFFERED=1
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/keep /tmp/logs
 M=/tmp/models/tinypair; TRAIN=$M/prompts_train.jsonl; HELD=$M/prompts_heldout.jsonl
 E8=bench/configs/qwen3-8b-dummy
 ALL="--prompts $TRAIN $HELD --n 0 --c1-n 32 --conc 32 1"
-run() {
+L=/tmp/logs
+run() {  # tag, then ddtree_e2e.py args; env TMO, GPU_UTIL
   local tag=$1; shift
   echo "=== $tag $(date +%T)"
   timeout "${TMO:-280}" python3 bench/ddtree_e2e.py --target $M/target --drafter $M/drafter \
-    --tag "$tag" "$@" > "$OUT/$tag.log" 2>&1
-  echo "rc=$?"; grep -E "^RESULT|Error:" "$OUT/$tag.log" | tail -4
-  cp "$OUT"/tokens_*.json /tmp/keep/ 2>/dev/null
+    --outdir /tmp/keep --tag "$tag" --gpu-memory-utilization "${GPU_UTIL:-0.5}" "$@" \
+    > "$L/$tag.log" 2>&1
+  echo "rc=$? $tag"; grep -E "^RESULT|^PROFILE|Error" "$L/$tag.log" | tail -4
 }
+finish() {
+  grep -h "^RESULT\|^PROFILE\|^E2E" $L/*.log > "$OUT/results-$STAGE.txt" 2>/dev/null
+  tar czf "$OUT/logs-$STAGE.tgz" -C /tmp logs 2>/dev/null
+}
+trap finish EXIT
 case "${STAGE:-}" in
-ref)    run ref --mode none $ALL ;;
-exact1) run ddtree_b1 --mode ddtree --budget 1 --policy fixed --ref ref $ALL
-        run ddtree_b16 --mode ddtree --budget 16 --policy fixed --ref ref $ALL ;;
-exact2) TMO=280 run ddtree_b64_eager --mode ddtree --budget 64 --policy fixed --eager --ref ref $ALL
-        TMO=280 run ddtree_b256_eager --mode ddtree --budget 256 --policy fixed --eager --ref ref $ALL ;;
-speed)  run dflash_k15 --mode dflash --k 15 --ref ref $ALL
-        run ddtree_b64_batch --mode ddtree --budget 64 --policy batch --ref ref $ALL
-        run ddtree_b256_batch --mode ddtree --budget 256 --policy batch --ref ref $ALL ;;
-core)   timeout 200 python3 bench/bench_ddtree_core.py --src /tmp/site --backend torch --out "$OUT/core_torch.json" | tail -12
-        VLLM_DDTREE_BACKEND=triton timeout 200 python3 bench/bench_ddtree_core.py --src /tmp/site --backend triton --out "$OUT/core_triton.json" | tail -12
-        VLLM_DDTREE_SRC=/tmp/site timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ddtree_core.py 2>&1 | tail -3
-        (cd tests/in_vllm && timeout 120 python3 -m pytest -q -p no:cacheprovider -c pytest.ini -m "gpu or not gpu" test_ddtree_kernels.py test_tree_attention.py -k "kernel or compactor or gpu" 2>&1 | tail -3) ;;
-dummy8b)
+core)
+  S=${SRC:?set SRC}
+  [ -d .gpu/whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/pyextra .gpu/whl/*.whl \
+    && export PYTHONPATH=/tmp/pyextra${PYTHONPATH:+:$PYTHONPATH}
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  for b in triton torch; do
+    timeout 120 python3 bench/bench_ddtree_core.py --src $S --backend $b --requests 1,8,64 \
+      --budgets 16,64,256 --stages vocab,tree,core,full --iters 50 --out "$OUT/core_$b.json" 2>&1 | tail -11
+  done
+  timeout 40 python3 bench/bench_ddtree_core.py --src $S --backend triton --vocab 8192 --requests 1,32 \
+    --budgets 64,256 --stages vocab,tree,core,full --iters 50 --out "$OUT/core_triton_v8k.json" 2>&1 | tail -5
+  VLLM_DDTREE_SRC=$S timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rxXs \
+    tests/test_ddtree_core.py 2>&1 | tail -8 ;;
+speed)
+  source /tmp/site/env.sh
+  (cd tests/in_vllm && timeout 100 python3 -m pytest -q -p no:cacheprovider -c pytest.ini \
+     test_ddtree_kernels.py test_tree_attention.py 2>&1 | tail -3)
+  run ref --mode none $ALL
+  run dflash_k15 --mode dflash --k 15 --ref ref $ALL
+  run ddtree_b64 --mode ddtree --budget 64 --policy fixed --ref ref $ALL
+  TMO=200 run ddtree_b256 --mode ddtree --budget 256 --policy fixed --ref ref $ALL ;;
+profile)
+  source /tmp/site/env.sh
+  TMO=120 run prof_ddtree_b64 --mode ddtree --budget 64 --policy fixed --prompts $TRAIN \
+    --profile 8 --max-tokens 128
   for mode in "dflash --k 15" "ddtree --budget 64 --policy fixed"; do
     t=8b_$(echo "$mode" | cut -d' ' -f1)
     echo "=== $t $(date +%T)"
-    timeout 280 python3 bench/ddtree_e2e.py --target $E8/target --drafter $E8/drafter \
+    timeout 170 python3 bench/ddtree_e2e.py --target $E8/target --drafter $E8/drafter \
       --load-format dummy --dtype bfloat16 --mode $mode --prompts $TRAIN --n 8 --conc 1 \
-      --max-tokens 128 --tag "$t" --gpu-memory-utilization 0.6 > "$OUT/$t.log" 2>&1
-    echo "rc=$?"; grep -E "^RESULT|Error:" "$OUT/$t.log" | tail -3
+      --max-tokens 128 --tag "$t" --outdir /tmp/keep --gpu-memory-utilization 0.6 > "$L/$t.log" 2>&1
+    echo "rc=$? $t"; grep -E "^RESULT|Error" "$L/$t.log" | tail -3
   done ;;
-sample)
-  for args in "--mode none --tag sref" "--drafter $M/drafter --mode dflash --k 15 --ref sref" \
-              "--drafter $M/drafter --mode ddtree --budget 64 --ref sref --seeded-ref sref"; do
-    timeout 280 python3 bench/ddtree_sampling.py --target $M/target $args 2>&1 | grep -E "^RESULT|Error:" | tail -2
-  done ;;
+checks)
+  # Correctness only: several engines share the GPU (small memory shares;
+  # starts staggered so that each engine's memory profiling runs alone).
+  source /tmp/site/env.sh
+  export GPU_UTIL=0.12
+  TMO=380 run ddtree_b64_eager --mode ddtree --budget 64 --policy fixed --eager --ref ref $ALL &
+  sleep 20; run ddtree_b1 --mode ddtree --budget 1 --policy fixed --ref ref $ALL &
+  sleep 20; run ddtree_b16 --mode ddtree --budget 16 --policy fixed --ref ref $ALL &
+  sleep 20; run ddtree_b64_batch --mode ddtree --budget 64 --policy batch --ref ref \
+    --prompts $TRAIN --n 0 --c1-n 32 --conc 1 8 32 &
+  sleep 20; ( (S="timeout 170 python3 bench/ddtree_sampling.py --target $M/target --outdir /tmp/keep --gpu-memory-utilization 0.12"
+   $S --mode none --tag sref
+   $S --drafter $M/drafter --mode dflash --k 15 --ref sref --tag s_dflash
+   $S --drafter $M/drafter --mode ddtree --budget 64 --ref sref --tag s_ddtree
+   # seeded outputs run to run: a second process, compared with the first
+   $S --drafter $M/drafter --mode ddtree --budget 64 --tag s_ddtree2 --seeded-ref s_ddtree \
+     --samples 20 --tau-requests 8
+   ) > $L/sampling.log 2>&1; echo "sampling done"; grep -E "^RESULT|Error" $L/sampling.log) &
+  sleep 20; (GPU_UTIL=0.12 OUT=/tmp/serve_e2e timeout 380 bash bench/serve_e2e.sh > $L/serve_e2e.log 2>&1;
+   echo "serve_e2e rc=$?"; grep -E "^RESULT|^E2E|exit" $L/serve_e2e.log | tail -5) &
+  sleep 20; wait ;;
 *) echo "set STAGE (see the header)"; exit 2 ;;
 esac
-grep -h "^RESULT" "$OUT"/*.log 2>/dev/null
-rm -f "$OUT"/tokens_*.json  # at most 8 files come back from the device

@@ -19,7 +19,7 @@ TARGET=$MODELS/target
 DRAFTER=$MODELS/drafter
 PORT=${PORT:-8000}
 OUT=${OUT:-/tmp/serve_e2e}
-N=${N:-64}
+N=${N:-64}                 # GPU_UTIL: --gpu-memory-utilization (default 0.9)
 MAX_TOKENS=${MAX_TOKENS:-128}
 BUDGET=${BUDGET:-64}
 DEPTH=${DEPTH:-15}
@@ -34,6 +34,7 @@ PROMPT_ARGS=()
 [ -f "$PROMPTS" ] && PROMPT_ARGS=(--prompts "$PROMPTS")
 SPEC="{\"method\":\"ddtree\",\"model\":\"$DRAFTER\",\"tree_budget\":$BUDGET,\"draft_depth\":$DEPTH}"
 COMMON=(--host 127.0.0.1 --port "$PORT" --dtype float32 --max-model-len 2048
+        --gpu-memory-utilization "${GPU_UTIL:-0.9}"
         --served-model-name tinypair --chat-template bench/chat_template.jinja
         --uvicorn-log-level warning)
 SERVER_PID=
