@@ -10,12 +10,15 @@
 #
 #   STAGE=core    SRC=... bash bench/gpu_validate.sh  # core bench torch vs triton, -m gpu core tests
 #   STAGE=speed   bash bench/gpu_validate.sh  # GPU kernel tests; no-spec ref, chain K=15,
-#                                             # DDTree B=64 and 256: c=1 and c=32, float32, vs ref
+#                                             # DDTree B=64 (batch policy): c=1, c=32, fp32, vs ref
 #   STAGE=profile bash bench/gpu_validate.sh  # step-time breakdown (DDTree B=64, c=1) and the
 #                                             # 8B-shaped dummy target: chain vs DDTree B=64 (bf16)
-#   STAGE=checks  bash bench/gpu_validate.sh  # concurrently (correctness only, no timing):
-#                                             # DDTree B=1, 16 (CUDA graphs) and B=64 eager vs ref,
-#                                             # batch budget policy, T=1 sampling, serving e2e
+#   STAGE=exact   bash bench/gpu_validate.sh  # DDTree B=1, 16 (CUDA graphs), B=64 eager vs ref
+#   STAGE=sample  bash bench/gpu_validate.sh  # T=1 top-p 0.95 distribution vs no-spec, seeded runs
+#   STAGE=serve   bash bench/gpu_validate.sh  # vllm serve: 64 streams with disconnects vs no-spec
+#
+# One engine at a time: several vLLM engines starting on one GPU fail their
+# memory profiling. Stages speed, profile and exact need `ref` from `speed`.
 #
 # Reference tokens are kept in /tmp/keep between calls on the same machine.
 # Logs go to one tarball ($OUT/logs-<stage>.tgz: at most 8 files come back).
@@ -59,8 +62,7 @@ speed)
      test_ddtree_kernels.py test_tree_attention.py 2>&1 | tail -3)
   run ref --mode none $ALL
   run dflash_k15 --mode dflash --k 15 --ref ref $ALL
-  run ddtree_b64 --mode ddtree --budget 64 --policy fixed --ref ref $ALL
-  TMO=200 run ddtree_b256 --mode ddtree --budget 256 --policy fixed --ref ref $ALL ;;
+  run ddtree_b64 --mode ddtree --budget 64 --ref ref $ALL ;;
 profile)
   source /tmp/site/env.sh
   TMO=120 run prof_ddtree_b64 --mode ddtree --budget 64 --policy fixed --prompts $TRAIN \
@@ -73,26 +75,28 @@ profile)
       --max-tokens 128 --tag "$t" --outdir /tmp/keep --gpu-memory-utilization 0.6 > "$L/$t.log" 2>&1
     echo "rc=$? $t"; grep -E "^RESULT|Error" "$L/$t.log" | tail -3
   done ;;
-checks)
-  # Correctness only: several engines share the GPU (small memory shares;
-  # starts staggered so that each engine's memory profiling runs alone).
+exact)
+  # One engine at a time: vLLM engines starting side by side on one GPU fail
+  # their memory profiling (seen 2026-11-29: "Error in memory profiling",
+  # "No available memory for the cache blocks").
   source /tmp/site/env.sh
-  export GPU_UTIL=0.12
-  TMO=380 run ddtree_b64_eager --mode ddtree --budget 64 --policy fixed --eager --ref ref $ALL &
-  sleep 20; run ddtree_b1 --mode ddtree --budget 1 --policy fixed --ref ref $ALL &
-  sleep 20; run ddtree_b16 --mode ddtree --budget 16 --policy fixed --ref ref $ALL &
-  sleep 20; run ddtree_b64_batch --mode ddtree --budget 64 --policy batch --ref ref \
-    --prompts $TRAIN --n 0 --c1-n 32 --conc 1 8 32 &
-  sleep 20; ( (S="timeout 170 python3 bench/ddtree_sampling.py --target $M/target --outdir /tmp/keep --gpu-memory-utilization 0.12"
-   $S --mode none --tag sref
-   $S --drafter $M/drafter --mode dflash --k 15 --ref sref --tag s_dflash
-   $S --drafter $M/drafter --mode ddtree --budget 64 --ref sref --tag s_ddtree
-   # seeded outputs run to run: a second process, compared with the first
-   $S --drafter $M/drafter --mode ddtree --budget 64 --tag s_ddtree2 --seeded-ref s_ddtree \
-     --samples 20 --tau-requests 8
-   ) > $L/sampling.log 2>&1; echo "sampling done"; grep -E "^RESULT|Error" $L/sampling.log) &
-  sleep 20; (GPU_UTIL=0.12 OUT=/tmp/serve_e2e timeout 380 bash bench/serve_e2e.sh > $L/serve_e2e.log 2>&1;
-   echo "serve_e2e rc=$?"; grep -E "^RESULT|^E2E|exit" $L/serve_e2e.log | tail -5) &
-  sleep 20; wait ;;
+  run ddtree_b1 --mode ddtree --budget 1 --policy fixed --ref ref $ALL
+  run ddtree_b16 --mode ddtree --budget 16 --policy fixed --ref ref $ALL
+  TMO=300 run ddtree_b64_eager --mode ddtree --budget 64 --policy fixed --eager --ref ref $ALL ;;
+sample)
+  source /tmp/site/env.sh
+  S="timeout 170 python3 bench/ddtree_sampling.py --target $M/target --prompts $HELD --outdir /tmp/keep"
+  { $S --mode none --tag sref
+    $S --drafter $M/drafter --mode dflash --k 15 --ref sref --tag s_dflash
+    $S --drafter $M/drafter --mode ddtree --budget 64 --ref sref --tag s_ddtree
+    # seeded outputs run to run: a second process, compared with the first
+    $S --drafter $M/drafter --mode ddtree --budget 64 --tag s_ddtree2 --seeded-ref s_ddtree \
+      --samples 20 --tau-requests 8
+  } > $L/sampling.log 2>&1
+  grep -E "^RESULT|Error" $L/sampling.log ;;
+serve)
+  source /tmp/site/env.sh
+  OUT=/tmp/serve_e2e timeout 500 bash bench/serve_e2e.sh > $L/serve_e2e.log 2>&1
+  echo "serve_e2e rc=$?"; grep -E "^RESULT|^E2E|exit" $L/serve_e2e.log | tail -5 ;;
 *) echo "set STAGE (see the header)"; exit 2 ;;
 esac

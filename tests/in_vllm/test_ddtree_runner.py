@@ -318,7 +318,7 @@ def test_budget_schedule_shrinks_with_batch_and_keeps_a_floor():
     from vllm.v1.spec_decode.ddtree.config import budget_schedule
 
     schedule = budget_schedule(64, 15, 512)
-    assert schedule == [(1, 7, 64), (8, 15, 32), (16, 1024, 16)]
+    assert schedule == [(1, 7, 64), (8, 15, 32), (16, 1024, 15)]
     dense = {}
     for lo, hi, budget in budget_schedule(256, 15, 512):
         for batch in range(lo, hi + 1):
@@ -327,28 +327,32 @@ def test_budget_schedule_shrinks_with_batch_and_keeps_a_floor():
     budgets = [dense[b] for b in range(1, 1025)]
     assert budgets == sorted(budgets, reverse=True)  # never grows with the batch
     for batch, budget in dense.items():
-        # Within the token cap, unless at the floor (the chain's size).
-        assert (1 + budget) * batch <= 512 or budget == 16
-    assert budget_schedule(16, 15, 512) == [(1, 1024, 16)]
+        # Within the token cap (vLLM's largest CUDA graph by default), unless
+        # at the floor: the chain's size, draft_depth nodes.
+        assert (1 + budget) * batch <= 512 or budget == 15
+    # A batch of 32 verifies 512 tokens, as the chain of 15 does: 16-node
+    # trees (544 tokens) fell out of the captured CUDA graphs.
+    assert dense[32] == 15 and dense[31] == 15
+    assert budget_schedule(16, 15, 512) == [(1, 30, 16), (31, 1024, 15)]
     assert budget_schedule(1, 15, 512) == [(1, 1024, 1)]
 
 
 @needs_models
-def test_fixed_policy_is_the_default_and_batch_follows_the_schedule(target_model_config):
-    spec = _spec(target_model_config, method="ddtree", model=DRAFTER, tree_budget=64)
-    assert spec.budget_policy == "fixed"
-    assert spec.num_speculative_tokens_per_batch_size is None
-    batch = _spec(
+def test_batch_policy_is_the_default_and_fixed_pins_the_budget(target_model_config):
+    fixed = _spec(
         target_model_config,
         method="ddtree",
         model=DRAFTER,
         tree_budget=64,
-        budget_policy="batch",
+        budget_policy="fixed",
     )
+    assert fixed.num_speculative_tokens_per_batch_size is None
+    batch = _spec(target_model_config, method="ddtree", model=DRAFTER, tree_budget=64)
+    assert batch.budget_policy == "batch"
     assert batch.num_speculative_tokens_per_batch_size == [
         (1, 7, 64),
         (8, 15, 32),
-        (16, 1024, 16),
+        (16, 1024, 15),
     ]
     assert batch.num_speculative_tokens == 64  # the most a step verifies
     own = _spec(
