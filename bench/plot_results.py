@@ -40,9 +40,13 @@ def main() -> None:
             return "no spec"
         if r["mode"] == "dflash":
             return f"DFlash K={r['k']}"
-        return f"DDTree B={r['budget']}"
+        policy = " (batch)" if r.get("policy") == "batch" else ""
+        return f"DDTree B={r['budget']}{policy}"
 
-    order = ["no spec", "DFlash K=7", "DFlash K=15"] + [f"DDTree B={b}" for b in (1, 16, 32, 64, 128, 256)]
+    budgets = (1, 16, 32, 64, 128, 256)
+    order = ["no spec", "DFlash K=7", "DFlash K=15"] + [
+        f"DDTree B={b}{p}" for b in budgets for p in ("", " (batch)")
+    ]
     for metric, ylabel, fname in (
         ("tok_s", "tokens/s", "tok_s"),
         ("tau", "acceptance length tau", "tau"),
