@@ -13,6 +13,14 @@ Prints one ``RESULT {json}`` line per concurrency and writes the generated
 token ids to ``<outdir>/tokens_<tag>_c<conc>.json``, which a later run given
 ``--ref <tag>`` compares against (exactness: run both in float32).
 
+``--sync-check N`` instead decodes N prompts at concurrency 1 with
+``torch.cuda.set_sync_debug_mode("warn")`` (engine in-process) and prints one
+``SYNCCHECK {json}`` line: every host synchronisation the steady-state steps
+made, counted by the Python line that made it, and how many of them come
+from DDTree's own files. Run it for ``--mode dflash`` too: DDTree adds no
+host synchronisation when its count per step is the chain's and none comes
+from a ``ddtree`` file.
+
 ``--profile N`` instead decodes N prompts at concurrency 1 under the torch
 profiler (engine in-process) and prints one ``PROFILE {json}`` line: wall
 time per decoding step and the GPU kernel time per step, split into the
@@ -90,8 +98,14 @@ def main() -> None:
     ap.add_argument(
         "--profile", type=int, default=0, help="profile N prompts at c=1 (only that)"
     )
+    ap.add_argument(
+        "--sync-check",
+        type=int,
+        default=0,
+        help="count host syncs while decoding N prompts at c=1 (only that)",
+    )
     a = ap.parse_args()
-    if a.profile:
+    if a.profile or a.sync_check:
         # The profiler sees the engine's kernels only in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -131,6 +145,9 @@ def main() -> None:
     tag = a.tag or f"{a.mode}_{a.dtype}"
     if a.profile:
         profile_steps(llm, a, tag, prompts_c1[: a.profile], sp)
+        return
+    if a.sync_check:
+        count_host_syncs(llm, a, tag, prompts_c1[: a.sync_check], sp)
         return
     for conc in a.conc:
         phase_prompts = prompts_c1 if conc == 1 else prompts
@@ -237,6 +254,46 @@ def profile_steps(llm, a, tag, prompts, sp) -> None:
         },
     )
     print("PROFILE", json.dumps(res), flush=True)
+
+
+def count_host_syncs(llm, a, tag, prompts, sp) -> None:
+    """Decode ``prompts`` one at a time with CUDA sync debugging on; print
+    the host synchronisations per decoding step by calling line."""
+    import warnings
+    from collections import Counter
+
+    import torch
+
+    llm.generate(prompts[:1], sp, use_tqdm=False)  # warm-up: startup syncs
+    acc0, drafts0, _ = spec_metrics(llm)
+    where: Counter[str] = Counter()
+    toks = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for p in prompts:
+                out = llm.generate([p], sp, use_tqdm=False)
+                toks += len(out[0].outputs[0].token_ids)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message).lower():
+            where[f"{w.filename}:{w.lineno}"] += 1
+    acc1, drafts1, _ = spec_metrics(llm)
+    steps = (drafts1 - drafts0) or toks
+    ddtree = sum(n for loc, n in where.items() if "ddtree" in loc)
+    res = dict(
+        tag=tag,
+        mode=a.mode,
+        prompts=len(prompts),
+        steps=steps,
+        syncs=sum(where.values()),
+        syncs_per_step=round(sum(where.values()) / steps, 3),
+        ddtree_file_syncs=ddtree,
+        by_line=dict(where.most_common(20)),
+    )
+    print("SYNCCHECK", json.dumps(res), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@
 #   STAGE=core    SRC=... bash bench/gpu_validate.sh  # core bench torch vs triton, -m gpu core tests
 #   STAGE=speed   bash bench/gpu_validate.sh  # GPU kernel tests; no-spec ref, chain K=15,
 #                                             # DDTree B=64 (batch policy): c=1, c=32, fp32, vs ref
-#   STAGE=profile bash bench/gpu_validate.sh  # step-time breakdown (DDTree B=64, c=1) and the
-#                                             # 8B-shaped dummy target: chain vs DDTree B=64 (bf16)
+#   STAGE=profile bash bench/gpu_validate.sh  # step-time breakdown (DDTree B=64, c=1), host syncs
+#                                             # per step (chain vs DDTree), and the 8B-shaped
+#                                             # dummy target: chain vs DDTree B=64 (bf16)
 #   STAGE=exact   bash bench/gpu_validate.sh  # DDTree B=1, 16 (CUDA graphs), B=64 eager vs ref
 #   STAGE=sample  bash bench/gpu_validate.sh  # T=1 top-p 0.95 distribution vs no-spec, seeded runs
 #   STAGE=serve   bash bench/gpu_validate.sh  # vllm serve: 64 streams with disconnects vs no-spec
@@ -35,10 +36,10 @@ run() {  # tag, then ddtree_e2e.py args; env TMO, GPU_UTIL
   timeout "${TMO:-280}" python3 bench/ddtree_e2e.py --target $M/target --drafter $M/drafter \
     --outdir /tmp/keep --tag "$tag" --gpu-memory-utilization "${GPU_UTIL:-0.5}" "$@" \
     > "$L/$tag.log" 2>&1
-  echo "rc=$? $tag"; grep -E "^RESULT|^PROFILE|Error" "$L/$tag.log" | tail -4
+  echo "rc=$? $tag"; grep -E "^RESULT|^PROFILE|^SYNCCHECK|Error" "$L/$tag.log" | tail -4
 }
 finish() {
-  grep -h "^RESULT\|^PROFILE\|^E2E" $L/*.log > "$OUT/results-$STAGE.txt" 2>/dev/null
+  grep -h "^RESULT\|^PROFILE\|^SYNCCHECK\|^E2E" $L/*.log > "$OUT/results-$STAGE.txt" 2>/dev/null
   tar czf "$OUT/logs-$STAGE.tgz" -C /tmp logs 2>/dev/null
 }
 trap finish EXIT
@@ -67,6 +68,9 @@ profile)
   source /tmp/site/env.sh
   TMO=120 run prof_ddtree_b64 --mode ddtree --budget 64 --policy fixed --prompts $TRAIN \
     --profile 8 --max-tokens 128
+  # Host synchronisations per step, DDTree against the chain (issue 4).
+  TMO=100 run sync_dflash --mode dflash --k 15 --prompts $TRAIN --sync-check 4 --max-tokens 64
+  TMO=100 run sync_ddtree --mode ddtree --budget 64 --prompts $TRAIN --sync-check 4 --max-tokens 64
   for mode in "dflash --k 15" "ddtree --budget 64 --policy fixed"; do
     t=8b_$(echo "$mode" | cut -d' ' -f1)
     echo "=== $t $(date +%T)"
