@@ -22,6 +22,7 @@ SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
 
+    import vllm.v1.spec_decode.ddtree.tree_gdn as tg
     import vllm.v1.spec_decode.ddtree.tree_triton as tt
     import vllm.v1.worker.gpu.spec_decode.ddtree.kernels as kk
 
@@ -99,6 +100,25 @@ SCRIPT = textwrap.dedent(
          "DRAFT_DEPTH": C, "ROWS": C, "COLS": C},
         {"NUM_NODES": 65, "DRAFT_DEPTH": 15, "ROWS": 32, "COLS": 128},
     )
+    gdn_sig = {name: "*bf16" for name in ("a", "b", "q", "k", "v", "o")}
+    gdn_sig.update({"A_log": "*fp32", "dt_bias": "*fp32", "state": "*fp32",
+                    "state_stride": "i64", "state_idx_ptr": "*i32",
+                    "final_state_idx_ptr": "*i32", "query_start_ptr": "*i32",
+                    "parent_ptr": "*i64", "parent_stride": "i32",
+                    "idx_mapping_ptr": "*i32", "target_ptr": "*i64",
+                    "softplus_beta": "fp32", "softplus_threshold": "fp32",
+                    "scale": "fp32"})
+    for store_final in (False, True):
+        compile_kernel(
+            tg._tree_gdn_kernel, dict(gdn_sig, **{n: C for n in (
+                "NUM_TARGETS", "H", "HV", "K", "V", "BK", "BV", "MAX_PATH",
+                "PATH_BLOCK", "USE_QK_L2NORM_IN_KERNEL", "STORE_OUTPUT",
+                "STORE_FINAL")}),
+            {"NUM_TARGETS": 65, "H": 16, "HV": 48, "K": 128, "V": 128, "BK": 128,
+             "BV": 32, "MAX_PATH": 16, "PATH_BLOCK": 16,
+             "USE_QK_L2NORM_IN_KERNEL": True, "STORE_OUTPUT": not store_final,
+             "STORE_FINAL": store_final},
+        )
     print("\\n".join(failures) or "all compiled")
     sys.exit(1 if failures else 0)
     """

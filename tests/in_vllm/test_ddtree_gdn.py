@@ -1,0 +1,128 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tree-aware gated delta rule (DDTree through GDN layers) against upstream's
+sequential kernel run over every root-to-node path. On a CPU machine both run
+in the Triton interpreter (tests/in_vllm/conftest.py sets it up)."""
+
+import pytest
+import torch
+
+tree_gdn = pytest.importorskip("vllm.v1.spec_decode.ddtree.tree_gdn")
+from vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating import (  # noqa: E402
+    fused_sigmoid_gating_delta_rule_update,
+)
+from vllm.v1.spec_decode.ddtree.tree import build_tree  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H, HV, K, V = 2, 4, 16, 48  # V > 32: two value blocks, the second masked
+
+
+def _case(seed, budgets, depth, l2norm):
+    gen = torch.Generator().manual_seed(seed)
+    num_rows = len(budgets)
+    budget = max(budgets)
+    # Trees of the core build: bushy (flat draft distributions) or spiny.
+    tree = build_tree(torch.randn(num_rows, depth, 5, generator=gen) * 2, budget)
+    max_reqs = num_rows + 2
+    idx_mapping = torch.randperm(max_reqs, generator=gen)[:num_rows].to(torch.int32)
+    parent = torch.zeros(max_reqs, budget, dtype=torch.int64)
+    parent[idx_mapping.long()] = tree.parent_idx
+    counts = torch.tensor([1 + n for n in budgets])
+    qsl = torch.zeros(num_rows + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(counts, 0)
+    T = int(qsl[-1])
+    inputs = dict(
+        A_log=torch.randn(HV, generator=gen) * 0.5,
+        a=torch.randn(T, HV, generator=gen),
+        b=torch.randn(T, HV, generator=gen),
+        dt_bias=torch.randn(HV, generator=gen) * 0.1,
+        q=torch.randn(T, H, K, generator=gen),
+        k=torch.randn(T, H, K, generator=gen) * (1.0 if l2norm else 0.3),
+        v=torch.randn(T, HV, V, generator=gen),
+    )
+    state = torch.randn(2 * num_rows + 2, HV, V, K, generator=gen) * 0.1
+    state_idx = torch.arange(1, num_rows + 1, dtype=torch.int32)  # slot 0: null
+    return tree, idx_mapping, parent, qsl, inputs, state, state_idx
+
+
+def _path(parent_row, node):
+    path = [node]
+    while path[-1] != 0:
+        path.append(int(parent_row[path[-1] - 1]))
+    return path[::-1]
+
+
+def _reference(inputs, state0, rows, l2norm):
+    """Upstream's sequential kernel over the given rows, from state0."""
+    sel = {n: t[rows] for n, t in inputs.items() if n in ("a", "b", "q", "k", "v")}
+    o, states = fused_sigmoid_gating_delta_rule_update(
+        A_log=inputs["A_log"].to(DEVICE),
+        a=sel["a"][None].to(DEVICE),
+        b=sel["b"][None].to(DEVICE),
+        dt_bias=inputs["dt_bias"].to(DEVICE),
+        q=sel["q"][None].to(DEVICE),
+        k=sel["k"][None].to(DEVICE),
+        v=sel["v"][None].to(DEVICE),
+        initial_state=state0[None].to(DEVICE),
+        inplace_final_state=False,
+        use_qk_l2norm_in_kernel=l2norm,
+    )
+    return o[0, -1].cpu(), states[-1].cpu()
+
+
+@pytest.mark.parametrize(
+    "seed, budgets, depth, l2norm",
+    [(0, [1], 1, False), (1, [6, 3], 3, True), (2, [8, 8, 2], 4, False)],
+)
+def test_tree_gdn_matches_the_sequential_kernel_on_every_path(seed, budgets, depth, l2norm):
+    tree, idx_mapping, parent, qsl, inputs, state, state_idx = _case(
+        seed, budgets, depth, l2norm
+    )
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    committed = state.clone()
+    o = tree_gdn.tree_gated_delta_rule(
+        **{n: to(t) for n, t in inputs.items()},
+        state=to(state),
+        state_idx=to(state_idx),
+        query_start_loc=to(qsl),
+        parent_idx=to(parent),
+        idx_mapping=to(idx_mapping),
+        draft_depth=depth,
+        use_qk_l2norm_in_kernel=l2norm,
+    ).cpu()
+    for r, n in enumerate(budgets):
+        parent_row = parent[int(idx_mapping[r])]
+        for node in range(1 + n):
+            rows = [int(qsl[r]) + i for i in _path(parent_row, node)]
+            ref_o, _ = _reference(inputs, committed[int(state_idx[r])], rows, l2norm)
+            torch.testing.assert_close(o[int(qsl[r]) + node], ref_o, rtol=1e-5, atol=1e-5)
+
+    # After the walk: the state after one accepted node per row goes to a
+    # fresh slot; the committed slots stay as they were.
+    gen = torch.Generator().manual_seed(seed + 100)
+    accepted = torch.tensor(
+        [[int(torch.randint(0, 1 + n, (1,), generator=gen))] for n in budgets]
+    )
+    final_idx = torch.arange(len(budgets) + 1, 2 * len(budgets) + 1, dtype=torch.int32)
+    state_dev = to(state.clone())
+    out = tree_gdn.tree_gated_delta_rule(
+        **{n: to(t) for n, t in inputs.items()},
+        state=state_dev,
+        state_idx=to(state_idx),
+        query_start_loc=to(qsl),
+        parent_idx=to(parent),
+        idx_mapping=to(idx_mapping),
+        draft_depth=depth,
+        targets=to(accepted),
+        final_state_idx=to(final_idx),
+        use_qk_l2norm_in_kernel=l2norm,
+    )
+    assert out is None
+    state_after = state_dev.cpu()
+    for r, n in enumerate(budgets):
+        parent_row = parent[int(idx_mapping[r])]
+        rows = [int(qsl[r]) + i for i in _path(parent_row, int(accepted[r, 0]))]
+        _, ref_state = _reference(inputs, committed[int(state_idx[r])], rows, l2norm)
+        torch.testing.assert_close(
+            state_after[int(final_idx[r])], ref_state, rtol=1e-5, atol=1e-5
+        )
+        assert torch.equal(state_after[int(state_idx[r])], committed[int(state_idx[r])])
