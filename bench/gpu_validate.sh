@@ -46,8 +46,6 @@ trap finish EXIT
 case "${STAGE:-}" in
 core)
   S=${SRC:?set SRC}
-  [ -d .gpu/whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/pyextra .gpu/whl/*.whl \
-    && export PYTHONPATH=/tmp/pyextra${PYTHONPATH:+:$PYTHONPATH}
   nvidia-smi --query-gpu=name --format=csv,noheader
   for b in triton torch; do
     timeout 120 python3 bench/bench_ddtree_core.py --src $S --backend $b --requests 1,8,64 \

@@ -9,7 +9,8 @@
 # Servers listen on 127.0.0.1 only. Prints the RESULT lines of serve_load.py
 # and a final `E2E {json}` line; exit 0 only when every step passed.
 #
-#   bash bench/serve_e2e.sh            # env: MODELS, PORT, OUT, N, MAX_TOKENS
+#   bash bench/serve_e2e.sh            # env: MODELS, PORT, OUT, N, MAX_TOKENS,
+#                                      # GPU_UTIL (--gpu-memory-utilization, 0.9)
 set -u
 cd "$(dirname "$0")/.."
 [ -f /tmp/site/env.sh ] && source /tmp/site/env.sh
@@ -19,7 +20,7 @@ TARGET=$MODELS/target
 DRAFTER=$MODELS/drafter
 PORT=${PORT:-8000}
 OUT=${OUT:-/tmp/serve_e2e}
-N=${N:-64}                 # GPU_UTIL: --gpu-memory-utilization (default 0.9)
+N=${N:-64}
 MAX_TOKENS=${MAX_TOKENS:-128}
 BUDGET=${BUDGET:-64}
 DEPTH=${DEPTH:-15}

@@ -33,7 +33,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import apply_patches  # noqa: E402
+
+
+def _tooling():
+    """apply_patches (needs GitPython and unidiff), imported only by the
+    fixtures that use it: the DDTree core tests also run on a GPU host that
+    has torch and Triton but not the patch tooling."""
+    import apply_patches
+
+    return apply_patches
 
 
 def patched_src() -> Path:
@@ -77,13 +85,14 @@ def src_tree() -> Path:
 
 
 @pytest.fixture(scope="session")
-def lock() -> apply_patches.Lock:
-    return apply_patches.Lock.load(apply_patches.DEFAULT_LOCK)
+def lock():
+    tool = _tooling()
+    return tool.Lock.load(tool.DEFAULT_LOCK)
 
 
 @pytest.fixture(scope="session")
-def our_wheel(lock: apply_patches.Lock) -> Path:
-    wheel = REPO_ROOT / "dist" / apply_patches.wheel_name(lock)
+def our_wheel(lock) -> Path:
+    wheel = REPO_ROOT / "dist" / _tooling().wheel_name(lock)
     if not wheel.is_file():
         pytest.fail(f"{wheel} missing; run `make wheel` first")
     return wheel
@@ -101,9 +110,10 @@ def wheel_venv(our_wheel: Path) -> Path:
 def stack_copy(tmp_path: Path) -> tuple[Path, Path]:
     """Copies of upstream.lock and patches/ that a test may corrupt."""
     lock = tmp_path / "upstream.lock"
-    shutil.copy(apply_patches.DEFAULT_LOCK, lock)
+    tool = _tooling()
+    shutil.copy(tool.DEFAULT_LOCK, lock)
     patches = tmp_path / "patches"
-    shutil.copytree(apply_patches.DEFAULT_PATCHES, patches)
+    shutil.copytree(tool.DEFAULT_PATCHES, patches)
     return lock, patches
 
 

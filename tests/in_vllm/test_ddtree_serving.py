@@ -30,8 +30,6 @@ PER_ENGINE = {0: ["tiny", "0"]}
 ENGINE = {"model_name": "tiny", "engine": "0"}
 
 
-
-
 @pytest.fixture
 def registry():
     from vllm.v1.metrics.prometheus import unregister_vllm_metrics

@@ -111,10 +111,11 @@ SCRIPT = textwrap.dedent(
     for store_final in (False, True):
         compile_kernel(
             tg._tree_gdn_kernel, dict(gdn_sig, **{n: C for n in (
-                "NUM_TARGETS", "H", "HV", "K", "V", "BK", "BV", "MAX_PATH",
+                "NUM_TARGETS", "HAS_TARGETS", "H", "HV", "K", "V", "BK", "BV", "MAX_PATH",
                 "PATH_BLOCK", "USE_QK_L2NORM_IN_KERNEL", "STORE_OUTPUT",
                 "STORE_FINAL")}),
-            {"NUM_TARGETS": 65, "H": 16, "HV": 48, "K": 128, "V": 128, "BK": 128,
+            {"NUM_TARGETS": 1 if store_final else 65, "HAS_TARGETS": store_final,
+             "H": 16, "HV": 48, "K": 128, "V": 128, "BK": 128,
              "BV": 32, "MAX_PATH": 16, "PATH_BLOCK": 16,
              "USE_QK_L2NORM_IN_KERNEL": True, "STORE_OUTPUT": not store_final,
              "STORE_FINAL": store_final},
