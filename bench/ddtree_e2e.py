@@ -21,9 +21,10 @@ from DDTree's own files. Run it for ``--mode dflash`` too: DDTree adds no
 host synchronisation when its count per step is the chain's and none comes
 from a ``ddtree`` file.
 
-``--profile N`` instead decodes N prompts at concurrency 1 under the torch
-profiler (engine in-process) and prints one ``PROFILE {json}`` line: wall
-time per decoding step and the GPU kernel time per step, split into the
+``--profile N`` instead decodes N batches of each ``--conc`` under the torch
+profiler (engine in-process) and prints one ``PROFILE {json}`` line per
+concurrency: wall time per engine step, the share of it the GPU is busy,
+and the GPU kernel time per step, split into the
 DDTree tree build (our Triton build kernels), DDTree bookkeeping (tree bias,
 walk, KV compaction kernels) and everything else (the target and drafter
 forwards, sampling). Only the Triton build backend (the CUDA default) has
@@ -91,12 +92,21 @@ def main() -> None:
     )
     ap.add_argument("--tag", default=None)
     ap.add_argument("--ref", default=None, help="tag of a reference run")
+    ap.add_argument(
+        "--save-gaps",
+        action="store_true",
+        help="(reference run) also save each token's top-1 minus top-2 logprob, "
+        "so that later runs can tell near-tie divergences from real ones",
+    )
     ap.add_argument("--outdir", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument(
-        "--profile", type=int, default=0, help="profile N prompts at c=1 (only that)"
+        "--profile",
+        type=int,
+        default=0,
+        help="profile N batches at each --conc (only that)",
     )
     ap.add_argument(
         "--sync-check",
@@ -140,23 +150,32 @@ def main() -> None:
     prompts = load_prompts(a.prompts, a.n)
     prompts_c1 = load_prompts(a.prompts, a.c1_n) if a.c1_n else prompts
     sp = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+    sp_gaps = SamplingParams(
+        temperature=0, max_tokens=a.max_tokens, ignore_eos=True, logprobs=2
+    )
     llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
 
     tag = a.tag or f"{a.mode}_{a.dtype}"
-    if a.profile:
-        profile_steps(llm, a, tag, prompts_c1[: a.profile], sp)
-        return
-    if a.sync_check:
-        count_host_syncs(llm, a, tag, prompts_c1[: a.sync_check], sp)
+    if a.profile or a.sync_check:
+        # One engine for every concurrency and for the sync count.
+        for conc in a.conc if a.profile else []:
+            profile_steps(llm, a, tag, prompts[: a.profile * conc], sp, conc)
+        if a.sync_check:
+            count_host_syncs(llm, a, tag, prompts_c1[: a.sync_check], sp)
         return
     for conc in a.conc:
         phase_prompts = prompts_c1 if conc == 1 else prompts
         acc0, drafts0, _ = spec_metrics(llm)
         t = time.time()
         toks: list[list[int]] = []
+        gaps: list[list[float]] = []
         for i in range(0, len(phase_prompts), conc):
-            outs = llm.generate(phase_prompts[i : i + conc], sp, use_tqdm=False)
+            outs = llm.generate(
+                phase_prompts[i : i + conc], sp_gaps if a.save_gaps else sp, use_tqdm=False
+            )
             toks += [list(o.outputs[0].token_ids) for o in outs]
+            if a.save_gaps:
+                gaps += [top2_gaps(o.outputs[0].logprobs) for o in outs]
         dt = time.time() - t
         acc1, drafts1, _ = spec_metrics(llm)
         drafts = drafts1 - drafts0
@@ -192,30 +211,63 @@ def main() -> None:
                     None,
                 )
                 res["first_mismatch"] = dict(prompt=first, token=diff_at)
+                gaps_path = os.path.join(a.outdir, f"gaps_{a.ref}_c{conc}.json")
+                if os.path.exists(gaps_path):
+                    with open(gaps_path) as f:
+                        ref_gaps = json.load(f)
+                    res["mismatch_ref_gaps"] = mismatch_gaps(ref, toks, ref_gaps)
         print("RESULT", json.dumps(res), flush=True)
         with open(os.path.join(a.outdir, f"tokens_{tag}_c{conc}.json"), "w") as f:
             json.dump(toks, f)
+        if a.save_gaps:
+            with open(os.path.join(a.outdir, f"gaps_{tag}_c{conc}.json"), "w") as f:
+                json.dump(gaps, f)
     sys.stdout.flush()
 
 
-def profile_steps(llm, a, tag, prompts, sp) -> None:
-    """Decode ``prompts`` one at a time under the torch profiler; print the
-    wall time and the GPU kernel time per step, by category."""
+def top2_gaps(logprobs) -> list[float]:
+    """Per generated token: top-1 minus top-2 logprob (0 = an exact tie)."""
+    out = []
+    for step in logprobs or []:
+        vals = sorted((lp.logprob for lp in step.values()), reverse=True)
+        out.append(float(f"{vals[0] - vals[1]:.3g}") if len(vals) > 1 else float("inf"))
+    return out
+
+
+def mismatch_gaps(ref, toks, ref_gaps) -> list[float]:
+    """For every output that differs from the reference: the reference's
+    top-1 minus top-2 logprob at the first differing token, ascending. A
+    divergence at a gap of ~1e-5 is a near-tie that the batch shape decides
+    (float32 rounding); a large gap would point at a real error."""
+    out = []
+    for r, t, g in zip(ref, toks, ref_gaps):
+        j = next((j for j, (x, y) in enumerate(zip(r, t)) if x != y), None)
+        if j is None and len(r) != len(t):
+            j = min(len(r), len(t))
+        if j is not None and j < len(g):
+            out.append(g[j])
+    return sorted(out)
+
+
+def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> None:
+    """Decode ``prompts`` ``conc`` at a time under the torch profiler; print
+    the wall time and the GPU kernel time per engine step, by category."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    llm.generate(prompts[:1], sp, use_tqdm=False)  # warm-up outside the trace
+    llm.generate(prompts[:conc], sp, use_tqdm=False)  # warm-up outside the trace
     acc0, drafts0, _ = spec_metrics(llm)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.time()
         toks = 0
-        for p in prompts:
-            out = llm.generate([p], sp, use_tqdm=False)
-            toks += len(out[0].outputs[0].token_ids)
+        for i in range(0, len(prompts), conc):
+            outs = llm.generate(prompts[i : i + conc], sp, use_tqdm=False)
+            toks += sum(len(o.outputs[0].token_ids) for o in outs)
         torch.cuda.synchronize()
         dt = time.time() - t
     acc1, drafts1, _ = spec_metrics(llm)
-    steps = (drafts1 - drafts0) or toks
+    # Draft counters are per request: an engine step drafts for `conc` of them.
+    steps = ((drafts1 - drafts0) or toks) / conc
     us = {"tree_build": 0.0, "bookkeeping": 0.0, "other": 0.0}
     top: dict[str, float] = {}
     for ev in prof.events():
@@ -236,11 +288,14 @@ def profile_steps(llm, a, tag, prompts, sp) -> None:
         mode=a.mode,
         budget=a.budget if a.mode == "ddtree" else None,
         k=a.k if a.mode == "dflash" else None,
+        conc=conc,
         prompts=len(prompts),
-        steps=steps,
+        steps=round(steps, 1),
         tau=round(1 + (acc1 - acc0) / (drafts1 - drafts0), 3) if drafts1 > drafts0 else None,
         wall_us_per_step=round(wall_us, 1),
         gpu_us_per_step={k: round(v / steps, 1) for k, v in us.items()},
+        # Below 1: the GPU idles inside the step (host-bound or waiting).
+        gpu_busy_share=round(sum(us.values()) / steps / wall_us, 3),
         ddtree_share_of_step=round((us["tree_build"] + us["bookkeeping"]) / steps / wall_us, 4),
         top_kernels_us_per_step={
             k: round(v / steps, 1) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]

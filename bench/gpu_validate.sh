@@ -9,19 +9,22 @@
 # then send part-00.. with setup.sh).
 #
 #   STAGE=core    SRC=... bash bench/gpu_validate.sh  # core bench torch vs triton, -m gpu core tests
-#   STAGE=speed   bash bench/gpu_validate.sh  # GPU kernel tests; no-spec ref, chain K=15,
-#                                             # DDTree B=64 (batch policy): c=1, c=32, fp32, vs ref
-#   STAGE=profile bash bench/gpu_validate.sh  # step-time breakdown (DDTree B=64, c=1), host syncs
-#                                             # per step (chain vs DDTree), and the 8B-shaped
-#                                             # dummy target: chain vs DDTree B=64 (bf16)
-#   STAGE=exact   bash bench/gpu_validate.sh  # DDTree B=1, 16 (CUDA graphs), B=64 eager vs ref
+#   STAGE=speed   bash bench/gpu_validate.sh  # GPU kernel tests; chain K=15 vs DDTree (batch
+#                                             # policy), train prompts, c=1/8/32, fp32
+#   STAGE=profile bash bench/gpu_validate.sh  # no-spec ref (-> $OUT, carry back in .gpu/keep),
+#                                             # step-time breakdown + host syncs, chain vs DDTree,
+#                                             # c=1/8/32; c=32 exactness under VLLM_BATCH_INVARIANT
+#   STAGE=eightb  bash bench/gpu_validate.sh  # 8B-shaped dummy target: chain vs DDTree B=64 (bf16)
+#   STAGE=exact   bash bench/gpu_validate.sh  # DDTree B=16, 64, 256 (CUDA graphs) vs ref
+#   STAGE=exact2  bash bench/gpu_validate.sh  # DDTree B=1 (CUDA graphs), B=64 enforce_eager vs ref
 #   STAGE=sample  bash bench/gpu_validate.sh  # T=1 top-p 0.95 distribution vs no-spec, seeded runs
 #   STAGE=serve   bash bench/gpu_validate.sh  # vllm serve: 64 streams with disconnects vs no-spec
 #
 # One engine at a time: several vLLM engines starting on one GPU fail their
-# memory profiling. Stages speed, profile and exact need `ref` from `speed`.
+# memory profiling. Stages exact and exact2 need `ref` from `profile`.
 #
-# Reference tokens are kept in /tmp/keep between calls on the same machine.
+# Reference tokens are kept in /tmp/keep between calls on the same machine;
+# stage profile also returns them in $OUT (carry them back as .gpu/keep/).
 # Logs go to one tarball ($OUT/logs-<stage>.tgz: at most 8 files come back).
 set -u
 export PYTHONUNBUFFERED=1
@@ -56,19 +59,37 @@ core)
   VLLM_DDTREE_SRC=$S timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rxXs \
     tests/test_ddtree_core.py 2>&1 | tail -8 ;;
 speed)
+  # GPU kernel tests; then chain K=15 against DDTree (default budget policy)
+  # on the train prompts at c = 1, 8, 32, back to back.
   source /tmp/site/env.sh
   (cd tests/in_vllm && timeout 100 python3 -m pytest -q -p no:cacheprovider -c pytest.ini \
      test_ddtree_kernels.py test_tree_attention.py 2>&1 | tail -3)
-  run ref --mode none $ALL
-  run dflash_k15 --mode dflash --k 15 --ref ref $ALL
-  run ddtree_b64 --mode ddtree --budget 64 --ref ref $ALL ;;
+  TRN="--prompts $TRAIN --n 0 --c1-n 32 --conc 1 8 32"
+  run dflash_k15 --mode dflash --k 15 $TRN
+  run ddtree_batch --mode ddtree --budget 64 $TRN ;;
 profile)
+  # No-spec reference (Triton attention, as DDTree's target; top-2 logprob
+  # gaps kept to classify divergences), copied to $OUT so that a later
+  # session can carry it back in .gpu/keep; then the step-time breakdown and
+  # host syncs of chain and DDTree at c = 1, 8, 32 (one engine each); then
+  # the c=32 exactness pair under VLLM_BATCH_INVARIANT=1.
   source /tmp/site/env.sh
-  TMO=120 run prof_ddtree_b64 --mode ddtree --budget 64 --policy fixed --prompts $TRAIN \
-    --profile 8 --max-tokens 128
-  # Host synchronisations per step, DDTree against the chain (issue 4).
-  TMO=100 run sync_dflash --mode dflash --k 15 --prompts $TRAIN --sync-check 4 --max-tokens 64
-  TMO=100 run sync_ddtree --mode ddtree --budget 64 --prompts $TRAIN --sync-check 4 --max-tokens 64
+  cp .gpu/keep/* /tmp/keep/ 2>/dev/null
+  [ -f /tmp/keep/tokens_ref_c32.json ] || \
+    TMO=240 run ref --mode none --attention-backend TRITON_ATTN --save-gaps $ALL
+  cp /tmp/keep/tokens_ref_c*.json /tmp/keep/gaps_ref_c*.json "$OUT/" 2>/dev/null
+  for mode in "dflash --k 15" "ddtree --budget 64"; do
+    TMO=170 run prof_$(echo "$mode" | cut -d' ' -f1) --mode $mode --prompts $TRAIN \
+      --profile 3 --conc 1 8 32 --sync-check 4 --max-tokens 128
+  done
+  BI="--prompts $TRAIN $HELD --n 0 --conc 32"
+  VLLM_BATCH_INVARIANT=1 TMO=110 run ref_bi --mode none --attention-backend TRITON_ATTN \
+    --save-gaps $BI
+  VLLM_BATCH_INVARIANT=1 TMO=130 run ddtree_b64_bi --mode ddtree --budget 64 --policy fixed \
+    --ref ref_bi $BI ;;
+eightb)
+  # The 8B-shaped dummy target (bf16): chain K=15 vs DDTree B=64, c=1.
+  source /tmp/site/env.sh
   for mode in "dflash --k 15" "ddtree --budget 64 --policy fixed"; do
     t=8b_$(echo "$mode" | cut -d' ' -f1)
     echo "=== $t $(date +%T)"
@@ -78,12 +99,21 @@ profile)
     echo "rc=$? $t"; grep -E "^RESULT|Error" "$L/$t.log" | tail -3
   done ;;
 exact)
+  # Greedy exactness against the no-spec reference of stage profile
+  # (carried back in .gpu/keep): B = 16, 64, 256 with CUDA graphs.
   # One engine at a time: vLLM engines starting side by side on one GPU fail
   # their memory profiling (seen 2026-11-29: "Error in memory profiling",
   # "No available memory for the cache blocks").
   source /tmp/site/env.sh
+  cp .gpu/keep/* /tmp/keep/ 2>/dev/null
+  for b in ${BUDGETS:-16 64 256}; do
+    TMO=190 run ddtree_b$b --mode ddtree --budget $b --policy fixed --ref ref $ALL
+  done ;;
+exact2)
+  # B = 1 with CUDA graphs and B = 64 under enforce_eager, against the same ref.
+  source /tmp/site/env.sh
+  cp .gpu/keep/* /tmp/keep/ 2>/dev/null
   run ddtree_b1 --mode ddtree --budget 1 --policy fixed --ref ref $ALL
-  run ddtree_b16 --mode ddtree --budget 16 --policy fixed --ref ref $ALL
   TMO=300 run ddtree_b64_eager --mode ddtree --budget 64 --policy fixed --eager --ref ref $ALL ;;
 sample)
   source /tmp/site/env.sh
