@@ -22,7 +22,10 @@ Completed outputs are compared with the reference's output for the same key.
 
 Prints one ``RESULT {json}`` line and exits 0 when every request completed or
 was cancelled by us, no request failed or timed out, every compared output
-equals the reference, the server still answers /health and a final short
+equals the reference (or, without ``--exact``, first differs from it at a
+token where the reference's top-2 logprobs are within ``--tie-tolerance``:
+float32 greedy output follows the batch shape there, as stock chain
+speculation's does; the reference run records those gaps), the server still answers /health and a final short
 request, it drains (``vllm:num_requests_running`` and ``_waiting`` back to 0:
 the cut requests were aborted and freed), and (with ``--expect-ddtree``) the
 DDTree counters moved.
@@ -134,6 +137,10 @@ class Outcome:
     disconnect_after: int | None = None
     error: str | None = None
     latency_s: float = 0.0
+    # With --save (reference run): each token's text and its top-1 minus
+    # top-2 logprob, to tell a near-tie divergence from a real one later.
+    tokens: list[str] | None = None
+    gaps: list[float] | None = None
 
 
 @dataclass
@@ -172,8 +179,43 @@ def _chunk_text(kind: str, payload: dict) -> tuple[str, str | None]:
     return text, c.get("finish_reason")
 
 
+def _top2_gap(logprobs: list[float]) -> float:
+    vals = sorted(logprobs, reverse=True)
+    return vals[0] - vals[1] if len(vals) > 1 else float("inf")
+
+
+def _chunk_logprobs(kind: str, payload: dict) -> list[tuple[str, float]]:
+    """(token text, top-1 minus top-2 logprob) of each token in a chunk."""
+    choices = payload.get("choices") or []
+    lp = (choices[0].get("logprobs") if choices else None) or {}
+    if kind == "chat":
+        return [
+            (e.get("token", ""), _top2_gap([t["logprob"] for t in e.get("top_logprobs") or []]))
+            for e in lp.get("content") or []
+        ]
+    return [
+        (tok, _top2_gap(list((top or {}).values())))
+        for tok, top in zip(lp.get("tokens") or [], lp.get("top_logprobs") or [])
+    ]
+
+
+def divergence_gap(text: str, ref_text: str, ref_tokens: list[str],
+                   ref_gaps: list[float]) -> float | None:
+    """The reference's top-1 minus top-2 logprob at the token where ``text``
+    first differs from ``ref_text`` (None when that token is unknown)."""
+    i = next((k for k, (a, b) in enumerate(zip(text, ref_text)) if a != b),
+             min(len(text), len(ref_text)))
+    pos = 0
+    for tok, gap in zip(ref_tokens, ref_gaps):
+        pos += len(tok)
+        if pos > i:
+            return gap
+    return None
+
+
 async def one_request(session, base_url: str, model: str, plan: Plan,
-                      max_tokens: int, timeout_s: float) -> Outcome:
+                      max_tokens: int, timeout_s: float,
+                      logprobs: bool = False) -> Outcome:
     out = Outcome(plan.key, plan.kind, disconnect_after=plan.disconnect_after)
     if plan.kind == "chat":
         url = f"{base_url}/v1/chat/completions"
@@ -182,6 +224,12 @@ async def one_request(session, base_url: str, model: str, plan: Plan,
         url = f"{base_url}/v1/completions"
         body = {"model": model, "prompt": plan.prompt}
     body.update(stream=True, temperature=0.0, max_tokens=max_tokens)
+    if logprobs:
+        out.tokens, out.gaps = [], []
+        if plan.kind == "chat":
+            body.update(logprobs=True, top_logprobs=2)
+        else:
+            body.update(logprobs=2)
     t0 = time.monotonic()
 
     async def run() -> None:
@@ -208,6 +256,10 @@ async def one_request(session, base_url: str, model: str, plan: Plan,
                         out.error = json.dumps(payload["error"])[:300]
                         return
                     text, finish = _chunk_text(plan.kind, payload)
+                    if logprobs:
+                        for tok, gap in _chunk_logprobs(plan.kind, payload):
+                            out.tokens.append(tok)
+                            out.gaps.append(gap)
                     out.text += text
                     out.chunks += 1
                     if finish:
@@ -296,9 +348,12 @@ async def run(args: argparse.Namespace) -> dict:
     plans = make_plans(prompts, args.n, args.chat_fraction, args.disconnect_fraction,
                        args.max_chunks_before_disconnect, args.seed)
     reference = None
+    ref_logprobs: dict = {}
     if args.reference:
         with open(args.reference) as f:
-            reference = json.load(f).get("outputs", {})
+            ref_json = json.load(f)
+        reference = ref_json.get("outputs", {})
+        ref_logprobs = ref_json.get("logprobs", {})
 
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -317,7 +372,8 @@ async def run(args: argparse.Namespace) -> dict:
         async def limited(plan: Plan) -> Outcome:
             async with sem:
                 return await one_request(session, base_url, model, plan,
-                                         args.max_tokens, args.timeout)
+                                         args.max_tokens, args.timeout,
+                                         logprobs=bool(args.save))
 
         t0 = time.monotonic()
         outcomes = await asyncio.gather(*(limited(p) for p in plans))
@@ -340,13 +396,24 @@ async def run(args: argparse.Namespace) -> dict:
               for s in ("completed", "cancelled", "error", "timeout")}
     completed = {o.key: o.text for o in outcomes if o.status == "completed"}
     mismatches = []
+    near_ties: dict[str, float] = {}
     compared = 0
     if reference is not None:
         for o in outcomes:
             if o.status != "completed" or o.key not in reference:
                 continue
             compared += 1
-            if o.text != reference[o.key]:
+            if o.text == reference[o.key]:
+                continue
+            # float32 greedy output depends on the batch shape where the
+            # reference's top two logprobs are within rounding of each other
+            # (stock chain speculation shows the same); such a divergence is
+            # reported, any other fails the run.
+            tokens, gaps = ref_logprobs.get(o.key, ([], []))
+            gap = divergence_gap(o.text, reference[o.key], tokens, gaps)
+            if gap is not None and gap < args.tie_tolerance:
+                near_ties[o.key] = gap
+            else:
                 mismatches.append(o.key)
     delta = metrics_delta(
         {k: v for k, v in before.items() if not k.startswith("vllm:num_requests")},
@@ -361,6 +428,7 @@ async def run(args: argparse.Namespace) -> dict:
         and drained
         and probe.status == "completed"
         and not mismatches
+        and (not args.exact or not near_ties)
         and (not args.expect_ddtree or delta["ddtree_moved"])
     )
     result = {
@@ -370,8 +438,10 @@ async def run(args: argparse.Namespace) -> dict:
         "chat": sum(p.kind == "chat" for p in plans),
         "planned_disconnects": sum(p.disconnect_after is not None for p in plans),
         "compared": compared,
+        "identical": compared - len(mismatches) - len(near_ties),
         "mismatches": len(mismatches),
         "mismatch_keys": mismatches[:10],
+        "near_tie_divergences": near_ties,
         "health": health_status,
         "drained": drained,
         "probe": probe.status,
@@ -387,7 +457,10 @@ async def run(args: argparse.Namespace) -> dict:
     if args.save:
         with open(args.save, "w") as f:
             json.dump({"model": model, "max_tokens": args.max_tokens,
-                       "outputs": completed}, f, indent=1, sort_keys=True)
+                       "outputs": completed,
+                       "logprobs": {o.key: [o.tokens, o.gaps] for o in outcomes
+                                    if o.status == "completed" and o.tokens is not None}},
+                      f, indent=1, sort_keys=True)
     return result
 
 
@@ -407,6 +480,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reference", default=None, help="JSON written by --save")
     ap.add_argument("--save", default=None, help="write completed outputs here")
+    ap.add_argument("--tie-tolerance", type=float, default=1e-3,
+                    help="a divergence where the reference's top-2 logprobs "
+                    "are closer than this is a near-tie, not a failure")
+    ap.add_argument("--exact", action="store_true",
+                    help="fail on near-tie divergences too")
     ap.add_argument("--expect-ddtree", action="store_true",
                     help="fail unless the vllm:ddtree_* series moved")
     return ap

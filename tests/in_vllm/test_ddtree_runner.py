@@ -335,6 +335,8 @@ def test_budget_schedule_shrinks_with_batch_and_keeps_a_floor():
     assert dense[32] == 15 and dense[31] == 15
     assert budget_schedule(16, 15, 512) == [(1, 30, 16), (31, 1024, 15)]
     assert budget_schedule(1, 15, 512) == [(1, 1024, 1)]
+    # The default cap: 64 nodes for one request, the floor from four on.
+    assert budget_schedule(64, 15, 128) == [(1, 1, 64), (2, 3, 32), (4, 1024, 15)]
 
 
 @needs_models
@@ -350,9 +352,9 @@ def test_batch_policy_is_the_default_and_fixed_pins_the_budget(target_model_conf
     batch = _spec(target_model_config, method="ddtree", model=DRAFTER, tree_budget=64)
     assert batch.budget_policy == "batch"
     assert batch.num_speculative_tokens_per_batch_size == [
-        (1, 7, 64),
-        (8, 15, 32),
-        (16, 1024, 15),
+        (1, 1, 64),
+        (2, 3, 32),
+        (4, 1024, 15),
     ]
     assert batch.num_speculative_tokens == 64  # the most a step verifies
     own = _spec(

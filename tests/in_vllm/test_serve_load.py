@@ -86,11 +86,26 @@ class FakeServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
-            for piece in answer(prompt):
+            for i, piece in enumerate(answer(prompt)):
+                # Token i's top-2 logprobs are 0.1 * (i + 1) apart.
+                top2 = [-0.1, -0.1 - 0.1 * (i + 1)]
                 if chat:
                     choice = {"index": 0, "delta": {"content": piece}, "finish_reason": None}
+                    if body.get("logprobs"):
+                        assert body["top_logprobs"] == 2
+                        choice["logprobs"] = {"content": [{
+                            "token": piece, "logprob": top2[0],
+                            "top_logprobs": [{"token": piece, "logprob": top2[0]},
+                                             {"token": "?", "logprob": top2[1]}],
+                        }]}
                 else:
                     choice = {"index": 0, "text": piece, "finish_reason": None}
+                    if body.get("logprobs"):
+                        assert body["logprobs"] == 2
+                        choice["logprobs"] = {
+                            "tokens": [piece], "token_logprobs": [top2[0]],
+                            "top_logprobs": [{piece: top2[0], "?": top2[1]}],
+                        }
                 await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
                 await asyncio.sleep(0.01)
             await resp.write(b"data: [DONE]\n\n")
@@ -162,8 +177,14 @@ def test_disconnects_reference_and_metrics(tmp_path):
                                          "--save", str(ref)]))
     assert r0["ok"], r0
     assert r0["completed"] == 24 and r0["cancelled"] == 0 and r0["error"] == 0
-    saved = json.loads(ref.read_text())["outputs"]
+    saved_json = json.loads(ref.read_text())
+    saved = saved_json["outputs"]
     assert saved["completion:2"] == "".join(answer("xxx"))
+    # Reference logprobs: token texts and top-1 minus top-2 gaps, both kinds.
+    for key in saved:
+        tokens, gaps = saved_json["logprobs"][key]
+        assert "".join(tokens) == saved[key]
+        assert gaps == pytest.approx([0.1 * (i + 1) for i in range(len(tokens))])
     assert any(k.startswith("chat:") for k in saved) and r0["chat"] > 0
 
     # DDTree-like run: half of the streams are cut mid-way.
@@ -199,6 +220,46 @@ def test_mismatch_and_missing_ddtree_fail(tmp_path):
     assert not r["ok"]
     assert r["mismatches"] == 1 and r["mismatch_keys"] == ["completion:0"]
     assert not r["ddtree_moved"] and r["tau"] is None
+
+
+@pytest.mark.parametrize("gap,near_tie", [(1e-5, True), (0.5, False)])
+def test_divergence_at_a_near_tie_is_reported_not_failed(tmp_path, gap, near_tie):
+    # The reference took "X" at its 4th token where the server says " w2":
+    # a divergence at a reference gap of 1e-5 is a float32 near-tie, one at
+    # 0.5 is a real error.
+    pieces = answer("p")
+    ref_pieces = pieces[:3] + ["X"] + pieces[4:]
+    gaps = [1.0] * len(pieces)
+    gaps[3] = gap
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({
+        "outputs": {"completion:0": "".join(ref_pieces)},
+        "logprobs": {"completion:0": [ref_pieces, gaps]},
+    }))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "p"}) + "\n")
+    argv = ["--prompts", str(prompts), "--n", "1", "--chat-fraction", "0",
+            "--disconnect-fraction", "0", "--reference", str(ref), "--drain-timeout", "5"]
+    r = asyncio.run(_with_server(FakeServer(), argv))
+    assert r["compared"] == 1 and r["identical"] == 0
+    if near_tie:
+        assert r["ok"], r
+        assert r["mismatches"] == 0
+        assert r["near_tie_divergences"] == {"completion:0": 1e-5}
+        # --exact: near-ties fail too.
+        r = asyncio.run(_with_server(FakeServer(), [*argv, "--exact"]))
+        assert not r["ok"]
+    else:
+        assert not r["ok"]
+        assert r["mismatches"] == 1 and not r["near_tie_divergences"]
+
+
+def test_divergence_gap_maps_characters_to_tokens():
+    tokens, gaps = ["ab", "c", "de"], [0.5, 0.25, 0.125]
+    assert serve_load.divergence_gap("abXde", "abcde", tokens, gaps) == 0.25
+    assert serve_load.divergence_gap("aX", "abcde", tokens, gaps) == 0.5
+    assert serve_load.divergence_gap("abcdeZ", "abcde", tokens, gaps) is None
+    assert serve_load.divergence_gap("abcd", "abcde", tokens, gaps) == 0.125
 
 
 def test_errors_and_timeouts_are_failures():
