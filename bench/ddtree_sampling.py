@@ -23,7 +23,9 @@ and tokens/s on ``--tau-requests`` longer generations at the same settings;
 (3) ``--seeded`` seeded requests generated twice in the same engine (must be
 identical) and written out, so that two processes can be compared too
 (``--seeded-ref``). Prints one ``RESULT {json}`` line; the per-prompt counts
-go to ``<outdir>/sampling_<tag>.json``. Defaults fit in about a minute of
+go to ``<outdir>/sampling_<tag>.json``. Give the run compared by chi-square
+another engine ``--seed`` than the reference: unseeded requests draw their
+noise from it, and the test assumes independent samples. Defaults fit in about a minute of
 generation on one H200 with the tiny pair (plus engine startup).
 """
 
@@ -97,6 +99,13 @@ def main() -> None:
     ap.add_argument("--seeded", type=int, default=32)
     ap.add_argument("--seeded-tokens", type=int, default=32)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="engine seed: unseeded requests draw from it, so give the runs "
+        "compared by chi-square different seeds (independent samples)",
+    )
     ap.add_argument("--tag", default=None)
     ap.add_argument("--ref", default=None, help="tag of the no-spec run")
     ap.add_argument("--seeded-ref", default=None,
@@ -115,7 +124,7 @@ def main() -> None:
         max_model_len=a.max_model_len,
         max_num_seqs=a.max_num_seqs,
         gpu_memory_utilization=a.gpu_memory_utilization,
-        seed=0,
+        seed=a.seed,
         disable_log_stats=False,
     )
     if a.mode == "dflash":
@@ -177,6 +186,7 @@ def main() -> None:
     same_run = sum(x == y for x, y in zip(*runs))
 
     res = dict(
+        seed=a.seed,
         tag=tag,
         mode=a.mode,
         k=a.k if a.mode == "dflash" else None,
