@@ -22,6 +22,7 @@ SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
 
+    import vllm.v1.spec_decode.ddtree.tree_conv as tc
     import vllm.v1.spec_decode.ddtree.tree_gdn as tg
     import vllm.v1.spec_decode.ddtree.tree_triton as tt
     import vllm.v1.worker.gpu.spec_decode.ddtree.kernels as kk
@@ -120,6 +121,29 @@ SCRIPT = textwrap.dedent(
              "USE_QK_L2NORM_IN_KERNEL": True, "STORE_OUTPUT": not store_final,
              "STORE_FINAL": store_final},
         )
+    strides = {n: "i64" for n in (
+        "stride_x_tok", "stride_x_dim", "stride_s_seq", "stride_s_dim", "stride_s_tok")}
+    conv_sig = dict(strides, x="*bf16", w="*bf16", stride_w_dim="i64",
+                    stride_w_width="i64", bias="*bf16", conv_state="*bf16", o="*bf16",
+                    state_idx_ptr="*i32", query_start_ptr="*i32", parent_ptr="*i64",
+                    parent_stride="i32", idx_mapping_ptr="*i32", dim="i32")
+    for has_bias in (False, True):
+        compile_kernel(
+            tc._tree_conv1d_kernel,
+            dict(conv_sig, **{n: C for n in ("NUM_TARGETS", "KERNEL_WIDTH", "WIDTH_BLOCK",
+                                             "HAS_BIAS", "SILU_ACTIVATION", "BLOCK_N")}),
+            {"NUM_TARGETS": 65, "KERNEL_WIDTH": 4, "WIDTH_BLOCK": 4,
+             "HAS_BIAS": has_bias, "SILU_ACTIVATION": True, "BLOCK_N": 256},
+        )
+    update_sig = dict(strides, x="*bf16", conv_state="*bf16", state_idx_ptr="*i32",
+                      final_state_idx_ptr="*i32", query_start_ptr="*i32",
+                      accepted_ptr="*i64", accepted_stride="i32",
+                      num_accepted_ptr="*i32", dim="i32")
+    compile_kernel(
+        tc._tree_conv_state_update_kernel,
+        dict(update_sig, **{n: C for n in ("KERNEL_WIDTH", "STATE_BLOCK", "BLOCK_N")}),
+        {"KERNEL_WIDTH": 4, "STATE_BLOCK": 4, "BLOCK_N": 256},
+    )
     print("\\n".join(failures) or "all compiled")
     sys.exit(1 if failures else 0)
     """
