@@ -17,6 +17,14 @@ Times, per (R, B) at draft depth D and vocabulary V:
               log-probs over [R*D, V]: `vocab_stage`)
 * ``tree``    only the tree stage (depth loop + global top-B + decode, from
               precomputed vocab-stage output: `tree_stage`)
+* ``step``    what the V2 runner runs per step for DDTree: build_fast + the
+              runner's tree-bias, walk and KV-compaction kernels (one launch
+              each; ``vllm/v1/worker/gpu/spec_decode/ddtree/kernels.py``),
+              compaction over a Qwen3-8B-shaped KV cache (36 layers, 8 KV
+              heads of 128, bf16, block 16). Needs ``vllm`` importable (the
+              patched wheel, e.g. the devbundle's /tmp/site); skipped
+              otherwise. ``core`` uses the core's torch walk and compaction
+              instead.
 
 ``--backend torch|triton|auto`` picks the build backend (default auto:
 Triton on CUDA when importable); ``--stages vocab,tree`` times only those
@@ -29,6 +37,8 @@ microseconds.  Prints a table and writes JSON with ``--out``.
 GPU:  python bench/bench_ddtree_core.py --out ddtree_core.json
 CPU:  python bench/bench_ddtree_core.py --device cpu --vocab 64 \
           --requests 1,8 --budgets 16,64
+      (``step`` on CPU: TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= and the
+      patched vllm on PYTHONPATH; a smoke test, not a timing)
 """
 
 from __future__ import annotations
@@ -47,7 +57,19 @@ import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ALL_COLUMNS = ("build", "build_fast", "vocab", "tree", "walk", "core", "mask",
-               "full")
+               "full", "step")
+# Qwen3-8B's KV cache per layer: (num_blocks, num_kv_heads, block_size,
+# 2 * head_size), as the Triton backend lays it out.
+STEP_KV_LAYERS, STEP_KV_HEADS, STEP_HEAD_SIZE, STEP_BLOCK = 36, 8, 128, 16
+
+
+def runner_kernels():
+    """The V2 runner's DDTree kernels, or None when vllm is not importable."""
+    try:
+        from vllm.v1.worker.gpu.spec_decode.ddtree import kernels
+    except Exception:  # noqa: BLE001 - any import failure means "not here"
+        return None
+    return kernels
 TREE_RELPATH = "vllm/v1/spec_decode/ddtree/tree.py"
 
 
@@ -169,13 +191,58 @@ def bench_case(T, device: torch.device, dtype: torch.dtype, num_reqs: int,
         w = T.walk_tree(t, target, ancestors=m)
         return pos, bits, T.compaction_indices(w, query_start_loc)
 
+    def make_step():
+        K = runner_kernels()
+        # On CPU only under the Triton interpreter (a smoke test).
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        if K is None or (device.type != "cuda" and not interpreted):
+            return None
+        num_rows = num_reqs * (budget + 1)
+        idx_mapping = torch.arange(num_reqs, dtype=torch.int32, device=device)
+        cu_num_logits = query_start_loc.to(torch.int32)
+        depth_with_root = torch.zeros(num_reqs, budget + 1, dtype=torch.int64,
+                                      device=device)
+        attn_bias = torch.zeros(num_reqs, budget + 1, budget + 1,
+                                dtype=torch.float32, device=device)
+        # Each request's verify rows in their own KV blocks (fewer layers in
+        # the interpreter: it copies element by element).
+        layers = STEP_KV_LAYERS if device.type == "cuda" else 2
+        blocks_per_req = -(-(4096 + budget + 1) // STEP_BLOCK)
+        kv = [torch.zeros(num_reqs * blocks_per_req, STEP_KV_HEADS, STEP_BLOCK,
+                          2 * STEP_HEAD_SIZE, dtype=torch.bfloat16, device=device)
+              for _ in range(layers)]
+        compactor = K.KVCompactor(kv)
+        slots = (torch.arange(num_reqs, device=device)[:, None] * blocks_per_req
+                 * STEP_BLOCK + root_positions[:, None]
+                 + torch.arange(budget + 1, device=device)).view(-1)
+        target_flat = target.reshape(-1)
+        assert target_flat.numel() == num_rows
+
+        def step():
+            t = T.build_tree(logits, budget, exact_vocab_ties=False, **kw)
+            depth_with_root[:, 1:] = t.depth
+            K.ddtree_tree_bias(t.parent_idx, idx_mapping, cu_num_logits, depth,
+                               attn_bias)
+            out, num_accepted, src_row, dst_row = K.ddtree_walk(
+                target_flat, cu_num_logits, idx_mapping, cu_num_logits,
+                t.token_ids, t.parent_idx, depth_with_root, t.valid, depth)
+            compactor(slots, src_row, dst_row, num_accepted)
+            return out
+
+        return step
+
     result = {"R": num_reqs, "D": depth, "V": vocab, "B": budget,
               "dtype": str(dtype).removeprefix("torch."), "backend": backend}
     fns = {"build": build, "build_fast": build_fast, "vocab": vocab_only,
            "tree": tree_only, "walk": walk, "core": core, "mask": mask,
-           "full": full}
+           "full": full, "step": make_step() if "step" in columns else None}
     for name in columns:
         fn = fns[name]
+        if fn is None:  # "step" without vllm or CUDA
+            result[f"{name}_eager_us"] = float("nan")
+            if use_graph:
+                result[f"{name}_graph_us"] = float("nan")
+            continue
         result[f"{name}_eager_us"] = time_eager(fn, device, iters, warmup)
         if use_graph:
             result[f"{name}_graph_us"] = time_graph(fn, iters, warmup)

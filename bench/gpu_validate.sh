@@ -9,6 +9,7 @@
 # then send part-00.. with setup.sh).
 #
 #   STAGE=core    SRC=... bash bench/gpu_validate.sh  # core bench torch vs triton, -m gpu core tests
+#   STAGE=corestep bash bench/gpu_validate.sh # core bench incl. the runner's per-step kernels
 #   STAGE=speed   bash bench/gpu_validate.sh  # GPU kernel tests; chain K=15 vs DDTree (batch
 #                                             # policy), train prompts, c=1/8/32, fp32
 #   STAGE=profile bash bench/gpu_validate.sh  # no-spec ref (-> $OUT, carry back in .gpu/keep),
@@ -58,6 +59,16 @@ core)
     --budgets 64,256 --stages vocab,tree,core,full --iters 50 --out "$OUT/core_triton_v8k.json" 2>&1 | tail -5
   VLLM_DDTREE_SRC=$S timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rxXs \
     tests/test_ddtree_core.py 2>&1 | tail -8 ;;
+corestep)
+  # DDTree core on the devbundle's vLLM: build stages plus the runner's own
+  # per-step kernels (tree bias, walk, KV compaction over 8B-shaped KV).
+  source /tmp/site/env.sh
+  timeout 200 python3 bench/bench_ddtree_core.py --src /tmp/site --backend triton \
+    --requests 1,8,32 --budgets 16,64 --stages vocab,tree,core,step --iters 50 \
+    --out "$OUT/core_step.json" 2>&1 | tail -8
+  timeout 100 python3 bench/bench_ddtree_core.py --src /tmp/site --backend triton --vocab 8192 \
+    --requests 1,32 --budgets 64 --stages vocab,tree,step --iters 50 \
+    --out "$OUT/core_step_v8k.json" 2>&1 | tail -4 ;;
 speed)
   # (GPU kernel tests with KERNEL_TESTS=1;) chain K=15 against DDTree (default budget policy)
   # on the train prompts at c = 1, 8, 32, back to back.
