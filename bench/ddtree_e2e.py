@@ -27,9 +27,11 @@ concurrency: wall time per engine step, the share of it the GPU is busy,
 and the GPU kernel time per step, split into the
 DDTree tree build (our Triton build kernels), DDTree bookkeeping (tree bias,
 walk, KV compaction kernels) and everything else (the target and drafter
-forwards, sampling). Only the Triton build backend (the CUDA default) has
-kernels of its own names; with ``VLLM_DDTREE_BACKEND=torch`` the build counts
-as "other".
+forwards, sampling), and the same time by phase: the DFlash pass (a
+profiler range around the speculator's propose(); the tree build taken out),
+tree build, bookkeeping, verify and the rest. Only the Triton build backend
+(the CUDA default) has kernels of its own names; with
+``VLLM_DDTREE_BACKEND=torch`` the build counts as "other".
 """
 
 import argparse
@@ -165,7 +167,7 @@ def main() -> None:
         return
     for conc in a.conc:
         phase_prompts = prompts_c1 if conc == 1 else prompts
-        acc0, drafts0, _ = spec_metrics(llm)
+        acc0, drafts0, pos0 = spec_metrics(llm)
         t = time.time()
         toks: list[list[int]] = []
         gaps: list[list[float]] = []
@@ -177,7 +179,7 @@ def main() -> None:
             if a.save_gaps:
                 gaps += [top2_gaps(o.outputs[0].logprobs) for o in outs]
         dt = time.time() - t
-        acc1, drafts1, _ = spec_metrics(llm)
+        acc1, drafts1, pos1 = spec_metrics(llm)
         drafts = drafts1 - drafts0
         res = dict(
             tag=tag,
@@ -192,6 +194,14 @@ def main() -> None:
             tok_s=round(sum(map(len, toks)) / dt, 1),
             tau=round(1 + (acc1 - acc0) / drafts, 3) if drafts else None,
             steps=drafts,
+            # Share of draft steps whose accepted path reached depth d + 1
+            # (vLLM's per-position acceptance counters).
+            per_depth_acceptance=[
+                round((b - a0) / drafts, 4)
+                for a0, b in zip(pos0 or [0.0] * len(pos1), pos1)
+            ]
+            if drafts
+            else None,
             # Wall time of one engine step (all requests of the batch).
             ms_per_step=round(
                 dt * 1e3 * conc / (drafts if drafts else sum(map(len, toks))), 3
@@ -249,12 +259,40 @@ def mismatch_gaps(ref, toks, ref_gaps) -> list[float]:
     return sorted(out)
 
 
+DRAFT_RANGE = "ddtree_e2e::draft"
+
+
+def _label_draft_passes() -> None:
+    """Wrap the DFlash speculator's propose() (the chain's and DDTree's, which
+    inherits it) in a profiler range, so the GPU time of the draft pass can
+    be told from the verify forward (engine in-process)."""
+    import torch
+
+    try:
+        from vllm.v1.worker.gpu.spec_decode.dflash.speculator import (
+            DFlashSpeculator,
+        )
+    except ImportError:
+        return
+    orig = DFlashSpeculator.propose
+    if getattr(orig, "_labelled", False):
+        return
+
+    def propose(self, *args, **kwargs):
+        with torch.profiler.record_function(DRAFT_RANGE):
+            return orig(self, *args, **kwargs)
+
+    propose._labelled = True  # type: ignore[attr-defined]
+    DFlashSpeculator.propose = propose
+
+
 def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> None:
     """Decode ``prompts`` ``conc`` at a time under the torch profiler; print
     the wall time and the GPU kernel time per engine step, by category."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    _label_draft_passes()
     llm.generate(prompts[:conc], sp, use_tqdm=False)  # warm-up outside the trace
     acc0, drafts0, _ = spec_metrics(llm)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -270,7 +308,12 @@ def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> None:
     steps = ((drafts1 - drafts0) or toks) / conc
     us = {"tree_build": 0.0, "bookkeeping": 0.0, "other": 0.0}
     top: dict[str, float] = {}
+    draft_range_us = 0.0
     for ev in prof.events():
+        if ev.name == DRAFT_RANGE:
+            # GPU time of everything the DFlash pass launched (its CUDA
+            # graph replay included), the DDTree build among it.
+            draft_range_us += ev.device_time_total
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
         dur = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
@@ -294,6 +337,17 @@ def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> None:
         tau=round(1 + (acc1 - acc0) / (drafts1 - drafts0), 3) if drafts1 > drafts0 else None,
         wall_us_per_step=round(wall_us, 1),
         gpu_us_per_step={k: round(v / steps, 1) for k, v in us.items()},
+        # The same GPU time by phase: DFlash pass (without the tree build),
+        # tree build, DDTree bookkeeping, and the rest (target verify forward,
+        # sampling, input preparation).
+        gpu_us_per_step_by_phase={
+            "draft": round((draft_range_us - us["tree_build"]) / steps, 1),
+            "tree_build": round(us["tree_build"] / steps, 1),
+            "bookkeeping": round(us["bookkeeping"] / steps, 1),
+            "verify_and_rest": round(
+                (us["other"] - (draft_range_us - us["tree_build"])) / steps, 1
+            ),
+        },
         # Below 1: the GPU idles inside the step (host-bound or waiting).
         gpu_busy_share=round(sum(us.values()) / steps / wall_us, 3),
         ddtree_share_of_step=round((us["tree_build"] + us["bookkeeping"]) / steps / wall_us, 4),

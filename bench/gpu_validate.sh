@@ -10,6 +10,7 @@
 #
 #   STAGE=core    SRC=... bash bench/gpu_validate.sh  # core bench torch vs triton, -m gpu core tests
 #   STAGE=corestep bash bench/gpu_validate.sh # core bench incl. the runner's per-step kernels
+#   STAGE=matrix PART=a|b bash bench/gpu_validate.sh  # issue-5 matrix (two calls)
 #   STAGE=speed   bash bench/gpu_validate.sh  # GPU kernel tests; chain K=15 vs DDTree (batch
 #                                             # policy), train prompts, c=1/8/32, fp32
 #   STAGE=profile bash bench/gpu_validate.sh  # no-spec ref (-> $OUT, carry back in .gpu/keep),
@@ -69,6 +70,19 @@ corestep)
   timeout 100 python3 bench/bench_ddtree_core.py --src /tmp/site --backend triton --vocab 8192 \
     --requests 1,32 --budgets 64 --stages vocab,tree,step --iters 50 \
     --out "$OUT/core_step_v8k.json" 2>&1 | tail -4 ;;
+matrix)
+  # The issue-5 matrix in two calls: PART=a (no spec, chain K=7/15, DDTree
+  # B=16) and PART=b (DDTree B=32/64/128/256), tinypair train prompts,
+  # c = 1/4/8/16/32, float32, 128 new tokens; MATRIX_ARGS adds options
+  # (e.g. --breakdown dflash_k15 ddtree_b64).
+  source /tmp/site/env.sh
+  case "${PART:-a}" in
+    a) SEL="--chain 7 15 --budgets 16" ;;
+    b) SEL="--skip-none --chain --budgets 32 64 128 256" ;;
+  esac
+  timeout 590 python3 bench/run_matrix.py --target $M/target --drafter $M/drafter \
+    --prompts $TRAIN --n ${N:-48} --max-tokens 128 --dtype float32 --conc 1 4 8 16 32 \
+    $SEL ${MATRIX_ARGS:-} --out "$OUT/matrix_${PART:-a}" ;;
 speed)
   # (GPU kernel tests with KERNEL_TESTS=1;) chain K=15 against DDTree (default budget policy)
   # on the train prompts at c = 1, 8, 32, back to back.

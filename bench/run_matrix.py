@@ -3,8 +3,11 @@
 """One command for the DDTree benchmark matrix on a GPU host: no speculation,
 the DFlash chain (K in {7, 15}) and DDTree (B in {16, 32, 64, 128, 256}) at
 concurrency {1, 4, 8, 16, 32}, greedy, CUDA graphs on; one engine (process)
-per configuration running every concurrency. Writes all `RESULT` rows to one
-JSON file (plus plots through bench/plot_results.py) and prints progress.
+per configuration running every concurrency. Writes all `RESULT` rows (tok/s,
+tau, per-depth acceptance, ms per step, exactness against the no-spec run)
+and, with ``--breakdown``, `PROFILE` rows (GPU time per step by phase: draft /
+tree build / verify / bookkeeping) to one JSON file, plus plots through
+bench/plot_results.py, and prints progress.
 
 tinypair on this project's GPU host:
 
@@ -66,6 +69,16 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
     ap.add_argument("--out", required=True, help="path prefix for .json and .png")
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
+    ap.add_argument(
+        "--breakdown",
+        nargs="*",
+        default=None,
+        metavar="TAG",
+        help="also profile these configurations (all when given no tag) in a "
+        "second process each: GPU time per step by phase (draft / tree build / "
+        "verify / bookkeeping) at every concurrency; costs one more engine "
+        "start per configuration",
+    )
     a = ap.parse_args()
 
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
@@ -107,6 +120,23 @@ def main() -> None:
         if proc.returncode != 0:
             print(f"    FAILED (rc={proc.returncode}); last output:", flush=True)
             print("\n".join((proc.stdout + proc.stderr).splitlines()[-15:]), flush=True)
+        if a.breakdown is not None and (not a.breakdown or tag in a.breakdown):
+            prof = subprocess.run(
+                [*cmd, "--profile", "2"], capture_output=True, text=True,
+                timeout=a.timeout, check=False,
+            )
+            for line in prof.stdout.splitlines():
+                if line.startswith("PROFILE "):
+                    row = json.loads(line[len("PROFILE "):])
+                    row.update(call=0, line="PROFILE")
+                    rows.append(row)
+                    print(
+                        f"    profile c={row['conc']:<3} GPU us/step by phase "
+                        f"{row.get('gpu_us_per_step_by_phase')}",
+                        flush=True,
+                    )
+            if prof.returncode != 0:
+                print(f"    profile FAILED (rc={prof.returncode})", flush=True)
         print(f"    {time.time() - t0:.0f}s", flush=True)
         with open(a.out + ".json", "w") as f:
             json.dump(rows, f, indent=1)
