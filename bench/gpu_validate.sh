@@ -82,7 +82,9 @@ matrix)
   esac
   timeout 590 python3 bench/run_matrix.py --target $M/target --drafter $M/drafter \
     --prompts $TRAIN --n ${N:-48} --max-tokens 128 --dtype float32 --conc 1 4 8 16 32 \
-    $SEL ${MATRIX_ARGS:-} --out "$OUT/matrix_${PART:-a}" ;;
+    $SEL ${MATRIX_ARGS:-} --out "/tmp/matrix/matrix_${PART:-a}"
+  # JSON and PNGs only ($OUT takes at most 8 files; the token files stay).
+  cp /tmp/matrix/matrix_${PART:-a}.json /tmp/matrix/matrix_${PART:-a}-*.png "$OUT/" 2>/dev/null ;;
 speed)
   # (GPU kernel tests with KERNEL_TESTS=1;) chain K=15 against DDTree (default budget policy)
   # on the train prompts at c = 1, 8, 32, back to back.
