@@ -20,7 +20,14 @@ from conftest import patched_src
 PER_STEP = {
     "vllm/v1/spec_decode/ddtree/tree.py": None,  # every function
     "vllm/v1/worker/gpu/spec_decode/ddtree/verifier.py": {
-        "prepare_verify", "sample", "compact", "store_trees", "attach_bias",
+        "prepare_verify", "prepare_model_positions", "sample", "compact",
+        "store_trees", "attach_bias",
+    },
+    # Hybrid (Gated DeltaNet) targets: the layer hooks run inside the
+    # captured forward, prepare_step / commit around it.
+    "vllm/v1/spec_decode/ddtree/gdn_verify.py": {
+        "prepare_step", "attach", "_spec_rows", "conv", "recurrent", "commit",
+        "spec_decode_rows", "gdn_layer_states", "_copy_from_host",
     },
     "vllm/v1/worker/gpu/spec_decode/ddtree/speculator.py": {"_generate_draft"},
     "vllm/v1/worker/gpu/spec_decode/ddtree/kernels.py": {"ddtree_walk", "__call__"},

@@ -1,0 +1,476 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DDTree for hybrid / M-RoPE targets, CPU side: startup checks (the opt-in,
+real ModelConfig / SpeculativeConfig of a hand-written tiny Qwen3-Next), the
+mamba state sizing under DDTree, the M-RoPE position rewrite, and the
+verifier driving the GDN path through a whole step (prepare_verify ->
+GDN forward -> walk -> compact)."""
+
+import json
+import os
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+vllm = pytest.importorskip("vllm")
+
+from vllm.v1.spec_decode.ddtree import gdn_verify  # noqa: E402
+from vllm.v1.spec_decode.ddtree.config import (  # noqa: E402
+    DDTREE_HYBRID_OPT_IN_ENV,
+    mamba_num_spec_tokens,
+    verify_ddtree_vllm_config,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHARED = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "models", "tinypair"
+)
+TARGET = os.path.join(SHARED, "target")
+DRAFTER = os.path.join(SHARED, "drafter")
+needs_models = pytest.mark.skipif(
+    not os.path.isdir(TARGET), reason="../shared/models/tinypair not present"
+)
+
+TINY_QWEN3_NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 384,
+    "intermediate_size": 1152,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-06,
+    "vocab_size": 8192,
+    "max_position_embeddings": 4096,
+    "rope_theta": 1000000.0,
+    "partial_rotary_factor": 0.25,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "layer_types": ["linear_attention"] * 3
+    + ["full_attention"]
+    + ["linear_attention"] * 3
+    + ["full_attention"],
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 256,
+    "shared_expert_intermediate_size": 256,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+# ------------------------------------------------------------------ config
+def fake_config(
+    hybrid=True,
+    mrope=False,
+    architecture="Qwen3_5ForConditionalGeneration",
+    mamba_cache_mode="none",
+    prefix_caching=False,
+    pp=1,
+):
+    return SimpleNamespace(
+        use_v2_model_runner=True,
+        attention_config=SimpleNamespace(backend=None),
+        model_config=SimpleNamespace(
+            is_hybrid=hybrid, uses_mrope=mrope, architecture=architecture
+        ),
+        cache_config=SimpleNamespace(
+            mamba_cache_mode=mamba_cache_mode, enable_prefix_caching=prefix_caching
+        ),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+    )
+
+
+def test_hybrid_and_mrope_targets_are_refused_without_the_opt_in(monkeypatch):
+    monkeypatch.delenv(DDTREE_HYBRID_OPT_IN_ENV, raising=False)
+    for cfg in (fake_config(), fake_config(hybrid=False, mrope=True)):
+        with pytest.raises(ValueError, match="hybrid") as info:
+            verify_ddtree_vllm_config(cfg)
+        assert f"{DDTREE_HYBRID_OPT_IN_ENV}=1" in str(info.value)
+        assert str(info.value).startswith("DDTree")
+    monkeypatch.setenv(DDTREE_HYBRID_OPT_IN_ENV, "0")
+    with pytest.raises(ValueError, match=DDTREE_HYBRID_OPT_IN_ENV):
+        verify_ddtree_vllm_config(fake_config())
+    # Dense 1-D RoPE targets need no opt-in.
+    verify_ddtree_vllm_config(fake_config(hybrid=False))
+
+
+def test_opt_in_accepts_gated_deltanet_hybrids_only(monkeypatch):
+    monkeypatch.setenv(DDTREE_HYBRID_OPT_IN_ENV, "1")
+    for arch in (
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3NextForCausalLM",
+    ):
+        verify_ddtree_vllm_config(fake_config(architecture=arch, mrope=True))
+    verify_ddtree_vllm_config(fake_config(hybrid=False, mrope=True, architecture="X"))
+    with pytest.raises(ValueError, match="must be Gated DeltaNet"):
+        verify_ddtree_vllm_config(fake_config(architecture="NemotronHForCausalLM"))
+    with pytest.raises(ValueError, match="no-enable-prefix-caching"):
+        verify_ddtree_vllm_config(
+            fake_config(mamba_cache_mode="align", prefix_caching=True)
+        )
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        verify_ddtree_vllm_config(fake_config(pp=2))
+    # Several problems: one line, all of them.
+    with pytest.raises(ValueError) as info:
+        verify_ddtree_vllm_config(
+            fake_config(architecture="JambaForCausalLM", prefix_caching=True)
+        )
+    message = str(info.value)
+    assert "\n" not in message
+    assert "Gated DeltaNet" in message and "prefix caching" in message
+
+
+@pytest.fixture(scope="module")
+def hybrid_model_config(tmp_path_factory):
+    from vllm.config import ModelConfig
+
+    path = tmp_path_factory.mktemp("tiny_qwen3_next")
+    with open(path / "config.json", "w") as f:
+        json.dump(TINY_QWEN3_NEXT, f)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(TARGET, name), path / name)
+    return ModelConfig(model=str(path), dtype="float32", max_model_len=2048)
+
+
+def _spec(model_config, **kw):
+    from vllm.config import ParallelConfig, SpeculativeConfig
+
+    return SpeculativeConfig(
+        **kw,
+        model=DRAFTER,
+        target_model_config=model_config,
+        target_parallel_config=ParallelConfig(),
+    )
+
+
+@needs_models
+def test_real_hybrid_config_goes_through_the_opt_in(monkeypatch, hybrid_model_config):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    assert hybrid_model_config.is_hybrid
+    spec = _spec(hybrid_model_config, method="ddtree", tree_budget=16)
+    assert spec.use_ddtree()
+    cfg = SimpleNamespace(
+        use_v2_model_runner=True,
+        attention_config=SimpleNamespace(backend=None),
+        model_config=hybrid_model_config,
+        cache_config=SimpleNamespace(
+            mamba_cache_mode="none", enable_prefix_caching=False
+        ),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        speculative_config=spec,
+    )
+    monkeypatch.delenv(DDTREE_HYBRID_OPT_IN_ENV, raising=False)
+    with pytest.raises(ValueError, match="Qwen3NextForCausalLM"):
+        verify_ddtree_vllm_config(cfg)
+    monkeypatch.setenv(DDTREE_HYBRID_OPT_IN_ENV, "1")
+    verify_ddtree_vllm_config(cfg)
+    assert cfg.attention_config.backend == AttentionBackendEnum.TRITON_ATTN
+
+
+@needs_models
+def test_mamba_state_is_sized_for_one_committed_state_under_ddtree(
+    hybrid_model_config,
+):
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    from vllm.config import ParallelConfig
+
+    ddtree = _spec(hybrid_model_config, method="ddtree", tree_budget=16)
+    chain = _spec(hybrid_model_config, method="dflash", num_speculative_tokens=15)
+    assert mamba_num_spec_tokens(ddtree) == 0
+    assert mamba_num_spec_tokens(chain) == 15
+    assert mamba_num_spec_tokens(None) == 0
+
+    def vllm_config(spec):
+        return SimpleNamespace(
+            model_config=hybrid_model_config,
+            parallel_config=ParallelConfig(),
+            speculative_config=spec,
+            cache_config=SimpleNamespace(
+                mamba_block_size=2048,
+                mamba_page_size_padded=None,
+                mamba_cache_mode="none",
+            ),
+        )
+
+    def conv_columns(spec):
+        conv_shape, _ = Qwen3NextForCausalLM.get_mamba_state_shape_from_config(
+            vllm_config(spec)
+        )
+        return conv_shape[1] if is_conv_state_dim_first() else conv_shape[0]
+
+    assert conv_columns(ddtree) == 3  # linear_conv_kernel_dim - 1
+    assert conv_columns(chain) == 3 + 15
+
+    class FakeMamba:
+        mamba_type = MambaAttentionBackendEnum.GDN_ATTN
+
+        def get_state_shape(self):
+            return ((3, 8), (4, 32, 32))
+
+        def get_state_dtype(self):
+            return (torch.float32, torch.float32)
+
+    def spec_blocks(spec):
+        kv_spec = MambaBase.get_kv_cache_spec(FakeMamba(), vllm_config(spec))
+        return kv_spec.num_speculative_blocks
+
+    assert spec_blocks(ddtree) == 0
+    assert spec_blocks(chain) == 15
+
+
+# ----------------------------------------------------------------- verifier
+B, D = 4, 3
+# Request state 2: root -> 1 -> 3, root -> 2, 1 -> 4 (depths 1, 1, 2, 2).
+PARENT = [0, 0, 1, 1]
+DEPTH = [1, 1, 2, 2]
+TOKENS = [11, 12, 13, 14]
+
+
+def _verifier(max_reqs=4, max_tokens=64):
+    from vllm.v1.worker.gpu.spec_decode.ddtree.verifier import DDTreeVerifier
+
+    cfg = SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            use_ddtree=lambda: True, tree_budget=B, draft_depth=D
+        ),
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=max_reqs, max_num_batched_tokens=max_tokens
+        ),
+    )
+    return DDTreeVerifier(cfg, torch.device(DEVICE))
+
+
+def _store_trees(verifier, req_states, trees):
+    spec = SimpleNamespace(
+        tree_parent_idx=torch.tensor([t[0] for t in trees], device=DEVICE),
+        tree_depth=torch.tensor([t[1] for t in trees], device=DEVICE),
+        tree_valid=torch.ones(len(trees), B, dtype=torch.bool, device=DEVICE),
+    )
+    verifier.store_trees(
+        torch.tensor(req_states, dtype=torch.int32, device=DEVICE), spec
+    )
+    draft_tokens = torch.zeros(4, B, dtype=torch.int64)
+    for s, t in zip(req_states, trees):
+        draft_tokens[s] = torch.tensor(t[2])
+    return draft_tokens.to(DEVICE)
+
+
+def _on_device(batch):
+    for name, value in vars(batch).items():
+        if isinstance(value, torch.Tensor):
+            setattr(batch, name, value.to(DEVICE))
+    return batch
+
+
+def _prefill_and_tree_batch():
+    """Batch row 0: a prefill chunk of 3 tokens (request state 0); batch row 1:
+    tree verification of request state 2 (root + 4 nodes) at positions 20..24."""
+    positions = torch.tensor([0, 1, 2, 20, 21, 22, 23, 24, 0, 0], dtype=torch.int64)
+    return _on_device(SimpleNamespace(
+        num_reqs=2,
+        num_tokens=8,
+        num_tokens_after_padding=10,
+        num_draft_tokens=B,
+        positions=positions,
+        logits_indices=torch.tensor([2, 3, 4, 5, 6, 7]),
+        expanded_idx_mapping=torch.tensor([0, 2, 2, 2, 2, 2], dtype=torch.int32),
+        expanded_local_pos=torch.tensor([0, 0, 1, 2, 3, 4], dtype=torch.int32),
+        idx_mapping=torch.tensor([0, 2], dtype=torch.int32),
+        idx_mapping_np=np.array([0, 2], dtype=np.int32),
+        cu_num_logits=torch.tensor([0, 1, 6], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 3, 8], dtype=torch.int32),
+        seq_lens=torch.tensor([3, 25], dtype=torch.int32),
+        num_draft_tokens_per_req=np.array([0, B], dtype=np.int32),
+        num_scheduled_tokens=np.array([3, 1 + B], dtype=np.int32),
+    ))
+
+
+def test_mrope_positions_get_the_tree_shift_in_every_section():
+    verifier = _verifier()
+    _store_trees(verifier, [2], [(PARENT, DEPTH, TOKENS)])
+    batch = _prefill_and_tree_batch()
+    verifier.prepare_verify(batch)
+    # M-RoPE positions as the model state writes them after prepare_verify:
+    # [3, padded tokens], text tokens = position + per-request delta; the
+    # prefill row's sections differ (an image), padding rows are zero.
+    mrope = torch.zeros(3, 11, dtype=torch.int64, device=DEVICE)
+    mrope[:, :3] = torch.tensor([[0, 1, 2], [0, 5, 5], [0, 6, 7]], device=DEVICE)
+    mrope[:, 3:8] = torch.arange(20, 25, device=DEVICE) + 100
+    before = mrope.clone()
+    view = mrope[:, :10]
+    verifier.prepare_model_positions(view)
+    # Tree rows: root + depth (+ delta), in all three sections.
+    expected_tree = torch.tensor([20, 21, 21, 22, 22]) + 100
+    for section in range(3):
+        assert mrope[section, 3:8].tolist() == expected_tree.tolist()
+    assert torch.equal(mrope[:, :3], before[:, :3])
+    assert torch.equal(mrope[:, 8:], before[:, 8:])
+    # 1-D positions were shifted by prepare_verify; 1-D input is a no-op.
+    assert batch.positions[3:8].tolist() == [20, 21, 21, 22, 22]
+    verifier.prepare_model_positions(batch.positions)
+    assert batch.positions[3:8].tolist() == [20, 21, 21, 22, 22]
+    # compact puts both back.
+    verifier.compact(batch, None, None)
+    assert torch.equal(mrope, before)
+    assert batch.positions.tolist() == [0, 1, 2, 20, 21, 22, 23, 24, 0, 0]
+
+
+def test_mrope_rewrite_is_a_no_op_without_trees():
+    verifier = _verifier()
+    batch = _prefill_and_tree_batch()
+    batch.num_draft_tokens = 0
+    verifier.prepare_verify(batch)
+    mrope = torch.arange(30, dtype=torch.int64, device=DEVICE).view(3, 10)
+    before = mrope.clone()
+    verifier.prepare_model_positions(mrope)
+    verifier.compact(batch, None, None)
+    assert torch.equal(mrope, before)
+
+
+class _ArgmaxSampler:
+    penalties_state = SimpleNamespace(use_penalty=np.zeros(4, dtype=bool))
+
+    def returns_logprobs(self, idx_mapping_np):
+        return False
+
+    def sample(self, logits, *args, **kwargs):
+        return logits.argmax(dim=-1), logits
+
+
+def _logits_for(targets, vocab=32):
+    logits = torch.zeros(len(targets), vocab)
+    logits[torch.arange(len(targets)), torch.tensor(targets)] = 1.0
+    return logits.to(DEVICE)
+
+
+def test_one_verifier_step_advances_the_gdn_states_along_the_walk(monkeypatch):
+    """Two tree rows (request states 2 and 0, batch order 0 <- state 2):
+    prepare_verify -> the layer's DDTree branch -> sample (walk) -> compact.
+    The GDN states must equal upstream's decode replay of each walk path."""
+    from test_ddtree_gdn_hybrid import (
+        CONV_DIM,
+        HV,
+        make_layer,
+        replay,
+        run_core,
+        spec_md,
+    )
+
+    verifier = _verifier()
+    # State 2: the tree above; state 0: a spine root -> 1 -> 2 -> 3, 1 -> 4.
+    spine = ([0, 1, 2, 1], [1, 2, 3, 2], [21, 22, 23, 24])
+    draft_tokens = _store_trees(verifier, [2, 0], [(PARENT, DEPTH, TOKENS), spine])
+    ctx = gdn_verify.DDTreeGDN(
+        parent_idx=verifier.req_parent_idx,
+        draft_depth=D,
+        max_num_reqs=4,
+        max_rows=64,
+        num_layers=1,
+        conv_dim=CONV_DIM,
+        num_v_heads=HV,
+        dtype=torch.float32,
+        device=torch.device(DEVICE),
+    )
+    layer = make_layer(11)
+    ctx.bind_layers({layer.prefix: layer})
+    verifier.gdn = ctx
+    monkeypatch.setattr(gdn_verify, "_ACTIVE", ctx)
+    committed = [t.clone() for t in layer.kv_cache]
+
+    positions = torch.tensor([30, 31, 32, 33, 34, 8, 9, 10, 11, 12, 0, 0])
+    batch = _on_device(SimpleNamespace(
+        num_reqs=2,
+        num_tokens=10,
+        num_tokens_after_padding=12,
+        num_draft_tokens=2 * B,
+        positions=positions,
+        input_ids=torch.arange(12, dtype=torch.int64),
+        logits_indices=torch.arange(10),
+        expanded_idx_mapping=torch.tensor([2] * 5 + [0] * 5, dtype=torch.int32),
+        expanded_local_pos=torch.tensor(list(range(5)) * 2, dtype=torch.int32),
+        idx_mapping=torch.tensor([2, 0], dtype=torch.int32),
+        idx_mapping_np=np.array([2, 0], dtype=np.int32),
+        cu_num_logits=torch.tensor([0, 5, 10], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 5, 10], dtype=torch.int32),
+        seq_lens=torch.tensor([35, 13], dtype=torch.int32),
+        num_draft_tokens_per_req=np.array([B, B], dtype=np.int32),
+        num_scheduled_tokens=np.array([1 + B, 1 + B], dtype=np.int32),
+    ))
+    verifier.prepare_verify(batch)
+    assert ctx.num_spec == 2
+    assert ctx.tree_rows[:2].tolist() == [2, 0]
+
+    gen = torch.Generator().manual_seed(3)
+    mixed_qkv = torch.randn(12, CONV_DIM, generator=gen).to(DEVICE)
+    a = torch.randn(12, HV, generator=gen).to(DEVICE)
+    b = torch.randn(12, HV, generator=gen).to(DEVICE)
+    slots = [5, 3]
+    md = spec_md([0, 5, 10], slots, 2, 12)
+    verifier.attach_bias({layer.prefix: md, "attn": SimpleNamespace(tree_attn_bias=None)})
+    run_core(monkeypatch, layer, md, mixed_qkv, b, a, 12)
+
+    # Walk: state 2 accepts root -> 1 -> 4 (node 1 says 14, not 13);
+    # state 0 accepts root -> 1 -> 2 -> 3 (the spine).
+    logits = _logits_for([11, 14, 30, 30, 9, 21, 22, 23, 5, 30])
+    prefill_len = torch.tensor([3, 0, 10, 0], dtype=torch.int32, device=DEVICE)
+    out = verifier.sample(_ArgmaxSampler(), logits, batch, draft_tokens, prefill_len)
+    assert out.num_sampled.tolist() == [3, 4]
+    verifier.compact(batch, None, None)
+
+    for slot, rows in ((5, [0, 1, 4]), (3, [5, 6, 7, 8])):
+        saved = layer.kv_cache
+        layer.kv_cache = committed
+        try:
+            _, ref_conv, ref_ssm = replay(
+                monkeypatch, layer, slot, mixed_qkv[rows], b[rows], a[rows]
+            )
+        finally:
+            layer.kv_cache = saved
+        torch.testing.assert_close(layer.kv_cache[1][slot], ref_ssm, rtol=1e-5, atol=1e-5)
+        assert torch.equal(layer.kv_cache[0][slot], ref_conv)
+
+
+@needs_models
+def test_verifier_sizes_the_gdn_buffers_from_the_hybrid_config(hybrid_model_config):
+    from vllm.config import ParallelConfig
+    from vllm.v1.worker.gpu.spec_decode.ddtree.verifier import DDTreeVerifier
+
+    spec = _spec(hybrid_model_config, method="ddtree", tree_budget=16)
+    cfg = SimpleNamespace(
+        model_config=hybrid_model_config,
+        parallel_config=ParallelConfig(),
+        speculative_config=spec,
+        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=256),
+    )
+    try:
+        verifier = DDTreeVerifier(cfg, torch.device(DEVICE))
+        gdn = verifier.gdn
+        assert gdn is not None and gdn_verify.get_ddtree_gdn() is gdn
+        # 6 linear-attention layers; conv dim 2 * 2 * 32 + 4 * 32; 4 value
+        # heads; rows: min(256 batched tokens, 4 requests x (1 + 16)).
+        assert gdn.x_buf.shape == (6, 68, 256)
+        assert gdn.a_buf.shape == gdn.b_buf.shape == (6, 68, 4)
+        assert gdn.x_buf.dtype == torch.float32
+        assert gdn.parent_idx is verifier.req_parent_idx
+        cfg.scheduler_config.max_num_batched_tokens = 32
+        assert DDTreeVerifier(cfg, torch.device(DEVICE)).gdn.x_buf.shape[1] == 32
+    finally:
+        gdn_verify.set_ddtree_gdn(None)
