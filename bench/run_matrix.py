@@ -39,6 +39,15 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _rows(stdout: str, prefix: str) -> list[dict]:
+    """The JSON rows of ddtree_e2e.py's ``<prefix> {json}`` lines."""
+    return [
+        json.loads(line[len(prefix) + 1:])
+        for line in stdout.splitlines()
+        if line.startswith(prefix + " ")
+    ]
+
+
 def configs(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
     out: list[tuple[str, list[str]]] = []
     if not a.skip_none:
@@ -104,11 +113,7 @@ def main() -> None:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=a.timeout, check=False
         )
-        found = [
-            json.loads(line[len("RESULT "):])
-            for line in proc.stdout.splitlines()
-            if line.startswith("RESULT ")
-        ]
+        found = _rows(proc.stdout, "RESULT")
         for row in found:
             row["call"] = 0  # one matrix run: every row is comparable
             rows.append(row)
@@ -125,16 +130,14 @@ def main() -> None:
                 [*cmd, "--profile", "2"], capture_output=True, text=True,
                 timeout=a.timeout, check=False,
             )
-            for line in prof.stdout.splitlines():
-                if line.startswith("PROFILE "):
-                    row = json.loads(line[len("PROFILE "):])
-                    row.update(call=0, line="PROFILE")
-                    rows.append(row)
-                    print(
-                        f"    profile c={row['conc']:<3} GPU us/step by phase "
-                        f"{row.get('gpu_us_per_step_by_phase')}",
-                        flush=True,
-                    )
+            for row in _rows(prof.stdout, "PROFILE"):
+                row.update(call=0, line="PROFILE")
+                rows.append(row)
+                print(
+                    f"    profile c={row['conc']:<3} GPU us/step by phase "
+                    f"{row.get('gpu_us_per_step_by_phase')}",
+                    flush=True,
+                )
             if prof.returncode != 0:
                 print(f"    profile FAILED (rc={prof.returncode})", flush=True)
         print(f"    {time.time() - t0:.0f}s", flush=True)
