@@ -105,6 +105,13 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument(
+        "--llm-kwargs",
+        type=json.loads,
+        default=None,
+        help="JSON object of extra LLM(...) keyword arguments, e.g. "
+        '\'{"enable_prefix_caching": false, "limit_mm_per_prompt": {"image": 0}}\'',
+    )
+    ap.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -135,6 +142,8 @@ def main() -> None:
     )
     if a.attention_backend:
         kw["attention_config"] = {"backend": a.attention_backend}
+    if a.llm_kwargs:
+        kw.update(a.llm_kwargs)
     if a.mode == "dflash":
         kw["speculative_config"] = dict(
             method="dflash", model=a.drafter, num_speculative_tokens=a.k

@@ -10,6 +10,8 @@
 #
 #   STAGE=core    SRC=... bash bench/gpu_validate.sh  # core bench torch vs triton, -m gpu core tests
 #   STAGE=corestep bash bench/gpu_validate.sh # core bench incl. the runner's per-step kernels
+#   STAGE=corevocab bash bench/gpu_validate.sh # the same, tree files from .gpu/src_base vs
+#                                             # .gpu/src_vocab (a candidate change), + its GPU tests
 #   STAGE=matrix PART=a|b bash bench/gpu_validate.sh  # issue-5 matrix (two calls)
 #   STAGE=speed   bash bench/gpu_validate.sh  # GPU kernel tests; chain K=15 vs DDTree (batch
 #                                             # policy), train prompts, c=1/8/32, fp32
@@ -21,6 +23,7 @@
 #   STAGE=exact2  bash bench/gpu_validate.sh  # DDTree B=1 (CUDA graphs), B=64 enforce_eager vs ref
 #   STAGE=sample  bash bench/gpu_validate.sh  # T=1 top-p 0.95 distribution vs no-spec, seeded runs
 #   STAGE=serve   bash bench/gpu_validate.sh  # vllm serve: 64 streams with disconnects vs no-spec
+#   STAGE=hybrid  bash bench/gpu_validate.sh  # hybrid GDN (opt-in) on a dummy Qwen3.5 shape vs no-spec
 #
 # One engine at a time: several vLLM engines starting on one GPU fail their
 # memory profiling. Stages exact and exact2 need `ref` from `profile`.
@@ -30,11 +33,10 @@
 # Logs go to one tarball ($OUT/logs-<stage>.tgz: at most 8 files come back).
 set -u
 export PYTHONUNBUFFERED=1
-export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/keep /tmp/logs
+export OUT=${OUT:-/tmp/out}; L=${LOGDIR:-/tmp/logs}; mkdir -p "$OUT" /tmp/keep "$L"
 M=/tmp/models/tinypair; TRAIN=$M/prompts_train.jsonl; HELD=$M/prompts_heldout.jsonl
 E8=bench/configs/qwen3-8b-dummy
 ALL="--prompts $TRAIN $HELD --n 0 --c1-n 32 --conc 32 1"
-L=/tmp/logs
 run() {  # tag, then ddtree_e2e.py args; env TMO, GPU_UTIL
   local tag=$1; shift
   echo "=== $tag $(date +%T)"
@@ -45,7 +47,7 @@ run() {  # tag, then ddtree_e2e.py args; env TMO, GPU_UTIL
 }
 finish() {
   grep -h "^RESULT\|^PROFILE\|^SYNCCHECK\|^E2E" $L/*.log > "$OUT/results-$STAGE.txt" 2>/dev/null
-  tar czf "$OUT/logs-$STAGE.tgz" -C /tmp logs 2>/dev/null
+  tar czf "$OUT/logs-$STAGE.tgz" -C "$(dirname "$L")" "$(basename "$L")" 2>/dev/null
 }
 trap finish EXIT
 case "${STAGE:-}" in
@@ -70,6 +72,25 @@ corestep)
   timeout 100 python3 bench/bench_ddtree_core.py --src /tmp/site --backend triton --vocab 8192 \
     --requests 1,32 --budgets 64 --stages vocab,tree,step --iters 50 \
     --out "$OUT/core_step_v8k.json" 2>&1 | tail -4 ;;
+corevocab)
+  # A candidate change of the core's tree files against the current ones
+  # (copy each tree into .gpu/src_<name>/vllm/v1/spec_decode/ddtree/ and
+  # carry .gpu): build stages and the runner's step kernels, R = 1/8/64,
+  # B = 16/64/256, V = 151936; then the core GPU tests on the candidate, with
+  # the extra test files of .gpu/vocab_tests (CORE_TESTS=0: not). Without
+  # the devbundle (torch + Triton only) the step column is left empty.
+  [ -f /tmp/site/env.sh ] && source /tmp/site/env.sh
+  for s in ${SRCS:-base vocab}; do
+    echo "=== core $s $(date +%T)"
+    timeout 150 python3 bench/bench_ddtree_core.py --src .gpu/src_$s --backend triton \
+      --requests 1,8,64 --budgets 16,64,256 --stages ${CORE_STAGES:-vocab,tree,full,step} \
+      --iters 50 --out "$OUT/core_$s.json" 2>&1 | tail -11
+  done
+  [ "${CORE_TESTS:-1}" = 1 ] || exit 0
+  cp .gpu/vocab_tests/*.py tests/ 2>/dev/null
+  VLLM_DDTREE_SRC=.gpu/src_${CANDIDATE:-vocab} timeout 200 python3 -m pytest -q -p no:cacheprovider \
+    -m gpu -rxXs tests/test_ddtree_core.py $(ls .gpu/vocab_tests/*.py 2>/dev/null | sed 's|.gpu/vocab_tests/|tests/|') \
+    2>&1 | tail -8 ;;
 matrix)
   # The issue-5 matrix in two calls: PART=a (no spec, chain K=7/15, DDTree
   # B=16) and PART=b (DDTree B=32/64/128/256), tinypair train prompts,
@@ -155,6 +176,10 @@ sample)
     [ -n "${SAMPLE_CHAIN:-}" ] && $S --drafter $M/drafter --mode dflash --k 15 --seed 1 --ref sref --tag s_dflash
   } > $L/sampling.log 2>&1
   grep -E "^RESULT|Error" $L/sampling.log ;;
+hybrid)
+  # Issue 8: the experimental hybrid GDN path on a dummy Qwen3.5-shaped target
+  # (bench/configs/qwen35-hybrid-dummy; see bench/hybrid_stage.sh).
+  LOGDIR=$L bash bench/hybrid_stage.sh ;;
 serve)
   source /tmp/site/env.sh
   OUT=/tmp/serve_e2e timeout 500 bash bench/serve_e2e.sh > $L/serve_e2e.log 2>&1

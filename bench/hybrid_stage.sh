@@ -1,0 +1,82 @@
+#!/bin/bash
+# SPDX-License-Identifier: Apache-2.0
+# GPU check of the experimental hybrid (Gated DeltaNet) DDTree path
+# (VLLM_DDTREE_EXPERIMENTAL_HYBRID=1) on a dummy-weight Qwen3.5-architecture
+# target with a dummy DFlash drafter (bench/configs/qwen35-hybrid-dummy):
+#
+#   (e) the hybrid kernel tests of tests/in_vllm, on CUDA;
+#   (a) no-spec reference, float32, TRITON_ATTN, V2 model runner (the one
+#       DDTree forces), top-2 gaps saved;
+#   (b) DDTree B=16, (c) DDTree B=64 (fixed policy, CUDA graphs) against it:
+#       64 train prompts at concurrency 8 and 1, 128 new tokens, float32;
+#   (d) DDTree B=64 in bf16 at c=8 (must complete; no reference).
+#   V1_REF=1 adds a no-spec run on the V1 runner compared with (a).
+#
+# Needs the devbundle in /tmp/site and tinypair's prompts in /tmp/models;
+# the caller sets CUDA_VISIBLE_DEVICES. One engine at a time. Every run has a
+# timeout, capped so that the whole stage ends within TOTAL seconds (540).
+# Logs: /tmp/logs/hybrid_*.log; RESULT lines also in $OUT/results-hybrid.txt.
+#
+#   bash bench/hybrid_stage.sh
+set -u
+source /tmp/site/env.sh
+export VLLM_DDTREE_EXPERIMENTAL_HYBRID=1
+export PYTHONUNBUFFERED=1
+export OUT=${OUT:-/tmp/out}
+H=bench/configs/qwen35-hybrid-dummy
+TRAIN=/tmp/models/tinypair/prompts_train.jsonl
+L=${LOGDIR:-/tmp/logs}; K=/tmp/keep/hybrid
+mkdir -p "$OUT" "$L" "$K"
+START=$SECONDS; TOTAL=${TOTAL:-540}
+# Text only (vision tower skipped), no prefix caching (the hybrid tree path
+# refuses it), Triton/FLA GDN prefill (auto picks FlashInfer on Hopper; not
+# in the bundle). The same for the reference and the DDTree runs.
+KW='{"enable_prefix_caching": false, "limit_mm_per_prompt": {"image": 0, "video": 0}, "gdn_prefill_backend": "triton"}'
+COMMON=(--target "$H/target" --drafter "$H/drafter" --load-format dummy --prompts "$TRAIN"
+  --n 64 --max-tokens 128 --gpu-memory-utilization 0.4 --outdir "$K" --llm-kwargs "$KW")
+[ -n "${C1N:-}" ] && COMMON+=(--c1-n "$C1N")
+
+left() { echo $((TOTAL - (SECONDS - START))); }
+run() {  # tag, timeout (s), then ddtree_e2e.py args
+  local tag=$1 tmo=$2; shift 2
+  local cap; cap=$(($(left) - 5))
+  [ "$cap" -lt "$tmo" ] && tmo=$cap
+  if [ "$tmo" -lt 40 ]; then echo "=== $tag skipped (stage time spent)"; return; fi
+  echo "=== $tag $(date +%T) (timeout ${tmo}s)"
+  timeout "$tmo" python3 bench/ddtree_e2e.py "${COMMON[@]}" --tag "$tag" "$@" \
+    > "$L/hybrid_$tag.log" 2>&1
+  echo "rc=$? $tag"
+  grep -E "^RESULT|Error|error:" "$L/hybrid_$tag.log" | tail -4
+}
+finish() {
+  echo "=== summary ($((SECONDS - START)) s)"
+  grep -h "experimental hybrid\|GDN prefill kernel" $L/hybrid_*.log 2>/dev/null | sort -u | cut -c1-200
+  grep -h "^RESULT" $L/hybrid_*.log 2>/dev/null | tee "$OUT/results-hybrid.txt"
+  (cd "$L" && tar czf "$OUT/logs-hybrid.tgz" hybrid_*.log) 2>/dev/null
+}
+trap finish EXIT
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+
+# (e) Hybrid kernel tests (GDN tree kernels, conv, state builder, runner
+# checks) on CUDA; they flip the opt-in themselves, so it is unset for them.
+echo "=== kernel tests $(date +%T)"
+(cd tests/in_vllm && env -u VLLM_DDTREE_EXPERIMENTAL_HYBRID timeout 120 python3 -m pytest -q \
+  -p no:cacheprovider -c pytest.ini test_ddtree_gdn.py test_ddtree_gdn_builder.py \
+  test_ddtree_gdn_hybrid.py test_ddtree_hybrid_runner.py test_ddtree_tree_conv.py) \
+  > "$L/hybrid_kernel_tests.log" 2>&1
+echo "rc=$? kernel tests"; tail -3 "$L/hybrid_kernel_tests.log"
+
+# (a) Reference: no speculation, on the V2 runner (a hybrid target defaults
+# to V1; DDTree forces V2).
+VLLM_USE_V2_MODEL_RUNNER=1 run ref 150 --mode none --attention-backend TRITON_ATTN \
+  --dtype float32 --save-gaps --conc 8 1
+# (b), (c) DDTree vs the reference (CUDA graphs on).
+for b in 16 64; do
+  run ddtree_b$b 170 --mode ddtree --budget $b --policy fixed --dtype float32 --ref ref --conc 8 1
+done
+# (d) bf16: must complete.
+run bf16_ddtree_b64 110 --mode ddtree --budget 64 --policy fixed --dtype bfloat16 --conc 8
+# Optional: the V1 runner's no-spec output against the V2 reference.
+[ -n "${V1_REF:-}" ] && VLLM_USE_V2_MODEL_RUNNER=0 run ref_v1 120 --mode none \
+  --attention-backend TRITON_ATTN --dtype float32 --ref ref --conc 8 1
+exit 0
