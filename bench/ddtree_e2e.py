@@ -35,6 +35,7 @@ tree build, bookkeeping, verify and the rest. Only the Triton build backend
 """
 
 import argparse
+import bisect
 import json
 import os
 import re
@@ -42,7 +43,11 @@ import sys
 import time
 
 # Kernel-name patterns of DDTree's own GPU work (see --profile).
-TREE_BUILD_KERNELS = re.compile(r"_vocab_chunk_kernel|_topk_merge_kernel|_vocab_merge_kernel|_tree_kernel\b")
+TREE_BUILD_KERNELS = re.compile(
+    r"_vocab_chunk_kernel|_topk_merge_kernel|_vocab_merge_kernel|_tree_kernel\b"
+    r"|_vocab_stats_kernel|_vocab_threshold_kernel|_vocab_filter_kernel"
+    r"|_fallback_chunk_kernel|_fallback_merge_kernel"
+)
 BOOKKEEPING_KERNELS = re.compile(r"_ddtree_walk_kernel|_ddtree_tree_bias_kernel|_ddtree_compact_kv_kernel")
 
 
@@ -95,6 +100,12 @@ def main() -> None:
     ap.add_argument("--tag", default=None)
     ap.add_argument("--ref", default=None, help="tag of a reference run")
     ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature (0 = greedy; > 0: speed and tau only, no --ref)",
+    )
+    ap.add_argument(
         "--save-gaps",
         action="store_true",
         help="(reference run) also save each token's top-1 minus top-2 logprob, "
@@ -124,6 +135,18 @@ def main() -> None:
         help="count host syncs while decoding N prompts at c=1 (only that)",
     )
     a = ap.parse_args()
+    if a.ref and a.temperature > 0:
+        ap.error("--ref compares greedy outputs; drop it with --temperature > 0")
+    if a.ref and not (a.profile or a.sync_check):
+        # Fail before the engine starts, not after the run: a missing
+        # reference would otherwise leave the RESULT rows without "identical".
+        missing = [
+            p
+            for p in (os.path.join(a.outdir, f"tokens_{a.ref}_c{c}.json") for c in a.conc)
+            if not os.path.exists(p)
+        ]
+        if missing:
+            ap.error(f"--ref {a.ref}: missing {', '.join(missing)}")
     if a.profile or a.sync_check:
         # The profiler sees the engine's kernels only in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -160,9 +183,9 @@ def main() -> None:
     startup_s = time.time() - t0
     prompts = load_prompts(a.prompts, a.n)
     prompts_c1 = load_prompts(a.prompts, a.c1_n) if a.c1_n else prompts
-    sp = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=True)
     sp_gaps = SamplingParams(
-        temperature=0, max_tokens=a.max_tokens, ignore_eos=True, logprobs=2
+        temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=True, logprobs=2
     )
     llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
 
@@ -198,6 +221,7 @@ def main() -> None:
             policy=a.policy if a.mode == "ddtree" else None,
             dtype=a.dtype,
             eager=a.eager,
+            temperature=a.temperature,
             conc=conc,
             prompts=len(phase_prompts),
             tok_s=round(sum(map(len, toks)) / dt, 1),
@@ -218,7 +242,7 @@ def main() -> None:
             startup_s=round(startup_s, 1),
         )
         ref_path = os.path.join(a.outdir, f"tokens_{a.ref}_c{conc}.json") if a.ref else None
-        if ref_path and os.path.exists(ref_path):
+        if ref_path:
             with open(ref_path) as f:
                 ref = json.load(f)
             same = [x == y for x, y in zip(ref, toks)]
@@ -295,6 +319,45 @@ def _label_draft_passes() -> None:
     DFlashSpeculator.propose = propose
 
 
+def split_gpu_time(events, cuda_type) -> tuple[dict, dict, float, bool]:
+    """GPU kernel time of profiler ``events`` by category (tree build,
+    bookkeeping, other), per kernel name, and the part launched by the draft
+    pass (tree build included); plus whether a draft range was seen.
+
+    The draft pass is told by the GPU-side copy of its record_function range
+    (from its first to its last kernel): a kernel belongs to it when it
+    starts inside one. The CPU range's own device time misses kernels
+    replayed from CUDA graphs, and the GPU-side range is a span (idle time
+    included), not kernel time: neither is summed itself.
+    """
+    events = list(events)
+    spans = sorted(
+        (ev.time_range.start, ev.time_range.end)
+        for ev in events
+        if ev.name == DRAFT_RANGE and ev.device_type == cuda_type
+    )
+    starts = [start for start, _ in spans]
+    us = {"tree_build": 0.0, "bookkeeping": 0.0, "other": 0.0}
+    top: dict[str, float] = {}
+    draft_us = 0.0
+    for ev in events:
+        if ev.device_type != cuda_type or ev.name == DRAFT_RANGE:
+            continue
+        dur = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        name = ev.name
+        if TREE_BUILD_KERNELS.search(name):
+            us["tree_build"] += dur
+        elif BOOKKEEPING_KERNELS.search(name):
+            us["bookkeeping"] += dur
+        else:
+            us["other"] += dur
+        top[name[:60]] = top.get(name[:60], 0.0) + dur
+        i = bisect.bisect_right(starts, ev.time_range.start) - 1
+        if i >= 0 and ev.time_range.start <= spans[i][1]:
+            draft_us += dur
+    return us, top, draft_us, bool(spans)
+
+
 def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> None:
     """Decode ``prompts`` ``conc`` at a time under the torch profiler; print
     the wall time and the GPU kernel time per engine step, by category."""
@@ -315,25 +378,9 @@ def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> None:
     acc1, drafts1, _ = spec_metrics(llm)
     # Draft counters are per request: an engine step drafts for `conc` of them.
     steps = ((drafts1 - drafts0) or toks) / conc
-    us = {"tree_build": 0.0, "bookkeeping": 0.0, "other": 0.0}
-    top: dict[str, float] = {}
-    draft_range_us = 0.0
-    for ev in prof.events():
-        if ev.name == DRAFT_RANGE:
-            # GPU time of everything the DFlash pass launched (its CUDA
-            # graph replay included), the DDTree build among it.
-            draft_range_us += ev.device_time_total
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        dur = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-        name = ev.name
-        if TREE_BUILD_KERNELS.search(name):
-            us["tree_build"] += dur
-        elif BOOKKEEPING_KERNELS.search(name):
-            us["bookkeeping"] += dur
-        else:
-            us["other"] += dur
-        top[name[:60]] = top.get(name[:60], 0.0) + dur
+    us, top, draft_range_us, has_draft_range = split_gpu_time(
+        prof.events(), torch.autograd.DeviceType.CUDA
+    )
     wall_us = dt * 1e6 / steps
     res = dict(
         tag=tag,
@@ -346,7 +393,8 @@ def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> None:
         tau=round(1 + (acc1 - acc0) / (drafts1 - drafts0), 3) if drafts1 > drafts0 else None,
         wall_us_per_step=round(wall_us, 1),
         gpu_us_per_step={k: round(v / steps, 1) for k, v in us.items()},
-        # The same GPU time by phase: DFlash pass (without the tree build),
+        # The same GPU time by phase (None without a draft pass, i.e. no
+        # speculation): DFlash pass (without the tree build),
         # tree build, DDTree bookkeeping, and the rest (target verify forward,
         # sampling, input preparation).
         gpu_us_per_step_by_phase={
@@ -356,7 +404,9 @@ def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> None:
             "verify_and_rest": round(
                 (us["other"] - (draft_range_us - us["tree_build"])) / steps, 1
             ),
-        },
+        }
+        if has_draft_range
+        else None,
         # Below 1: the GPU idles inside the step (host-bound or waiting).
         gpu_busy_share=round(sum(us.values()) / steps / wall_us, 3),
         ddtree_share_of_step=round((us["tree_build"] + us["bookkeeping"]) / steps / wall_us, 4),

@@ -12,7 +12,8 @@
 #   STAGE=corestep bash bench/gpu_validate.sh # core bench incl. the runner's per-step kernels
 #   STAGE=corevocab bash bench/gpu_validate.sh # the same, tree files from .gpu/src_base vs
 #                                             # .gpu/src_vocab (a candidate change), + its GPU tests
-#   STAGE=matrix PART=a|b bash bench/gpu_validate.sh  # issue-5 matrix (two calls)
+#   STAGE=matrix PART=a|b|8b bash bench/gpu_validate.sh  # issue-5 matrix (a, b: tinypair;
+#                                             # 8b: 8B-shaped dummy), one call each
 #   STAGE=speed   bash bench/gpu_validate.sh  # GPU kernel tests; chain K=15 vs DDTree (batch
 #                                             # policy), train prompts, c=1/8/32, fp32
 #   STAGE=profile bash bench/gpu_validate.sh  # no-spec ref (-> $OUT, carry back in .gpu/keep),
@@ -96,13 +97,19 @@ matrix)
   # B=16) and PART=b (DDTree B=32/64/128/256), tinypair train prompts,
   # c = 1/4/8/16/32, float32, 128 new tokens; MATRIX_ARGS adds options
   # (e.g. --breakdown dflash_k15 ddtree_b64).
+  # PART=8b: the 8B-shaped dummy target (bf16; verification cost against B,
+  # acceptance meaningless). MATRIX_ARGS="--temperatures 0 1" adds sampled
+  # rows (T = 1) of the same configurations.
   source /tmp/site/env.sh
+  MT=$M; MDT=float32; MN=${N:-48}; MC="1 4 8 16 32"; MX=""
   case "${PART:-a}" in
     a) SEL="--chain 7 15 --budgets 16" ;;
     b) SEL="--skip-none --chain --budgets 32 64 128 256" ;;
+    8b) SEL="--chain 15 --budgets 16 64 256"; MT=$E8; MDT=bfloat16; MN=${N:-8}; MC="1 4 8"
+        MX="--load-format dummy" ;;
   esac
-  timeout 590 python3 bench/run_matrix.py --target $M/target --drafter $M/drafter \
-    --prompts $TRAIN --n ${N:-48} --max-tokens 128 --dtype float32 --conc 1 4 8 16 32 \
+  timeout 590 python3 bench/run_matrix.py --target $MT/target --drafter $MT/drafter \
+    --prompts $TRAIN --n $MN --max-tokens 128 --dtype $MDT --conc $MC $MX \
     $SEL ${MATRIX_ARGS:-} --out "/tmp/matrix/matrix_${PART:-a}"
   # JSON and PNGs only ($OUT takes at most 8 files; the token files stay).
   cp /tmp/matrix/matrix_${PART:-a}.json /tmp/matrix/matrix_${PART:-a}-*.png "$OUT/" 2>/dev/null ;;

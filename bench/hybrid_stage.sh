@@ -20,6 +20,10 @@
 #   bash bench/hybrid_stage.sh
 set -u
 source /tmp/site/env.sh
+# Qwen3.5's GDN layer imports compressed_tensors, which needs loguru: not in
+# the devbundle; carry its wheel in .whl (pip download loguru -d .whl).
+python3 -c "import loguru" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
+  --no-compile --target /tmp/site .whl/loguru-*.whl 2>&1 | tail -1
 export VLLM_DDTREE_EXPERIMENTAL_HYBRID=1
 export PYTHONUNBUFFERED=1
 export OUT=${OUT:-/tmp/out}
@@ -57,25 +61,37 @@ finish() {
 trap finish EXIT
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 
+# HYBRID_RUNS picks the runs ('+'-separated; default all, in this order):
+# kernel, ref, b16, b64, bf16. An engine start of this target takes ~110 s
+# (compile, CUDA graphs), so all five need more than one 10-minute call:
+# split them, e.g. with bench/gpu_pair.sh over two GPUs of one machine
+# ("hybrid:HYBRID_RUNS=kernel+ref+b16" then "hybrid:HYBRID_RUNS=b64" on one,
+# "hybrid:HYBRID_RUNS=bf16" on the other; b16/b64 need ref's tokens).
+RUNS="+${HYBRID_RUNS:-kernel+ref+b16+b64+bf16}+"
+want() { [[ $RUNS == *"+$1+"* ]]; }
+
 # (e) Hybrid kernel tests (GDN tree kernels, conv, state builder, runner
-# checks) on CUDA; they flip the opt-in themselves, so it is unset for them.
+# checks, float32 prefill) on CUDA; they flip the opt-in themselves, so it
+# is unset for them.
+if want kernel; then
 echo "=== kernel tests $(date +%T)"
 (cd tests/in_vllm && env -u VLLM_DDTREE_EXPERIMENTAL_HYBRID timeout 120 python3 -m pytest -q \
   -p no:cacheprovider -c pytest.ini test_ddtree_gdn.py test_ddtree_gdn_builder.py \
-  test_ddtree_gdn_hybrid.py test_ddtree_hybrid_runner.py test_ddtree_tree_conv.py) \
-  > "$L/hybrid_kernel_tests.log" 2>&1
+  test_ddtree_gdn_hybrid.py test_ddtree_hybrid_runner.py test_ddtree_tree_conv.py \
+  test_gdn_float32_prefill.py) > "$L/hybrid_kernel_tests.log" 2>&1
 echo "rc=$? kernel tests"; tail -3 "$L/hybrid_kernel_tests.log"
+fi
 
 # (a) Reference: no speculation, on the V2 runner (a hybrid target defaults
 # to V1; DDTree forces V2).
-VLLM_USE_V2_MODEL_RUNNER=1 run ref 150 --mode none --attention-backend TRITON_ATTN \
+want ref && VLLM_USE_V2_MODEL_RUNNER=1 run ref 240 --mode none --attention-backend TRITON_ATTN \
   --dtype float32 --save-gaps --conc 8 1
 # (b), (c) DDTree vs the reference (CUDA graphs on).
 for b in 16 64; do
-  run ddtree_b$b 170 --mode ddtree --budget $b --policy fixed --dtype float32 --ref ref --conc 8 1
+  want b$b && run ddtree_b$b 240 --mode ddtree --budget $b --policy fixed --dtype float32 --ref ref --conc 8 1
 done
 # (d) bf16: must complete.
-run bf16_ddtree_b64 110 --mode ddtree --budget 64 --policy fixed --dtype bfloat16 --conc 8
+want bf16 && run bf16_ddtree_b64 200 --mode ddtree --budget 64 --policy fixed --dtype bfloat16 --conc 8
 # Optional: the V1 runner's no-spec output against the V2 reference.
 [ -n "${V1_REF:-}" ] && VLLM_USE_V2_MODEL_RUNNER=0 run ref_v1 120 --mode none \
   --attention-backend TRITON_ATTN --dtype float32 --ref ref --conc 8 1

@@ -43,17 +43,20 @@ def main() -> None:
     concs = sorted(by_conc)
 
     def label(r: dict) -> str:
+        temp = f" T={r['temperature']:g}" if r.get("temperature") else ""
         if r["mode"] == "none":
-            return "no spec"
+            return "no spec" + temp
         if r["mode"] == "dflash":
-            return f"DFlash K={r['k']}"
+            return f"DFlash K={r['k']}" + temp
         policy = " (batch)" if r.get("policy") == "batch" else ""
-        return f"DDTree B={r['budget']}{policy}"
+        return f"DDTree B={r['budget']}{policy}" + temp
 
     budgets = (1, 16, 32, 64, 128, 256)
-    order = ["no spec", "DFlash K=7", "DFlash K=15"] + [
+    greedy = ["no spec", "DFlash K=7", "DFlash K=15"] + [
         f"DDTree B={b}{p}" for b in budgets for p in ("", " (batch)")
     ]
+    temps = sorted({r.get("temperature") or 0 for r in rows})
+    order = [n + (f" T={t:g}" if t else "") for t in temps for n in greedy]
     for metric, ylabel, fname in (
         ("tok_s", "tokens/s", "tok_s"),
         ("tau", "acceptance length tau", "tau"),

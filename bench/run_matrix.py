@@ -58,7 +58,15 @@ def configs(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
         out.append(
             (f"ddtree_b{b}", ["--mode", "ddtree", "--budget", str(b), "--policy", a.policy])
         )
-    return out
+    # Sampled rows (temperature > 0): the same configurations again, tagged
+    # _t<T>; speed and tau only (outputs are not comparable).
+    sampled = [
+        (f"{tag}_t{t:g}", [*extra, "--temperature", str(t)])
+        for t in a.temperatures
+        if t > 0
+        for tag, extra in out
+    ]
+    return (out if 0 in a.temperatures else []) + sampled
 
 
 def main() -> None:
@@ -75,6 +83,13 @@ def main() -> None:
     ap.add_argument("--budgets", type=int, nargs="*", default=[16, 32, 64, 128, 256])
     ap.add_argument("--policy", choices=["fixed", "batch"], default="fixed")
     ap.add_argument("--skip-none", action="store_true")
+    ap.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="0 = greedy (compared with no spec); e.g. 0 1 adds sampled rows",
+    )
     ap.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
     ap.add_argument("--out", required=True, help="path prefix for .json and .png")
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
@@ -103,7 +118,7 @@ def main() -> None:
             "--load-format", a.load_format, "--conc", *map(str, a.conc),
             "--tag", tag, "--outdir", tokens_dir, *extra,
         ]
-        if tag != "none" and not a.skip_none:
+        if tag != "none" and not a.skip_none and "--temperature" not in extra:
             cmd += ["--ref", "none"]
         print(f"[{i}/{len(todo)}] {tag}: {' '.join(cmd)}", flush=True)
         if a.dry_run:

@@ -34,7 +34,11 @@ mkdir -p "$OUT"
 PROMPT_ARGS=()
 [ -f "$PROMPTS" ] && PROMPT_ARGS=(--prompts "$PROMPTS")
 SPEC="{\"method\":\"ddtree\",\"model\":\"$DRAFTER\",\"tree_budget\":$BUDGET,\"draft_depth\":$DEPTH}"
+# --max-num-seqs: `vllm serve` defaults to 1024 sequences on an H200, and
+# with 8192 batched tokens upstream's check of the drafting slots
+# (1024 x (draft_depth - 1)) leaves none to schedule (DFlash fails the same way).
 COMMON=(--host 127.0.0.1 --port "$PORT" --dtype float32 --max-model-len 2048
+        --max-num-seqs "${MAX_NUM_SEQS:-128}"
         --gpu-memory-utilization "${GPU_UTIL:-0.9}"
         --served-model-name tinypair --chat-template bench/chat_template.jinja
         --uvicorn-log-level warning)

@@ -1,0 +1,52 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bench/ddtree_e2e.py's split of profiled GPU time into the draft pass and
+the rest: kernels are assigned by their start inside the GPU-side draft
+range; the range events themselves are not kernel time."""
+
+import importlib.util
+import pathlib
+from types import SimpleNamespace
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("ddtree_e2e", ROOT / "bench" / "ddtree_e2e.py")
+e2e = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(e2e)
+
+CPU, CUDA = "cpu", "cuda"
+
+
+def ev(name, start, end, device=CUDA, dur=None):
+    return SimpleNamespace(
+        name=name,
+        device_type=device,
+        time_range=SimpleNamespace(start=start, end=end),
+        device_time_total=end - start if dur is None else dur,
+    )
+
+
+def test_split_by_gpu_side_draft_range():
+    events = [
+        # the CPU range (its device time misses graph-replayed kernels)
+        ev(e2e.DRAFT_RANGE, 0, 50, device=CPU, dur=3),
+        # the GPU-side copies of two draft ranges: spans, not kernel time
+        ev(e2e.DRAFT_RANGE, 100, 200),
+        ev(e2e.DRAFT_RANGE, 400, 450),
+        ev("dflash_layer_gemm", 100, 130),  # draft
+        ev("_vocab_stats_kernel", 140, 150),  # draft, tree build
+        ev("_tree_kernel", 150, 170),  # draft, tree build
+        ev("target_gemm", 210, 300),  # verify
+        ev("_ddtree_walk_kernel", 310, 315),  # bookkeeping
+        ev("dflash_layer_gemm", 400, 440),  # second draft
+        ev("sampler", 460, 470),  # after it
+        ev("cpu_op", 0, 1000, device=CPU),  # not a kernel
+    ]
+    us, top, draft_us, has_range = e2e.split_gpu_time(events, CUDA)
+    assert has_range
+    assert us == {"tree_build": 30, "bookkeeping": 5, "other": 30 + 90 + 40 + 10}
+    assert draft_us == 30 + 10 + 20 + 40
+    assert e2e.DRAFT_RANGE not in top and top["dflash_layer_gemm"] == 70
+
+
+def test_no_draft_range():
+    us, _, draft_us, has_range = e2e.split_gpu_time([ev("gemm", 0, 10)], CUDA)
+    assert (us["other"], draft_us, has_range) == (10, 0.0, False)

@@ -1,0 +1,298 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""CPU tests for the threshold filter of the DDTree Triton vocabulary pass
+(vllm/v1/spec_decode/ddtree/tree_triton.py; Triton interpreter on CPU).
+
+Every result is compared bit for bit with the torch backend (exact path) and
+with the tournament alone (``_vocab_threshold_plan`` -> None: the Triton pass
+as it was before the filter), on rows whose threshold candidates fit and
+rows that overflow the capacity (the per-row fallback), in the same batch.
+
+Run with ``VLLM_DDTREE_SRC=<patched tree> pytest`` with ``tests/`` of the
+repository on ``sys.path`` (for ``conftest``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import load_patched_module
+
+NEG_INF = float("-inf")
+NAN = float("nan")
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def T():
+    return load_patched_module("vllm/v1/spec_decode/ddtree/tree.py")
+
+
+@pytest.fixture
+def small_chunks(T, monkeypatch):
+    """32-token chunks and merge groups of 2 chunks: many chunks and several
+    tournament levels at a vocabulary the interpreter sorts quickly."""
+    def chunking(vocab, k):  # a chunk holds at least K tokens
+        chunk = max(32, T._next_pow2(k))
+        return chunk, -(-vocab // chunk)
+
+    monkeypatch.setattr(T, "_vocab_chunking", chunking)
+    monkeypatch.setattr(T, "_merge_fan_in", lambda k: 2)
+
+
+def canonical(row: torch.Tensor, as_logprobs: bool) -> list[float]:
+    x = torch.nan_to_num(row.float(), nan=NEG_INF, posinf=float("inf"),
+                         neginf=NEG_INF)
+    if as_logprobs:
+        x = x.clamp_max(0.0)
+    return x.tolist()
+
+
+def threshold_count(T, row: torch.Tensor, k: int,
+                    as_logprobs: bool = False) -> tuple[int, int]:
+    """(keys >= t, capacity) of one row, computed independently in Python:
+    t is the k-th largest sub-block maximum in (value desc, id asc)."""
+    vocab = row.numel()
+    chunk, _ = T._vocab_chunking(vocab, k)
+    sub, num_sub, capacity = T._vocab_threshold_plan(vocab, k, chunk)
+    values = canonical(row, as_logprobs)
+    order = sorted(range(vocab), key=lambda t: (-values[t], t))
+    rank = {t: i for i, t in enumerate(order)}
+    best = sorted(min(rank[t] for t in range(b * sub, min(vocab, b * sub + sub)))
+                  for b in range(num_sub))
+    return best[k - 1] + 1, capacity
+
+
+def crafted_row(T, vocab: int, k: int, count: int) -> torch.Tensor:
+    """A row whose threshold filter finds exactly ``count`` keys >= t: zeros
+    in blocks 0..k-2 (the rest -1), zeros everywhere from block k-1 on.
+    Ranks follow ids among the zeros, so count = (zeros before block k-1)
+    + 1."""
+    chunk, _ = T._vocab_chunking(vocab, k)
+    sub, _, _ = T._vocab_threshold_plan(vocab, k, chunk)
+    row = torch.zeros(vocab)
+    row[:(k - 1) * sub] = -1.0
+    need = count - 1  # zeros in blocks 0..k-2, each block 1..sub of them
+    assert k - 1 <= need <= (k - 1) * sub
+    for b in range(k - 1):
+        z = min(sub, need - (k - 2 - b))
+        row[b * sub:b * sub + z] = 0.0
+        need -= z
+    assert need == 0
+    return row
+
+
+def tournament_only(T, monkeypatch, *args, **kwargs):
+    with monkeypatch.context() as m:
+        m.setattr(T, "_vocab_threshold_plan", lambda *a: None)
+        return T.vocab_stage(*args, backend="triton", **kwargs)
+
+
+def assert_bits(a: torch.Tensor, b: torch.Tensor):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if a.dtype == torch.float32:
+        a, b = a.view(torch.int32), b.view(torch.int32)
+    assert torch.equal(a, b)
+
+
+def check_all_paths(T, monkeypatch, logits, budget, as_logprobs=False,
+                    vs_tournament=True):
+    """Triton (threshold filter + fallback) == torch bit for bit, and on the
+    fused-logsumexp path (exact_vocab_ties=False) the same tokens and (with
+    ``vs_tournament``) the tournament alone's log-probs bit for bit."""
+    kw = dict(inputs_are_logprobs=as_logprobs)
+    ref_lp, ref_tok = T.vocab_stage(logits, budget, backend="torch", **kw)
+    lp, tok = T.vocab_stage(logits, budget, backend="triton", **kw)
+    assert torch.equal(tok, ref_tok)
+    assert_bits(lp, ref_lp)
+    if as_logprobs:  # exact_vocab_ties changes nothing for log-probs
+        return
+    lp, tok = T.vocab_stage(logits, budget, backend="triton",
+                            exact_vocab_ties=False, **kw)
+    assert torch.equal(tok, ref_tok)
+    if not vs_tournament:
+        return
+    old_lp, old_tok = tournament_only(T, monkeypatch, logits, budget,
+                                      exact_vocab_ties=False, **kw)
+    assert_bits(tok, old_tok)
+    assert_bits(lp, old_lp)
+
+
+# --------------------------------------------------------------------------
+
+
+def test_plan_shapes(T):
+    # production: 149 chunks of 1K = the sub-blocks, capacity 4K
+    assert T._vocab_threshold_plan(151936, 64, 1024) == (1024, 149, 256)
+    assert T._vocab_threshold_plan(151936, 256, 1024) == (256, 594, 1024)
+    assert T._vocab_threshold_plan(151936, 1, 1024) == (1024, 149, 4)
+    # too large to sort in one program: tournament only
+    assert T._vocab_threshold_plan(151936, 2000, 2048) is None
+    for vocab in (1, 2, 5, 31, 32, 33, 300, 1000):
+        for k in range(1, min(vocab, 70) + 1):
+            chunk, _ = T._vocab_chunking(vocab, k)
+            sub, num_sub, cap = T._vocab_threshold_plan(vocab, k, chunk)
+            assert chunk % sub == 0 and num_sub == -(-vocab // sub)
+            assert num_sub >= 2 * k or sub == 1
+            assert k <= cap <= T._next_pow2(vocab)
+            assert cap & (cap - 1) == 0
+
+
+def test_crafted_counts(T, small_chunks):
+    for k in (2, 5, 8):
+        _, cap = threshold_count(T, torch.randn(300), k)
+        for count in (cap - 1, cap, cap + 1):
+            row = crafted_row(T, 300, k, count)
+            assert threshold_count(T, row, k) == (count, cap)
+
+
+@pytest.mark.parametrize("dtype,budget,vs_tournament",
+                         [(torch.float32, 1, False),
+                          (torch.float32, 8, True),
+                          (torch.bfloat16, 5, True),
+                          (torch.float16, 8, False),
+                          (torch.float32, 24, False)])
+def test_mixed_overflow_batch(T, monkeypatch, small_chunks, dtype, budget,
+                              vs_tournament):
+    """One batch: rows under, at and over the capacity, and special values;
+    the rows that overflow take the tournament, the others the filter."""
+    torch.manual_seed(budget)
+    V = 160
+    k = min(budget, V)
+    rows = [torch.randn(V) * 3,  # random: a few candidates
+            torch.zeros(V),  # all tied: overflows
+            torch.randint(-2, 2, (V,)).float(),  # heavy ties
+            torch.full((V,), NEG_INF)]  # all -inf: overflows
+    spec = torch.randn(V)
+    spec[::7] = NAN
+    spec[5::11] = NEG_INF
+    spec[3::13] = float("inf")
+    spec[1::17] = -0.0
+    spec[2::19] = 0.0
+    rows.append(spec)
+    rows.append(torch.full((V,), NAN))
+    sub, _, cap = T._vocab_threshold_plan(V, k, 32)
+    max_count = (k - 1) * sub + 1  # the first k-1 sub-blocks exhausted
+    for count in (cap, cap + 1):
+        if k > 1 and count <= max_count:
+            rows.append(crafted_row(T, V, k, count))
+    logits = torch.stack(rows).to(dtype)
+    if len(rows) % 2:
+        logits = torch.cat([logits, logits[:1]])
+    logits = logits.view(-1, 2, V)  # R requests x D = 2
+    counts = [threshold_count(T, r, k)[0] for r in logits.view(-1, V)]
+    assert any(c <= cap for c in counts)  # the filter is exercised
+    # and the fallback, wherever a row can overflow
+    assert any(c > cap for c in counts) == (max_count > cap)
+    check_all_paths(T, monkeypatch, logits, budget,
+                    vs_tournament=vs_tournament)
+    lp_in = torch.log_softmax(logits.float().nan_to_num(0.0), -1).to(dtype)
+    lp_in[0, 0, ::3] = 0.0  # ties at the top of log-prob inputs
+    check_all_paths(T, monkeypatch, lp_in, budget, as_logprobs=True)
+
+
+def test_most_rows_overflow(T, monkeypatch, small_chunks):
+    """Capacity = K: most rows take the fallback."""
+    monkeypatch.setattr(T, "_threshold_capacity", lambda k: k)
+    torch.manual_seed(7)
+    logits = torch.randn(3, 2, 120)
+    logits[1] = torch.randint(0, 2, (2, 120)).float()
+    for budget in (3, 6):
+        counts = [threshold_count(T, r, budget)
+                  for r in logits.view(-1, 120)]
+        assert sum(c > cap for c, cap in counts) >= 2
+        check_all_paths(T, monkeypatch, logits, budget)
+
+
+@pytest.mark.parametrize("vocab,budget", [(1, 1), (1, 4), (2, 5), (7, 7),
+                                          (7, 100), (33, 32), (33, 40),
+                                          (31, 3), (97, 20)])
+def test_small_vocab_and_k_at_least_v(T, monkeypatch, small_chunks, vocab,
+                                      budget):
+    """K >= V (every token kept, sub-blocks of 1), V not a multiple of the
+    chunk, a single chunk."""
+    torch.manual_seed(vocab + budget)
+    logits = torch.randn(2, 2, vocab)
+    logits[1, 0] = 0.0
+    logits[1, 1, ::2] = NAN
+    check_all_paths(T, monkeypatch, logits, budget)
+    if vocab < 40:
+        check_all_paths(T, monkeypatch, logits.to(torch.bfloat16), budget)
+
+
+def test_default_chunking(T, monkeypatch):
+    """The real chunk size (1K), V not a multiple of it, one row
+    overflowing."""
+    torch.manual_seed(3)
+    logits = torch.randn(1, 2, 1100).to(torch.bfloat16)
+    logits[0, 1] = 1.0
+    assert T._vocab_chunking(1100, 8) == (1024, 2)
+    sub, _, cap = T._vocab_threshold_plan(1100, 8, 1024)
+    assert threshold_count(T, logits[0, 0], 8)[0] <= cap
+    assert threshold_count(T, logits[0, 1], 8)[0] > cap
+    check_all_paths(T, monkeypatch, logits, 8, vs_tournament=False)
+
+
+def test_build_tree_with_overflow_rows(T, small_chunks):
+    """build_tree: Triton == torch bit for bit on a batch with overflowing
+    rows, tied rows and random rows."""
+    torch.manual_seed(11)
+    logits = torch.randn(3, 3, 100) * 2
+    logits[1] = 0.0
+    logits[2, 1] = torch.randint(0, 3, (100,)).float()
+    for budget in (4, 12):
+        a = T.build_tree(logits, budget, backend="torch")
+        b = T.build_tree(logits, budget, backend="triton")
+        for name in ("token_ids", "parent_idx", "depth", "valid"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert_bits(a.score, b.score)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("budget", [16, 64, 256])
+def test_cuda_production_vocab(T, monkeypatch, dtype, budget):
+    """GPU, V = 151936: the threshold filter's atomics and the fallback's
+    shared grid on real hardware.  One batch mixes rows that take the filter
+    (random) with rows that overflow (all tied, heavy ties, all -inf) and
+    special values; Triton == torch bit for bit, eagerly and replayed from a
+    CUDA graph."""
+    dev = torch.device("cuda")
+    V = 151936
+    k = min(budget, V)
+    gen = torch.Generator(device=dev).manual_seed(budget)
+    logits = torch.randn(8, 15, V, device=dev, generator=gen) * 4
+    logits[1] = 0.0
+    logits[2] = torch.randint(0, 4, (15, V), device=dev,
+                              generator=gen).float()
+    logits[3, :5] = NEG_INF
+    logits[4, :, ::7] = NAN
+    logits[4, :, 3::13] = float("inf")
+    logits = logits.to(dtype)
+    counts = [threshold_count(T, r.cpu(), k)[0]
+              for r in (logits[0, 0], logits[1, 0], logits[2, 0])]
+    cap = T._vocab_threshold_plan(V, k, T._vocab_chunking(V, k)[0])[2]
+    assert counts[0] <= cap < min(counts[1:])  # both paths in one batch
+    check_all_paths(T, monkeypatch, logits, budget, vs_tournament=True)
+
+    ref_lp, ref_tok = T.vocab_stage(logits, budget, backend="torch")
+    static = logits.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        T.vocab_stage(static, budget, backend="triton")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_lp, out_tok = T.vocab_stage(static, budget, backend="triton")
+    static.copy_(torch.flip(logits, dims=[0]))  # other rows overflow now
+    graph.replay()
+    flip_lp, flip_tok = T.vocab_stage(static, budget, backend="torch")
+    assert torch.equal(out_tok, flip_tok)
+    assert_bits(out_lp, flip_lp)
+    static.copy_(logits)
+    graph.replay()
+    assert torch.equal(out_tok, ref_tok)
+    assert_bits(out_lp, ref_lp)
