@@ -29,6 +29,8 @@ from test_ddtree_gdn_hybrid import (  # noqa: E402
     V,
     W,
     Case,
+    assert_slot_is_replay,
+    gdn_context,
     make_layer,
     path_of,
     replay,
@@ -171,17 +173,7 @@ def test_mixed_batch_spec_rows_and_commit(monkeypatch):
     )
     assert md.num_spec_decodes == 2 and md.num_prefills == 1
 
-    ctx = gdn_verify.DDTreeGDN(
-        parent_idx=case.parent,
-        draft_depth=case.depth,
-        max_num_reqs=case.max_reqs,
-        max_rows=32,
-        num_layers=1,
-        conv_dim=CONV_DIM,
-        num_v_heads=HV,
-        dtype=torch.float32,
-        device=torch.device(DEVICE),
-    )
+    ctx = gdn_context(case.parent, case.depth, case.max_reqs, max_rows=32)
     ctx.bind_layers({layer.prefix: layer})
     idx_mapping = case.idx_mapping.numpy().astype(np.int32)
     ctx.prepare_step(
@@ -239,13 +231,6 @@ def test_mixed_batch_spec_rows_and_commit(monkeypatch):
     assert torch.equal(layer.kv_cache[1][slot_p], states_before_commit[1][slot_p])
     for slot, flat, path in ((slot_a, flat_a, path_a), (slot_b, flat_b, path_b)):
         rows = [flat[i] for i in path]
-        saved = layer.kv_cache
-        layer.kv_cache = committed
-        try:
-            _, ref_conv, ref_ssm = replay(
-                monkeypatch, layer, slot, mixed_qkv[rows], b[rows], a[rows]
-            )
-        finally:
-            layer.kv_cache = saved
-        torch.testing.assert_close(layer.kv_cache[1][slot], ref_ssm, rtol=1e-5, atol=1e-5)
-        assert torch.equal(layer.kv_cache[0][slot], ref_conv)
+        assert_slot_is_replay(
+            monkeypatch, layer, committed, slot, mixed_qkv[rows], b[rows], a[rows]
+        )

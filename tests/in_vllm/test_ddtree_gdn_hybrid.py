@@ -152,6 +152,43 @@ def replay(monkeypatch, layer, slot, rows_x, rows_b, rows_a):
         layer.kv_cache = saved
 
 
+def replay_from(monkeypatch, layer, committed, slot, rows_x, rows_b, rows_a):
+    """`replay` from the states ``committed`` (the layer's own states are
+    left as they are): (conv state, ssm state) after the rows."""
+    saved = layer.kv_cache
+    layer.kv_cache = committed
+    try:
+        _, ref_conv, ref_ssm = replay(monkeypatch, layer, slot, rows_x, rows_b, rows_a)
+    finally:
+        layer.kv_cache = saved
+    return ref_conv, ref_ssm
+
+
+def assert_slot_is_replay(monkeypatch, layer, committed, slot, rows_x, rows_b, rows_a):
+    """The layer's states in ``slot`` are upstream's decode over the rows,
+    from ``committed``."""
+    ref_conv, ref_ssm = replay_from(
+        monkeypatch, layer, committed, slot, rows_x, rows_b, rows_a
+    )
+    torch.testing.assert_close(layer.kv_cache[1][slot], ref_ssm, rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer.kv_cache[0][slot], ref_conv)
+
+
+def gdn_context(parent_idx, draft_depth, max_reqs, max_rows=64):
+    """A one-layer DDTreeGDN context of this file's layer shape."""
+    return gdn_verify.DDTreeGDN(
+        parent_idx=parent_idx,
+        draft_depth=draft_depth,
+        max_num_reqs=max_reqs,
+        max_rows=max_rows,
+        num_layers=1,
+        conv_dim=CONV_DIM,
+        num_v_heads=HV,
+        dtype=torch.float32,
+        device=torch.device(DEVICE),
+    )
+
+
 class Case:
     """Requests with draft trees in a spec-only verify batch."""
 
@@ -198,16 +235,8 @@ class Case:
         )
 
     def context(self, layer, parent=None):
-        ctx = gdn_verify.DDTreeGDN(
-            parent_idx=self.parent if parent is None else parent,
-            draft_depth=self.depth,
-            max_num_reqs=self.max_reqs,
-            max_rows=64,
-            num_layers=1,
-            conv_dim=CONV_DIM,
-            num_v_heads=HV,
-            dtype=torch.float32,
-            device=torch.device(DEVICE),
+        ctx = gdn_context(
+            self.parent if parent is None else parent, self.depth, self.max_reqs
         )
         ctx.bind_layers({layer.prefix: layer, "model.layers.4.mlp": object()})
         ctx.prepare_step(self.batch())
@@ -336,15 +365,10 @@ def test_commit_leaves_the_states_of_the_accepted_path(
     for r in range(len(budgets)):
         slot = case.slots[r]
         rows = case.rows(r, nodes[r, : int(counts[r])].cpu().tolist())
-        saved = layer.kv_cache
-        layer.kv_cache = committed
-        try:
-            _, ref_conv, ref_ssm = replay(
-                monkeypatch, layer, slot, case.mixed_qkv[rows], case.b[rows],
-                case.a[rows],
-            )
-        finally:
-            layer.kv_cache = saved
+        ref_conv, ref_ssm = replay_from(
+            monkeypatch, layer, committed, slot, case.mixed_qkv[rows], case.b[rows],
+            case.a[rows],
+        )
         torch.testing.assert_close(ssm[slot], ref_ssm, rtol=1e-5, atol=1e-5)
         ref_conv_ds = ref_conv if is_conv_state_dim_first() else ref_conv.T
         assert torch.equal(conv[slot][:, : W - 1], ref_conv_ds[:, : W - 1])
@@ -368,17 +392,11 @@ def test_commit_with_only_the_root_accepted_is_one_decode_step(monkeypatch, acti
     ctx.commit(counts, nodes + query_start[:-1, None].to(torch.int64), query_start)
     for r in range(2):
         slot = case.slots[r]
-        saved = layer.kv_cache
-        layer.kv_cache = committed
-        try:
-            row = [case.query_start[r]]
-            _, ref_conv, ref_ssm = replay(
-                monkeypatch, layer, slot, case.mixed_qkv[row], case.b[row], case.a[row]
-            )
-        finally:
-            layer.kv_cache = saved
-        torch.testing.assert_close(layer.kv_cache[1][slot], ref_ssm, rtol=1e-5, atol=1e-5)
-        assert torch.equal(layer.kv_cache[0][slot], ref_conv)
+        row = [case.query_start[r]]
+        assert_slot_is_replay(
+            monkeypatch, layer, committed, slot, case.mixed_qkv[row], case.b[row],
+            case.a[row],
+        )
 
 
 def test_commit_refuses_metadata_that_disagrees_with_the_verifier(monkeypatch, active):

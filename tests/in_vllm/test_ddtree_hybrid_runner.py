@@ -23,15 +23,23 @@ from vllm.v1.spec_decode.ddtree.config import (  # noqa: E402
     verify_ddtree_vllm_config,
 )
 
+from verifier_fakes import (  # noqa: E402
+    DEPTH,
+    DRAFTER,
+    PARENT,
+    TARGET,
+    TOKENS,
+    ArgmaxSampler,
+    B,
+    D,
+    logits_for,
+    make_spec,
+    make_verifier,
+    needs_models,
+    store_trees,
+)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SHARED = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "models", "tinypair"
-)
-TARGET = os.path.join(SHARED, "target")
-DRAFTER = os.path.join(SHARED, "drafter")
-needs_models = pytest.mark.skipif(
-    not os.path.isdir(TARGET), reason="../shared/models/tinypair not present"
-)
 
 TINY_QWEN3_NEXT = {
     "architectures": ["Qwen3NextForCausalLM"],
@@ -146,14 +154,7 @@ def hybrid_model_config(tmp_path_factory):
 
 
 def _spec(model_config, **kw):
-    from vllm.config import ParallelConfig, SpeculativeConfig
-
-    return SpeculativeConfig(
-        **kw,
-        model=DRAFTER,
-        target_model_config=model_config,
-        target_parallel_config=ParallelConfig(),
-    )
+    return make_spec(model_config, model=DRAFTER, **kw)
 
 
 @needs_models
@@ -237,40 +238,12 @@ def test_mamba_state_is_sized_for_one_committed_state_under_ddtree(
 
 
 # ----------------------------------------------------------------- verifier
-B, D = 4, 3
-# Request state 2: root -> 1 -> 3, root -> 2, 1 -> 4 (depths 1, 1, 2, 2).
-PARENT = [0, 0, 1, 1]
-DEPTH = [1, 1, 2, 2]
-TOKENS = [11, 12, 13, 14]
-
-
 def _verifier(max_reqs=4, max_tokens=64):
-    from vllm.v1.worker.gpu.spec_decode.ddtree.verifier import DDTreeVerifier
-
-    cfg = SimpleNamespace(
-        speculative_config=SimpleNamespace(
-            use_ddtree=lambda: True, tree_budget=B, draft_depth=D
-        ),
-        scheduler_config=SimpleNamespace(
-            max_num_seqs=max_reqs, max_num_batched_tokens=max_tokens
-        ),
-    )
-    return DDTreeVerifier(cfg, torch.device(DEVICE))
+    return make_verifier(DEVICE, max_reqs, max_tokens)
 
 
 def _store_trees(verifier, req_states, trees):
-    spec = SimpleNamespace(
-        tree_parent_idx=torch.tensor([t[0] for t in trees], device=DEVICE),
-        tree_depth=torch.tensor([t[1] for t in trees], device=DEVICE),
-        tree_valid=torch.ones(len(trees), B, dtype=torch.bool, device=DEVICE),
-    )
-    verifier.store_trees(
-        torch.tensor(req_states, dtype=torch.int32, device=DEVICE), spec
-    )
-    draft_tokens = torch.zeros(4, B, dtype=torch.int64)
-    for s, t in zip(req_states, trees):
-        draft_tokens[s] = torch.tensor(t[2])
-    return draft_tokens.to(DEVICE)
+    return store_trees(verifier, req_states, trees, DEVICE)
 
 
 def _on_device(batch):
@@ -345,20 +318,11 @@ def test_mrope_rewrite_is_a_no_op_without_trees():
     assert torch.equal(mrope, before)
 
 
-class _ArgmaxSampler:
-    penalties_state = SimpleNamespace(use_penalty=np.zeros(4, dtype=bool))
-
-    def returns_logprobs(self, idx_mapping_np):
-        return False
-
-    def sample(self, logits, *args, **kwargs):
-        return logits.argmax(dim=-1), logits
+_ArgmaxSampler = ArgmaxSampler
 
 
 def _logits_for(targets, vocab=32):
-    logits = torch.zeros(len(targets), vocab)
-    logits[torch.arange(len(targets)), torch.tensor(targets)] = 1.0
-    return logits.to(DEVICE)
+    return logits_for(targets, vocab, DEVICE)
 
 
 def test_one_verifier_step_advances_the_gdn_states_along_the_walk(monkeypatch):
@@ -368,8 +332,9 @@ def test_one_verifier_step_advances_the_gdn_states_along_the_walk(monkeypatch):
     from test_ddtree_gdn_hybrid import (
         CONV_DIM,
         HV,
+        assert_slot_is_replay,
+        gdn_context,
         make_layer,
-        replay,
         run_core,
         spec_md,
     )
@@ -378,17 +343,7 @@ def test_one_verifier_step_advances_the_gdn_states_along_the_walk(monkeypatch):
     # State 2: the tree above; state 0: a spine root -> 1 -> 2 -> 3, 1 -> 4.
     spine = ([0, 1, 2, 1], [1, 2, 3, 2], [21, 22, 23, 24])
     draft_tokens = _store_trees(verifier, [2, 0], [(PARENT, DEPTH, TOKENS), spine])
-    ctx = gdn_verify.DDTreeGDN(
-        parent_idx=verifier.req_parent_idx,
-        draft_depth=D,
-        max_num_reqs=4,
-        max_rows=64,
-        num_layers=1,
-        conv_dim=CONV_DIM,
-        num_v_heads=HV,
-        dtype=torch.float32,
-        device=torch.device(DEVICE),
-    )
+    ctx = gdn_context(verifier.req_parent_idx, D, 4)
     layer = make_layer(11)
     ctx.bind_layers({layer.prefix: layer})
     verifier.gdn = ctx
@@ -436,16 +391,9 @@ def test_one_verifier_step_advances_the_gdn_states_along_the_walk(monkeypatch):
     verifier.compact(batch, None, None)
 
     for slot, rows in ((5, [0, 1, 4]), (3, [5, 6, 7, 8])):
-        saved = layer.kv_cache
-        layer.kv_cache = committed
-        try:
-            _, ref_conv, ref_ssm = replay(
-                monkeypatch, layer, slot, mixed_qkv[rows], b[rows], a[rows]
-            )
-        finally:
-            layer.kv_cache = saved
-        torch.testing.assert_close(layer.kv_cache[1][slot], ref_ssm, rtol=1e-5, atol=1e-5)
-        assert torch.equal(layer.kv_cache[0][slot], ref_conv)
+        assert_slot_is_replay(
+            monkeypatch, layer, committed, slot, mixed_qkv[rows], b[rows], a[rows]
+        )
 
 
 @needs_models

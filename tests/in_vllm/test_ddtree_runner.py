@@ -4,7 +4,6 @@ per-step metadata (tree positions, tree attention bias, verification walk,
 KV / hidden-state compaction) that DDTreeVerifier builds around the target
 forward. They import the patched vLLM, so they run where it is installed."""
 
-import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,13 +12,19 @@ import pytest
 torch = pytest.importorskip("torch")
 vllm = pytest.importorskip("vllm")
 
-SHARED = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "models", "tinypair"
-)
-TARGET = os.path.join(SHARED, "target")
-DRAFTER = os.path.join(SHARED, "drafter")
-needs_models = pytest.mark.skipif(
-    not os.path.isdir(TARGET), reason="../shared/models/tinypair not present"
+from verifier_fakes import (  # noqa: E402
+    DEPTH,
+    DRAFTER,
+    PARENT,
+    TARGET,
+    TOKENS,
+    ArgmaxSampler,
+    B,
+    logits_for,
+    make_spec,
+    make_verifier,
+    needs_models,
+    store_trees,
 )
 
 
@@ -31,14 +36,7 @@ def target_model_config():
     return ModelConfig(model=TARGET, dtype="float32", max_model_len=2048)
 
 
-def _spec(target_model_config, **kw):
-    from vllm.config import ParallelConfig, SpeculativeConfig
-
-    return SpeculativeConfig(
-        **kw,
-        target_model_config=target_model_config,
-        target_parallel_config=ParallelConfig(),
-    )
+_spec = make_spec
 
 
 @needs_models
@@ -129,39 +127,11 @@ def test_engine_level_checks_pick_triton_and_refuse_others():
 
 
 # --------------------------------------------------- verifier metadata
-B, D = 4, 3
-
-
-def _verifier(max_reqs=4, max_tokens=64):
-    from vllm.v1.worker.gpu.spec_decode.ddtree.verifier import DDTreeVerifier
-
-    cfg = SimpleNamespace(
-        speculative_config=SimpleNamespace(
-            use_ddtree=lambda: True, tree_budget=B, draft_depth=D
-        ),
-        scheduler_config=SimpleNamespace(
-            max_num_seqs=max_reqs, max_num_batched_tokens=max_tokens
-        ),
-    )
-    return DDTreeVerifier(cfg, torch.device("cpu"))
-
-
-# Request state 2: root -> 1 -> 3, root -> 2, 1 -> 4 (depths 1,1,2,2).
-PARENT = [0, 0, 1, 1]
-DEPTH = [1, 1, 2, 2]
-TOKENS = [11, 12, 13, 14]
+_verifier = make_verifier
 
 
 def _store_one_tree(verifier, req_state=2):
-    spec = SimpleNamespace(
-        tree_parent_idx=torch.tensor([PARENT]),
-        tree_depth=torch.tensor([DEPTH]),
-        tree_valid=torch.ones(1, B, dtype=torch.bool),
-    )
-    verifier.store_trees(torch.tensor([req_state], dtype=torch.int32), spec)
-    draft_tokens = torch.zeros(4, B, dtype=torch.int64)
-    draft_tokens[req_state] = torch.tensor(TOKENS)
-    return draft_tokens
+    return store_trees(verifier, [req_state], [(PARENT, DEPTH, TOKENS)])
 
 
 def _batch():
@@ -206,20 +176,8 @@ def test_prepare_verify_writes_tree_positions_and_bias():
     ]
 
 
-class _ArgmaxSampler:
-    penalties_state = SimpleNamespace(use_penalty=np.zeros(4, dtype=bool))
-
-    def returns_logprobs(self, idx_mapping_np):
-        return False
-
-    def sample(self, logits, *args, **kwargs):
-        return logits.argmax(dim=-1), logits
-
-
-def _logits_for(targets, vocab=32):
-    logits = torch.zeros(len(targets), vocab)
-    logits[torch.arange(len(targets)), torch.tensor(targets)] = 1.0
-    return logits
+_ArgmaxSampler = ArgmaxSampler
+_logits_for = logits_for
 
 
 def test_sample_walks_the_tree_and_compaction_moves_the_path():

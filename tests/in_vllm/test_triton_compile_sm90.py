@@ -76,11 +76,15 @@ SCRIPT = textwrap.dedent(
                      "out_score_ptr": "*fp32", "out_valid_ptr": "*i8",
                      "N": "i32", "NUM_SEL": "i32", "D": C, "K": C, "B": C,
                      "CP": C, "KP": C, "NB": C})
+    # TN / TB: the top-k sizes of the tree kernel where it has them.
+    has_topk = "TN" in tt._tree_kernel.arg_names
+    if has_topk:
+        tree_sig.update({"TN": C, "TB": C})
     for budget, cp, nb in ((16, 64, 1024), (64, 512, 4096)):
-        compile_kernel(
-            tt._tree_kernel, tree_sig,
-            {"D": 15, "K": budget, "B": budget, "CP": cp, "KP": budget, "NB": nb},
-        )
+        consts = {"D": 15, "K": budget, "B": budget, "CP": cp, "KP": budget, "NB": nb}
+        if has_topk:
+            consts.update(TN=budget, TB=budget)
+        compile_kernel(tt._tree_kernel, tree_sig, consts)
     walk_sig = {"target_ptr": "*i64", "cu_num_logits_ptr": "*i32",
                 "idx_mapping_ptr": "*i32", "query_start_loc_ptr": "*i32",
                 "node_tokens_ptr": "*i64", "node_tokens_stride": "i32",

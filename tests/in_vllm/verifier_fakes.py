@@ -1,0 +1,84 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Fakes shared by the verifier tests (test_ddtree_runner.py,
+test_ddtree_hybrid_runner.py): the tiny pair's paths, a DDTreeVerifier on a
+minimal config, a stored 4-node tree, an argmax sampler."""
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+SHARED = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "models", "tinypair"
+)
+TARGET = os.path.join(SHARED, "target")
+DRAFTER = os.path.join(SHARED, "drafter")
+needs_models = pytest.mark.skipif(
+    not os.path.isdir(TARGET), reason="../shared/models/tinypair not present"
+)
+
+B, D = 4, 3
+# Request state 2 in most tests: root -> 1 -> 3, root -> 2, 1 -> 4
+# (depths 1, 1, 2, 2).
+PARENT = [0, 0, 1, 1]
+DEPTH = [1, 1, 2, 2]
+TOKENS = [11, 12, 13, 14]
+
+
+def make_spec(model_config, **kw):
+    """A real SpeculativeConfig for ``model_config`` (kw: method, model, ...)."""
+    from vllm.config import ParallelConfig, SpeculativeConfig
+
+    return SpeculativeConfig(
+        **kw,
+        target_model_config=model_config,
+        target_parallel_config=ParallelConfig(),
+    )
+
+
+def make_verifier(device="cpu", max_reqs=4, max_tokens=64):
+    from vllm.v1.worker.gpu.spec_decode.ddtree.verifier import DDTreeVerifier
+
+    cfg = SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            use_ddtree=lambda: True, tree_budget=B, draft_depth=D
+        ),
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=max_reqs, max_num_batched_tokens=max_tokens
+        ),
+    )
+    return DDTreeVerifier(cfg, torch.device(device))
+
+
+def store_trees(verifier, req_states, trees, device="cpu"):
+    """Store ``trees`` (parent, depth, tokens) for ``req_states``; returns the
+    draft tokens [4, B] the verifier's sample() takes."""
+    spec = SimpleNamespace(
+        tree_parent_idx=torch.tensor([t[0] for t in trees], device=device),
+        tree_depth=torch.tensor([t[1] for t in trees], device=device),
+        tree_valid=torch.ones(len(trees), B, dtype=torch.bool, device=device),
+    )
+    verifier.store_trees(torch.tensor(req_states, dtype=torch.int32, device=device), spec)
+    draft_tokens = torch.zeros(4, B, dtype=torch.int64)
+    for s, t in zip(req_states, trees):
+        draft_tokens[s] = torch.tensor(t[2])
+    return draft_tokens.to(device)
+
+
+class ArgmaxSampler:
+    penalties_state = SimpleNamespace(use_penalty=np.zeros(4, dtype=bool))
+
+    def returns_logprobs(self, idx_mapping_np):
+        return False
+
+    def sample(self, logits, *args, **kwargs):
+        return logits.argmax(dim=-1), logits
+
+
+def logits_for(targets, vocab=32, device="cpu"):
+    """Logit rows whose argmax is each of ``targets``."""
+    logits = torch.zeros(len(targets), vocab)
+    logits[torch.arange(len(targets)), torch.tensor(targets)] = 1.0
+    return logits.to(device)
