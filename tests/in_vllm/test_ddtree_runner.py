@@ -126,6 +126,39 @@ def test_engine_level_checks_pick_triton_and_refuse_others():
         verify_ddtree_vllm_config(fake(None, hybrid=True))
 
 
+def test_drafting_slots_that_leave_no_room_fail_in_one_line():
+    """`vllm serve` on an H200 defaults to 1024 sequences and 8192 batched
+    tokens: 1024 x 14 drafting slots leave nothing to schedule. DDTree says
+    so in one line with the knobs, before upstream's multi-line error."""
+    from vllm.v1.spec_decode.ddtree.config import verify_ddtree_vllm_config
+
+    def fake(max_num_seqs, batched=8192, scheduled=None):
+        return SimpleNamespace(
+            use_v2_model_runner=True,
+            attention_config=SimpleNamespace(backend=None),
+            model_config=None,
+            speculative_config=SimpleNamespace(max_num_new_slots_for_drafting=14),
+            scheduler_config=SimpleNamespace(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=batched,
+                max_num_scheduled_tokens=scheduled,
+            ),
+        )
+
+    with pytest.raises(ValueError) as info:
+        verify_ddtree_vllm_config(fake(1024))
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("DDTree:")
+    assert "--max-num-seqs (at most 585" in message
+    assert "--max-num-batched-tokens" in message
+    verify_ddtree_vllm_config(fake(585))  # 585 x 14 = 8190 < 8192
+    with pytest.raises(ValueError):
+        verify_ddtree_vllm_config(fake(586))
+    verify_ddtree_vllm_config(fake(1024, batched=16384))
+    # A user-set max_num_scheduled_tokens is upstream's to check.
+    verify_ddtree_vllm_config(fake(1024, scheduled=4096))
+
+
 # --------------------------------------------------- verifier metadata
 _verifier = make_verifier
 
