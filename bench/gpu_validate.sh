@@ -12,6 +12,7 @@
 #   STAGE=corestep bash bench/gpu_validate.sh # core bench incl. the runner's per-step kernels
 #   STAGE=corevocab bash bench/gpu_validate.sh # the same, tree files from .gpu/src_base vs
 #                                             # .gpu/src_vocab (a candidate change), + its GPU tests
+#                                             # (SRCS="base topk" CANDIDATE=topk: another candidate)
 #   STAGE=matrix PART=a|b|8b bash bench/gpu_validate.sh  # issue-5 matrix (a, b: tinypair;
 #                                             # 8b: 8B-shaped dummy), one call each
 #   STAGE=speed   bash bench/gpu_validate.sh  # GPU kernel tests; chain K=15 vs DDTree (batch
@@ -25,6 +26,7 @@
 #   STAGE=sample  bash bench/gpu_validate.sh  # T=1 top-p 0.95 distribution vs no-spec, seeded runs
 #   STAGE=serve   bash bench/gpu_validate.sh  # vllm serve: 64 streams with disconnects vs no-spec
 #   STAGE=hybrid  bash bench/gpu_validate.sh  # hybrid GDN (opt-in) on a dummy Qwen3.5 shape vs no-spec
+#   STAGE=tp2     bash bench/gpu_validate.sh  # (2 GPUs) DDTree at TP=2 vs no-spec at TP=1, dummy Qwen3
 #
 # One engine at a time: several vLLM engines starting on one GPU fail their
 # memory profiling. Stages exact and exact2 need `ref` from `profile`.
@@ -187,6 +189,24 @@ hybrid)
   # Issue 8: the experimental hybrid GDN path on a dummy Qwen3.5-shaped target
   # (bench/configs/qwen35-hybrid-dummy; see bench/hybrid_stage.sh).
   LOGDIR=$L bash bench/hybrid_stage.sh ;;
+tp2)
+  # Tensor parallel 2 (two GPUs): a dummy Qwen3 whose heads divide by 2
+  # (bench/configs/qwen3-tp2-dummy), float32, 64 train prompts at c = 8 and 1,
+  # 128 new tokens: no-spec at TP = 1 (reference), then DDTree B = 64 at TP = 2
+  # against it, CUDA graphs on. Keep the host's NCCL multicast switches.
+  source /tmp/site/env.sh
+  T2=bench/configs/qwen3-tp2-dummy
+  TPA="--target $T2/target --drafter $T2/drafter --load-format dummy --prompts $TRAIN
+    --n 64 --max-tokens 128 --conc 8 1 --outdir /tmp/keep --gpu-memory-utilization 0.5"
+  echo "=== tp1_ref $(date +%T)"
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 200 python3 bench/ddtree_e2e.py $TPA \
+    --mode none --attention-backend TRITON_ATTN --save-gaps --tag tp1_ref > $L/tp1_ref.log 2>&1
+  echo "rc=$? tp1_ref"; grep -E "^RESULT|Error" $L/tp1_ref.log | tail -3
+  echo "=== tp2_ddtree_b64 $(date +%T)"
+  timeout 300 python3 bench/ddtree_e2e.py $TPA --mode ddtree --budget 64 --policy fixed \
+    --ref tp1_ref --llm-kwargs '{"tensor_parallel_size": 2}' --tag tp2_ddtree_b64 \
+    > $L/tp2_ddtree_b64.log 2>&1
+  echo "rc=$? tp2_ddtree_b64"; grep -E "^RESULT|Error" $L/tp2_ddtree_b64.log | tail -3 ;;
 serve)
   source /tmp/site/env.sh
   OUT=/tmp/serve_e2e timeout 500 bash bench/serve_e2e.sh > $L/serve_e2e.log 2>&1
