@@ -119,7 +119,7 @@ speed)
   # (GPU kernel tests with KERNEL_TESTS=1;) chain K=15 against DDTree (default budget policy)
   # on the train prompts at c = 1, 8, 32, back to back.
   source /tmp/site/env.sh
-  [ -n "${KERNEL_TESTS:-}" ] && (cd tests/in_vllm && timeout 100 python3 -m pytest -q \
+  [ -n "${KERNEL_TESTS:-}" ] && (cd tests/in_vllm && TINYPAIR_DIR=$M timeout 100 python3 -m pytest -q \
      -p no:cacheprovider -c pytest.ini test_ddtree_kernels.py test_tree_attention.py 2>&1 | tail -3)
   TRN="--prompts $TRAIN --n 0 --c1-n 32 --conc 1 8 32"
   run dflash_k15 --mode dflash --k 15 $TRN

@@ -75,7 +75,8 @@ want() { [[ $RUNS == *"+$1+"* ]]; }
 # is unset for them.
 if want kernel; then
 echo "=== kernel tests $(date +%T)"
-(cd tests/in_vllm && env -u VLLM_DDTREE_EXPERIMENTAL_HYBRID timeout 120 python3 -m pytest -q \
+(cd tests/in_vllm && env -u VLLM_DDTREE_EXPERIMENTAL_HYBRID TINYPAIR_DIR=/tmp/models/tinypair \
+  timeout 120 python3 -m pytest -q \
   -p no:cacheprovider -c pytest.ini test_ddtree_gdn.py test_ddtree_gdn_builder.py \
   test_ddtree_gdn_hybrid.py test_ddtree_hybrid_runner.py test_ddtree_tree_conv.py \
   test_gdn_float32_prefill.py) > "$L/hybrid_kernel_tests.log" 2>&1

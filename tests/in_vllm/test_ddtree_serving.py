@@ -14,13 +14,15 @@ torch = pytest.importorskip("torch")
 vllm = pytest.importorskip("vllm")
 prometheus_client = pytest.importorskip("prometheus_client")
 
-SHARED = os.path.join(
+# The tiny pair: ../shared/models/tinypair beside the checkout, or
+# $TINYPAIR_DIR (on the GPU host the devbundle unpacks it to /tmp/models/tinypair).
+SHARED = os.environ.get("TINYPAIR_DIR") or os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "models", "tinypair"
 )
 TARGET = os.path.abspath(os.path.join(SHARED, "target"))
 DRAFTER = os.path.abspath(os.path.join(SHARED, "drafter"))
 needs_models = pytest.mark.skipif(
-    not os.path.isdir(TARGET), reason="../shared/models/tinypair not present"
+    not os.path.isdir(TARGET), reason="tinypair not present (../shared/models or $TINYPAIR_DIR)"
 )
 
 from test_ddtree_runner import _spec, target_model_config  # noqa: E402,F401

@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-SHARED = os.path.join(
+# The tiny pair: ../shared/models/tinypair beside the checkout, or
+# $TINYPAIR_DIR (on the GPU host the devbundle unpacks it to /tmp/models/tinypair).
+SHARED = os.environ.get("TINYPAIR_DIR") or os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "models", "tinypair"
 )
 TARGET = os.path.join(SHARED, "target")
 DRAFTER = os.path.join(SHARED, "drafter")
 needs_models = pytest.mark.skipif(
-    not os.path.isdir(TARGET), reason="../shared/models/tinypair not present"
+    not os.path.isdir(TARGET), reason="tinypair not present (../shared/models or $TINYPAIR_DIR)"
 )
 
 B, D = 4, 3
