@@ -12,7 +12,7 @@
 #   STAGE=corestep bash bench/gpu_validate.sh # core bench incl. the runner's per-step kernels
 #   STAGE=corevocab bash bench/gpu_validate.sh # the same, tree files from .gpu/src_base vs
 #                                             # .gpu/src_vocab (a candidate change), + its GPU tests
-#                                             # (SRCS="base topk" CANDIDATE=topk: another candidate)
+#                                             # (SRCS=base+topk CANDIDATE=topk: another candidate)
 #   STAGE=matrix PART=a|b|8b bash bench/gpu_validate.sh  # issue-5 matrix (a, b: tinypair;
 #                                             # 8b: 8B-shaped dummy), one call each
 #   STAGE=speed   bash bench/gpu_validate.sh  # GPU kernel tests; chain K=15 vs DDTree (batch
@@ -83,7 +83,8 @@ corevocab)
   # the extra test files of .gpu/vocab_tests (CORE_TESTS=0: not). Without
   # the devbundle (torch + Triton only) the step column is left empty.
   [ -f /tmp/site/env.sh ] && source /tmp/site/env.sh
-  for s in ${SRCS:-base vocab}; do
+  SRCS=${SRCS:-base vocab}
+  for s in ${SRCS//+/ }; do  # '+' or ' ' between names (gpu_pair.sh specs have no spaces)
     echo "=== core $s $(date +%T)"
     timeout 150 python3 bench/bench_ddtree_core.py --src .gpu/src_$s --backend triton \
       --requests 1,8,64 --budgets 16,64,256 --stages ${CORE_STAGES:-vocab,tree,full,step} \
