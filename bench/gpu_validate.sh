@@ -23,6 +23,7 @@
 #   STAGE=eightb  bash bench/gpu_validate.sh  # 8B-shaped dummy target: chain vs DDTree B=64 (bf16)
 #   STAGE=exact   bash bench/gpu_validate.sh  # DDTree B=16, 64, 256 (CUDA graphs) vs ref
 #   STAGE=exact2  bash bench/gpu_validate.sh  # DDTree B=1 (CUDA graphs), B=64 enforce_eager vs ref
+#   STAGE=exactbi bash bench/gpu_validate.sh  # the same under VLLM_BATCH_INVARIANT=1 (BUDGETS, EAGER=1)
 #   STAGE=sample  bash bench/gpu_validate.sh  # T=1 top-p 0.95 distribution vs no-spec, seeded runs
 #   STAGE=serve   bash bench/gpu_validate.sh  # vllm serve: 64 streams with disconnects vs no-spec
 #   STAGE=hybrid  bash bench/gpu_validate.sh  # hybrid GDN (opt-in) on a dummy Qwen3.5 shape vs no-spec
@@ -173,6 +174,24 @@ exact2)
   cp .gpu/keep/* /tmp/keep/ 2>/dev/null
   run ddtree_b1 --mode ddtree --budget 1 --policy fixed --ref ref $ALL
   TMO=300 run ddtree_b64_eager --mode ddtree --budget 64 --policy fixed --eager --ref ref $ALL ;;
+exactbi)
+  # Greedy exactness under VLLM_BATCH_INVARIANT=1: every row's matmuls and
+  # attention reductions then do not depend on the batch or on the other
+  # query rows (a tree node's masked keys add exact zeros), so DDTree should
+  # equal no-spec bit for bit, near-ties included. Reference ref_bi (kept in
+  # /tmp/keep; returned in $OUT to carry back in .gpu/keep), then DDTree at
+  # BUDGETS (default 64) with CUDA graphs, or EAGER=1 for enforce_eager.
+  # Batch-invariant kernels are slow: one or two budgets per call.
+  source /tmp/site/env.sh
+  cp .gpu/keep/* /tmp/keep/ 2>/dev/null
+  export VLLM_BATCH_INVARIANT=1
+  [ -f /tmp/keep/tokens_ref_bi_c32.json ] && [ -f /tmp/keep/tokens_ref_bi_c1.json ] || \
+    TMO=240 run ref_bi --mode none --attention-backend TRITON_ATTN --save-gaps $ALL
+  cp /tmp/keep/tokens_ref_bi_c*.json /tmp/keep/gaps_ref_bi_c*.json "$OUT/" 2>/dev/null
+  for b in ${BUDGETS:-64}; do
+    TMO=${TMO:-400} run ddtree_b${b}_bi${EAGER:+_eager} --mode ddtree --budget $b --policy fixed \
+      ${EAGER:+--eager} --ref ref_bi $ALL
+  done ;;
 sample)
   # Chi-square of DDTree's first three tokens against no-spec sampling with
   # independent noise (engine seeds 0 and 1); seeded requests from two
