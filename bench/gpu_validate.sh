@@ -83,18 +83,19 @@ corevocab)
   # B = 16/64/256, V = 151936; then the core GPU tests on the candidate, with
   # the extra test files of .gpu/vocab_tests (CORE_TESTS=0: not). Without
   # the devbundle (torch + Triton only) the step column is left empty.
+  # CORE_STAGES: the bench's stages, ',' or '+' between them.
   [ -f /tmp/site/env.sh ] && source /tmp/site/env.sh
   SRCS=${SRCS:-base vocab}
   for s in ${SRCS//+/ }; do  # '+' or ' ' between names (gpu_pair.sh specs have no spaces)
     echo "=== core $s $(date +%T)"
     timeout 150 python3 bench/bench_ddtree_core.py --src .gpu/src_$s --backend triton \
-      --requests 1,8,64 --budgets 16,64,256 --stages ${CORE_STAGES:-vocab,tree,full,step} \
+      --requests 1,8,64 --budgets 16,64,256 --stages "$(echo "${CORE_STAGES:-vocab,tree,full,step}" | tr + ,)" \
       --iters 50 --out "$OUT/core_$s.json" 2>&1 | tail -11
   done
   [ "${CORE_TESTS:-1}" = 1 ] || exit 0
   cp .gpu/vocab_tests/*.py tests/ 2>/dev/null
   VLLM_DDTREE_SRC=.gpu/src_${CANDIDATE:-vocab} timeout 200 python3 -m pytest -q -p no:cacheprovider \
-    -m gpu -rxXs tests/test_ddtree_core.py $(ls .gpu/vocab_tests/*.py 2>/dev/null | sed 's|.gpu/vocab_tests/|tests/|') \
+    -m gpu -rxXs tests/test_ddtree_core.py tests/test_ddtree_vocab_threshold.py $(ls .gpu/vocab_tests/*.py 2>/dev/null | sed 's|.gpu/vocab_tests/|tests/|') \
     2>&1 | tail -8 ;;
 matrix)
   # The issue-5 matrix in two calls: PART=a (no spec, chain K=7/15, DDTree
@@ -159,14 +160,17 @@ eightb)
   done ;;
 exact)
   # Greedy exactness against the no-spec reference of stage profile
-  # (carried back in .gpu/keep): B = 16, 64, 256 with CUDA graphs.
+  # (carried back in .gpu/keep): B = 16, 64, 256 with CUDA graphs; TMO
+  # seconds per engine (190; B = 256 needs about 250 on a shared host).
+  # EAGER=1: under enforce_eager instead.
   # One engine at a time: vLLM engines starting side by side on one GPU fail
   # their memory profiling (seen 2026-11-29: "Error in memory profiling",
   # "No available memory for the cache blocks").
   source /tmp/site/env.sh
   cp .gpu/keep/* /tmp/keep/ 2>/dev/null
   for b in ${BUDGETS:-16 64 256}; do
-    TMO=190 run ddtree_b$b --mode ddtree --budget $b --policy fixed --ref ref $ALL
+    TMO=${TMO:-190} run ddtree_b$b${EAGER:+_eager} --mode ddtree --budget $b --policy fixed \
+      ${EAGER:+--eager} --ref ref $ALL
   done ;;
 exact2)
   # B = 1 with CUDA graphs and B = 64 under enforce_eager, against the same ref.
