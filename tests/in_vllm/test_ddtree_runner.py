@@ -149,12 +149,15 @@ def test_drafting_slots_that_leave_no_room_fail_in_one_line():
         verify_ddtree_vllm_config(fake(1024))
     message = str(info.value)
     assert "\n" not in message and message.startswith("DDTree:")
-    assert "--max-num-seqs (at most 585" in message
+    assert "--max-num-seqs (at most 585; e.g. 256)" in message
     assert "--max-num-batched-tokens" in message
     verify_ddtree_vllm_config(fake(585))  # 585 x 14 = 8190 < 8192
     with pytest.raises(ValueError):
         verify_ddtree_vllm_config(fake(586))
     verify_ddtree_vllm_config(fake(1024, batched=16384))
+    # The example never exceeds what fits: 2048 tokens fit 146 requests.
+    with pytest.raises(ValueError, match=r"\(at most 146; e\.g\. 146\)"):
+        verify_ddtree_vllm_config(fake(256, batched=2048))
     # A user-set max_num_scheduled_tokens is upstream's to check.
     verify_ddtree_vllm_config(fake(1024, scheduled=4096))
 
