@@ -21,8 +21,7 @@
 #                                             # step-time breakdown + host syncs, chain vs DDTree,
 #                                             # c=1/8/32; c=32 exactness under VLLM_BATCH_INVARIANT
 #   STAGE=eightb  bash bench/gpu_validate.sh  # 8B-shaped dummy target: chain vs DDTree B=64 (bf16)
-#   STAGE=exact   bash bench/gpu_validate.sh  # DDTree B=16, 64, 256 (CUDA graphs) vs ref
-#   STAGE=exact2  bash bench/gpu_validate.sh  # DDTree B=1 (CUDA graphs), B=64 enforce_eager vs ref
+#   STAGE=exact   bash bench/gpu_validate.sh  # DDTree at BUDGETS (16 64 256; CUDA graphs, EAGER=1: not) vs ref
 #   STAGE=exactbi bash bench/gpu_validate.sh  # the same under VLLM_BATCH_INVARIANT=1 (BUDGETS, EAGER=1)
 #   STAGE=sample  bash bench/gpu_validate.sh  # T=1 top-p 0.95 distribution vs no-spec, seeded runs
 #   STAGE=serve   bash bench/gpu_validate.sh  # vllm serve: 64 streams with disconnects vs no-spec
@@ -30,7 +29,7 @@
 #   STAGE=tp2     bash bench/gpu_validate.sh  # (2 GPUs) DDTree at TP=2 vs no-spec at TP=1, dummy Qwen3
 #
 # One engine at a time: several vLLM engines starting on one GPU fail their
-# memory profiling. Stages exact and exact2 need `ref` from `profile`.
+# memory profiling. Stage exact needs `ref` from `profile`.
 #
 # Reference tokens are kept in /tmp/keep between calls on the same machine;
 # stage profile also returns them in $OUT (carry them back as .gpu/keep/).
@@ -80,8 +79,8 @@ corevocab)
   # A candidate change of the core's tree files against the current ones
   # (copy each tree into .gpu/src_<name>/vllm/v1/spec_decode/ddtree/ and
   # carry .gpu): build stages and the runner's step kernels, R = 1/8/64,
-  # B = 16/64/256, V = 151936; then the core GPU tests on the candidate, with
-  # the extra test files of .gpu/vocab_tests (CORE_TESTS=0: not). Without
+  # B = 16/64/256, V = 151936; then the core and vocabulary-pass GPU tests
+  # on the candidate (CORE_TESTS=0: not). Without
   # the devbundle (torch + Triton only) the step column is left empty.
   # CORE_STAGES: the bench's stages, ',' or '+' between them.
   [ -f /tmp/site/env.sh ] && source /tmp/site/env.sh
@@ -93,9 +92,8 @@ corevocab)
       --iters 50 --out "$OUT/core_$s.json" 2>&1 | tail -11
   done
   [ "${CORE_TESTS:-1}" = 1 ] || exit 0
-  cp .gpu/vocab_tests/*.py tests/ 2>/dev/null
   VLLM_DDTREE_SRC=.gpu/src_${CANDIDATE:-vocab} timeout 200 python3 -m pytest -q -p no:cacheprovider \
-    -m gpu -rxXs tests/test_ddtree_core.py tests/test_ddtree_vocab_threshold.py $(ls .gpu/vocab_tests/*.py 2>/dev/null | sed 's|.gpu/vocab_tests/|tests/|') \
+    -m gpu -rxXs tests/test_ddtree_core.py tests/test_ddtree_vocab_threshold.py \
     2>&1 | tail -8 ;;
 matrix)
   # The issue-5 matrix in two calls: PART=a (no spec, chain K=7/15, DDTree
@@ -172,12 +170,6 @@ exact)
     TMO=${TMO:-190} run ddtree_b$b${EAGER:+_eager} --mode ddtree --budget $b --policy fixed \
       ${EAGER:+--eager} --ref ref $ALL
   done ;;
-exact2)
-  # B = 1 with CUDA graphs and B = 64 under enforce_eager, against the same ref.
-  source /tmp/site/env.sh
-  cp .gpu/keep/* /tmp/keep/ 2>/dev/null
-  run ddtree_b1 --mode ddtree --budget 1 --policy fixed --ref ref $ALL
-  TMO=300 run ddtree_b64_eager --mode ddtree --budget 64 --policy fixed --eager --ref ref $ALL ;;
 exactbi)
   # Greedy exactness under VLLM_BATCH_INVARIANT=1: every row's matmuls and
   # attention reductions then do not depend on the batch or on the other
