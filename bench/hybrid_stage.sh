@@ -9,7 +9,7 @@
 #       DDTree forces), top-2 gaps saved;
 #   (b) DDTree B=16, (c) DDTree B=64 (fixed policy, CUDA graphs) against it:
 #       64 train prompts at concurrency 8 and 1, 128 new tokens, float32;
-#   (d) DDTree B=64 in bf16 at c=8 (must complete; no reference).
+#   (d) DDTree B=64 in bf16 at c=8 and c=1 (must complete; no reference).
 #   V1_REF=1 adds a no-spec run on the V1 runner compared with (a).
 #
 # Needs the devbundle in /tmp/site and tinypair's prompts in /tmp/models;
@@ -95,7 +95,9 @@ done
 # (d) bf16: must complete.
 # On a fresh machine its start alone took over 200 s (torch.compile, then
 # the bf16 chunked-prefill kernels' warm-up: 83 s), twice cut at 185-200 s.
-want bf16 && run bf16_ddtree_b64 360 --mode ddtree --budget 64 --policy fixed --dtype bfloat16 --conc 8
+# BF16_TMO: its timeout (360 s; give it the whole call when it runs alone).
+want bf16 && run bf16_ddtree_b64 "${BF16_TMO:-360}" --mode ddtree --budget 64 --policy fixed \
+  --dtype bfloat16 --conc 8 1
 # Optional: the V1 runner's no-spec output against the V2 reference.
 [ -n "${V1_REF:-}" ] && VLLM_USE_V2_MODEL_RUNNER=0 run ref_v1 120 --mode none \
   --attention-backend TRITON_ATTN --dtype float32 --ref ref --conc 8 1
