@@ -13,8 +13,8 @@
 #   STAGE=corevocab bash bench/gpu_validate.sh # the same, tree files from .gpu/src_base vs
 #                                             # .gpu/src_vocab (a candidate change), + its GPU tests
 #                                             # (SRCS=base+topk CANDIDATE=topk: another candidate)
-#   STAGE=matrix PART=a|b|8b bash bench/gpu_validate.sh  # issue-5 matrix (a, b: tinypair;
-#                                             # 8b: 8B-shaped dummy), one call each
+#   STAGE=matrix PART=a|b|8b|t1 bash bench/gpu_validate.sh  # issue-5 matrix (a, b: tinypair;
+#                                             # 8b: 8B-shaped dummy; t1: T=1 rows), one call each
 #   STAGE=speed   bash bench/gpu_validate.sh  # GPU kernel tests; chain K=15 vs DDTree (batch
 #                                             # policy), train prompts, c=1/8/32, fp32
 #   STAGE=profile bash bench/gpu_validate.sh  # no-spec ref (-> $OUT, carry back in .gpu/keep),
@@ -110,6 +110,9 @@ matrix)
     b) SEL="--skip-none --chain --budgets 32 64 128 256" ;;
     8b) SEL="--chain 15 --budgets 16 64 256"; MT=$E8; MDT=bfloat16; MN=${N:-8}; MC="1 4 8"
         MX="--load-format dummy" ;;
+    # t1: the sampled rows (temperature 1) of no spec, the chain K=15 and
+    # DDTree B=16/64 in one call (speed and tau; outputs not comparable).
+    t1) SEL="--chain 15 --budgets 16 64 --temperatures 1" ;;
   esac
   timeout 590 python3 bench/run_matrix.py --target $MT/target --drafter $MT/drafter \
     --prompts $TRAIN --n $MN --max-tokens 128 --dtype $MDT --conc $MC $MX \
