@@ -20,6 +20,7 @@
 #   STAGE=profile bash bench/gpu_validate.sh  # no-spec ref (-> $OUT, carry back in .gpu/keep),
 #                                             # step-time breakdown + host syncs, chain vs DDTree,
 #                                             # c=1/8/32; c=32 exactness under VLLM_BATCH_INVARIANT
+#   STAGE=breakdown BD=dflash|ddtree bash bench/gpu_validate.sh  # step-time breakdown only
 #   STAGE=eightb  bash bench/gpu_validate.sh  # 8B-shaped dummy target: chain vs DDTree B=64 (bf16)
 #   STAGE=exact   bash bench/gpu_validate.sh  # DDTree at BUDGETS (16 64 256; CUDA graphs, EAGER=1: not) vs ref
 #   STAGE=exactbi bash bench/gpu_validate.sh  # the same under VLLM_BATCH_INVARIANT=1 (BUDGETS, EAGER=1)
@@ -148,6 +149,17 @@ profile)
     --save-gaps $BI
   VLLM_BATCH_INVARIANT=1 TMO=130 run ddtree_b64_bi --mode ddtree --budget 64 --policy fixed \
     --ref ref_bi $BI ;;
+breakdown)
+  # The step-time breakdown alone (stage profile's middle part, without its
+  # host-sync count): BD=dflash (chain K=15) or BD=ddtree (B=64, fixed), train
+  # prompts, 3 batches at c = 1, 8, 32; PROFILE lines for plot_results.py.
+  source /tmp/site/env.sh
+  case ${BD:-ddtree} in
+    dflash) A="dflash --k 15" ;;
+    *) A="ddtree --budget 64 --policy fixed" ;;
+  esac
+  TMO=${TMO:-200} run bd_${BD:-ddtree} --mode $A --prompts $TRAIN --profile 3 --conc 1 8 32 \
+    --max-tokens 128 ;;
 eightb)
   # The 8B-shaped dummy target (bf16): chain K=15 vs DDTree B=64, c=1.
   source /tmp/site/env.sh
