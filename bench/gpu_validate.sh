@@ -26,7 +26,7 @@
 #   STAGE=exactbi bash bench/gpu_validate.sh  # the same under VLLM_BATCH_INVARIANT=1 (BUDGETS, EAGER=1)
 #   STAGE=sample  bash bench/gpu_validate.sh  # T=1 top-p 0.95 distribution vs no-spec, seeded runs
 #   STAGE=serve   bash bench/gpu_validate.sh  # vllm serve: 64 streams with disconnects vs no-spec
-#   STAGE=hybrid  bash bench/gpu_validate.sh  # hybrid GDN (opt-in) on a dummy Qwen3.5 shape vs no-spec
+#   STAGE=hybrid  bash bench/gpu_validate.sh  # hybrid GDN on a dummy Qwen3.5 shape vs no-spec
 #   STAGE=tp2     bash bench/gpu_validate.sh  # (2 GPUs) DDTree at TP=2 vs no-spec at TP=1, dummy Qwen3
 #
 # One engine at a time: several vLLM engines starting on one GPU fail their

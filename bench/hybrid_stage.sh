@@ -1,8 +1,7 @@
 #!/bin/bash
 # SPDX-License-Identifier: Apache-2.0
-# GPU check of the experimental hybrid (Gated DeltaNet) DDTree path
-# (VLLM_DDTREE_EXPERIMENTAL_HYBRID=1) on a dummy-weight Qwen3.5-architecture
-# target with a dummy DFlash drafter (bench/configs/qwen35-hybrid-dummy):
+# GPU check of the hybrid (Gated DeltaNet) DDTree path on a dummy-weight
+# Qwen3.5-architecture target with a dummy DFlash drafter (bench/configs/qwen35-hybrid-dummy):
 #
 #   (e) the hybrid kernel tests of tests/in_vllm, on CUDA;
 #   (a) no-spec reference, float32, TRITON_ATTN, V2 model runner (the one
@@ -24,7 +23,6 @@ source /tmp/site/env.sh
 # the devbundle; carry its wheel in .whl (pip download loguru -d .whl).
 python3 -c "import loguru" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
   --no-compile --target /tmp/site .whl/loguru-*.whl 2>&1 | tail -1
-export VLLM_DDTREE_EXPERIMENTAL_HYBRID=1
 export PYTHONUNBUFFERED=1
 export OUT=${OUT:-/tmp/out}
 H=bench/configs/qwen35-hybrid-dummy
@@ -72,11 +70,10 @@ RUNS="+${HYBRID_RUNS:-kernel+ref+b16+b64+bf16}+"
 want() { [[ $RUNS == *"+$1+"* ]]; }
 
 # (e) Hybrid kernel tests (GDN tree kernels, conv, state builder, runner
-# checks, float32 prefill) on CUDA; they flip the opt-in themselves, so it
-# is unset for them.
+# checks, float32 prefill) on CUDA.
 if want kernel; then
 echo "=== kernel tests $(date +%T)"
-(cd tests/in_vllm && env -u VLLM_DDTREE_EXPERIMENTAL_HYBRID TINYPAIR_DIR=/tmp/models/tinypair \
+(cd tests/in_vllm && env TINYPAIR_DIR=/tmp/models/tinypair \
   timeout 120 python3 -m pytest -q \
   -p no:cacheprovider -c pytest.ini test_ddtree_gdn.py test_ddtree_gdn_builder.py \
   test_ddtree_gdn_hybrid.py test_ddtree_hybrid_runner.py test_ddtree_tree_conv.py \
