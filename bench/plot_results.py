@@ -57,10 +57,11 @@ def main() -> None:
     ]
     temps = sorted({r.get("temperature") or 0 for r in rows})
     order = [n + (f" T={t:g}" if t else "") for t in temps for n in greedy]
+    # A file of PROFILE rows only (stage breakdown) has no throughput plots.
     for metric, ylabel, fname in (
         ("tok_s", "tokens/s", "tok_s"),
         ("tau", "acceptance length tau", "tau"),
-    ):
+    ) if rows else ():
         fig, axes = plt.subplots(1, len(concs), figsize=(5 * len(concs), 3.6))
         if len(concs) == 1:
             axes = [axes]
