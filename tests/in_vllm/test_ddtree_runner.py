@@ -122,7 +122,9 @@ def test_engine_level_checks_pick_triton_and_refuse_others():
         verify_ddtree_vllm_config(fake(AttentionBackendEnum.FLASH_ATTN))
     with pytest.raises(ValueError, match="V2 model runner"):
         verify_ddtree_vllm_config(fake(None, v2=False))
-    with pytest.raises(ValueError, match="hybrid"):
+    # A hybrid whose linear-attention layers are not Gated DeltaNet (the
+    # architecture "X"): refused (test_ddtree_hybrid_runner.py has the rest).
+    with pytest.raises(ValueError, match="must be Gated DeltaNet"):
         verify_ddtree_vllm_config(fake(None, hybrid=True))
 
 
