@@ -271,6 +271,43 @@ def test_partially_scheduled_tree_never_accepts_unscheduled_nodes():
     assert out.sampled_token_ids[1, :2].tolist() == [11, 14]
 
 
+def test_resumed_request_never_reads_the_stale_tree_of_its_slot():
+    """Preemption: a preempted request's tree stays in its request-state slot
+    (nothing clears it); the request, or another one, that takes the slot
+    again starts with a prefill (one logit row), so that tree must not shape
+    its positions, its attention bias, its sampled tokens or the compaction.
+    Request state 0 holds such a stale tree here, whose root-to-leaf path
+    would match the target everywhere."""
+    verifier = _verifier()
+    stale_tokens = store_trees(verifier, [0], [(PARENT, DEPTH, TOKENS)])
+    draft_tokens = _store_one_tree(verifier) + stale_tokens
+    batch = _batch()
+    verifier.attn_bias.fill_(7.0)
+    verifier.prepare_verify(batch)
+    assert batch.positions[:3].tolist() == [0, 1, 2]
+    assert torch.all(verifier.attn_bias[0] == 0)
+    # The prefill row's target token equals the stale tree's first node.
+    logits = _logits_for([TOKENS[0], 11, 14, 30, 30, 9])
+    prefill_len = torch.tensor([3, 0, 10, 0], dtype=torch.int32)
+    out = verifier.sample(_ArgmaxSampler(), logits, batch, draft_tokens, prefill_len)
+    assert out.num_sampled.tolist() == [1, 3]
+    assert out.num_rejected.tolist() == [0, 2]
+    assert out.sampled_token_ids[0, :1].tolist() == [TOKENS[0]]
+    hidden = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 2) * 10
+    slots = torch.tensor([0, 1, 2, 20 * 16 + 4, 20 * 16 + 5, 20 * 16 + 6, 20 * 16 + 7,
+                          20 * 16 + 8, -1, -1])
+    kv_cache = torch.zeros(32, 1, 16, 2)
+    for tok in range(8):
+        s = int(slots[tok])
+        kv_cache[s // 16, 0, s % 16] = float(tok)
+    verifier.target_kv_caches = {"layer": kv_cache}
+    verifier.compact(batch, {"layer": slots}, [hidden])
+    # The prefill rows (hidden states, KV, positions) are untouched.
+    assert hidden[:3, 0].tolist() == [0, 10, 20]
+    assert [float(kv_cache[0, 0, t, 0]) for t in range(3)] == [0, 1, 2]
+    assert batch.positions[:3].tolist() == [0, 1, 2]
+
+
 def test_resolving_an_already_resolved_config_is_a_no_op():
     from vllm.v1.spec_decode.ddtree.config import resolve_ddtree_method
 
