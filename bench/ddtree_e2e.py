@@ -60,6 +60,13 @@ def load_prompts(paths: list[str], n: int) -> list[str]:
     return prompts
 
 
+def num_preemptions(llm) -> float:
+    """vLLM's preemption counter (requests whose KV was freed under memory
+    pressure and recomputed later): a run that should exercise preemption
+    shows it moved."""
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
 def spec_metrics(llm) -> tuple[float, float, list[float]]:
     accepted = drafts = 0.0
     per_pos: list[float] = []
@@ -200,6 +207,7 @@ def main() -> None:
     for conc in a.conc:
         phase_prompts = prompts_c1 if conc == 1 else prompts
         acc0, drafts0, pos0 = spec_metrics(llm)
+        preempted0 = num_preemptions(llm)
         t = time.time()
         toks: list[list[int]] = []
         gaps: list[list[float]] = []
@@ -240,6 +248,7 @@ def main() -> None:
                 dt * 1e3 * conc / (drafts if drafts else sum(map(len, toks))), 3
             ),
             startup_s=round(startup_s, 1),
+            preemptions=num_preemptions(llm) - preempted0,
         )
         ref_path = os.path.join(a.outdir, f"tokens_{a.ref}_c{conc}.json") if a.ref else None
         if ref_path:

@@ -23,6 +23,7 @@
 #   STAGE=breakdown BD=dflash|ddtree bash bench/gpu_validate.sh  # step-time breakdown only
 #   STAGE=eightb  bash bench/gpu_validate.sh  # 8B-shaped dummy target: chain vs DDTree B=64 (bf16)
 #   STAGE=exact   bash bench/gpu_validate.sh  # DDTree at BUDGETS (16 64 256; CUDA graphs, EAGER=1: not) vs ref
+#   STAGE=preempt bash bench/gpu_validate.sh  # DDTree (BUDGETS) vs ref with a KV cache of NBLOCKS blocks
 #   STAGE=exactbi bash bench/gpu_validate.sh  # the same under VLLM_BATCH_INVARIANT=1 (BUDGETS, EAGER=1)
 #   STAGE=sample  bash bench/gpu_validate.sh  # T=1 top-p 0.95 distribution vs no-spec, seeded runs
 #   STAGE=serve   bash bench/gpu_validate.sh  # vllm serve: 64 streams with disconnects vs no-spec
@@ -184,6 +185,18 @@ exact)
   for b in ${BUDGETS:-16 64 256}; do
     TMO=${TMO:-190} run ddtree_b$b${EAGER:+_eager} --mode ddtree --budget $b --policy fixed \
       ${EAGER:+--eager} --ref ref $ALL
+  done ;;
+preempt)
+  # Preemption loses nothing: the KV cache cut to NBLOCKS blocks of 16
+  # tokens (default 256: a handful of the 32 concurrent requests fit, the
+  # others are preempted and recomputed), DDTree at BUDGETS (default 64)
+  # against the no-spec reference of stage profile; RESULT's "preemptions"
+  # says how many happened.
+  source /tmp/site/env.sh
+  cp .gpu/keep/* /tmp/keep/ 2>/dev/null
+  for b in ${BUDGETS:-64}; do
+    TMO=${TMO:-240} run ddtree_b${b}_preempt --mode ddtree --budget $b --policy fixed \
+      --llm-kwargs "{\"num_gpu_blocks_override\": ${NBLOCKS:-256}}" --ref ref $ALL
   done ;;
 exactbi)
   # Greedy exactness under VLLM_BATCH_INVARIANT=1: every row's matmuls and

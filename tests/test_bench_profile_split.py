@@ -50,3 +50,14 @@ def test_split_by_gpu_side_draft_range():
 def test_no_draft_range():
     us, _, draft_us, has_range = e2e.split_gpu_time([ev("gemm", 0, 10)], CUDA)
     assert (us["other"], draft_us, has_range) == (10, 0.0, False)
+
+
+def test_preemption_count_reads_the_counter_only():
+    metrics = [
+        SimpleNamespace(name="vllm:num_preemptions", value=3.0),
+        SimpleNamespace(name="vllm:num_requests_running", value=7.0),
+        SimpleNamespace(name="vllm:spec_decode_num_drafts", value=11.0),
+    ]
+    llm = SimpleNamespace(get_metrics=lambda: metrics)
+    assert e2e.num_preemptions(llm) == 3.0
+    assert e2e.num_preemptions(SimpleNamespace(get_metrics=lambda: [])) == 0
