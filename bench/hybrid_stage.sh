@@ -90,8 +90,9 @@ for b in 16 64; do
   want b$b && run ddtree_b$b 240 --mode ddtree --budget $b --policy fixed --dtype float32 --ref ref --conc 8 1
 done
 # (d) bf16: must complete.
-# On a fresh machine its start alone took over 200 s (torch.compile, then
-# the bf16 chunked-prefill kernels' warm-up: 83 s), twice cut at 185-200 s.
+# On a fresh machine its start alone takes over 200 s (torch.compile, then
+# the bf16 chunked-prefill kernels' warm-up: 83 s): cut twice at 185-200 s,
+# completed with a 540 s limit (start 267 s; 2026-11-30).
 # BF16_TMO: its timeout (360 s; give it the whole call when it runs alone).
 want bf16 && run bf16_ddtree_b64 "${BF16_TMO:-360}" --mode ddtree --budget 64 --policy fixed \
   --dtype bfloat16 --conc 8 1

@@ -276,8 +276,9 @@ def test_resumed_request_never_reads_the_stale_tree_of_its_slot():
     (nothing clears it); the request, or another one, that takes the slot
     again starts with a prefill (one logit row), so that tree must not shape
     its positions, its attention bias, its sampled tokens or the compaction.
-    Request state 0 holds such a stale tree here, whose root-to-leaf path
-    would match the target everywhere."""
+    Request state 0 holds such a stale tree here, and the target's token at
+    the prefill row is the stale tree's first node: read as a tree, it would
+    be accepted."""
     verifier = _verifier()
     stale_tokens = store_trees(verifier, [0], [(PARENT, DEPTH, TOKENS)])
     draft_tokens = _store_one_tree(verifier) + stale_tokens
