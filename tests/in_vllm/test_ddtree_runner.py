@@ -218,6 +218,23 @@ _ArgmaxSampler = ArgmaxSampler
 _logits_for = logits_for
 
 
+def _compact_batch(verifier, batch):
+    """Run compact() on _batch()'s 8 tokens. Hidden states: row = token index
+    * 10; KV cache: one block of 16 slots per request; slot of token i = i for
+    the prefill, 20 * 16 + 4 + (i - 3) for the tree; each slot holds its
+    token index. Returns (hidden, slots, kv_cache) after the compaction."""
+    hidden = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 2) * 10
+    slots = torch.tensor([0, 1, 2, 20 * 16 + 4, 20 * 16 + 5, 20 * 16 + 6, 20 * 16 + 7,
+                          20 * 16 + 8, -1, -1])
+    kv_cache = torch.zeros(32, 1, 16, 2)
+    for tok in range(8):
+        s = int(slots[tok])
+        kv_cache[s // 16, 0, s % 16] = float(tok)
+    verifier.target_kv_caches = {"layer": kv_cache}
+    verifier.compact(batch, {"layer": slots}, [hidden])
+    return hidden, slots, kv_cache
+
+
 def test_sample_walks_the_tree_and_compaction_moves_the_path():
     verifier = _verifier()
     draft_tokens = _store_one_tree(verifier)
@@ -234,17 +251,7 @@ def test_sample_walks_the_tree_and_compaction_moves_the_path():
     assert out.sampled_token_ids[0, :1].tolist() == [5]
     assert out.sampled_token_ids[1, :3].tolist() == [11, 14, 9]
 
-    # Hidden states: row = token index * 10; KV cache: one block of 16 slots
-    # per request; slot of token i = i for the prefill, 100 + (i - 3) for the tree.
-    hidden = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 2) * 10
-    slots = torch.tensor([0, 1, 2, 20 * 16 + 4, 20 * 16 + 5, 20 * 16 + 6, 20 * 16 + 7,
-                          20 * 16 + 8, -1, -1])
-    kv_cache = torch.zeros(32, 1, 16, 2)
-    for tok in range(8):
-        s = int(slots[tok])
-        kv_cache[s // 16, 0, s % 16] = float(tok)
-    verifier.target_kv_caches = {"layer": kv_cache}
-    verifier.compact(batch, {"layer": slots}, [hidden])
+    hidden, slots, kv_cache = _compact_batch(verifier, batch)
     # Accepted path root(3) -> node1(4) -> node4(7): rows 3, 4, 5 hold 3, 4, 7.
     assert hidden[:, 0].tolist() == [0, 10, 20, 30, 40, 70, 60, 70, 80, 90]
     got = [float(kv_cache[int(slots[t]) // 16, 0, int(slots[t]) % 16, 0]) for t in range(8)]
@@ -294,15 +301,7 @@ def test_resumed_request_never_reads_the_stale_tree_of_its_slot():
     assert out.num_sampled.tolist() == [1, 3]
     assert out.num_rejected.tolist() == [0, 2]
     assert out.sampled_token_ids[0, :1].tolist() == [TOKENS[0]]
-    hidden = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 2) * 10
-    slots = torch.tensor([0, 1, 2, 20 * 16 + 4, 20 * 16 + 5, 20 * 16 + 6, 20 * 16 + 7,
-                          20 * 16 + 8, -1, -1])
-    kv_cache = torch.zeros(32, 1, 16, 2)
-    for tok in range(8):
-        s = int(slots[tok])
-        kv_cache[s // 16, 0, s % 16] = float(tok)
-    verifier.target_kv_caches = {"layer": kv_cache}
-    verifier.compact(batch, {"layer": slots}, [hidden])
+    hidden, slots, kv_cache = _compact_batch(verifier, batch)
     # The prefill rows (hidden states, KV, positions) are untouched.
     assert hidden[:3, 0].tolist() == [0, 10, 20]
     assert [float(kv_cache[0, 0, t, 0]) for t in range(3)] == [0, 1, 2]
