@@ -28,7 +28,8 @@
 #   STAGE=sample  bash bench/gpu_validate.sh  # T=1 top-p 0.95 distribution vs no-spec, seeded runs
 #   STAGE=serve   bash bench/gpu_validate.sh  # vllm serve: 64 streams with disconnects vs no-spec
 #   STAGE=hybrid  bash bench/gpu_validate.sh  # hybrid GDN on a dummy Qwen3.5 shape vs no-spec
-#   STAGE=tp2     bash bench/gpu_validate.sh  # (2 GPUs) DDTree at TP=2 vs no-spec at TP=1, dummy Qwen3
+#   STAGE=tp2     bash bench/gpu_validate.sh  # (2 GPUs) DDTree at TP=2 vs no-spec at TP=1, tinypair
+#                                             # with its key/value heads repeated (6)
 #
 # One engine at a time: several vLLM engines starting on one GPU fail their
 # memory profiling. Stage exact needs `ref` from `profile`.
@@ -51,7 +52,7 @@ run() {  # tag, then ddtree_e2e.py args; env TMO, GPU_UTIL
   echo "rc=$? $tag"; grep -E "^RESULT|^PROFILE|^SYNCCHECK|Error" "$L/$tag.log" | tail -4
 }
 finish() {
-  grep -h "^RESULT\|^PROFILE\|^SYNCCHECK\|^E2E" $L/*.log > "$OUT/results-$STAGE.txt" 2>/dev/null
+  grep -h "^RESULT\|^PROFILE\|^SYNCCHECK\|^E2E\|^TP2CMP" $L/*.log > "$OUT/results-$STAGE.txt" 2>/dev/null
   tar czf "$OUT/logs-$STAGE.tgz" -C "$(dirname "$L")" "$(basename "$L")" 2>/dev/null
 }
 trap finish EXIT
@@ -234,23 +235,48 @@ hybrid)
   # (bench/configs/qwen35-hybrid-dummy; see bench/hybrid_stage.sh).
   LOGDIR=$L bash bench/hybrid_stage.sh ;;
 tp2)
-  # Tensor parallel 2 (two GPUs): a dummy Qwen3 whose heads divide by 2
-  # (bench/configs/qwen3-tp2-dummy), float32, 64 train prompts at c = 8 and 1,
-  # 128 new tokens: no-spec at TP = 1 (reference), then DDTree B = 64 at TP = 2
-  # against it, CUDA graphs on. Keep the host's NCCL multicast switches.
+  # Tensor parallel 2 (two GPUs), issue 10. The tinypair has 3 key/value
+  # heads, which TP = 2 cannot split: bench/expand_kv_heads.py copies the
+  # pair with each key/value head repeated (6), the same function (equal
+  # logits in transformers, tests/in_vllm/test_expand_kv_heads.py). Dummy
+  # weights are no use here: their logits are flat (top-2 gaps ~1e-6 nats at
+  # every token, seen 2026-11-30), so TP = 1 and TP = 2 differ at token 0.
+  # float32, 64 train prompts at c = 8 and 1, 256 new tokens, CUDA graphs:
+  # no-spec at TP = 1 on the original pair (reference), DDTree B = 64 at
+  # TP = 2 on the copy against it, then no-spec at TP = 2 (how far TP = 2
+  # alone moves greedy outputs: near-ties) and the two TP = 2 runs compared.
+  # Keep the host's NCCL multicast switches (NCCL_NVLS_ENABLE).
   source /tmp/site/env.sh
-  T2=bench/configs/qwen3-tp2-dummy
-  TPA="--target $T2/target --drafter $T2/drafter --load-format dummy --prompts $TRAIN
-    --n 64 --max-tokens 128 --conc 8 1 --outdir /tmp/keep --gpu-memory-utilization 0.5"
+  K6=/tmp/models/tinypair-kv6
+  for m in target drafter; do python3 bench/expand_kv_heads.py $M/$m $K6/$m --kv-heads 6; done
+  TPA="--prompts $TRAIN --n 64 --conc 8 1 --outdir /tmp/keep --gpu-memory-utilization 0.5"
+  TP2='--llm-kwargs {"tensor_parallel_size":2}'
   echo "=== tp1_ref $(date +%T)"
-  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 200 python3 bench/ddtree_e2e.py $TPA \
-    --mode none --attention-backend TRITON_ATTN --save-gaps --tag tp1_ref > $L/tp1_ref.log 2>&1
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 150 python3 bench/ddtree_e2e.py $TPA \
+    --target $M/target --mode none --attention-backend TRITON_ATTN --save-gaps --tag tp1_ref \
+    > $L/tp1_ref.log 2>&1
   echo "rc=$? tp1_ref"; grep -E "^RESULT|Error" $L/tp1_ref.log | tail -3
   echo "=== tp2_ddtree_b64 $(date +%T)"
-  timeout 300 python3 bench/ddtree_e2e.py $TPA --mode ddtree --budget 64 --policy fixed \
-    --ref tp1_ref --llm-kwargs '{"tensor_parallel_size": 2}' --tag tp2_ddtree_b64 \
+  timeout 240 python3 bench/ddtree_e2e.py $TPA --target $K6/target --drafter $K6/drafter \
+    --mode ddtree --budget 64 --policy fixed --ref tp1_ref $TP2 --tag tp2_ddtree_b64 \
     > $L/tp2_ddtree_b64.log 2>&1
-  echo "rc=$? tp2_ddtree_b64"; grep -E "^RESULT|Error" $L/tp2_ddtree_b64.log | tail -3 ;;
+  echo "rc=$? tp2_ddtree_b64"; grep -E "^RESULT|Error" $L/tp2_ddtree_b64.log | tail -3
+  echo "=== tp2_none $(date +%T)"
+  timeout "${TMO:-170}" python3 bench/ddtree_e2e.py $TPA --target $K6/target --mode none \
+    --attention-backend TRITON_ATTN --ref tp1_ref $TP2 --tag tp2_none > $L/tp2_none.log 2>&1
+  echo "rc=$? tp2_none"; grep -E "^RESULT|Error" $L/tp2_none.log | tail -3
+  python3 - <<'EOF' | tee $L/tp2_compare.log
+import json
+for c in (8, 1):
+    try:
+        a, b = (json.load(open(f"/tmp/keep/tokens_{t}_c{c}.json")) for t in ("tp2_ddtree_b64", "tp2_none"))
+    except OSError as e:
+        print(f"TP2CMP c={c}: {e}")
+        continue
+    same = sum(x == y for x, y in zip(a, b))
+    print(f"TP2CMP c={c}: DDTree TP=2 equal to no-spec TP=2 on {same}/{len(b)} prompts")
+EOF
+  ;;
 serve)
   source /tmp/site/env.sh
   OUT=/tmp/serve_e2e timeout 500 bash bench/serve_e2e.sh > $L/serve_e2e.log 2>&1
