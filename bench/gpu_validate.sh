@@ -13,7 +13,7 @@
 #   STAGE=corevocab bash bench/gpu_validate.sh # the same, tree files from .gpu/src_base vs
 #                                             # .gpu/src_vocab (a candidate change), + its GPU tests
 #                                             # (SRCS=base+topk CANDIDATE=topk: another candidate)
-#   STAGE=matrix PART=a|b|8b|t1 bash bench/gpu_validate.sh  # issue-5 matrix (a, b: tinypair;
+#   STAGE=matrix PART=a|b|8b|t1|t1b|t1c bash bench/gpu_validate.sh  # issue-5 matrix (a, b: tinypair;
 #                                             # 8b: 8B-shaped dummy; t1: T=1 rows), one call each
 #   STAGE=speed   bash bench/gpu_validate.sh  # GPU kernel tests; chain K=15 vs DDTree (batch
 #                                             # policy), train prompts, c=1/8/32, fp32
@@ -116,6 +116,10 @@ matrix)
     # t1: the sampled rows (temperature 1) of no spec, the chain K=15 and
     # DDTree B=16/64 in one call (speed and tau; outputs not comparable).
     t1) SEL="--chain 15 --budgets 16 64 --temperatures 1" ;;
+    # t1b, t1c: the other sampled rows, on the two GPUs of one host, each
+    # with the chain K=15 again so that its ratios come from one list.
+    t1b) SEL="--skip-none --chain 7 15 --budgets 32 --temperatures 1" ;;
+    t1c) SEL="--skip-none --chain 15 --budgets 128 256 --temperatures 1" ;;
   esac
   timeout 590 python3 bench/run_matrix.py --target $MT/target --drafter $MT/drafter \
     --prompts $TRAIN --n $MN --max-tokens 128 --dtype $MDT --conc $MC $MX \
