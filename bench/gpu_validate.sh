@@ -14,7 +14,7 @@
 #                                             # .gpu/src_vocab (a candidate change), + its GPU tests
 #                                             # (SRCS=base+topk CANDIDATE=topk: another candidate)
 #   STAGE=matrix PART=a|b|8b|t1|t1b|t1c bash bench/gpu_validate.sh  # issue-5 matrix (a, b: tinypair;
-#                                             # 8b: 8B-shaped dummy; t1: T=1 rows), one call each
+#                                             # 8b: 8B-shaped dummy; t1, t1b, t1c: T=1 rows), one call each
 #   STAGE=speed   bash bench/gpu_validate.sh  # GPU kernel tests; chain K=15 vs DDTree (batch
 #                                             # policy), train prompts, c=1/8/32, fp32
 #   STAGE=profile bash bench/gpu_validate.sh  # no-spec ref (-> $OUT, carry back in .gpu/keep),
