@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""The embedded production-shaped model computes the small pair's function: max
+|logit difference| between the small target and its production-shaped embedding
+(Hugging Face transformers, float32) on real prompts, and the same for the
+DFlash drafters (dflash_ref.py) at every anchor of those prompts.
+
+    python3 bench/pairs/check_embedding.py --models bench/pairs/models \\
+        --pair dense-8b [--prompts N] [--device cuda] [--out FILE.json]
+
+Prints one ``EMBEDDING {json}`` line: {"pair", "embedding_max_abs_logit_diff",
+"drafter_max_abs_logit_diff", "pad_logit_margin", ...}. At the real production
+shapes this needs the float32 model in memory (Qwen3-8B: 33 GB; Qwen3.6-27B:
+about 110 GB): run it on a GPU host. tests/test_pairs_embed.py runs the same
+check at reduced widths on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+import embed  # noqa: E402
+import pair_configs as pc  # noqa: E402
+from dflash_ref import DFlashDrafter, aux_features, draft_logits  # noqa: E402
+
+
+def hf_text_model(cfg: dict, device):
+    from transformers.initialization import no_init_weights  # transformers 5
+
+    text = pc.text_config(cfg)
+    with no_init_weights(), torch.device(device):
+        if "text_config" in cfg:
+            from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+            m = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+        else:
+            from transformers import Qwen3Config, Qwen3ForCausalLM
+
+            m = Qwen3ForCausalLM(Qwen3Config(**text))
+    m.tie_weights()  # a tied small target shares embedding and lm_head
+    return m.float().eval()
+
+
+def load_into(model, weights, prefix: str) -> int:
+    """Copy (name, tensor) pairs in checkpoint names into a text-only HF model."""
+    params = dict(model.named_parameters())
+    n = 0
+    for name, t in weights:
+        key = "model." + name[len(prefix):] if name.startswith(prefix) else name
+        if key not in params:
+            if name in params:
+                key = name
+            else:
+                raise KeyError(name)
+        with torch.no_grad():
+            params[key].copy_(t)
+        n += 1
+    if n != len(params):
+        raise RuntimeError(f"{n} tensors written, the model has {len(params)}")
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default=os.path.join(HERE, "models"))
+    ap.add_argument("--pair", required=True, choices=list(pc.PAIRS))
+    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    from safetensors.torch import load_file
+
+    t0 = time.time()
+    spec = pc.pair(a.pair)
+    pdir = os.path.join(a.models, a.pair)
+    dev = torch.device(a.device)
+    small_sd = load_file(os.path.join(pdir, "target", "model.safetensors"))
+    prefix = embed.target_prefix(spec["small_target"])
+    small = hf_text_model(spec["small_target"], dev)
+    load_into(small, ((k, v) for k, v in small_sd.items() if "visual" not in k), prefix)
+    with open(os.path.join(a.models, "prompts", "heldout.jsonl")) as f:
+        prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()][: a.prompts]
+    layer_ids_s = spec["small_drafter"]["dflash_config"]["target_layer_ids"]
+    layer_ids_b = spec["big_drafter"]["dflash_config"]["target_layer_ids"]
+    res_small = []
+    with torch.no_grad():
+        for p in prompts:
+            x = torch.tensor([p], device=dev)
+            out = small(input_ids=x, output_hidden_states=True)
+            res_small.append((out.logits.cpu(), aux_features(out.hidden_states, layer_ids_s)))
+    big = hf_text_model(spec["big_target"], dev)
+    load_into(big, embed.target_weights(spec["small_target"], spec["big_target"], spec["placement"],
+                                        small_sd, device=dev, dtype=torch.float32), prefix)
+    v = pc.text_config(spec["small_target"])["vocab_size"]
+    diff, margin, feats_b = 0.0, float("inf"), []
+    with torch.no_grad():
+        for p, (ls, _) in zip(prompts, res_small):
+            x = torch.tensor([p], device=dev)
+            out = big(input_ids=x, output_hidden_states=True)
+            lb = out.logits.float()
+            diff = max(diff, (lb[..., :v].cpu() - ls).abs().max().item())
+            if lb.shape[-1] > v:
+                margin = min(margin, (lb[..., :v].min(-1).values - lb[..., v:].max(-1).values).min().item())
+            feats_b.append(aux_features(out.hidden_states, layer_ids_b))
+    embed_s, lm_s = small.model.embed_tokens.weight, small.lm_head.weight
+    embed_b, lm_b = big.model.embed_tokens.weight.clone(), big.lm_head.weight.clone()
+    del big, out
+    torch.cuda.empty_cache() if dev.type == "cuda" else None
+    d_small = DFlashDrafter(spec["small_drafter"]).to(dev).eval()
+    d_small.load_state_dict({k: t.float() for k, t in load_file(os.path.join(pdir, "drafter", "model.safetensors")).items()})
+    d_big = DFlashDrafter(spec["big_drafter"]).to(dev).eval()
+    d_big.load_state_dict(dict(embed.drafter_weights(
+        spec["small_drafter"], spec["big_drafter"], spec["small_target"], spec["big_target"],
+        spec["placement"], d_small.state_dict(), device=dev, dtype=torch.float32)))
+    ddiff = 0.0
+    with torch.no_grad():
+        for p, (_, fs), fb in zip(prompts, res_small, feats_b):
+            x = torch.tensor([p], device=dev)
+            anchors = torch.arange(8, len(p) - 1, max(1, (len(p) - 9) // 16), device=dev)[None]
+            a_s = draft_logits(d_small, fs, x, anchors, embed_s, lm_s)
+            a_b = draft_logits(d_big, fb, x, anchors, embed_b, lm_b)
+            ddiff = max(ddiff, (a_b[..., :v] - a_s).abs().max().item())
+    row = {
+        "pair": a.pair,
+        "embedding_max_abs_logit_diff": float(f"{diff:.3g}"),
+        "drafter_max_abs_logit_diff": float(f"{ddiff:.3g}"),
+        "pad_logit_margin": None if margin == float("inf") else round(margin, 1),
+        "prompts": len(prompts),
+        "dtype": "float32",
+        "seconds": round(time.time() - t0, 1),
+    }
+    print("EMBEDDING " + json.dumps(row), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(row, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Embed a small trained pair exactly into a production shape.
+
+The production-shaped weights are produced one Hugging Face tensor at a time
+(``target_weights``, ``drafter_weights``), so that they can be fed straight into
+a model's ``load_weights`` (vLLM's own loader: fused projections, tensor
+parallel shards) after a ``load_format="dummy"`` start: nothing is stored.
+
+How the function is kept (h = small hidden size, H = production hidden size):
+
+- the small model's units are the first h of the residual stream; every write
+  into the residual stream (embedding, attention/GDN output projections, MLP
+  down projections, the drafter's fc) is zero outside them, so the other units
+  stay exactly zero;
+- the residual stream is the small one times c = sqrt(H / h): then the mean of
+  squares over H units equals the small model's over h units and every RMSNorm
+  sees the same statistic with the same epsilon; norm weights are divided by c
+  (``(1 + w) / c - 1`` for Qwen3.5's one-plus norms) and are zero on the padded
+  units, so each sublayer reads exactly the small model's normalised input;
+- heads keep their head_dim (RoPE and q/k norms unchanged); small query head j
+  of KV group k sits at production head ``k * G + j % g`` (G, g: production and
+  small group sizes) so that GQA groups line up; a small Gated DeltaNet head keeps
+  its index (same value/key head ratio); weights that only feed padded heads or
+  read padded units are random (as vLLM's dummy loader), so the arithmetic costs
+  what the production model costs;
+- production layers that are not a small layer are exact identities (zero output
+  and down projections); the small layers sit at ``placement``;
+- a production vocabulary larger than the small one: one padded residual unit
+  carries a small constant from the embedding; only the final norm passes it,
+  and the lm_head rows of the padded tokens read it with a large negative
+  weight, so those tokens get logits far below every real one (no probability
+  mass at any temperature).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+from pair_configs import text_config
+
+INIT_RANGE = 1e-3  # vLLM's dummy loader draws weights from U(-1e-3, 1e-3)
+CONST_VALUE = 1e-4  # the padded-vocabulary unit: its square (over H) is far below eps
+PAD_LOGIT_WEIGHT = -1e8  # lm_head weight of padded tokens on that unit
+
+
+class Geometry:
+    """Sizes of one small model and the production model it is embedded in."""
+
+    def __init__(self, small: dict, big: dict, *, with_const_unit: bool):
+        self.h, self.H = small["hidden_size"], big["hidden_size"]
+        if self.h > self.H or (with_const_unit and self.h >= self.H):
+            raise ValueError(f"hidden {self.h} does not fit in {self.H}")
+        self.c = math.sqrt(self.H / self.h)
+        self.const_unit = self.H - 1 if with_const_unit else None
+
+    def norm(self, w: torch.Tensor | None, *, one_plus: bool, final: bool) -> torch.Tensor:
+        """An RMSNorm weight over H for the small weight ``w`` over h."""
+        pad = -1.0 if one_plus else 0.0
+        out = torch.full((self.H,), pad, dtype=torch.float32, device=w.device)
+        if one_plus:
+            out[: self.h] = (1.0 + w.float()) / self.c - 1.0
+        else:
+            out[: self.h] = w.float() / self.c
+        if final and self.const_unit is not None:
+            out[self.const_unit] = 0.0 if one_plus else 1.0
+        return out
+
+
+def _q_head_index(j: int, small_heads: int, small_kv: int, big_heads: int, big_kv: int) -> int:
+    g_small, g_big = small_heads // small_kv, big_heads // big_kv
+    k, r = divmod(j, g_small)
+    return k * g_big + r
+
+
+def _head_rows(heads: list[int], per_head: int, device) -> torch.Tensor:
+    return torch.cat([torch.arange(b * per_head, (b + 1) * per_head, device=device) for b in heads])
+
+
+def check_compatible(small: dict, big: dict) -> None:
+    """Raise ValueError if the small text config cannot be embedded in the big one."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(f"cannot embed: {what}")
+
+    need(small["head_dim"] == big["head_dim"], "head_dim differs")
+    need(small["num_key_value_heads"] <= big["num_key_value_heads"], "more KV heads than the target")
+    g_s = small["num_attention_heads"] // small["num_key_value_heads"]
+    g_b = big["num_attention_heads"] // big["num_key_value_heads"]
+    need(g_s <= g_b, f"query group {g_s} larger than {g_b}")
+    need(small["intermediate_size"] <= big["intermediate_size"], "intermediate size")
+    need(small["vocab_size"] <= big["vocab_size"], "vocabulary")
+    need(small.get("rms_norm_eps") == big.get("rms_norm_eps"), "rms_norm_eps differs")
+    if "linear_num_key_heads" in small:
+        rs = small["linear_num_value_heads"] // small["linear_num_key_heads"]
+        rb = big["linear_num_value_heads"] // big["linear_num_key_heads"]
+        need(rs == rb, f"GDN value/key head ratio {rs} != {rb}")
+        need(small["linear_num_key_heads"] <= big["linear_num_key_heads"], "GDN key heads")
+        for k in ("linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"):
+            need(small[k] == big[k], k)
+        need(small.get("rope_parameters") == big.get("rope_parameters"), "rope parameters")
+    else:
+        need(small.get("rope_theta") == big.get("rope_theta"), "rope_theta")
+
+
+class _Writer:
+    def __init__(self, geo: Geometry, device, dtype, seed: int):
+        self.geo, self.device, self.dtype = geo, device, dtype
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=self.dtype, device=self.device).uniform_(
+            -INIT_RANGE, INIT_RANGE, generator=self.gen
+        )
+
+    def zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def put(self, big: torch.Tensor, rows, cols, small: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        small = small.to(device=self.device, dtype=torch.float32) * scale
+        if cols is None:
+            big[rows] = small.to(self.dtype)
+        else:
+            big[rows[:, None], cols[None, :]] = small.to(self.dtype)
+        return big
+
+    def cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=self.device, dtype=self.dtype)
+
+
+def _attention(w: _Writer, small: dict, big: dict, s: dict | None, gated: bool):
+    """(name suffix, tensor) of one attention block; ``s`` holds the small layer's
+    tensors by suffix, or None for an identity layer."""
+    geo, dev = w.geo, w.device
+    hd, H = big["head_dim"], geo.H
+    nq_b, nkv_b = big["num_attention_heads"], big["num_key_value_heads"]
+    q_per_head = 2 * hd if gated else hd
+    q = w.rand(nq_b * q_per_head, H)
+    k, v = w.rand(nkv_b * hd, H), w.rand(nkv_b * hd, H)
+    o = w.zeros(H, nq_b * hd)
+    if s is None:
+        return [("q_proj.weight", q), ("k_proj.weight", k), ("v_proj.weight", v), ("o_proj.weight", o),
+                ("q_norm.weight", w.rand(hd)), ("k_norm.weight", w.rand(hd))]
+    nq_s, nkv_s = small["num_attention_heads"], small["num_key_value_heads"]
+    heads = [_q_head_index(j, nq_s, nkv_s, nq_b, nkv_b) for j in range(nq_s)]
+    hs = torch.arange(geo.h, device=dev)
+    w.put(q, _head_rows(heads, q_per_head, dev), hs, s["q_proj.weight"])
+    kv_rows = _head_rows(list(range(nkv_s)), hd, dev)
+    w.put(k, kv_rows, hs, s["k_proj.weight"])
+    w.put(v, kv_rows, hs, s["v_proj.weight"])
+    w.put(o, hs, _head_rows(heads, hd, dev), s["o_proj.weight"], geo.c)
+    return [("q_proj.weight", q), ("k_proj.weight", k), ("v_proj.weight", v), ("o_proj.weight", o),
+            ("q_norm.weight", w.cast(s["q_norm.weight"])), ("k_norm.weight", w.cast(s["k_norm.weight"]))]
+
+
+def _gated_delta_net(w: _Writer, small: dict, big: dict, s: dict | None):
+    geo, dev, H = w.geo, w.device, w.geo.H
+    dk, dv, kern = big["linear_key_head_dim"], big["linear_value_head_dim"], big["linear_conv_kernel_dim"]
+    nk_b, nv_b = big["linear_num_key_heads"], big["linear_num_value_heads"]
+    key_b, val_b = nk_b * dk, nv_b * dv
+    conv_b = 2 * key_b + val_b
+    qkv, z = w.rand(conv_b, H), w.rand(val_b, H)
+    b_, a_ = w.rand(nv_b, H), w.rand(nv_b, H)
+    conv = w.rand(conv_b, 1, kern)
+    dt_bias, a_log = w.rand(nv_b), w.rand(nv_b)
+    out = w.zeros(H, val_b)
+    if s is None:
+        norm = w.rand(dv)
+    else:
+        nk_s, nv_s = small["linear_num_key_heads"], small["linear_num_value_heads"]
+        key_s, val_s = nk_s * dk, nv_s * dv
+        rows = torch.cat([
+            torch.arange(key_s, device=dev),
+            key_b + torch.arange(key_s, device=dev),
+            2 * key_b + torch.arange(val_s, device=dev),
+        ])
+        hs = torch.arange(geo.h, device=dev)
+        w.put(qkv, rows, hs, s["in_proj_qkv.weight"])
+        w.put(conv, rows, None, s["conv1d.weight"])
+        vs = torch.arange(val_s, device=dev)
+        w.put(z, vs, hs, s["in_proj_z.weight"])
+        heads = torch.arange(nv_s, device=dev)
+        w.put(b_, heads, hs, s["in_proj_b.weight"])
+        w.put(a_, heads, hs, s["in_proj_a.weight"])
+        w.put(dt_bias, heads, None, s["dt_bias"])
+        w.put(a_log, heads, None, s["A_log"])
+        w.put(out, hs, vs, s["out_proj.weight"], geo.c)
+        norm = w.cast(s["norm.weight"])
+    return [("in_proj_qkv.weight", qkv), ("in_proj_z.weight", z), ("in_proj_b.weight", b_),
+            ("in_proj_a.weight", a_), ("conv1d.weight", conv), ("dt_bias", dt_bias), ("A_log", a_log),
+            ("norm.weight", norm), ("out_proj.weight", out)]
+
+
+def _mlp(w: _Writer, small: dict, big: dict, s: dict | None):
+    geo, dev, H = w.geo, w.device, w.geo.H
+    inter = big["intermediate_size"]
+    gate, up, down = w.rand(inter, H), w.rand(inter, H), w.zeros(H, inter)
+    if s is not None:
+        hs = torch.arange(geo.h, device=dev)
+        cols = torch.arange(small["intermediate_size"], device=dev)
+        w.put(gate, cols, hs, s["gate_proj.weight"])
+        w.put(up, cols, hs, s["up_proj.weight"])
+        w.put(down, hs, cols, s["down_proj.weight"], geo.c)
+    return [("gate_proj.weight", gate), ("up_proj.weight", up), ("down_proj.weight", down)]
+
+
+def check_placement(small: dict, big: dict, placement: list[int]) -> None:
+    """Raise ValueError unless ``placement`` puts each small layer, in order, on a
+    production layer of the same type."""
+    if len(placement) != small["num_hidden_layers"] or sorted(set(placement)) != placement:
+        raise ValueError(f"placement {placement} is not increasing over {small['num_hidden_layers']} layers")
+    if placement[-1] >= big["num_hidden_layers"]:
+        raise ValueError(f"placement {placement} beyond {big['num_hidden_layers']} layers")
+    types_b = big.get("layer_types") or ["full_attention"] * big["num_hidden_layers"]
+    types_s = small.get("layer_types") or ["full_attention"] * small["num_hidden_layers"]
+    for i, li in enumerate(placement):
+        if types_s[i] != types_b[li]:
+            raise ValueError(f"small layer {i} ({types_s[i]}) placed on a {types_b[li]} layer {li}")
+
+
+def _layers(w: _Writer, small: dict, big: dict, small_sd: dict, prefix: str, placement: list[int],
+            one_plus: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every production layer; layer ``placement[i]`` is small layer i."""
+    check_placement(small, big, placement)
+    types_b = big.get("layer_types") or ["full_attention"] * big["num_hidden_layers"]
+    small_of = {b: i for i, b in enumerate(placement)}
+    gated = bool(big.get("attn_output_gate", False))
+    for li in range(big["num_hidden_layers"]):
+        i = small_of.get(li)
+        pre_s, pre_b = f"{prefix}layers.{i}.", f"{prefix}layers.{li}."
+
+        def sub(block: str):
+            if i is None:
+                return None
+            p = pre_s + block + "."
+            return {k[len(p):]: v for k, v in small_sd.items() if k.startswith(p)}
+
+        if types_b[li] == "linear_attention":
+            for n, t in _gated_delta_net(w, small, big, sub("linear_attn")):
+                yield pre_b + "linear_attn." + n, t
+        else:
+            for n, t in _attention(w, small, big, sub("self_attn"), gated):
+                yield pre_b + "self_attn." + n, t
+        for n, t in _mlp(w, small, big, sub("mlp")):
+            yield pre_b + "mlp." + n, t
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            if i is None:
+                yield pre_b + norm + ".weight", w.rand(w.geo.H)
+            else:
+                t = w.geo.norm(small_sd[pre_s + norm + ".weight"], one_plus=one_plus, final=False)
+                yield pre_b + norm + ".weight", w.cast(t)
+
+
+def target_prefix(cfg: dict) -> str:
+    """Where the language model's weights sit in a checkpoint of this config."""
+    return "model.language_model." if "text_config" in cfg else "model."
+
+
+def target_weights(
+    small_cfg: dict,
+    big_cfg: dict,
+    placement: list[int],
+    small_sd: dict[str, torch.Tensor],
+    *,
+    device="cpu",
+    dtype=torch.float32,
+    seed: int = 0,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The production target's language-model weights (Hugging Face names)."""
+    small, big = text_config(small_cfg), text_config(big_cfg)
+    check_compatible(small, big)
+    check_placement(small, big, placement)
+    if big.get("tie_word_embeddings"):
+        raise ValueError("the production config must not tie embeddings (its lm_head differs)")
+    one_plus = "text_config" in big_cfg  # Qwen3.5 norms are (1 + w)
+    geo = Geometry(small, big, with_const_unit=big["vocab_size"] > small["vocab_size"])
+    w = _Writer(geo, device, dtype, seed)
+    pre = target_prefix(small_cfg)
+    pre_b = target_prefix(big_cfg)
+    emb_s = small_sd[pre + "embed_tokens.weight"]
+    v_s, v_b = small["vocab_size"], big["vocab_size"]
+    hs = torch.arange(geo.h, device=device)
+    emb = w.zeros(v_b, geo.H)
+    w.put(emb, torch.arange(v_s, device=device), hs, emb_s, geo.c)
+    if geo.const_unit is not None:
+        emb[:, geo.const_unit] = CONST_VALUE
+    yield pre_b + "embed_tokens.weight", emb
+    del emb
+    for n, t in _layers(w, small, big, small_sd, pre, placement, one_plus):
+        yield pre_b + n[len(pre):], t
+    yield pre_b + "norm.weight", w.cast(geo.norm(small_sd[pre + "norm.weight"], one_plus=one_plus, final=True))
+    lm = w.rand(v_b, geo.H)
+    w.put(lm, torch.arange(v_s, device=device), hs, small_sd.get("lm_head.weight", emb_s))
+    if geo.const_unit is not None:
+        lm[:v_s, geo.const_unit] = 0
+        lm[v_s:, geo.const_unit] = PAD_LOGIT_WEIGHT
+    yield "lm_head.weight", lm
+
+
+def aux_slot_map(placement: list[int], n_big_layers: int, small_ids: list[int], big_ids: list[int]) -> dict[int, int]:
+    """Small drafter aux slot -> production aux slot reading the same hidden state
+    (the output of production layer L equals small layer i's for
+    placement[i] <= L < placement[i + 1])."""
+    ends = placement[1:] + [n_big_layers]
+    out, used = {}, set()
+    for s_slot, i in enumerate(small_ids):
+        match = [b for b, L in enumerate(big_ids) if placement[i] <= L < ends[i] and b not in used]
+        if not match:
+            raise ValueError(
+                f"no production target_layer_id reads small layer {i} (placed at "
+                f"{placement[i]}..{ends[i] - 1}); production ids {big_ids}"
+            )
+        out[s_slot] = match[0]
+        used.add(match[0])
+    return out
+
+
+def drafter_weights(
+    small_dcfg: dict,
+    big_dcfg: dict,
+    small_target_cfg: dict,
+    big_target_cfg: dict,
+    placement: list[int],
+    small_dsd: dict[str, torch.Tensor],
+    *,
+    device="cpu",
+    dtype=torch.float32,
+    seed: int = 1,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The production DFlash drafter's weights (DFlash checkpoint names; the
+    embedding and lm_head are the target's)."""
+    check_compatible(small_dcfg, big_dcfg)
+    if small_dcfg["hidden_size"] != text_config(small_target_cfg)["hidden_size"]:
+        raise ValueError("the small drafter's width is not its target's")
+    if big_dcfg["hidden_size"] != text_config(big_target_cfg)["hidden_size"]:
+        raise ValueError("the production drafter's width is not its target's")
+    big_t, small_t = text_config(big_target_cfg), text_config(small_target_cfg)
+    geo = Geometry(small_dcfg, big_dcfg, with_const_unit=big_t["vocab_size"] > small_t["vocab_size"])
+    w = _Writer(geo, device, dtype, seed)
+    s_ids = small_dcfg["dflash_config"]["target_layer_ids"]
+    b_ids = big_dcfg["dflash_config"]["target_layer_ids"]
+    slots = aux_slot_map(placement, big_t["num_hidden_layers"], s_ids, b_ids)
+    h, H = geo.h, geo.H
+    fc = w.zeros(H, len(b_ids) * H)
+    hs = torch.arange(h, device=device)
+    for s_slot, b_slot in slots.items():
+        w.put(fc, hs, b_slot * H + hs, small_dsd["fc.weight"][:, s_slot * h : (s_slot + 1) * h])
+    yield "fc.weight", fc
+    yield "hidden_norm.weight", w.cast(geo.norm(small_dsd["hidden_norm.weight"], one_plus=False, final=False))
+    n_small = small_dcfg["num_hidden_layers"]
+    yield from _layers(w, small_dcfg, big_dcfg, small_dsd, "", list(range(n_small)), one_plus=False)
+    yield "norm.weight", w.cast(geo.norm(small_dsd["norm.weight"], one_plus=False, final=True))

@@ -1,0 +1,84 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A vLLM worker extension that writes an embedded benchmark pair into an engine
+started with ``load_format="dummy"`` at the production shape, in place.
+
+    LLM(model=<production config dir>, load_format="dummy",
+        worker_extension_cls="pair_worker.EmbeddedPairWorker", ...)
+    llm.collective_rpc("load_embedded_pair", args=(pair_dir, pair_name))
+
+(``bench/pairs`` must be on PYTHONPATH of the engine's processes.) The tensors
+come from embed.py one at a time and go through the models' own
+``load_weights``, as a checkpoint's would: vLLM's fused projections and tensor
+parallel shards are handled by vLLM. Parameters keep their addresses, so CUDA
+graphs captured at startup stay valid.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+import embed
+import pair_configs as pc
+
+
+def _load_small(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def _drafter_model(runner):
+    # V2 model runner: runner.speculator.model; V1: runner.drafter.model
+    for owner in ("speculator", "drafter"):
+        obj = getattr(runner, owner, None)
+        model = getattr(obj, "model", None)
+        if model is not None:
+            return model
+    return None
+
+
+class EmbeddedPairWorker:
+    def load_embedded_pair(self, pair_dir: str, pair_name: str, with_drafter: bool = True) -> dict:
+        t0 = time.time()
+        spec = pc.pair(pair_name)
+        runner = self.model_runner
+        target = runner.model
+        dtype = self.vllm_config.model_config.dtype
+        device = next(target.parameters()).device
+        small_t = _load_small(os.path.join(pair_dir, "target"))
+        n_bytes = n_tensors = 0
+
+        def counted(it):
+            nonlocal n_bytes, n_tensors
+            for name, t in it:
+                n_bytes += t.numel() * t.element_size()
+                n_tensors += 1
+                yield name, t
+
+        target.load_weights(counted(embed.target_weights(
+            spec["small_target"], spec["big_target"], spec["placement"], small_t,
+            device=device, dtype=dtype,
+        )))
+        out = {"pair": pair_name, "target_tensors": n_tensors, "target_gib": round(n_bytes / 2**30, 2)}
+        drafter = _drafter_model(runner)
+        if with_drafter and drafter is not None:
+            n_bytes = n_tensors = 0
+            small_d = _load_small(os.path.join(pair_dir, "drafter"))
+            drafter.load_weights(counted(embed.drafter_weights(
+                spec["small_drafter"], spec["big_drafter"], spec["small_target"],
+                spec["big_target"], spec["placement"], small_d, device=device, dtype=dtype,
+            )))
+            out.update(drafter_tensors=n_tensors, drafter_gib=round(n_bytes / 2**30, 2))
+            # The drafter must read the target's embedding and lm_head (DFlash
+            # shares them at load time); a copy would still hold dummy values.
+            lm_t = getattr(getattr(target, "language_model", target), "lm_head", None)
+            out["drafter_shares_lm_head"] = bool(
+                lm_t is not None and getattr(drafter, "lm_head", None) is not None
+                and drafter.lm_head.weight.data_ptr() == lm_t.weight.data_ptr()
+            )
+        torch.cuda.synchronize()
+        out["seconds"] = round(time.time() - t0, 1)
+        return out

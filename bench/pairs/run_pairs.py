@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""No speculation, the DFlash chain and DDTree on the benchmark pairs at their
+production shapes, side by side, on held-out prompts.
+
+    python3 bench/pairs/run_pairs.py --models bench/pairs/models \\
+        --out bench/results/pairs.json [--pairs dense-8b,hybrid-27b] \\
+        [--dtypes bfloat16,float32] [--methods nospec,chain,ddtree] \\
+        [--conc 1,4,8,16,32] [--max-tokens 256]
+
+Each (pair, dtype, method) runs in its own process: one vLLM engine started with
+``load_format="dummy"`` at the production shape (bench/pairs/models/<pair>/
+production-{target,drafter} hold the configs), the trained pair written into it
+in place (pair_worker.py), then greedy decoding (temperature 0, ``ignore_eos``)
+at each concurrency: ``c`` prompts at a time. Rows: tokens/s, tau (vLLM's
+spec-decode counters), ms per engine step and whether each output equals the
+no-speculation output of the same pair, dtype and concurrency. ``--small``
+also runs the small pair itself (no speculation, float32): the production
+shape's greedy outputs must equal it. Progress goes to stderr; the JSON (a list
+of rows) is rewritten after every engine, so a cut run keeps what finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import pair_configs as pc  # noqa: E402
+
+METHODS = ("nospec", "chain", "ddtree")
+
+
+def log(msg: str) -> None:
+    print(f"[run_pairs {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def load_prompts(path: str) -> list[list[int]]:
+    with open(path) as f:
+        return [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
+
+
+def prompts_for(conc: int, prompts: list[list[int]], c1: int) -> list[list[int]]:
+    """c = 1 decodes ``c1`` prompts one by one; c > 1 decodes 4 batches of c (at
+    most all prompts)."""
+    n = c1 if conc == 1 else min(len(prompts), 4 * conc)
+    return prompts[:n]
+
+
+# ---------------------------------------------------------------- one engine
+
+
+def spec_counters(llm) -> tuple[float, float]:
+    acc = drafts = 0.0
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_accepted_tokens":
+            acc = m.value
+        elif m.name == "vllm:spec_decode_num_drafts":
+            drafts = m.value
+    return acc, drafts
+
+
+def run_engine(a) -> None:
+    """One engine: print one ``ROW {json}`` per concurrency, save token ids."""
+    os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = pc.pair(a.pair)
+    small = a.method == "small"
+    pdir = os.path.join(a.models, a.pair)
+    target = os.path.join(pdir, "target" if small else "production-target")
+    kw = dict(
+        model=target,
+        dtype=a.dtype,
+        max_model_len=a.max_model_len,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        seed=0,
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+        max_num_seqs=max(a.conc),
+        enable_prefix_caching=False,
+    )
+    if not small:
+        kw.update(load_format="dummy", worker_extension_cls="pair_worker.EmbeddedPairWorker")
+    if spec["kind"] == "hybrid":
+        kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
+        kw["gdn_prefill_backend"] = "triton"
+    drafter = os.path.join(pdir, "drafter" if small else "production-drafter")
+    if a.method == "chain":
+        kw["speculative_config"] = dict(method="dflash", model=drafter, num_speculative_tokens=a.chain_k)
+    elif a.method == "ddtree":
+        kw["speculative_config"] = dict(method="ddtree", model=drafter, **json.loads(a.ddtree))
+    if a.llm_kwargs:
+        kw.update(json.loads(a.llm_kwargs))
+    t0 = time.time()
+    llm = LLM(**kw)
+    startup = time.time() - t0
+    load = None
+    if not small:
+        load = llm.collective_rpc("load_embedded_pair", args=(pdir, a.pair, a.method != "nospec"))[0]
+        log(f"{a.pair} {a.dtype} {a.method}: embedded weights written {load}")
+    prompts = load_prompts(a.prompts)
+    sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True, detokenize=False)
+    warm = [TokensPrompt(prompt_token_ids=p) for p in prompts[:2]]
+    llm.generate(warm, sp, use_tqdm=False)
+    for conc in a.conc:
+        batch = prompts_for(conc, prompts, a.c1_prompts)
+        acc0, drafts0 = spec_counters(llm)
+        toks: list[list[int]] = []
+        t = time.time()
+        for i in range(0, len(batch), conc):
+            outs = llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in batch[i : i + conc]], sp, use_tqdm=False
+            )
+            toks += [list(o.outputs[0].token_ids) for o in outs]
+        dt = time.time() - t
+        acc1, drafts1 = spec_counters(llm)
+        drafts = drafts1 - drafts0
+        steps = drafts / conc if drafts else sum(map(len, toks)) / conc
+        row = dict(
+            pair=a.pair,
+            dtype=a.dtype,
+            method=a.method,
+            concurrency=conc,
+            prompts=len(batch),
+            tok_s=round(sum(map(len, toks)) / dt, 1),
+            tau=round(1 + (acc1 - acc0) / drafts, 3) if drafts else None,
+            ms_per_step=round(dt * 1e3 / steps, 3),
+            startup_s=round(startup, 1),
+        )
+        if a.method == "ddtree":
+            row["speculative_config"] = kw["speculative_config"]
+        elif a.method == "chain":
+            row["k"] = a.chain_k
+        if load:
+            row["weights_written"] = load
+        print("ROW " + json.dumps(row), flush=True)
+        with open(os.path.join(a.workdir, f"tokens_{a.pair}_{a.dtype}_{a.method}_c{conc}.json"), "w") as f:
+            json.dump(toks, f)
+        log(f"{a.pair} {a.dtype} {a.method} c={conc}: {row['tok_s']} tok/s, tau {row['tau']}")
+
+
+# ---------------------------------------------------------------- orchestration
+
+
+def compare(workdir: str, pair: str, dtype: str, method: str, conc: int, ref_method: str) -> str | None:
+    paths = [os.path.join(workdir, f"tokens_{pair}_{dtype}_{m}_c{conc}.json") for m in (ref_method, method)]
+    if not all(os.path.exists(p) for p in paths):
+        return None
+    ref, got = (json.load(open(p)) for p in paths)
+    same = sum(x == y for x, y in zip(ref, got))
+    return f"{same}/{len(got)}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default=os.path.join(HERE, "models"), help="trained pairs (train.py --out)")
+    ap.add_argument("--out", required=True, help="JSON rows (rewritten after every engine)")
+    ap.add_argument("--pairs", default=",".join(pc.PAIRS))
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--small", action="store_true", help="also run the small pair (float32, no speculation)")
+    ap.add_argument("--conc", default="1,4,8,16,32")
+    ap.add_argument("--float32-conc", default="1,8", help="concurrencies of the float32 (exactness) engines")
+    ap.add_argument("--prompts", default=None, help="default: <models>/prompts/heldout.jsonl")
+    ap.add_argument("--c1-prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--chain-k", type=int, default=15)
+    ap.add_argument("--ddtree", default="{}", help="DDTree speculative_config keys (JSON), e.g. '{\"tree_budget\": 64}'")
+    ap.add_argument("--llm-kwargs", default=None, help="extra LLM(...) keyword arguments (JSON)")
+    ap.add_argument("--engine-timeout", type=int, default=900)
+    ap.add_argument("--workdir", default=None, help="token files (default: next to --out)")
+    # one engine (internal)
+    ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--pair", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", help=argparse.SUPPRESS)
+    ap.add_argument("--method", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    a.prompts = a.prompts or os.path.join(a.models, "prompts", "heldout.jsonl")
+    a.workdir = a.workdir or os.path.join(os.path.dirname(os.path.abspath(a.out)), "pairs-tokens")
+    os.makedirs(a.workdir, exist_ok=True)
+    if a.engine:
+        a.conc = [int(c) for c in a.conc.split(",")]
+        run_engine(a)
+        return
+    rows: list[dict] = []
+    if os.path.exists(a.out):
+        with open(a.out) as f:
+            rows = json.load(f)
+    plan = []
+    for pair in a.pairs.split(","):
+        pc.pair(pair)
+        if a.small:
+            plan.append((pair, "float32", "small", a.float32_conc))
+        for dtype in a.dtypes.split(","):
+            conc = a.float32_conc if dtype == "float32" else a.conc
+            plan += [(pair, dtype, m, conc) for m in a.methods.split(",")]
+    t_all = time.time()
+    for k, (pair, dtype, method, conc) in enumerate(plan):
+        log(f"engine {k + 1}/{len(plan)}: {pair} {dtype} {method} at c={conc} ({time.time() - t_all:.0f} s so far)")
+        cmd = [sys.executable, __file__, "--engine", "--pair", pair, "--dtype", dtype, "--method", method,
+               "--conc", conc, "--models", a.models, "--out", a.out, "--prompts", a.prompts,
+               "--c1-prompts", str(a.c1_prompts), "--max-tokens", str(a.max_tokens),
+               "--max-model-len", str(a.max_model_len), "--gpu-memory-utilization", str(a.gpu_memory_utilization),
+               "--chain-k", str(a.chain_k), "--ddtree", a.ddtree, "--workdir", a.workdir]
+        if a.llm_kwargs:
+            cmd += ["--llm-kwargs", a.llm_kwargs]
+        t = time.time()
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=a.engine_timeout)
+            out, rc = proc.stdout, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            out, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+        new = [json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW ")]
+        if rc != 0:
+            log(f"engine {pair} {dtype} {method} ended with {rc} after {time.time() - t:.0f} s")
+            new.append(dict(pair=pair, dtype=dtype, method=method, error=str(rc)))
+        rows = [r for r in rows if (r.get("pair"), r.get("dtype"), r.get("method")) != (pair, dtype, method)]
+        rows += new
+        for r in rows:
+            if "concurrency" in r and r["method"] not in ("nospec", "small"):
+                r["identical_to_nospec"] = compare(a.workdir, r["pair"], r["dtype"], r["method"], r["concurrency"], "nospec")
+            if r.get("method") == "nospec" and "concurrency" in r:
+                r["identical_to_small"] = compare(a.workdir, r["pair"], r["dtype"], "nospec", r["concurrency"], "small")
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

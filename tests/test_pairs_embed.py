@@ -1,0 +1,197 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The benchmark pairs' embedding into production shapes keeps the function
+(bench/pairs/embed.py): at reduced production widths of the same structure
+(head dims, GQA groups, GDN head ratio, layer types, identity layers, padded
+vocabulary), the embedded target's logits and the embedded drafter's logits
+equal the small models' in float32, and padded tokens get no probability."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+PAIRS_DIR = Path(__file__).resolve().parent.parent / "bench" / "pairs"
+sys.path.insert(0, str(PAIRS_DIR))
+
+import embed  # noqa: E402
+import pair_configs as pc  # noqa: E402
+from dflash_ref import DFlashDrafter, aux_features, draft_logits  # noqa: E402
+
+# Reduced production shapes: the same structure as Qwen3-8B / Qwen3.6-27B.
+TEST_SHAPES = {
+    "dense-8b": dict(
+        target=dict(hidden_size=640, num_hidden_layers=7, num_attention_heads=8,
+                    num_key_value_heads=2, intermediate_size=1024, vocab_size=8500),
+        drafter=dict(hidden_size=640, num_hidden_layers=3, num_attention_heads=8,
+                     num_key_value_heads=2, intermediate_size=1024, vocab_size=8500),
+        drafter_ids=[1, 2, 4, 6],
+        placement=[0, 2, 3, 5],
+    ),
+    "hybrid-27b": dict(
+        target=dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=6,
+                    num_key_value_heads=1, linear_num_key_heads=2, linear_num_value_heads=6,
+                    intermediate_size=1024, vocab_size=8300),
+        drafter=dict(hidden_size=512, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=1, intermediate_size=1024, vocab_size=8300),
+        drafter_ids=[1, 4, 6, 7],
+        placement=[0, 4, 5, 7],
+    ),
+}
+
+
+def hf_text_model(cfg: dict):
+    text = pc.text_config(cfg)
+    if "text_config" in cfg:
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text)).eval()
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(**text)).eval()
+
+
+def to_text_names(sd: dict, cfg: dict) -> dict:
+    """Checkpoint names -> the text-only HF model's names."""
+    pre = embed.target_prefix(cfg)
+    return {("model." + k[len(pre):] if k.startswith(pre) else k): v for k, v in sd.items()}
+
+
+def randomise_(module, gen: torch.Generator, scale: float) -> None:
+    """Weights large enough that logits spread over several nats (HF's 0.02 init
+    gives near-uniform logits, a weak test of equality)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale / p.shape[-1] ** 0.5)
+            elif "A_log" in name or "dt_bias" in name:
+                p.copy_(torch.rand(p.shape, generator=gen))
+            else:  # norm weights (one-plus norms start at 0, plain ones at 1)
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def shapes(name: str):
+    spec = pc.pair(name)
+    t = TEST_SHAPES[name]
+    big_t = pc.scaled(spec["big_target"], **t["target"])
+    big_d = dict(spec["big_drafter"], **t["drafter"])
+    big_d["dflash_config"] = dict(big_d["dflash_config"], target_layer_ids=t["drafter_ids"])
+    big_d["num_target_layers"] = t["target"]["num_hidden_layers"]
+    return spec, big_t, big_d, t["placement"]
+
+
+@pytest.fixture(scope="module", params=list(TEST_SHAPES))
+def embedded(request):
+    name = request.param
+    spec, big_t, big_d, placement = shapes(name)
+    gen = torch.Generator().manual_seed(0)
+    small = hf_text_model(spec["small_target"])
+    randomise_(small, gen, 1.5)
+    small_sd = {
+        (embed.target_prefix(spec["small_target"]) + k[len("model."):] if k.startswith("model.") else k): v
+        for k, v in small.state_dict().items()
+    }
+    big = hf_text_model(big_t)
+    big_sd = dict(embed.target_weights(spec["small_target"], big_t, placement, small_sd))
+    missing, unexpected = big.load_state_dict(to_text_names(big_sd, big_t), strict=False)
+    assert not unexpected and not missing, (missing, unexpected)
+    drafter = DFlashDrafter(spec["small_drafter"]).eval()
+    randomise_(drafter, gen, 1.5)
+    big_drafter = DFlashDrafter(big_d).eval()
+    d_sd = dict(embed.drafter_weights(
+        spec["small_drafter"], big_d, spec["small_target"], big_t, placement, drafter.state_dict()
+    ))
+    big_drafter.load_state_dict(d_sd, strict=True)
+    return dict(name=name, small=small, big=big, drafter=drafter, big_drafter=big_drafter,
+                small_cfg=pc.text_config(spec["small_target"]), big_cfg=pc.text_config(big_t),
+                small_d=spec["small_drafter"], big_d=big_d)
+
+
+def tokens(n: int, length: int, vocab: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, vocab, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_target_logits_equal(embedded):
+    x = tokens(2, 48, embedded["small_cfg"]["vocab_size"], 1)
+    with torch.no_grad():
+        a = embedded["small"](input_ids=x).logits
+        b = embedded["big"](input_ids=x).logits
+    v = a.shape[-1]
+    assert a.std() > 1.0  # logits spread: the comparison means something
+    assert (a - b[..., :v]).abs().max().item() <= 1e-3
+    assert torch.equal(a.argmax(-1), b.argmax(-1))  # padded tokens never win
+    # padded tokens: far below every real token (no mass at temperature 1)
+    margin = (b[..., :v].min(-1).values - b[..., v:].max(-1).values).min().item()
+    assert margin > 50
+
+
+def test_identity_layers_and_padded_units(embedded):
+    """Production layers that are no small layer leave the residual stream as is;
+    padded units stay zero (except the padded-vocabulary unit)."""
+    x = tokens(1, 16, embedded["small_cfg"]["vocab_size"], 2)
+    with torch.no_grad():
+        hs = embedded["big"](input_ids=x, output_hidden_states=True).hidden_states
+        hs_small = embedded["small"](input_ids=x, output_hidden_states=True).hidden_states
+    h = embedded["small_cfg"]["hidden_size"]
+    H = embedded["big_cfg"]["hidden_size"]
+    c = (H / h) ** 0.5
+    _, _, _, placement = shapes(embedded["name"])
+    ends = placement[1:] + [embedded["big_cfg"]["num_hidden_layers"]]
+    # hidden_states[-1] is after the final norm: compare the layers before
+    for i, (lo, hi) in enumerate(zip(placement[:-1], ends[:-1])):
+        for L in range(lo, hi):
+            torch.testing.assert_close(hs[L + 1][..., :h] / c, hs_small[i + 1], rtol=1e-4, atol=1e-4)
+            assert hs[L + 1][..., h : H - 1].abs().max() == 0
+
+
+def test_drafter_logits_equal(embedded):
+    e = embedded
+    block = e["small_d"]["block_size"]
+    x = tokens(2, 80, e["small_cfg"]["vocab_size"], 3)
+    anchors = torch.tensor([[20, 41, 60], [5, 33, 62]])
+    with torch.no_grad():
+        out_s = e["small"](input_ids=x, output_hidden_states=True)
+        out_b = e["big"](input_ids=x, output_hidden_states=True)
+        f_s = aux_features(out_s.hidden_states, e["small_d"]["dflash_config"]["target_layer_ids"])
+        f_b = aux_features(out_b.hidden_states, e["big_d"]["dflash_config"]["target_layer_ids"])
+        ls = draft_logits(e["drafter"], f_s, x, anchors, e["small"].model.embed_tokens.weight,
+                          e["small"].lm_head.weight)
+        lb = draft_logits(e["big_drafter"], f_b, x, anchors, e["big"].model.embed_tokens.weight,
+                          e["big"].lm_head.weight)
+    v = ls.shape[-1]
+    assert ls.shape[2] == block - 1
+    assert ls.std() > 1.0
+    assert (ls - lb[..., :v]).abs().max().item() <= 1e-3
+    assert torch.equal(ls.argmax(-1), lb.argmax(-1))
+
+
+def test_refuses_what_cannot_be_embedded():
+    spec = pc.pair("hybrid-27b")
+    small = spec["small_target"]
+    bad_ratio = pc.scaled(spec["big_target"], linear_num_value_heads=32)  # 2:1 instead of 3:1
+    with pytest.raises(ValueError, match="ratio"):
+        next(embed.target_weights(small, bad_ratio, spec["placement"], {}))
+    with pytest.raises(ValueError, match="placed on a"):
+        bad_place = [0, 16, 32, 48]  # small attention layer 3 on a GDN layer
+        next(embed.target_weights(small, spec["big_target"], bad_place, {}))
+    with pytest.raises(ValueError, match="no production target_layer_id"):
+        embed.aux_slot_map([0, 8, 16, 24], 36, [0, 1, 2], [1, 25, 33])
+
+
+@pytest.mark.parametrize("name", list(pc.PAIRS))
+def test_production_configs_embed(name):
+    """The committed production shapes accept their small pair (checked without
+    building the 8B / 27B tensors)."""
+    spec = pc.pair(name)
+    embed.check_compatible(pc.text_config(spec["small_target"]), pc.text_config(spec["big_target"]))
+    embed.check_compatible(spec["small_drafter"], spec["big_drafter"])
+    slots = embed.aux_slot_map(
+        spec["placement"], pc.text_config(spec["big_target"])["num_hidden_layers"],
+        spec["small_drafter"]["dflash_config"]["target_layer_ids"],
+        spec["big_drafter"]["dflash_config"]["target_layer_ids"],
+    )
+    assert len(slots) == len(spec["small_drafter"]["dflash_config"]["target_layer_ids"])
