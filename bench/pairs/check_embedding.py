@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 import embed  # noqa: E402
 import pair_configs as pc  # noqa: E402
-from dflash_ref import DFlashDrafter, aux_features, draft_logits  # noqa: E402
+from dflash_ref import DFlashDrafter, draft_logits, target_forward  # noqa: E402
 
 
 def hf_text_model(cfg: dict, device):
@@ -80,7 +80,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     t0 = time.time()
-    spec = pc.pair(a.pair)
+    spec = pc.load_pair(a.models, a.pair)
     pdir = os.path.join(a.models, a.pair)
     dev = torch.device(a.device)
     small_sd = load_file(os.path.join(pdir, "target", "model.safetensors"))
@@ -95,8 +95,8 @@ def main() -> None:
     with torch.no_grad():
         for p in prompts:
             x = torch.tensor([p], device=dev)
-            out = small(input_ids=x, output_hidden_states=True)
-            res_small.append((out.logits.cpu(), aux_features(out.hidden_states, layer_ids_s)))
+            logits, feats = target_forward(small, x, layer_ids_s)
+            res_small.append((logits.cpu(), feats))
     big = hf_text_model(spec["big_target"], dev)
     load_into(big, embed.target_weights(spec["small_target"], spec["big_target"], spec["placement"],
                                         small_sd, device=dev, dtype=torch.float32), prefix)
@@ -105,15 +105,15 @@ def main() -> None:
     with torch.no_grad():
         for p, (ls, _) in zip(prompts, res_small):
             x = torch.tensor([p], device=dev)
-            out = big(input_ids=x, output_hidden_states=True)
-            lb = out.logits.float()
+            lb, fb = target_forward(big, x, layer_ids_b)
+            lb = lb.float()
             diff = max(diff, (lb[..., :v].cpu() - ls).abs().max().item())
             if lb.shape[-1] > v:
                 margin = min(margin, (lb[..., :v].min(-1).values - lb[..., v:].max(-1).values).min().item())
-            feats_b.append(aux_features(out.hidden_states, layer_ids_b))
+            feats_b.append(fb)
     embed_s, lm_s = small.model.embed_tokens.weight, small.lm_head.weight
     embed_b, lm_b = big.model.embed_tokens.weight.clone(), big.lm_head.weight.clone()
-    del big, out
+    del big, lb
     torch.cuda.empty_cache() if dev.type == "cuda" else None
     d_small = DFlashDrafter(spec["small_drafter"]).to(dev).eval()
     d_small.load_state_dict({k: t.float() for k, t in load_file(os.path.join(pdir, "drafter", "model.safetensors")).items()})

@@ -160,7 +160,21 @@ def draft_logits(
     return hid @ lm_head.t().to(hid.dtype)
 
 
-def aux_features(hidden_states, target_layer_ids) -> torch.Tensor:
-    """Concatenated target features as vLLM's DFlash reads them: the output of each
-    listed layer (Hugging Face ``hidden_states[id + 1]``)."""
-    return torch.cat([hidden_states[i + 1] for i in target_layer_ids], -1)
+def target_forward(model, input_ids: torch.Tensor, target_layer_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Hugging Face target's logits and the concatenated features vLLM's DFlash
+    reads: the residual stream after each listed layer, before any final norm
+    (Hugging Face's last ``hidden_states`` entry is normed, so hooks are used)."""
+    layers = model.model.layers
+    outs: dict[int, torch.Tensor] = {}
+    hooks = [
+        layers[i].register_forward_hook(
+            lambda mod, inp, out, i=i: outs.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+        )
+        for i in target_layer_ids
+    ]
+    try:
+        logits = model(input_ids=input_ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, torch.cat([outs[i] for i in target_layer_ids], -1)

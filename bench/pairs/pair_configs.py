@@ -162,9 +162,9 @@ PAIRS: dict[str, dict] = {
             intermediate=768, rope_theta=1000000, tie=True, max_pos=4096,
         ),
         "small_drafter": _dflash(
-            vocab=SMALL_VOCAB, hidden=256, layers=2, heads=2, kv_heads=1,
+            vocab=SMALL_VOCAB, hidden=256, layers=3, heads=2, kv_heads=1,
             intermediate=768, rope_theta=1000000, target_layers=4,
-            target_layer_ids=[0, 1, 2], max_pos=4096,
+            target_layer_ids=[1, 2, 3], max_pos=4096,
         ),
         # Qwen3-8B (vocabulary included: the lm_head and the DDTree vocabulary
         # pass run at their real size).
@@ -217,6 +217,22 @@ def pair(name: str) -> dict:
     if name not in PAIRS:
         raise KeyError(f"unknown pair {name!r}; known: {', '.join(PAIRS)}")
     return copy.deepcopy(PAIRS[name])
+
+
+def load_pair(models: str, name: str) -> dict:
+    """``pair(name)`` with the configs of the trained pair in ``models`` (what its
+    weights were trained with) in place of this module's."""
+    import json
+    import os
+
+    spec = pair(name)
+    for key, sub in (("small_target", "target"), ("small_drafter", "drafter"),
+                     ("big_target", "production-target"), ("big_drafter", "production-drafter")):
+        path = os.path.join(models, name, sub, "config.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                spec[key] = json.load(f)
+    return spec
 
 
 def text_config(cfg: dict) -> dict:

@@ -43,7 +43,7 @@ def _drafter_model(runner):
 class EmbeddedPairWorker:
     def load_embedded_pair(self, pair_dir: str, pair_name: str, with_drafter: bool = True) -> dict:
         t0 = time.time()
-        spec = pc.pair(pair_name)
+        spec = pc.load_pair(os.path.dirname(pair_dir.rstrip("/")), pair_name)
         runner = self.model_runner
         target = runner.model
         dtype = self.vllm_config.model_config.dtype

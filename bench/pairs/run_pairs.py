@@ -72,7 +72,7 @@ def run_engine(a) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    spec = pc.pair(a.pair)
+    spec = pc.load_pair(a.models, a.pair)
     small = a.method == "small"
     pdir = os.path.join(a.models, a.pair)
     target = os.path.join(pdir, "target" if small else "production-target")

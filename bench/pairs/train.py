@@ -160,14 +160,23 @@ def prepare(a) -> None:
         f"corpus {sum(map(len, train)) / 2**20:.1f} MiB in {len(train)} files; "
         f"held-out {len(held)} files of {sorted(heldout)} ({time.time() - t0:.0f} s)"
     )
-    sample, n = [], 0
-    for t in train:
-        sample.append(t)
-        n += len(t)
-        if n > (1 if a.smoke else a.tokenizer_mb) * 2**20:
-            break
-    tok = train_tokenizer(sample, os.path.join(a.out, "tokenizer"))
-    log(f"tokenizer trained on {n / 2**20:.1f} MiB ({time.time() - t0:.0f} s)")
+    if a.reuse_target:
+        import shutil
+
+        from tokenizers import Tokenizer
+
+        for sub in ("tokenizer", "prompts"):
+            shutil.copytree(os.path.join(a.reuse_target, sub), os.path.join(a.out, sub), dirs_exist_ok=True)
+        tok = Tokenizer.from_file(os.path.join(a.out, "tokenizer", "tokenizer.json"))
+    else:
+        sample, n = [], 0
+        for t in train:
+            sample.append(t)
+            n += len(t)
+            if n > (1 if a.smoke else a.tokenizer_mb) * 2**20:
+                break
+        tok = train_tokenizer(sample, os.path.join(a.out, "tokenizer"))
+        log(f"tokenizer trained on {n / 2**20:.1f} MiB ({time.time() - t0:.0f} s)")
     import numpy as np
 
     enc = tok.encode_batch(train)
@@ -176,6 +185,9 @@ def prepare(a) -> None:
     work = os.path.join(a.out, "_work")
     os.makedirs(work, exist_ok=True)
     torch.save(ids, os.path.join(work, "train_ids.pt"))
+    if a.reuse_target:
+        log(f"{ids.numel() / 1e6:.1f}M training tokens, tokenizer and prompts of {a.reuse_target} ({time.time() - t0:.0f} s)")
+        return
     os.makedirs(os.path.join(a.out, "prompts"), exist_ok=True)
     write_prompts(
         os.path.join(a.out, "prompts", "heldout.jsonl"),
@@ -240,6 +252,24 @@ def save_target(name: str, model, out_dir: str, seed: int) -> None:
         json.dump(cfg, f, indent=1)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": pc.EOS_ID, "eos_token_id": pc.EOS_ID}, f)
+
+
+def load_target(model, path: str) -> None:
+    """Weights saved by save_target into the text-only model of build_target."""
+    import torch
+    from safetensors.torch import load_file
+
+    sd = {}
+    for k, v in load_file(os.path.join(path, "model.safetensors")).items():
+        if k.startswith("model.visual."):
+            continue
+        sd[k.replace("model.language_model.", "model.", 1)] = v.float()
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise RuntimeError(f"target weights do not fit: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    with torch.no_grad():
+        assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight) or "lm_head.weight" in sd
 
 
 def save_drafter(name: str, drafter, out_dir: str) -> None:
@@ -339,7 +369,7 @@ def train_drafter(a, model, drafter, data, plen, device, deadline: float, rec: d
     import torch
     import torch.nn.functional as F
 
-    from dflash_ref import aux_features, draft_logits
+    from dflash_ref import draft_logits, target_forward
 
     dcfg = drafter.cfg
     layer_ids = dcfg["dflash_config"]["target_layer_ids"]
@@ -362,9 +392,9 @@ def train_drafter(a, model, drafter, data, plen, device, deadline: float, rec: d
         rows = torch.randint(0, data.shape[0], (dbs,), generator=gen)
         x = data[rows].to(device)
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            out = model(input_ids=x, output_hidden_states=True)
-            feats = aux_features(out.hidden_states, layer_ids).float()
-            logp_t = out.logits.float().log_softmax(-1)
+            logits_t, feats = target_forward(model, x, layer_ids)
+            feats = feats.float()
+            logp_t = logits_t.float().log_softmax(-1)
         anc = torch.stack(
             [torch.randperm(s_len - block - lo, generator=gen)[:anchors_per_seq] + lo for _ in range(dbs)]
         ).to(device)
@@ -405,7 +435,7 @@ def evaluate(a, model, drafter, prompts_path: str, device, n_prompts: int) -> di
     import torch
 
     import acceptance
-    from dflash_ref import aux_features, draft_logits
+    from dflash_ref import draft_logits, target_forward
 
     dcfg = drafter.cfg
     layer_ids = dcfg["dflash_config"]["target_layer_ids"]
@@ -423,8 +453,7 @@ def evaluate(a, model, drafter, prompts_path: str, device, n_prompts: int) -> di
         seq = seq[None]
         toks = seq[0].tolist()
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            out = model(input_ids=seq, output_hidden_states=True)
-            feats = aux_features(out.hidden_states, layer_ids).float()
+            feats = target_forward(model, seq, layer_ids)[1].float()
             # every anchor from the first bonus token (position plen) on
             anchors = torch.arange(plen, end, device=device)
             vals, idx = [], []
@@ -463,10 +492,10 @@ def run_pair(a) -> None:
     now = time.time()
     left = t_end - now
     # time split of what is left: target 30%, continuations 18%, drafter the rest
-    # less the evaluation (7%, at most 40 s)
+    # less the evaluation (7%, at most 40 s); with --reuse-target no target stage
     eval_s = min(40.0, 0.07 * left)
-    d_target = now + 0.30 * left
-    d_gen = d_target + 0.18 * left
+    d_target = now + (0.0 if a.reuse_target else 0.30 * left)
+    d_gen = d_target + (0.25 if a.reuse_target else 0.18) * left
     d_drafter = t_end - eval_s
     import transformers
 
@@ -478,12 +507,21 @@ def run_pair(a) -> None:
         "transformers": transformers.__version__,
     }
     model = build_target(a.pair, device)
-    model.train()
-    train_target(a, model, ids, device, d_target, rec)
-    model.eval()
-    round_to_bf16_(model)
     pdir = os.path.join(a.out, a.pair)
-    save_target(a.pair, model, os.path.join(pdir, "target"), a.seed)
+    if a.reuse_target:
+        load_target(model, os.path.join(a.reuse_target, a.pair, "target"))
+        rec["target"] = {"reused": os.path.join(a.reuse_target, a.pair, "target")}
+        import shutil
+
+        shutil.copytree(os.path.join(a.reuse_target, a.pair, "target"), os.path.join(pdir, "target"),
+                        dirs_exist_ok=True, symlinks=True)
+        model.eval()
+    else:
+        model.train()
+        train_target(a, model, ids, device, d_target, rec)
+        model.eval()
+        round_to_bf16_(model)
+        save_target(a.pair, model, os.path.join(pdir, "target"), a.seed)
     data, plen = make_continuations(a, model, ids, device, d_gen, rec)
     drafter = DFlashDrafter(pc.pair(a.pair)["small_drafter"]).to(device)
     train_drafter(a, model, drafter, data, plen, device, d_drafter, rec)
@@ -513,6 +551,8 @@ def main() -> None:
     ap.add_argument("--max-sequences", type=int, default=8192)
     ap.add_argument("--drafter-batch", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reuse-target", metavar="DIR",
+                    help="keep the tokenizer, prompts and targets of this trained set; train drafters only")
     ap.add_argument("--smoke", action="store_true", help="toy sizes, seconds: checks the pipeline")
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--pair", help=argparse.SUPPRESS)  # internal: one pair's subprocess
@@ -541,7 +581,7 @@ def main() -> None:
             with open(path) as f:
                 rec = json.load(f)
             summary["pairs"][name] = {k: rec[k] for k in ("offline_heldout",) if k in rec}
-            summary["pairs"][name]["target_steps"] = rec["target"]["steps"]
+            summary["pairs"][name]["target_steps"] = rec["target"].get("steps", "reused")
             summary["pairs"][name]["drafter_steps"] = rec["drafter"]["steps"]
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
