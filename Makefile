@@ -1,16 +1,56 @@
 # vllm-ddtree: vLLM 0.26.0 + the patch stack in patches/ (see README.md).
 PYTHON ?= python3
+.DEFAULT_GOAL := all
 TOOL := $(PYTHON) apply_patches.py
 SRC ?= build/src
-VERSION := $(shell $(PYTHON) apply_patches.py version)
-WHEEL := dist/$(shell $(PYTHON) apply_patches.py wheel-name)
-IMAGE ?= vllm-ddtree:$(subst +,-,$(VERSION))
 PYTEST_ARGS ?=
 REPORT_DIR ?= docs/rebase
 
-.PHONY: all fetch check apply export wheel test lint-docker image clean rebase-check
+# Python requirements. Every target runs apply_patches.py, which needs
+# requirements-build.txt; `test` also needs requirements-dev.txt. Each file is
+# pip-installed into $(PYTHON)'s environment on first use and a stamp under
+# $(DEPS_DIR), named by the sha256 of the requirements files and of that
+# environment's prefix, skips pip from then on (a changed file or another
+# environment installs again). Run make inside a virtualenv, or pass
+# PIP_FLAGS (e.g. --user) where the system Python refuses pip installs.
+DEPS_DIR ?= .cache/deps
+PIP_FLAGS ?=
+PIP_INSTALL = $(PYTHON) -m pip install --disable-pip-version-check --progress-bar off -q $(PIP_FLAGS)
+deps_key = $(shell $(PYTHON) -c 'import hashlib, sys; h = hashlib.sha256(sys.prefix.encode()); [h.update(open(f, "rb").read()) for f in sys.argv[1:]]; print(h.hexdigest()[:16])' $(1))
+BUILD_DEPS := $(DEPS_DIR)/build-$(call deps_key,requirements-build.txt).mk
+TEST_DEPS := $(DEPS_DIR)/dev-$(call deps_key,requirements-build.txt requirements-dev.txt).stamp
+
+# make reads this file first and, when it is missing, runs its rule (pip) and
+# restarts: VERSION and WHEEL below then come from apply_patches.py.
+include $(BUILD_DEPS)
+
+$(BUILD_DEPS):
+	@echo "== installing requirements-build.txt ($(PYTHON))"
+	$(PIP_INSTALL) -r requirements-build.txt
+	@mkdir -p $(DEPS_DIR) && echo "# requirements-build.txt is installed for $(PYTHON)" > $@
+
+$(TEST_DEPS):
+	@echo "== installing requirements-dev.txt ($(PYTHON))"
+	$(PIP_INSTALL) -r requirements-dev.txt
+	@mkdir -p $(DEPS_DIR) && touch $@
+
+ifneq ($(wildcard $(BUILD_DEPS)),)
+VERSION := $(shell $(PYTHON) apply_patches.py version)
+WHEEL := dist/$(shell $(PYTHON) apply_patches.py wheel-name)
+else
+# first pass, before the restart
+WHEEL := dist/.wheel
+endif
+IMAGE ?= vllm-ddtree:$(subst +,-,$(VERSION))
+# Where pip puts console scripts (hadolint) for $(PYTHON).
+SCRIPTS = $$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
+
+.PHONY: all deps fetch check apply export wheel test lint-docker image clean rebase-check
 
 all: wheel
+
+# Install both requirements files now (make does it on first use anyway).
+deps: $(BUILD_DEPS) $(TEST_DEPS)
 
 fetch:
 	$(TOOL) fetch
@@ -32,10 +72,10 @@ $(WHEEL): upstream.lock patches/series $(wildcard patches/*.patch) apply_patches
 	$(TOOL) apply --src $(SRC) --verify
 	$(TOOL) wheel --src $(SRC)
 
-lint-docker:
-	hadolint Dockerfile
+lint-docker: $(TEST_DEPS)
+	PATH="$(SCRIPTS):$$PATH" hadolint Dockerfile
 
-test:
+test: $(TEST_DEPS)
 	@echo "== [1/7] fetch (cache: $${VLLM_DDTREE_CACHE:-~/.cache/vllm-ddtree})"
 	$(TOOL) fetch
 	@echo "== [2/7] apply --verify into $(SRC)"

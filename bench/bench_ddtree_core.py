@@ -21,8 +21,8 @@ Times, per (R, B) at draft depth D and vocabulary V:
               runner's tree-bias, walk and KV-compaction kernels (one launch
               each; ``vllm/v1/worker/gpu/spec_decode/ddtree/kernels.py``),
               compaction over a Qwen3-8B-shaped KV cache (36 layers, 8 KV
-              heads of 128, bf16, block 16). Needs ``vllm`` importable (the
-              patched wheel, e.g. the devbundle's /tmp/site); skipped
+              heads of 128, bf16, block 16). Needs ``vllm`` importable (our
+              wheel installed); skipped
               otherwise. ``core`` uses the core's torch walk and compaction
               instead.
 

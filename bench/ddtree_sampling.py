@@ -7,7 +7,7 @@ the distribution of the first three emitted tokens against no-spec sampling
 Run on a GPU host, one engine per invocation (one configuration per process);
 the no-spec run first, it writes the reference counts:
 
-    M=../shared/models/tinypair
+    M=${MODELS:-../shared/models/tinypair}
     python3 bench/ddtree_sampling.py --target $M/target --mode none   --tag ref
     python3 bench/ddtree_sampling.py --target $M/target --drafter $M/drafter \\
         --mode dflash --k 15 --ref ref
@@ -26,7 +26,9 @@ identical) and written out, so that two processes can be compared too
 go to ``<outdir>/sampling_<tag>.json``. Give the run compared by chi-square
 another engine ``--seed`` than the reference: unseeded requests draw their
 noise from it, and the test assumes independent samples. Defaults fit in about a minute of
-generation on one H200 with the tiny pair (plus engine startup).
+generation on one H200 with the tiny pair (plus engine startup). ``--prompts``
+defaults to ``$MODELS/prompts_heldout.jsonl`` (``MODELS``: the tinypair's
+directory, default ``../shared/models/tinypair`` beside the checkout).
 """
 
 import argparse
@@ -37,8 +39,9 @@ import time
 from collections import Counter
 
 DEFAULT_PROMPTS = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)),
-    "..", "..", "shared", "models", "tinypair", "prompts_heldout.jsonl",
+    os.environ.get("MODELS")
+    or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "models", "tinypair"),
+    "prompts_heldout.jsonl",
 )
 
 

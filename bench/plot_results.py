@@ -2,8 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Plot `RESULT` rows of bench/ddtree_e2e.py runs (a JSON list, as in
 bench/results/) as PNGs: tokens/s and acceptance length tau per configuration
-and concurrency. Only rows of the same device call are comparable; pass
---call to pick one (the `call` field), or several for side-by-side panels.
+and concurrency. Only rows of the same call (one command on the GPU host, the
+`call` field) are comparable; pass --call to pick one, or several for
+side-by-side panels.
 
     python3 bench/plot_results.py bench/results/2026-11-29-h200-tinypair.json \
         --call 7 8 --out bench/results/2026-11-29-h200-tinypair

@@ -9,13 +9,13 @@ and, with ``--breakdown``, `PROFILE` rows (GPU time per step by phase: draft /
 tree build / verify / bookkeeping) to one JSON file, plus plots through
 bench/plot_results.py, and prints progress.
 
-tinypair on this project's GPU host:
+The tinypair (``MODELS``: its directory, e.g. ``../shared/models/tinypair``):
 
-    python3 bench/run_matrix.py --target /tmp/models/tinypair/target \
-        --drafter /tmp/models/tinypair/drafter \
-        --prompts /tmp/models/tinypair/prompts_train.jsonl --out bench/results/matrix
+    python3 bench/run_matrix.py --target $MODELS/target --drafter $MODELS/drafter \
+        --prompts $MODELS/prompts_train.jsonl --out results/matrix
 
-A real GPU host (not run here: no real weights reach our machines):
+Qwen3-8B with its DFlash drafter (not run by us: we have had no real weights
+on our GPU hosts):
 
     python3 bench/run_matrix.py --target Qwen/Qwen3-8B \
         --drafter z-lab/Qwen3-8B-DFlash-b16 --dtype bfloat16 \

@@ -9,17 +9,31 @@
 # Servers listen on 127.0.0.1 only. Prints the RESULT lines of serve_load.py
 # and a final `E2E {json}` line; exit 0 only when every step passed.
 #
-#   bash bench/serve_e2e.sh            # env: MODELS, PORT, OUT, N, MAX_TOKENS,
-#                                      # GPU_UTIL (--gpu-memory-utilization, 0.9)
+#   bash bench/serve_e2e.sh
+#
+# Environment (defaults in brackets): MODELS, the pair's directory (target/,
+# drafter/, prompts_heldout.jsonl) [$TINYPAIR_DIR, else
+# ../shared/models/tinypair beside the checkout]; PYTHON, the interpreter
+# with our wheel installed [python3]; OUT, logs and results
+# [${WORK:-/tmp/ddtree-bench}/serve_e2e]; PORT [8000]; N, requests and
+# concurrency [64]; MAX_TOKENS [128]; BUDGET, DEPTH (tree_budget,
+# draft_depth) [64, 15]; MAX_NUM_SEQS [128]; GPU_UTIL
+# (--gpu-memory-utilization) [0.9]; START_TIMEOUT, seconds per server start
+# [200]; PROMPTS [$MODELS/prompts_heldout.jsonl]; REF_ARGS, extra arguments
+# of the reference server [--attention-backend TRITON_ATTN].
 set -u
-cd "$(dirname "$0")/.."
-[ -f /tmp/site/env.sh ] && source /tmp/site/env.sh
+abspath() { case $1 in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
+for v in MODELS OUT PROMPTS WORK; do
+  [ -n "${!v:-}" ] && export "$v=$(abspath "${!v}")"
+done
+cd "$(dirname "$0")/.." || exit 2
+PYTHON=${PYTHON:-python3}
 
-MODELS=${MODELS:-/tmp/models/tinypair}
+MODELS=${MODELS:-${TINYPAIR_DIR:-$PWD/../shared/models/tinypair}}
 TARGET=$MODELS/target
 DRAFTER=$MODELS/drafter
 PORT=${PORT:-8000}
-OUT=${OUT:-/tmp/serve_e2e}
+OUT=${OUT:-${WORK:-/tmp/ddtree-bench}/serve_e2e}
 N=${N:-64}
 MAX_TOKENS=${MAX_TOKENS:-128}
 BUDGET=${BUDGET:-64}
@@ -58,14 +72,14 @@ trap stop_server EXIT
 
 start_server() {  # $1: log name, then extra args
   local log=$OUT/$1.log; shift
-  python3 -m vllm.entrypoints.cli.main serve "$TARGET" "${COMMON[@]}" "$@" >"$log" 2>&1 &
+  "$PYTHON" -m vllm.entrypoints.cli.main serve "$TARGET" "${COMMON[@]}" "$@" >"$log" 2>&1 &
   SERVER_PID=$!
   local deadline=$(( $(date +%s) + START_TIMEOUT ))
   while [ "$(date +%s)" -lt "$deadline" ]; do
     if ! kill -0 "$SERVER_PID" 2>/dev/null; then
       echo "server $log exited during startup:"; tail -30 "$log"; SERVER_PID=; return 1
     fi
-    if curl -sf "$BASE/health" >/dev/null 2>&1 || python3 - "$BASE" <<'PY' 2>/dev/null
+    if curl -sf "$BASE/health" >/dev/null 2>&1 || "$PYTHON" - "$BASE" <<'PY' 2>/dev/null
 import sys, urllib.request
 urllib.request.urlopen(sys.argv[1] + "/health", timeout=2)
 PY
@@ -79,7 +93,7 @@ PY
 
 echo "== 0. bad config: one line, non-zero exit"
 BAD="{\"method\":\"ddtree\",\"model\":\"$DRAFTER\",\"tree_budget\":0}"
-timeout 90 python3 -m vllm.entrypoints.cli.main serve "$TARGET" --dtype float32 \
+timeout 90 "$PYTHON" -m vllm.entrypoints.cli.main serve "$TARGET" --dtype float32 \
   --host 127.0.0.1 --port "$PORT" --speculative-config "$BAD" >"$OUT/bad.out" 2>"$OUT/bad.err"
 rc=$?
 last=$(grep -v '^\s*$' "$OUT/bad.err" | tail -1)
@@ -90,7 +104,7 @@ if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [[ "$last" == *"DDTree: tree_budget"*
 echo "== 1. no-spec reference server"
 # shellcheck disable=SC2086
 if start_server nospec $REF_ARGS; then
-  python3 bench/serve_load.py --base-url "$BASE" "${PROMPT_ARGS[@]}" --n "$N" \
+  "$PYTHON" bench/serve_load.py --base-url "$BASE" "${PROMPT_ARGS[@]}" --n "$N" \
     --concurrency "$N" --max-tokens "$MAX_TOKENS" --disconnect-fraction 0 \
     --save "$OUT/ref.json" | tee "$OUT/ref.result"
   status_ref=${PIPESTATUS[0]}
@@ -99,7 +113,7 @@ stop_server
 
 echo "== 2. DDTree server: $SPEC"
 if [ "$status_ref" -eq 0 ] && start_server ddtree --speculative-config "$SPEC"; then
-  python3 bench/serve_load.py --base-url "$BASE" "${PROMPT_ARGS[@]}" --n "$N" \
+  "$PYTHON" bench/serve_load.py --base-url "$BASE" "${PROMPT_ARGS[@]}" --n "$N" \
     --concurrency "$N" --max-tokens "$MAX_TOKENS" --disconnect-fraction 0.25 \
     --reference "$OUT/ref.json" --expect-ddtree | tee "$OUT/ddtree.result"
   status_tree=${PIPESTATUS[0]}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 # The tiny pair: ../shared/models/tinypair beside the checkout, or
-# $TINYPAIR_DIR (on the GPU host the devbundle unpacks it to /tmp/models/tinypair).
+# $TINYPAIR_DIR (e.g. on a GPU host).
 SHARED = os.environ.get("TINYPAIR_DIR") or os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "models", "tinypair"
 )
