@@ -20,7 +20,7 @@ sys.path.insert(0, str(PAIRS_DIR))
 
 import embed  # noqa: E402
 import pair_configs as pc  # noqa: E402
-from dflash_ref import DFlashDrafter, aux_features, draft_logits  # noqa: E402
+from dflash_ref import DFlashDrafter, draft_logits, target_forward  # noqa: E402
 
 # Reduced production shapes: the same structure as Qwen3-8B / Qwen3.6-27B.
 TEST_SHAPES = {
@@ -154,10 +154,8 @@ def test_drafter_logits_equal(embedded):
     x = tokens(2, 80, e["small_cfg"]["vocab_size"], 3)
     anchors = torch.tensor([[20, 41, 60], [5, 33, 62]])
     with torch.no_grad():
-        out_s = e["small"](input_ids=x, output_hidden_states=True)
-        out_b = e["big"](input_ids=x, output_hidden_states=True)
-        f_s = aux_features(out_s.hidden_states, e["small_d"]["dflash_config"]["target_layer_ids"])
-        f_b = aux_features(out_b.hidden_states, e["big_d"]["dflash_config"]["target_layer_ids"])
+        f_s = target_forward(e["small"], x, e["small_d"]["dflash_config"]["target_layer_ids"])[1]
+        f_b = target_forward(e["big"], x, e["big_d"]["dflash_config"]["target_layer_ids"])[1]
         ls = draft_logits(e["drafter"], f_s, x, anchors, e["small"].model.embed_tokens.weight,
                           e["small"].lm_head.weight)
         lb = draft_logits(e["big_drafter"], f_b, x, anchors, e["big"].model.embed_tokens.weight,
