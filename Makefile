@@ -1,4 +1,4 @@
-# vllm-ddtree: vLLM 0.26.0 + the patch stack in patches/ (see README.md).
+# vllm-ddtree: vLLM 0.26.0 + the patch stack in patches/ + our files in overlay/ (see README.md).
 PYTHON ?= python3
 TOOL := $(PYTHON) apply_patches.py
 SRC ?= build/src
@@ -26,7 +26,9 @@ export:
 
 wheel: $(WHEEL)
 
-$(WHEEL): upstream.lock patches/series $(wildcard patches/*.patch) apply_patches.py
+OVERLAY_FILES := $(shell find overlay -name '*.py' -not -path '*/__pycache__/*' 2>/dev/null)
+
+$(WHEEL): upstream.lock patches/series $(wildcard patches/*.patch) $(OVERLAY_FILES) apply_patches.py
 	@echo "== wheel $(VERSION): fetch, apply, repack"
 	$(TOOL) fetch
 	$(TOOL) apply --src $(SRC) --verify

@@ -4,9 +4,9 @@
 
 Subcommands:
   fetch            download the pinned sdist and wheel into the cache, verify sha256
-  check            validate patches/series and every patch (no tree needed)
-  apply            pristine sdist tree + series -> git repo (default build/src)
-  export           rewrite patches/ from the commits above the `upstream` tag
+  check            validate patches/series, every patch and overlay/
+  apply            pristine sdist tree + series + overlay/ -> git repo (default build/src)
+  export           rewrite patches/ and overlay/ from the commits above the `upstream` tag
   wheel            official wheel + patched vllm/ files -> dist/<our wheel>
   rebase           replay the stack onto another vLLM release; Markdown + JSON report
   version          print our version (for the Makefile)
@@ -45,6 +45,12 @@ import unidiff
 REPO_ROOT = Path(__file__).resolve().parent
 DEFAULT_LOCK = REPO_ROOT / "upstream.lock"
 DEFAULT_PATCHES = REPO_ROOT / "patches"
+# The files we own (new modules only), at their paths in the vLLM tree; `apply`
+# copies them in after the patches. Default: next to the patches directory.
+OVERLAY_DIRNAME = "overlay"
+OVERLAY_SUBJECT = "overlay: the files vllm-ddtree owns (overlay/, not applied by git am)"
+OVERLAY_TAG = "overlay"
+SPDX_LINE = "# SPDX-License-Identifier: Apache-2.0"
 DEFAULT_SRC = REPO_ROOT / "build" / "src"
 DEFAULT_DIST = REPO_ROOT / "dist"
 DEFAULT_REPORTS = REPO_ROOT / "docs" / "rebase"
@@ -56,6 +62,14 @@ BASE_ENV = {
     "GIT_AUTHOR_EMAIL": "upstream@vllm.invalid",
     "GIT_COMMITTER_NAME": "vLLM upstream",
     "GIT_COMMITTER_EMAIL": "upstream@vllm.invalid",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00 +0000",
+    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00 +0000",
+}
+OVERLAY_ENV = {
+    "GIT_AUTHOR_NAME": "vllm-ddtree",
+    "GIT_AUTHOR_EMAIL": "ddtree@vllm.invalid",
+    "GIT_COMMITTER_NAME": "vllm-ddtree",
+    "GIT_COMMITTER_EMAIL": "ddtree@vllm.invalid",
     "GIT_AUTHOR_DATE": "2000-01-01T00:00:00 +0000",
     "GIT_COMMITTER_DATE": "2000-01-01T00:00:00 +0000",
 }
@@ -281,8 +295,22 @@ def header_fields(body: str) -> dict[str, str]:
     return fields
 
 
-def check_patch(path: Path, precompiled: bool) -> list[str]:
-    """Return the problems found in one patch file."""
+FORWARDED_VALUES = ("no", "not-needed", "not yet, candidate")
+
+
+@dataclass
+class PatchStats:
+    """What one patch changes in upstream files."""
+
+    files: set[str]
+    added: int
+    removed: int
+
+
+def check_patch(path: Path, precompiled: bool,
+                overlay: dict[str, Path] | None = None,
+                stats: PatchStats | None = None) -> list[str]:
+    """Return the problems found in one patch file (and fill `stats`)."""
     problems: list[str] = []
     text = path.read_text(encoding="utf-8")
     try:
@@ -299,8 +327,9 @@ def check_patch(path: Path, precompiled: bool) -> list[str]:
     if origin and not (origin == "vendor" or origin.startswith("https://")):
         problems.append(f"{path.name}: Origin must be an upstream PR URL or 'vendor'")
     fwd = fields.get("Forwarded", "")
-    if fwd and not (fwd in ("no", "not-needed") or fwd.startswith("https://")):
-        problems.append(f"{path.name}: Forwarded must be 'no', 'not-needed' or a URL")
+    if fwd and not (fwd in FORWARDED_VALUES or fwd.startswith("https://")):
+        problems.append(f"{path.name}: Forwarded must be 'no', 'not-needed', "
+                        "'not yet, candidate' or a URL")
     try:
         patchset = unidiff.PatchSet(io.StringIO(text))
     except unidiff.UnidiffParseError as e:
@@ -322,12 +351,73 @@ def check_patch(path: Path, precompiled: bool) -> list[str]:
                     f"{path.name}: touches {rel}; only Python/Triton files under vllm/ "
                     "may be patched"
                 )
+            elif overlay is not None and rel in overlay:
+                problems.append(f"{path.name}: touches {rel}, a file of {OVERLAY_DIRNAME}/; "
+                                f"edit {OVERLAY_DIRNAME}/{rel} instead")
+        if pf.is_added_file:
+            problems.append(f"{path.name}: adds {pf.path}; patches edit upstream files only, "
+                            f"new files go in {OVERLAY_DIRNAME}/{pf.path}")
         if pf.is_binary_file:
             problems.append(f"{path.name}: binary diff for {pf.path}")
+        if stats is not None:
+            stats.files.add(pf.path)
+            stats.added += pf.added
+            stats.removed += pf.removed
     return problems
 
 
-def check_all(lock: Lock, patches_dir: Path) -> list[str]:
+def overlay_files(overlay_dir: Path) -> dict[str, Path]:
+    """The overlay's files: path in the vLLM tree -> file (``__pycache__`` left out)."""
+    if not overlay_dir.is_dir():
+        return {}
+    out: dict[str, Path] = {}
+    for path in sorted(overlay_dir.rglob("*")):
+        rel = path.relative_to(overlay_dir)
+        if "__pycache__" in rel.parts or path.is_dir():
+            continue
+        out[rel.as_posix()] = path
+    return out
+
+
+def upstream_files(lock: Lock) -> set[str]:
+    """Every file of the pinned pristine sdist tree."""
+    base = ensure_base_repo(lock)
+    return set(run_git(base, "ls-tree", "-r", "--name-only", BASE_TAG).splitlines())
+
+
+def check_overlay(overlay_dir: Path, upstream: set[str]) -> list[str]:
+    """The overlay holds only new Python files under vllm/, each in a package."""
+    problems: list[str] = []
+    files = overlay_files(overlay_dir)
+    upstream_dirs = {str(Path(f).parent) for f in upstream}
+    name = OVERLAY_DIRNAME
+    for rel, path in files.items():
+        if path.is_symlink() or not path.is_file():
+            problems.append(f"{name}/{rel}: not a regular file")
+            continue
+        if not (rel.startswith("vllm/") and rel.endswith(".py")):
+            problems.append(f"{name}/{rel}: only Python files under vllm/ may be added")
+            continue
+        if rel in upstream:
+            problems.append(f"{name}/{rel}: overwrites an upstream file; change it with a "
+                            "patch instead")
+            continue
+        first = path.read_text(encoding="utf-8").split("\n", 1)[0]
+        if first != SPDX_LINE:
+            problems.append(f"{name}/{rel}: first line must be '{SPDX_LINE}'")
+        # Every directory the overlay adds is a package of its own.
+        parent = Path(rel).parent
+        while str(parent) not in upstream_dirs and str(parent) != ".":
+            init = (parent / "__init__.py").as_posix()
+            if init not in files:
+                problems.append(f"{name}/{parent.as_posix()}/: new package without "
+                                "__init__.py")
+            parent = parent.parent
+    return sorted(set(problems))
+
+
+def check_all(lock: Lock, patches_dir: Path, overlay_dir: Path | None = None,
+              stats: dict[str, PatchStats] | None = None) -> list[str]:
     problems: list[str] = []
     series = read_series(patches_dir)
     seen: set[str] = set()
@@ -340,21 +430,37 @@ def check_all(lock: Lock, patches_dir: Path) -> list[str]:
     on_disk = {p.name for p in patches_dir.glob("*.patch")}
     for name in sorted(on_disk - seen):
         problems.append(f"series: patches/{name} is not listed in the series")
+    overlay = overlay_files(overlay_dir) if overlay_dir is not None else {}
     for name in dict.fromkeys(series):
         if (patches_dir / name).is_file():
-            problems.extend(check_patch(patches_dir / name, lock.precompiled))
+            st = PatchStats(set(), 0, 0)
+            problems.extend(check_patch(patches_dir / name, lock.precompiled, overlay, st))
+            if stats is not None:
+                stats[name] = st
+    if overlay:
+        problems.extend(check_overlay(overlay_dir, upstream_files(lock)))
     return problems
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     lock = Lock.load(args.lock)
     lock.version  # validates the version fields
-    problems = check_all(lock, args.patches)
+    stats: dict[str, PatchStats] = {}
+    problems = check_all(lock, args.patches, args.overlay, stats)
     for p in problems:
         print(f"check: {p}", file=sys.stderr)
     if problems:
         return 1
-    log(f"check: {len(read_series(args.patches))} patches ok")
+    for name, st in stats.items():
+        log(f"  {name}: +{st.added} -{st.removed} in {len(st.files)} file(s)")
+    files = set().union(*(st.files for st in stats.values())) if stats else set()
+    added = sum(st.added for st in stats.values())
+    removed = sum(st.removed for st in stats.values())
+    overlay = overlay_files(args.overlay)
+    overlay_lines = sum(len(p.read_bytes().splitlines()) for p in overlay.values())
+    log(f"check: {len(stats)} patches ok: {added} added and {removed} removed lines in "
+        f"{len(files)} upstream files; {OVERLAY_DIRNAME}/: {len(overlay)} files, "
+        f"{overlay_lines} lines")
     return 0
 
 
@@ -371,6 +477,13 @@ def run_git(repo: Path, *argv: str, env: dict[str, str] | None = None) -> str:
     )
     if proc.returncode != 0:
         raise DDTreeError(f"git {' '.join(argv)} failed:\n{proc.stderr.strip()}")
+    return proc.stdout
+
+
+def run_git_bytes(repo: Path, *argv: str) -> bytes:
+    proc = subprocess.run(["git", "-C", str(repo), *argv], capture_output=True)
+    if proc.returncode != 0:
+        raise DDTreeError(f"git {' '.join(argv)} failed:\n{proc.stderr.decode().strip()}")
     return proc.stdout
 
 
@@ -469,7 +582,7 @@ def is_dirty(repo: Path) -> bool:
 
 def cmd_apply(args: argparse.Namespace) -> int:
     lock = Lock.load(args.lock)
-    problems = check_all(lock, args.patches)
+    problems = check_all(lock, args.patches, args.overlay)
     if problems:
         raise DDTreeError("apply: `check` failed:\n  " + "\n  ".join(problems))
     t0 = time.monotonic()
@@ -490,7 +603,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
             )
         head = run_git(src, "rev-parse", "HEAD").strip()
         upstream = run_git(src, "rev-parse", f"refs/tags/{BASE_TAG}^{{commit}}").strip()
-        if head != upstream and tree_of(src, "HEAD") != lock.tree("patched_tree"):
+        if head != upstream and not is_applied_state(src, lock, args.overlay):
             backup = f"refs/ddtree/backup/{time.strftime('%Y%m%d-%H%M%S')}"
             run_git(src, "update-ref", backup, head)
             log(f"previous HEAD saved as {backup}")
@@ -530,7 +643,59 @@ def cmd_apply(args: argparse.Namespace) -> int:
                 f"in {lock.path} (run `export` after changing patches)"
             )
         log("verify: patched tree matches upstream.lock")
+    copied = copy_overlay(src, args.overlay)
+    if copied:
+        log(f"{OVERLAY_DIRNAME}/: copied {copied} files (commit tagged `{OVERLAY_TAG}`)")
     return 0
+
+
+def is_applied_state(src: Path, lock: Lock, overlay_dir: Path) -> bool:
+    """Whether HEAD is what `apply` makes of upstream.lock, patches/ and overlay/."""
+    try:
+        return (stack_tree(src) == lock.tree("patched_tree")
+                and not overlay_state(src, overlay_dir)[1])
+    except DDTreeError:
+        return False
+
+
+def copy_overlay(src: Path, overlay_dir: Path) -> int:
+    """Copy the overlay into the tree as one commit on top of the patches."""
+    files = overlay_files(overlay_dir)
+    if not files:
+        return 0
+    for rel, path in files.items():
+        dest = src / rel
+        if dest.exists():
+            raise DDTreeError(f"apply: {OVERLAY_DIRNAME}/{rel} would overwrite {dest}; "
+                              "the overlay may only add files")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, dest)
+    run_git(src, "add", "-f", "--", *files)
+    run_git(src, "commit", "-q", "--no-verify", "-m", OVERLAY_SUBJECT, env=OVERLAY_ENV)
+    run_git(src, "tag", "-f", OVERLAY_TAG)
+    return len(files)
+
+
+def new_files(src: Path, rev: str = "HEAD") -> list[str]:
+    """Files of `rev` that the pristine tree does not have (the overlay's files)."""
+    out = run_git(src, "diff", "--name-only", "--no-renames", "--diff-filter=A",
+                  BASE_TAG, rev)
+    return sorted(out.splitlines())
+
+
+def stack_tree(src: Path, rev: str = "HEAD") -> str:
+    """The tree of `rev` without the new files: the pristine tree plus the patches'
+    edits (what upstream.lock's patched_tree records)."""
+    added = new_files(src, rev)
+    if not added:
+        return tree_of(src, rev)
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        run_git(src, "read-tree", rev, env=env)
+        subprocess.run(["git", "-C", str(src), "rm", "-q", "--cached", "--", *added],
+                       check=True, capture_output=True,
+                       env={**os.environ, **env})
+        return run_git(src, "write-tree", env=env).strip()
 
 
 # ------------------------------------------------------------------------ export
@@ -542,8 +707,13 @@ def slugify(subject: str) -> str:
 
 
 def render_patches(src: Path) -> list[tuple[str, bytes]]:
-    """Format the commits above `upstream` as (file name, bytes), in order."""
+    """Format the commits above `upstream` as (file name, bytes), in order.
+
+    Only edits to files of the pristine tree make patches: new files belong to the
+    overlay (`export` writes them to overlay/), so a commit that only adds or edits
+    those (the overlay commit of `apply`) gives no patch."""
     revs = run_git(src, "rev-list", "--reverse", f"{BASE_TAG}..HEAD").split()
+    pristine = set(run_git(src, "ls-tree", "-r", "--name-only", BASE_TAG).splitlines())
     out: list[tuple[str, bytes]] = []
     names: set[str] = set()
     for rev in revs:
@@ -555,18 +725,77 @@ def render_patches(src: Path) -> list[tuple[str, bytes]]:
             )
         if len(run_git(src, "rev-list", "--parents", "-1", rev).split()) != 2:
             raise DDTreeError(f"commit {rev[:10]} is a merge; keep the stack linear")
+        touched = run_git(src, "diff-tree", "--no-commit-id", "--name-only", "-r",
+                          "--no-renames", f"{rev}~1", rev).splitlines()
+        upstream_paths = [f for f in touched if f in pristine]
+        if not upstream_paths:
+            continue
         name = slugify(subject)
         if name in names:
             raise DDTreeError(f"two commits give the same patch name {name}")
         names.add(name)
         text = subprocess.run(
             ["git", "-C", str(src), "format-patch", "--stdout", *FORMAT_PATCH_ARGS,
-             f"{rev}~1..{rev}"],
+             f"{rev}~1..{rev}", "--", *upstream_paths],
             capture_output=True,
             check=True,
         ).stdout
         out.append((name, text))
     return out
+
+
+def overlay_state(src: Path, overlay_dir: Path) -> tuple[dict[str, bytes], list[str]]:
+    """(the new files of build/src HEAD, drift against overlay/ as descriptions)."""
+    head = {rel: run_git_bytes(src, "show", f"HEAD:{rel}") for rel in new_files(src)}
+    outside = [rel for rel in head if not rel.startswith("vllm/")]
+    if outside:
+        raise DDTreeError(f"{src}: new files outside vllm/ ({', '.join(outside)}); "
+                          f"{OVERLAY_DIRNAME}/ holds new files under vllm/ only")
+    disk = overlay_files(overlay_dir)
+    drift = []
+    for rel in sorted(set(head) | set(disk)):
+        where = f"{OVERLAY_DIRNAME}/{rel}"
+        if rel not in disk:
+            drift.append(f"{where} (would be added: new in {src.name})")
+        elif rel not in head:
+            drift.append(f"{where} (would be removed: not in {src.name})")
+        elif disk[rel].read_bytes() != head[rel]:
+            drift.append(f"{where} (differs from {src.name}/{rel})")
+    return head, drift
+
+
+def applied_overlay(src: Path, rel: str) -> bytes | None:
+    """`rel` as `apply` copied it (the commit tagged `overlay`), if it did."""
+    try:
+        return run_git_bytes(src, "show", f"refs/tags/{OVERLAY_TAG}:{rel}")
+    except DDTreeError:
+        return None
+
+
+def write_overlay(src: Path, overlay_dir: Path, head: dict[str, bytes]) -> list[str]:
+    """Bring overlay/ to build/src's new files; refuse to overwrite an overlay file
+    that was edited since `apply` copied it (that edit would be lost)."""
+    disk = overlay_files(overlay_dir)
+    changes: list[tuple[str, bytes | None]] = []
+    for rel in sorted(set(head) | set(disk)):
+        new = head.get(rel)
+        old = disk[rel].read_bytes() if rel in disk else None
+        if new == old:
+            continue
+        if old is not None and old != applied_overlay(src, rel):
+            raise DDTreeError(
+                f"export: {OVERLAY_DIRNAME}/{rel} was edited since `apply` and differs "
+                f"from {src}/{rel}; run `apply` to take the overlay's version, or "
+                "restore the file, before exporting")
+        changes.append((rel, new))
+    for rel, new in changes:
+        dest = overlay_dir / rel
+        if new is None:
+            dest.unlink()
+        else:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(new)
+    return [rel for rel, _ in changes]
 
 
 def export_drift(lock: Lock, patches_dir: Path, rendered: list[tuple[str, bytes]],
@@ -617,23 +846,30 @@ def cmd_export(args: argparse.Namespace) -> int:
     if is_dirty(src):
         raise DDTreeError(f"{src} has uncommitted changes; commit them first")
     rendered = render_patches(src)
-    head_tree = tree_of(src, "HEAD")
+    head_tree = stack_tree(src)
     upstream_tree = tree_of(src, BASE_TAG)
     drift, stale = export_drift(lock, args.patches, rendered, upstream_tree, head_tree)
+    head_overlay, overlay_drift = overlay_state(src, args.overlay)
     if args.dry_run:
-        if drift:
-            print("export --dry-run: drift between build tree and patches/:", file=sys.stderr)
-            for d in drift:
+        if drift or overlay_drift:
+            print(f"export --dry-run: drift between build tree and patches/ or "
+                  f"{OVERLAY_DIRNAME}/:", file=sys.stderr)
+            for d in drift + overlay_drift:
                 print(f"  {d}", file=sys.stderr)
             return 1
-        log(f"export --dry-run: no drift ({len(rendered)} patches)")
+        log(f"export --dry-run: no drift ({len(rendered)} patches, "
+            f"{len(head_overlay)} {OVERLAY_DIRNAME}/ files)")
         return 0
+    written = write_overlay(src, args.overlay, head_overlay)
     write_patches(args.patches, rendered, stale)
     lock.set_tree("upstream_tree", upstream_tree)
     lock.set_tree("patched_tree", head_tree)
-    log(f"exported {len(rendered)} patches; patched_tree {head_tree}")
+    log(f"exported {len(rendered)} patches and {len(head_overlay)} {OVERLAY_DIRNAME}/ files; "
+        f"patched_tree {head_tree}")
     for d in drift:
         log(f"  updated: {d}")
+    for rel in written:
+        log(f"  updated: {OVERLAY_DIRNAME}/{rel}")
     return 0
 
 
@@ -862,7 +1098,9 @@ def render_markdown(report: dict) -> str:
         f"({'verified' if to['wheel']['verified'] else 'from the index; not downloaded'}) |",
         "",
         f"**Result: {report['result']}** — "
-        + ", ".join(f"{s[f]} {FATE_TEXT[f].split(' (')[0]}" for f in FATES) + ". "
+        + ", ".join(f"{s[f]} {FATE_TEXT[f].split(' (')[0]}" for f in FATES)
+        + f"; {OVERLAY_DIRNAME}/: {s['overlay'] - s['overlay_collisions']} files ours, "
+        f"{s['overlay_collisions']} collisions. "
         + ("`upstream.lock` and `patches/` were rewritten." if report["written"] else
            "Nothing was rewritten" + (" (dry run)." if report["rewritable"] else
                                      " (conflicts must be resolved first).")),
@@ -874,6 +1112,14 @@ def render_markdown(report: dict) -> str:
         files = ", ".join(f"`{f}`" for f in p["files"])
         out.append(f"| {i} | `{p['patch']}` | {FATE_TEXT[p['fate']]} | {files} |")
     out.append("")
+    if report["overlay"]:
+        out += [f"{OVERLAY_DIRNAME}/ (ours, not applied by git: copied as they are; a "
+                f"collision is a file that vLLM {to['version']} has at the same path):", "",
+                "| file | lines | fate |", "|---|---|---|"]
+        out += [f"| `{o['file']}` | {o['lines']} | "
+                f"{'COLLISION' if o['fate'] == 'collision' else 'ours'} |"
+                for o in report["overlay"]]
+        out.append("")
     for i, p in enumerate(report["patches"], 1):
         out += [f"## {i}. {p['subject']} — {FATE_TEXT[p['fate']]}", "", f"`{p['patch']}`", ""]
         if p.get("note"):
@@ -908,9 +1154,13 @@ def render_markdown(report: dict) -> str:
 
 def rebase(lock: Lock, patches_dir: Path, version: str, report_dir: Path, *,
            write: bool = False, fetch_wheel: bool = False, scratch: Path | None = None,
-           index_fn=None) -> dict:
-    """Replay the stack onto `version`; write the reports; rewrite when clean and `write`."""
-    problems = check_all(lock, patches_dir)
+           index_fn=None, overlay_dir: Path | None = None) -> dict:
+    """Replay the stack onto `version`; write the reports; rewrite when clean and `write`.
+
+    The overlay's files are not applied by git: they are copied as they are. Each is
+    reported as ours, or as a collision where the new release has a file at its path."""
+    overlay_dir = overlay_dir or default_overlay(patches_dir)
+    problems = check_all(lock, patches_dir, overlay_dir)
     if problems:
         raise DDTreeError("rebase: `check` failed:\n  " + "\n  ".join(problems))
     series = read_series(patches_dir)
@@ -978,10 +1228,25 @@ def rebase(lock: Lock, patches_dir: Path, version: str, report_dir: Path, *,
                                                with_diff=rec["fate"] == "conflict")
             log(f"[{i}/{len(series)}] {name}: {FATE_TEXT[rec['fate']]}")
             records.append(rec)
+        new_paths = set(run_git(work, "ls-tree", "-r", "--name-only", "new-base").splitlines())
+        overlay_records = [
+            {"file": rel, "lines": len(path.read_bytes().splitlines()),
+             "fate": "collision" if rel in new_paths else "ours"}
+            for rel, path in overlay_files(overlay_dir).items()]
+        collisions = [o["file"] for o in overlay_records if o["fate"] == "collision"]
+        for rel in collisions:
+            log(f"[{OVERLAY_DIRNAME}] {rel}: COLLISION (vLLM {version} has a file there)")
+        log(f"[{OVERLAY_DIRNAME}] {len(overlay_records) - len(collisions)} files ours "
+            "(copied, not applied by git)")
         summary = {f: sum(r["fate"] == f for r in records) for f in FATES}
-        rewritable = summary["conflict"] == 0
-        result = ("clean" if summary["clean"] == len(records) else
-                  "no conflicts" if rewritable else f"{summary['conflict']} conflicted")
+        summary["overlay"] = len(overlay_records)
+        summary["overlay_collisions"] = len(collisions)
+        rewritable = summary["conflict"] == 0 and not collisions
+        problems_text = [f"{summary['conflict']} conflicted"] if summary["conflict"] else []
+        if collisions:
+            problems_text.append(f"{len(collisions)} {OVERLAY_DIRNAME}/ collisions")
+        result = ("clean" if summary["clean"] == len(records) and not collisions else
+                  "no conflicts" if rewritable else ", ".join(problems_text))
         report = {
             "tool": "apply_patches.py rebase",
             "from": {
@@ -999,8 +1264,9 @@ def rebase(lock: Lock, patches_dir: Path, version: str, report_dir: Path, *,
                 "sdist": {**new.upstream["sdist"], "verified": True},
                 "wheel": {**new.upstream["wheel"], "verified": wheel_verified},
             },
-            "series_sha256": series_hash(patches_dir),
+            "series_sha256": series_hash(patches_dir, overlay_dir),
             "patches": records,
+            "overlay": overlay_records,
             "summary": summary,
             "result": result,
             "rewritable": rewritable,
@@ -1009,7 +1275,7 @@ def rebase(lock: Lock, patches_dir: Path, version: str, report_dir: Path, *,
         if write and rewritable:
             run_git(work, "tag", BASE_TAG, "new-base")
             rendered = render_patches(work)
-            write_release(lock, new, patches_dir, rendered, work)
+            write_release(lock, new, patches_dir, rendered, work, overlay_dir)
             report["written"] = True
             report["to"]["upstream_tree"] = new.tree("upstream_tree")
             report["to"]["patched_tree"] = new.tree("patched_tree")
@@ -1040,7 +1306,8 @@ def set_lock_value(text: str, section: str, key: str, value: str | int) -> str:
 
 
 def write_release(old: Lock, new: Lock, patches_dir: Path,
-                  rendered: list[tuple[str, bytes]], scratch: Path) -> None:
+                  rendered: list[tuple[str, bytes]], scratch: Path,
+                  overlay_dir: Path) -> None:
     """Rewrite upstream.lock and patches/ for the new release; restore them on failure."""
     saved_lock = old.path.read_text()
     saved = {p.name: p.read_bytes() for p in patches_dir.iterdir() if p.is_file()}
@@ -1068,10 +1335,10 @@ def write_release(old: Lock, new: Lock, patches_dir: Path,
         with tempfile.TemporaryDirectory(dir=cache_dir(), prefix="rebase-apply-") as tmp:
             src = Path(tmp) / "src"
             cmd_apply(argparse.Namespace(lock=old.path, patches=patches_dir, src=src,
-                                         verify=False, force=False))
+                                         verify=False, force=False, overlay=overlay_dir))
             if render_patches(src) != rendered:
                 raise DDTreeError("rebase: re-exporting the applied stack gives other patches")
-            patched_tree = tree_of(src, "HEAD")
+            patched_tree = stack_tree(src)
         written = Lock.load(old.path)
         written.set_tree("patched_tree", patched_tree)
         new.data["ddtree"].update(upstream_tree=upstream_tree, patched_tree=patched_tree)
@@ -1093,15 +1360,23 @@ def cmd_rebase(args: argparse.Namespace) -> int:
     lock = Lock.load(args.lock)
     lock.version  # validates the version fields
     report = rebase(lock, args.patches, args.onto, args.report_dir, write=args.write,
-                    fetch_wheel=args.fetch_wheel, scratch=args.scratch)
+                    fetch_wheel=args.fetch_wheel, scratch=args.scratch,
+                    overlay_dir=args.overlay)
     if report["rewritable"]:
         if not args.write:
             log("dry run: nothing rewritten (pass --write to rewrite upstream.lock and "
                 "patches/)")
         return 0
     conflicted = [p["patch"] for p in report["patches"] if p["fate"] == "conflict"]
-    print(f"rebase: {len(conflicted)} of {len(report['patches'])} patches conflict with "
-          f"{args.onto}: {', '.join(conflicted)}; nothing rewritten (see "
+    collided = [o["file"] for o in report["overlay"] if o["fate"] == "collision"]
+    what = []
+    if conflicted:
+        what.append(f"{len(conflicted)} of {len(report['patches'])} patches conflict with "
+                    f"{args.onto}: {', '.join(conflicted)}")
+    if collided:
+        what.append(f"{args.onto} has files at {len(collided)} {OVERLAY_DIRNAME}/ paths: "
+                    f"{', '.join(collided)}")
+    print(f"rebase: {'; '.join(what)}; nothing rewritten (see "
           f"{args.report_dir / (args.onto + '.md')})", file=sys.stderr)
     return 1
 
@@ -1183,13 +1458,18 @@ def wheel_name(lock: Lock) -> str:
     return upstream.replace(f"-{lock.upstream['version']}-", f"-{lock.version}-", 1)
 
 
-def build_wheel(lock: Lock, src: Path, dist: Path) -> Path:
+def build_wheel(lock: Lock, src: Path, dist: Path, overlay_dir: Path | None = None) -> Path:
     if not (src / ".git").exists():
         raise DDTreeError(f"{src} is not a patched tree; run `apply` first")
     expected = lock.tree("patched_tree")
-    head_tree = tree_of(src, "HEAD")
+    head_tree = stack_tree(src)
     if expected and head_tree != expected:
         log(f"warning: building from tree {head_tree}, upstream.lock says {expected}")
+    if overlay_dir is not None:
+        drift = overlay_state(src, overlay_dir)[1]
+        if drift:
+            raise DDTreeError(f"wheel: {src} does not hold {OVERLAY_DIRNAME}/ as it is "
+                              "(run `apply`): " + "; ".join(drift))
     upstream_whl = fetch_artifact(lock, "wheel")
     version = lock.version
     old_ver = lock.upstream["version"]
@@ -1256,16 +1536,24 @@ def build_wheel(lock: Lock, src: Path, dist: Path) -> Path:
 
 def cmd_wheel(args: argparse.Namespace) -> int:
     lock = Lock.load(args.lock)
-    build_wheel(lock, args.src.resolve(), args.dist)
+    build_wheel(lock, args.src.resolve(), args.dist, args.overlay)
     return 0
 
 
-def series_hash(patches_dir: Path) -> str:
+def series_hash(patches_dir: Path, overlay_dir: Path | None = None) -> str:
+    """sha256 of what the build is made of: the series, its patches and the overlay."""
     h = hashlib.sha256()
     for name in read_series(patches_dir):
         h.update(name.encode() + b"\0")
         h.update((patches_dir / name).read_bytes())
+    for rel, path in overlay_files(overlay_dir or default_overlay(patches_dir)).items():
+        h.update(f"{OVERLAY_DIRNAME}/{rel}".encode() + b"\0")
+        h.update(path.read_bytes())
     return h.hexdigest()
+
+
+def default_overlay(patches_dir: Path) -> Path:
+    return patches_dir.resolve().parent / OVERLAY_DIRNAME
 
 
 def cmd_version(args: argparse.Namespace) -> int:
@@ -1279,7 +1567,7 @@ def cmd_wheel_name(args: argparse.Namespace) -> int:
 
 
 def cmd_series_hash(args: argparse.Namespace) -> int:
-    print(series_hash(args.patches))
+    print(series_hash(args.patches, args.overlay))
     return 0
 
 
@@ -1299,6 +1587,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lock", type=Path, default=DEFAULT_LOCK)
     parser.add_argument("--patches", type=Path, default=DEFAULT_PATCHES)
+    parser.add_argument("--overlay", type=Path, default=None,
+                        help=f"the files we own (default: {OVERLAY_DIRNAME}/ next to --patches)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("fetch", help="download and verify the pinned sdist and wheel")
     sub.add_parser("check", help="validate series and patches (no tree needed)")
@@ -1328,6 +1618,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("lock-get", help="print one value of upstream.lock")
     p.add_argument("key")
     args = parser.parse_args(argv)
+    if args.overlay is None:
+        args.overlay = default_overlay(args.patches)
     handlers = {
         "fetch": cmd_fetch,
         "check": cmd_check,

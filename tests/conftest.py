@@ -108,12 +108,18 @@ def wheel_venv(our_wheel: Path) -> Path:
 
 @pytest.fixture()
 def stack_copy(tmp_path: Path) -> tuple[Path, Path]:
-    """Copies of upstream.lock and patches/ that a test may corrupt."""
+    """Copies of upstream.lock, patches/ and overlay/ (beside patches/, where the
+    tool looks for it) that a test may corrupt."""
     lock = tmp_path / "upstream.lock"
     tool = _tooling()
     shutil.copy(tool.DEFAULT_LOCK, lock)
     patches = tmp_path / "patches"
     shutil.copytree(tool.DEFAULT_PATCHES, patches)
+    shutil.copytree(
+        REPO_ROOT / tool.OVERLAY_DIRNAME,
+        tmp_path / tool.OVERLAY_DIRNAME,
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     return lock, patches
 
 

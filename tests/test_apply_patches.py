@@ -98,26 +98,78 @@ def test_refused_paths(stack_copy: tuple[Path, Path], path: str, reason: str) ->
     assert path in r.stderr and reason in r.stderr
 
 
-def test_new_files_under_vllm_are_allowed(stack_copy: tuple[Path, Path]) -> None:
+NEW_FILE_PATCH = (
+    "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+    "From: vllm-ddtree <ddtree@vllm.invalid>\n"
+    "Date: Sun, 29 Nov 2026 12:00:00 +0000\n"
+    "Subject: ddtree: add module\n\n"
+    "Why: x\nOrigin: vendor\nForwarded: not-needed\nTest: none\n\n"
+    "diff --git a/vllm/v1/spec_decode/ddtree_new.py b/vllm/v1/spec_decode/ddtree_new.py\n"
+    "new file mode 100644\n"
+    "index 0000000..e69de29\n"
+    "--- /dev/null\n"
+    "+++ b/vllm/v1/spec_decode/ddtree_new.py\n"
+    "@@ -0,0 +1 @@\n"
+    "+# SPDX-License-Identifier: Apache-2.0\n"
+)
+
+
+def test_patch_adding_a_file_is_refused(stack_copy: tuple[Path, Path]) -> None:
     lock, patches = stack_copy
-    (patches / "add-module.patch").write_text(
-        "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
-        "From: vllm-ddtree <ddtree@vllm.invalid>\n"
-        "Date: Sun, 29 Nov 2026 12:00:00 +0000\n"
-        "Subject: ddtree: add module\n\n"
-        "Why: x\nOrigin: vendor\nForwarded: not-needed\nTest: none\n\n"
-        "diff --git a/vllm/v1/spec_decode/ddtree/tree.py b/vllm/v1/spec_decode/ddtree/tree.py\n"
-        "new file mode 100644\n"
-        "index 0000000..e69de29\n"
-        "--- /dev/null\n"
-        "+++ b/vllm/v1/spec_decode/ddtree/tree.py\n"
-        "@@ -0,0 +1 @@\n"
-        "+# SPDX-License-Identifier: Apache-2.0\n"
-    )
+    (patches / "add-module.patch").write_text(NEW_FILE_PATCH)
     with open(patches / "series", "a") as f:
         f.write("add-module.patch\n")
     r = tool(lock, patches, "check")
+    assert r.returncode == 1
+    assert "adds vllm/v1/spec_decode/ddtree_new.py" in r.stderr
+    assert "overlay/vllm/v1/spec_decode/ddtree_new.py" in r.stderr
+
+
+def test_check_reports_the_stack_size() -> None:
+    r = run_tool("check")
     assert r.returncode == 0, r.stderr
+    total = re.search(r"check: (\d+) patches ok: (\d+) added and (\d+) removed lines in "
+                      r"(\d+) upstream files; overlay/: (\d+) files", r.stdout)
+    assert total, r.stdout
+    stats: dict = {}
+    apply_patches.check_all(apply_patches.Lock.load(apply_patches.DEFAULT_LOCK),
+                            apply_patches.DEFAULT_PATCHES, None, stats)
+    assert int(total[2]) == sum(s.added for s in stats.values())
+    assert int(total[5]) == len(apply_patches.overlay_files(REPO_ROOT / "overlay"))
+
+
+@pytest.mark.parametrize(
+    ("rel", "text", "message"),
+    [
+        ("vllm/config/speculative.py", "# SPDX-License-Identifier: Apache-2.0\n",
+         "overwrites an upstream file"),
+        ("vllm/v1/spec_decode/ddtree/notes.txt", "x\n", "only Python files under vllm/"),
+        ("tools/helper.py", "# SPDX-License-Identifier: Apache-2.0\n",
+         "only Python files under vllm/"),
+        ("vllm/v1/spec_decode/ddtree/extra.py", "import torch\n", "first line must be"),
+        ("vllm/v1/newpkg/mod.py", "# SPDX-License-Identifier: Apache-2.0\n",
+         "vllm/v1/newpkg/: new package without __init__.py"),
+    ],
+)
+def test_overlay_rules(stack_copy: tuple[Path, Path], rel: str, text: str,
+                       message: str) -> None:
+    lock, patches = stack_copy
+    path = patches.parent / "overlay" / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    r = tool(lock, patches, "check")
+    assert r.returncode == 1
+    assert f"overlay/{rel.split('/mod.py')[0]}" in r.stderr and message in r.stderr
+
+
+def test_patch_may_not_edit_an_overlay_file(stack_copy: tuple[Path, Path]) -> None:
+    lock, patches = stack_copy
+    p = patches / FIRST_PATCH
+    p.write_text(p.read_text().replace("vllm/model_executor/models/qwen3_dflash.py",
+                                       "vllm/v1/spec_decode/ddtree/tree.py"))
+    r = tool(lock, patches, "check")
+    assert r.returncode == 1
+    assert "a file of overlay/; edit overlay/vllm/v1/spec_decode/ddtree/tree.py" in r.stderr
 
 
 def test_unparsable_patch(stack_copy: tuple[Path, Path]) -> None:
@@ -233,10 +285,9 @@ def test_new_commit_becomes_a_new_patch(stack_copy: tuple[Path, Path], tmp_path:
     lock, patches = stack_copy
     src = tmp_path / "src"
     assert tool(lock, patches, "apply", "--src", src).returncode == 0
-    new = src / "vllm/v1/spec_decode/ddtree_example/__init__.py"
-    new.parent.mkdir(parents=True)
-    new.write_text("# SPDX-License-Identifier: Apache-2.0\n")
-    git(src, "add", str(new))
+    edited = src / "vllm/v1/spec_decode/utils.py"
+    edited.write_text(edited.read_text() + "# an edit of an upstream file\n")
+    git(src, "add", str(edited))
     git(src, "commit", "-q", "-m",
         "ddtree: Add package\n\nWhy: w\nOrigin: vendor\nForwarded: not-needed\nTest: none")
     assert tool(lock, patches, "export", "--src", src).returncode == 0
@@ -252,3 +303,116 @@ def test_lock_version_is_consistent() -> None:
     assert lock.upstream["tag"] == "v0.26.0"
     assert lock.upstream["commit"] == "ffd46bfab"
     assert lock.upstream["base_image"] == "vllm/vllm-openai:v0.26.0"
+
+
+# ------------------------------------------------------------------ overlay
+
+
+OVERLAY_FILE = "vllm/v1/spec_decode/ddtree/config.py"
+
+
+def test_apply_copies_the_overlay_after_the_patches(stack_copy: tuple[Path, Path],
+                                                    tmp_path: Path) -> None:
+    lock, patches = stack_copy
+    overlay = patches.parent / "overlay"
+    src = tmp_path / "src"
+    r = tool(lock, patches, "apply", "--src", src, "--verify")
+    assert r.returncode == 0, r.stderr
+    files = apply_patches.overlay_files(overlay)
+    assert apply_patches.new_files(src) == sorted(files)
+    for rel, path in files.items():
+        assert (src / rel).read_bytes() == path.read_bytes(), rel
+    # one commit on top of the patches, tagged; the patches alone are patched_tree
+    assert git(src, "log", "-1", "--format=%s") == apply_patches.OVERLAY_SUBJECT + "\n"
+    assert git(src, "rev-parse", "HEAD") == git(src, "rev-parse", "overlay^{commit}")
+    assert apply_patches.stack_tree(src) == git(src, "rev-parse", "HEAD~1^{tree}").strip()
+    # an overlay file that an upstream file already occupies is refused
+    clash = overlay / "vllm/config/speculative.py"
+    clash.parent.mkdir(parents=True)
+    clash.write_text("# SPDX-License-Identifier: Apache-2.0\n")
+    r = tool(lock, patches, "apply", "--src", tmp_path / "src2")
+    assert r.returncode == 1 and "overwrites an upstream file" in r.stderr
+
+
+def test_overlay_edit_in_build_tree_round_trip(stack_copy: tuple[Path, Path],
+                                               tmp_path: Path) -> None:
+    """An overlay file edited in build/src: the drift gate names it, export writes
+    it back to overlay/ (not into a patch), and the lock does not change."""
+    lock, patches = stack_copy
+    overlay = patches.parent / "overlay"
+    src = tmp_path / "src"
+    assert tool(lock, patches, "apply", "--src", src).returncode == 0
+    lock_before = lock.read_text()
+    target = src / OVERLAY_FILE
+    target.write_text(target.read_text() + "# edited in the build tree\n")
+    git(src, "commit", "-q", "-a", "-m", "tweak the config module")
+    r = tool(lock, patches, "export", "--src", src, "--dry-run")
+    assert r.returncode == 1
+    assert f"overlay/{OVERLAY_FILE} (differs from src/{OVERLAY_FILE})" in r.stderr
+    series_before = (patches / "series").read_text()
+    r = tool(lock, patches, "export", "--src", src)
+    assert r.returncode == 0, r.stderr
+    assert (overlay / OVERLAY_FILE).read_text().endswith("# edited in the build tree\n")
+    assert (patches / "series").read_text() == series_before  # no patch for it
+    assert lock.read_text() == lock_before  # patched_tree covers the patches only
+    assert tool(lock, patches, "export", "--src", src, "--dry-run").returncode == 0
+
+
+def test_overlay_edit_on_disk_is_drift_and_never_clobbered(stack_copy: tuple[Path, Path],
+                                                           tmp_path: Path) -> None:
+    lock, patches = stack_copy
+    overlay = patches.parent / "overlay"
+    src = tmp_path / "src"
+    assert tool(lock, patches, "apply", "--src", src).returncode == 0
+    edited = overlay / OVERLAY_FILE
+    edited.write_text(edited.read_text() + "# edited in overlay/\n")
+    (overlay / "vllm/v1/spec_decode/ddtree/extra.py").write_text(
+        "# SPDX-License-Identifier: Apache-2.0\n")
+    r = tool(lock, patches, "export", "--src", src, "--dry-run")
+    assert r.returncode == 1
+    assert f"overlay/{OVERLAY_FILE} (differs from" in r.stderr
+    assert "overlay/vllm/v1/spec_decode/ddtree/extra.py (would be removed" in r.stderr
+    # the build tree edits the same file too: export refuses to lose either edit
+    target = src / OVERLAY_FILE
+    target.write_text(target.read_text() + "# edited in the build tree\n")
+    git(src, "commit", "-q", "-a", "-m", "tweak the config module")
+    r = tool(lock, patches, "export", "--src", src)
+    assert r.returncode == 1 and "was edited since `apply`" in r.stderr
+    assert edited.read_text().endswith("# edited in overlay/\n")
+    # apply takes overlay/ as it is
+    assert tool(lock, patches, "apply", "--src", src, "--force").returncode == 0
+    assert (src / OVERLAY_FILE).read_text().endswith("# edited in overlay/\n")
+    assert tool(lock, patches, "export", "--src", src, "--dry-run").returncode == 0
+
+
+def test_export_splits_a_mixed_commit(stack_copy: tuple[Path, Path], tmp_path: Path) -> None:
+    """A commit that edits an upstream file and adds a module: the edit becomes a
+    patch, the module goes to overlay/."""
+    lock, patches = stack_copy
+    overlay = patches.parent / "overlay"
+    src = tmp_path / "src"
+    assert tool(lock, patches, "apply", "--src", src).returncode == 0
+    up = src / "vllm/model_executor/models/qwen3_dflash.py"
+    up.write_text(up.read_text().replace("Keep full KV allocation;", "Keep the full KV;"))
+    new = src / "vllm/v1/spec_decode/ddtree/extra.py"
+    new.write_text("# SPDX-License-Identifier: Apache-2.0\n")
+    git(src, "add", "-A")
+    git(src, "commit", "-q", "-m",
+        "ddtree: Mixed change\n\nWhy: w\nOrigin: vendor\nForwarded: no\nTest: none")
+    r = tool(lock, patches, "export", "--src", src)
+    assert r.returncode == 0, r.stderr
+    text = (patches / "ddtree-mixed-change.patch").read_text()
+    assert "qwen3_dflash.py" in text and "extra.py" not in text
+    assert (overlay / "vllm/v1/spec_decode/ddtree/extra.py").is_file()
+    assert tool(lock, patches, "check").returncode == 0
+    r = tool(lock, patches, "apply", "--src", tmp_path / "src2", "--verify")
+    assert r.returncode == 0, r.stderr
+    assert tool(lock, patches, "export", "--src", tmp_path / "src2", "--dry-run").returncode == 0
+
+
+def test_series_hash_covers_the_overlay(stack_copy: tuple[Path, Path]) -> None:
+    lock, patches = stack_copy
+    before = apply_patches.series_hash(patches)
+    f = patches.parent / "overlay" / OVERLAY_FILE
+    f.write_text(f.read_text() + "\n")
+    assert apply_patches.series_hash(patches) != before

@@ -8,6 +8,9 @@ index and the download are injected. The stack has one patch per fate:
   b.py  merged three-way  upstream changes a context line two lines below the patch's change
   c.py  conflict          upstream changes the very line the patch changes, differently
   d.py  already upstream  upstream made the same change (and touched the context)
+
+and an overlay (files of our own, copied, not applied by git): vllm/ours/ (ours in both
+releases) and, in one test, vllm/added.py, a path where 1.1.0 adds a file (a collision).
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ def new_tree() -> dict[str, str]:
     d[9] = "d_10 = 'patched'\n"  # the patch's own change ...
     d[11] = "d_12 = 'upstream'\n"  # ... plus a context change, so it does not apply as is
     t |= {"vllm/a.py": "".join(a), "vllm/b.py": "".join(b), "vllm/c.py": "".join(c),
-          "vllm/d.py": "".join(d), "vllm/_version.py": f"__version__ = version = '{NEW}'\n"}
+          "vllm/d.py": "".join(d), "vllm/_version.py": f"__version__ = version = '{NEW}'\n",
+          "vllm/added.py": "# new in 1.1.0\n"}
     return t
 
 
@@ -168,6 +172,10 @@ def stack(fake: FakeUpstream, tmp_path: Path) -> tuple[Path, Path]:
     patches = tmp_path / "patches"
     patches.mkdir()
     (patches / "series").write_text("# fake series\n")
+    for rel in OVERLAY:
+        path = tmp_path / "overlay" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{SPDX}\n# {rel}\n")
     src = tmp_path / "src"
     assert apply_patches.main(["--lock", str(lock), "--patches", str(patches), "apply",
                                "--src", str(src)]) == 0
@@ -182,6 +190,10 @@ def stack(fake: FakeUpstream, tmp_path: Path) -> tuple[Path, Path]:
                                "--src", str(src)]) == 0
     assert apply_patches.read_series(patches) == list(FATES)
     return lock, patches
+
+
+SPDX = "# SPDX-License-Identifier: Apache-2.0"
+OVERLAY = ["vllm/ours/__init__.py", "vllm/ours/mod.py"]
 
 
 def run_rebase(lock: Path, patches: Path, reports: Path, *extra: str) -> int:
@@ -207,7 +219,9 @@ def test_each_fate_keep_going_no_rewrite(stack: tuple[Path, Path], fake: FakeUps
     # every patch has a fate, also the one after the conflict (keep going)
     assert {p["patch"]: p["fate"] for p in report["patches"]} == FATES
     assert report["summary"] == {"clean": 1, "merged": 1, "conflict": 1,
-                                 "already-upstream": 1}
+                                 "already-upstream": 1, "overlay": 2,
+                                 "overlay_collisions": 0}
+    assert report["overlay"] == [{"file": rel, "lines": 2, "fate": "ours"} for rel in OVERLAY]
     assert report["rewritable"] is False and report["written"] is False
     # the new sdist was verified against the index's sha256, the wheel was fetched (--write)
     assert report["to"]["sdist"]["sha256"] == sha256(fake.dir / f"vllm-{NEW}.tar.gz")
@@ -230,6 +244,7 @@ def test_each_fate_keep_going_no_rewrite(stack: tuple[Path, Path], fake: FakeUps
                    "| 3 | `fake-c-conflict.patch` | CONFLICT",
                    "| 4 | `fake-d-already-upstream.patch` | already upstream",
                    "Conflict at `vllm/c.py:", "Upstream diff of the conflicted files",
+                   "overlay/ (ours, not applied by git", "| `vllm/ours/mod.py` | 2 | ours |",
                    sha256(fake.dir / f"vllm-{NEW}.tar.gz")):
         assert needle in md, needle
 
@@ -289,6 +304,30 @@ def test_write_when_clean(stack: tuple[Path, Path], fake: FakeUpstream, tmp_path
     assert apply_patches.main([*base, "apply", "--src", str(src), "--verify"]) == 0
     assert apply_patches.main([*base, "export", "--src", str(src), "--dry-run"]) == 0
     assert (src / "vllm/b.py").read_text().count("'patched'") == 1
+    # the overlay came along, copied as it is
+    assert apply_patches.new_files(src) == OVERLAY
+    assert (src / "vllm/ours/mod.py").read_text() == f"{SPDX}\n# vllm/ours/mod.py\n"
+
+
+def test_overlay_collision_blocks_the_rewrite(stack: tuple[Path, Path], fake: FakeUpstream,
+                                              tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """An overlay file at a path where the new release adds a file of its own."""
+    lock, patches = stack
+    (patches / "fake-c-conflict.patch").unlink()
+    (patches / "series").write_text((patches / "series").read_text().replace(
+        "fake-c-conflict.patch\n", ""))
+    (tmp_path / "overlay/vllm/added.py").write_text(f"{SPDX}\n")
+    before = snapshot(lock, patches)
+    assert run_rebase(lock, patches, tmp_path / "r", "--write") == 1
+    assert "1.1.0 has files at 1 overlay/ paths: vllm/added.py" in capsys.readouterr().err
+    assert snapshot(lock, patches) == before
+    report = json.loads((tmp_path / "r" / f"{NEW}.json").read_text())
+    assert {o["file"]: o["fate"] for o in report["overlay"]} == {
+        "vllm/added.py": "collision", "vllm/ours/__init__.py": "ours",
+        "vllm/ours/mod.py": "ours"}
+    assert report["rewritable"] is False and report["result"] == "1 overlay/ collisions"
+    assert "| `vllm/added.py` | 1 | COLLISION |" in (tmp_path / "r" / f"{NEW}.md").read_text()
 
 
 def test_index_sha256_is_enforced(stack: tuple[Path, Path], fake: FakeUpstream,
