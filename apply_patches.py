@@ -773,20 +773,23 @@ def applied_overlay(src: Path, rel: str) -> bytes | None:
 
 
 def write_overlay(src: Path, overlay_dir: Path, head: dict[str, bytes]) -> list[str]:
-    """Bring overlay/ to build/src's new files; refuse to overwrite an overlay file
-    that was edited since `apply` copied it (that edit would be lost)."""
+    """Bring build/src's edits of overlay files to overlay/, three-way against the
+    copy `apply` made: a file changed only in build/src is written, one changed
+    only in overlay/ (edited there since `apply`) is kept, one changed in both is
+    refused (either edit would be lost). Returns the files written or removed."""
     disk = overlay_files(overlay_dir)
     changes: list[tuple[str, bytes | None]] = []
     for rel in sorted(set(head) | set(disk)):
         new = head.get(rel)
         old = disk[rel].read_bytes() if rel in disk else None
-        if new == old:
+        applied = applied_overlay(src, rel)
+        if new == old or new == applied:
             continue
-        if old is not None and old != applied_overlay(src, rel):
+        if old != applied:
             raise DDTreeError(
-                f"export: {OVERLAY_DIRNAME}/{rel} was edited since `apply` and differs "
-                f"from {src}/{rel}; run `apply` to take the overlay's version, or "
-                "restore the file, before exporting")
+                f"export: {OVERLAY_DIRNAME}/{rel} was edited since `apply`, and "
+                f"{src}/{rel} too; keep one edit (commit the other into it) before "
+                "exporting")
         changes.append((rel, new))
     for rel, new in changes:
         dest = overlay_dir / rel

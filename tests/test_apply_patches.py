@@ -372,12 +372,22 @@ def test_overlay_edit_on_disk_is_drift_and_never_clobbered(stack_copy: tuple[Pat
     assert r.returncode == 1
     assert f"overlay/{OVERLAY_FILE} (differs from" in r.stderr
     assert "overlay/vllm/v1/spec_decode/ddtree/extra.py (would be removed" in r.stderr
+    # export with a patch edit in build/src keeps the overlay/ edits (newer)
+    up = src / "vllm/model_executor/models/qwen3_dflash.py"
+    up.write_text(up.read_text().replace("Keep full KV allocation;", "Keep the full KV;"))
+    git(src, "commit", "-q", "-a", "-m",
+        "dflash: Comment\n\nWhy: w\nOrigin: vendor\nForwarded: no\nTest: none")
+    r = tool(lock, patches, "export", "--src", src)
+    assert r.returncode == 0, r.stderr
+    assert edited.read_text().endswith("# edited in overlay/\n")
+    assert (overlay / "vllm/v1/spec_decode/ddtree/extra.py").is_file()
+    assert (patches / "dflash-comment.patch").is_file()
     # the build tree edits the same file too: export refuses to lose either edit
     target = src / OVERLAY_FILE
     target.write_text(target.read_text() + "# edited in the build tree\n")
     git(src, "commit", "-q", "-a", "-m", "tweak the config module")
     r = tool(lock, patches, "export", "--src", src)
-    assert r.returncode == 1 and "was edited since `apply`" in r.stderr
+    assert r.returncode == 1 and "was edited since `apply`, and" in r.stderr
     assert edited.read_text().endswith("# edited in overlay/\n")
     # apply takes overlay/ as it is
     assert tool(lock, patches, "apply", "--src", src, "--force").returncode == 0

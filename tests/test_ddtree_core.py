@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""CPU tests for the DDTree core (vllm/v1/spec_decode/ddtree/tree.py).
-
-Run with ``VLLM_DDTREE_SRC=overlay pytest tests/``.
+"""CPU tests for the DDTree core: the tree build of
+overlay/vllm/v1/spec_decode/ddtree/tree.py against brute force, and the torch
+reference verification (tests/ddtree_reference.py) on the trees it builds.
 """
 
 from __future__ import annotations
@@ -15,14 +15,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import load_patched_module
+import ddtree_reference as ref
+from vllm.v1.spec_decode.ddtree import tree as tree_module
 
 NEG_INF = float("-inf")
 
 
 @pytest.fixture(scope="module")
 def T():
-    return load_patched_module("vllm/v1/spec_decode/ddtree/tree.py")
+    """The DDTree tree build (the overlay's tree.py, imported where it stands)."""
+    return tree_module
 
 
 # --------------------------------------------------------------------------
@@ -244,7 +246,7 @@ def test_build_budget_exceeds_prefixes(T):
     assert tree.valid.sum(1).tolist() == [6, 6]
     # padded nodes are never accepted, even if the target says token 0
     target = torch.zeros(2, 11, dtype=torch.int64)
-    walk = T.walk_tree(tree, target)
+    walk = ref.walk_tree(tree, target)
     assert not walk.accepted_mask[:, 7:].any()
 
 
@@ -357,14 +359,14 @@ def test_ancestor_mask_matches_brute_force(T, depth):
     torch.manual_seed(depth)
     for budget, vocab in [(1, 3), (7, 2), (31, 5), (33, 4), (64, 8)]:
         tree = T.build_tree(torch.randn(3, depth, vocab) * 0.3, budget)
-        mask = T.ancestor_mask(tree.parent_idx, depth)
+        mask = ref.ancestor_mask(tree.parent_idx, depth)
         assert torch.equal(mask, brute_force_ancestors(tree.parent_idx))
 
 
 def test_ancestor_mask_deep_chain(T):
     B = D = 40
     parent = torch.arange(B).unsqueeze(0)  # node i+1 has parent i
-    mask = T.ancestor_mask(parent, D)
+    mask = ref.ancestor_mask(parent, D)
     assert torch.equal(mask[0], torch.ones(B + 1, B + 1, dtype=torch.bool).tril())
 
 
@@ -372,12 +374,12 @@ def test_bias_and_packed_bits(T):
     torch.manual_seed(8)
     for budget in (1, 30, 31, 32, 63, 64, 100):
         tree = T.build_tree(torch.randn(2, 4, 6), budget)
-        mask = T.ancestor_mask(tree.parent_idx, 4)
-        bias = T.tree_attention_bias(mask, torch.bfloat16)
+        mask = ref.ancestor_mask(tree.parent_idx, 4)
+        bias = ref.tree_attention_bias(mask, torch.bfloat16)
         assert bias.dtype == torch.bfloat16
         assert torch.equal(bias == 0, mask)
         assert torch.isneginf(bias[~mask].float()).all()
-        words = T.pack_ancestor_bits(mask)
+        words = ref.pack_ancestor_bits(mask)
         n = budget + 1
         assert words.dtype == torch.int32
         assert words.shape == (2, n, (n + 31) // 32)
@@ -390,7 +392,7 @@ def test_bias_and_packed_bits(T):
 def test_tree_positions(T):
     root = torch.tensor([5, 100], dtype=torch.int32)
     depth = torch.tensor([[1, 2, 1], [1, 1, 3]])
-    pos = T.tree_positions(root, depth)
+    pos = ref.tree_positions(root, depth)
     assert pos.dtype == torch.int32
     assert pos.tolist() == [[5, 6, 7, 6], [100, 101, 101, 103]]
 
@@ -435,10 +437,10 @@ def reference_walk(tree, target):
 
 
 def check_walk(T, tree, target, expected_paths=None):
-    walk = T.walk_tree(tree, target)
+    walk = ref.walk_tree(tree, target)
     # the ancestor-mask variant must agree exactly
-    mask = T.ancestor_mask(tree.parent_idx, tree.draft_depth)
-    walk_masked = T.walk_tree(tree, target, ancestors=mask)
+    mask = ref.ancestor_mask(tree.parent_idx, tree.draft_depth)
+    walk_masked = ref.walk_tree(tree, target, ancestors=mask)
     for a, b in zip(walk, walk_masked):
         assert torch.equal(a, b)
     paths = reference_walk(tree, target)
@@ -471,7 +473,7 @@ def test_walk_hand_built_branch_off_spine(T):
     target = torch.tensor([[10, 13, 0, 0, 16, 0, 0, 99]])
     walk = check_walk(T, tree, target, [[0, 1, 4, 7]])
     assert walk.output_token_ids.tolist() == [[10, 13, 16, 99]]
-    plan = T.compaction_indices(walk, torch.tensor([0, 8]))
+    plan = ref.compaction_indices(walk, torch.tensor([0, 8]))
     assert plan.src_idx.tolist() == [[0, 1, 4, 7]]
     assert plan.dst_offset.tolist() == [[0, 1, 2, 3]]
     assert plan.needs_move.tolist() == [[False, False, True, True]]
@@ -482,13 +484,13 @@ def test_walk_hand_built_branch_off_spine(T):
     target = torch.tensor([[42, 13, 0, 0, 16, 0, 0, 99]])
     walk = check_walk(T, tree, target, [[0]])
     assert walk.bonus_token_ids.tolist() == [42]
-    plan = T.compaction_indices(walk)
+    plan = ref.compaction_indices(walk)
     assert not plan.needs_move.any() and plan.src_token_idx is None
 
     # second branch: root -> 2 -> 5, stops at depth 2
     target = torch.tensor([[11, 0, 14, 0, 0, 7, 0, 0]])
     walk = check_walk(T, tree, target, [[0, 2, 5]])
-    plan = T.compaction_indices(walk, torch.tensor([3, 11]))
+    plan = ref.compaction_indices(walk, torch.tensor([3, 11]))
     assert plan.src_idx.tolist() == [[0, 2, 5, 0]]
     assert plan.needs_move.tolist() == [[False, True, True, False]]
     assert plan.src_token_idx.tolist() == [[3, 5, 8, 3]]
@@ -523,7 +525,7 @@ def test_chain_walk_equals_linear_verification(T, depth):
         assert walk.num_accepted[r] == n + 1
         assert walk.output_token_ids[r, :n + 1].tolist() == expected
         assert walk.bonus_token_ids[r] == target[r, n]
-        plan = T.compaction_indices(walk)
+        plan = ref.compaction_indices(walk)
         assert not plan.needs_move.any()  # a chain is always in place
 
 
@@ -546,7 +548,7 @@ def test_walk_and_compaction_random_trees(T, depth, vocab, budget):
 
     qsl = torch.cat([torch.zeros(1, dtype=torch.int64),
                      torch.full((R,), budget + 1).cumsum(0)])
-    plan = T.compaction_indices(walk, qsl)
+    plan = ref.compaction_indices(walk, qsl)
     # Apply the moves to a fake per-token buffer (gather, then scatter) and
     # check the accepted path lands at root + k.
     buffer = torch.arange(R * (budget + 1)) * 10
@@ -571,12 +573,12 @@ def test_walk_and_compaction_random_trees(T, depth, vocab, budget):
 
 def _pipeline(T, logits, target, root_pos, qsl, budget):
     tree = T.build_tree(logits, budget)
-    pos = T.tree_positions(root_pos, tree.depth)
-    mask = T.ancestor_mask(tree.parent_idx, tree.draft_depth)
-    bits = T.pack_ancestor_bits(mask)
-    walk = T.walk_tree(tree, target)
-    walk_masked = T.walk_tree(tree, target, ancestors=mask)
-    plan = T.compaction_indices(walk, qsl)
+    pos = ref.tree_positions(root_pos, tree.depth)
+    mask = ref.ancestor_mask(tree.parent_idx, tree.draft_depth)
+    bits = ref.pack_ancestor_bits(mask)
+    walk = ref.walk_tree(tree, target)
+    walk_masked = ref.walk_tree(tree, target, ancestors=mask)
+    plan = ref.compaction_indices(walk, qsl)
     return (*walk_masked[:4], tree.token_ids, tree.parent_idx, tree.depth, tree.score,
             tree.valid, pos, mask, bits, walk.accepted_idx, walk.num_accepted,
             walk.output_token_ids, walk.bonus_token_ids, plan.src_token_idx,

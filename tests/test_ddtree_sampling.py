@@ -12,22 +12,21 @@ import itertools
 import pytest
 import torch
 
-from conftest import load_patched_module
+import ddtree_reference as ref
+from vllm.v1.spec_decode.ddtree import sampling as sampling_module
+from vllm.v1.spec_decode.ddtree import tree as tree_module
 
 scipy_stats = pytest.importorskip("scipy.stats")
-
-TREE = "vllm/v1/spec_decode/ddtree/tree.py"
-SAMPLING = "vllm/v1/spec_decode/ddtree/sampling.py"
 
 
 @pytest.fixture(scope="module")
 def tree_mod():
-    return load_patched_module(TREE)
+    return tree_module
 
 
 @pytest.fixture(scope="module")
 def samp():
-    return load_patched_module(SAMPLING)
+    return sampling_module
 
 
 # ------------------------------------------------------------ references
@@ -294,7 +293,7 @@ def _run_ddtree(tree_mod, samp, table, draft_table, trials, temperature,
             gumbel = gumbel[:, :1].expand(-1, DEPTH + 1, -1)
         noise = gumbel.gather(1, depth[:, :, None].expand(-1, -1, V))
         target = (logits + noise).argmax(dim=-1)
-        walk = tree_mod.walk_tree(tree, target)
+        walk = ref.walk_tree(tree, target)
         out = walk.output_token_ids
         for k in range(DEPTH + 1):
             take = k < walk.num_accepted

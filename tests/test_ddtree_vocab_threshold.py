@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import load_patched_module
+from vllm.v1.spec_decode.ddtree import tree as tree_module
 
 NEG_INF = float("-inf")
 NAN = float("nan")
@@ -27,7 +27,7 @@ pytest.importorskip("triton")
 
 @pytest.fixture(scope="module")
 def T():
-    return load_patched_module("vllm/v1/spec_decode/ddtree/tree.py")
+    return tree_module
 
 
 @pytest.fixture

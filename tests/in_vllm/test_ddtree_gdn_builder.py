@@ -184,7 +184,6 @@ def test_mixed_batch_spec_rows_and_commit(monkeypatch):
             idx_mapping_np=np.array([idx_mapping[0], 7, idx_mapping[1]], dtype=np.int32),
         )
     )
-    monkeypatch.setattr(gdn_verify, "_ACTIVE", ctx)
     out = run_core(monkeypatch, layer, md, mixed_qkv, b, a, num_tokens)
     ctx.attach({layer.prefix: md})
 

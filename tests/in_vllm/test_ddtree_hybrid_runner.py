@@ -350,7 +350,6 @@ def test_one_verifier_step_advances_the_gdn_states_along_the_walk(monkeypatch):
     layer = make_layer(11)
     ctx.bind_layers({layer.prefix: layer})
     verifier.gdn = ctx
-    monkeypatch.setattr(gdn_verify, "_ACTIVE", ctx)
     committed = [t.clone() for t in layer.kv_cache]
 
     positions = torch.tensor([30, 31, 32, 33, 34, 8, 9, 10, 11, 12, 0, 0])
@@ -411,17 +410,14 @@ def test_verifier_sizes_the_gdn_buffers_from_the_hybrid_config(hybrid_model_conf
         speculative_config=spec,
         scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=256),
     )
-    try:
-        verifier = DDTreeVerifier(cfg, torch.device(DEVICE))
-        gdn = verifier.gdn
-        assert gdn is not None and gdn_verify.get_ddtree_gdn() is gdn
-        # 6 linear-attention layers; conv dim 2 * 2 * 32 + 4 * 32; 4 value
-        # heads; rows: min(256 batched tokens, 4 requests x (1 + 16)).
-        assert gdn.x_buf.shape == (6, 68, 256)
-        assert gdn.a_buf.shape == gdn.b_buf.shape == (6, 68, 4)
-        assert gdn.x_buf.dtype == torch.float32
-        assert gdn.parent_idx is verifier.req_parent_idx
-        cfg.scheduler_config.max_num_batched_tokens = 32
-        assert DDTreeVerifier(cfg, torch.device(DEVICE)).gdn.x_buf.shape[1] == 32
-    finally:
-        gdn_verify.set_ddtree_gdn(None)
+    verifier = DDTreeVerifier(cfg, torch.device(DEVICE))
+    gdn = verifier.gdn
+    assert gdn is not None
+    # 6 linear-attention layers; conv dim 2 * 2 * 32 + 4 * 32; 4 value
+    # heads; rows: min(256 batched tokens, 4 requests x (1 + 16)).
+    assert gdn.x_buf.shape == (6, 68, 256)
+    assert gdn.a_buf.shape == gdn.b_buf.shape == (6, 68, 4)
+    assert gdn.x_buf.dtype == torch.float32
+    assert gdn.parent_idx is verifier.req_parent_idx
+    cfg.scheduler_config.max_num_batched_tokens = 32
+    assert DDTreeVerifier(cfg, torch.device(DEVICE)).gdn.x_buf.shape[1] == 32

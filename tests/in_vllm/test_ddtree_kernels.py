@@ -1,19 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""DDTree's Triton bookkeeping kernels against the torch reference in the
-DDTree core (walk_tree, compaction_indices). On a CPU machine they run in the
-Triton interpreter (tests/in_vllm/conftest.py sets it up)."""
+"""DDTree's Triton bookkeeping kernels against the torch reference
+implementations (tests/ddtree_reference.py: walk_tree, compaction_indices,
+ancestor_mask). On a CPU machine they run in the Triton interpreter
+(tests/in_vllm/conftest.py sets it up)."""
 
 import pytest
 import torch
 
 kernels = pytest.importorskip("vllm.v1.worker.gpu.spec_decode.ddtree.kernels")
-from vllm.v1.spec_decode.ddtree.tree import (  # noqa: E402
+from ddtree_reference import (  # noqa: E402
     ancestor_mask,
-    build_tree,
     compaction_indices,
     tree_attention_bias,
     walk_tree,
 )
+
+from vllm.v1.spec_decode.ddtree.tree import build_tree  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

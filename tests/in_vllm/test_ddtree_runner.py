@@ -40,12 +40,21 @@ _spec = make_spec
 
 
 @needs_models
-def test_ddtree_config_resolves_to_dflash_with_a_tree(target_model_config):
+def test_ddtree_config_keeps_its_method_and_drafts_like_dflash(target_model_config):
     spec = _spec(target_model_config, method="ddtree", model=DRAFTER, tree_budget=32)
-    assert spec.use_ddtree() and spec.use_dflash()
-    assert spec.method == "dflash"
+    assert spec.method == "ddtree"  # visible in the resolved config
+    assert spec.use_ddtree() and spec.use_dflash() and spec.use_eagle()
+    # The DFlash paths: parallel drafting, the drafter wrapped as DFlash,
+    # aux hidden states from the target.
+    assert spec.parallel_drafting
+    assert all(a.startswith("DFlash") for a in spec.draft_model_config.architectures)
     assert spec.num_speculative_tokens == 32  # the scheduler verifies B tokens
     assert spec.draft_depth == 15  # drafter block_size 16 - 1
+    # The same graph-shaping factors as DFlash with the same drafter.
+    dflash = _spec(
+        target_model_config, method="dflash", model=DRAFTER, num_speculative_tokens=15
+    )
+    assert spec.compute_hash() == dflash.compute_hash()
     spec2 = _spec(
         target_model_config, method="ddtree", model=DRAFTER, draft_depth=7
     )
@@ -312,10 +321,10 @@ def test_resolving_an_already_resolved_config_is_a_no_op():
     from vllm.v1.spec_decode.ddtree.config import resolve_ddtree_method
 
     spec = SimpleNamespace(
-        method="dflash", tree_budget=16, num_speculative_tokens=16, model="x"
+        method="ddtree", tree_budget=16, num_speculative_tokens=16, model="x"
     )
     resolve_ddtree_method(spec)  # a copy of a resolved config: no error
-    assert spec.method == "dflash" and spec.num_speculative_tokens == 16
+    assert spec.method == "ddtree" and spec.num_speculative_tokens == 16
 
 
 def test_attach_bias_points_triton_metadata_at_the_buffer():

@@ -6,7 +6,6 @@ minimal config, a stored 4-node tree, an argmax sampler."""
 import os
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -69,8 +68,19 @@ def store_trees(verifier, req_states, trees, device="cpu"):
     return draft_tokens.to(device)
 
 
+def tree_penalties(vocab=32, device="cpu"):
+    """The verifier's real TreePenaltiesState for 4 request states, no
+    penalties set (tests/in_vllm/conftest.py makes its buffers CPU tensors)."""
+    from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import TreePenaltiesState
+
+    return TreePenaltiesState(
+        SimpleNamespace(max_num_reqs=4, vocab_size=vocab, device=torch.device(device))
+    )
+
+
 class ArgmaxSampler:
-    penalties_state = SimpleNamespace(use_penalty=np.zeros(4, dtype=bool))
+    def __init__(self):
+        self.penalties_state = tree_penalties()
 
     def returns_logprobs(self, idx_mapping_np):
         return False

@@ -3,12 +3,13 @@
 """Configuration of DDTree tree speculative decoding.
 
 DDTree (arXiv 2604.12989) drafts with a DFlash model and verifies a tree of
-``tree_budget`` nodes per step instead of a chain. Internally the speculative
-method stays ``dflash`` so that every DFlash code path (aux hidden states, the
-draft model loader, context K/V precompute) is reused unchanged; DDTree is on
-when ``SpeculativeConfig.tree_budget`` is set. The scheduler sees
-``num_speculative_tokens = tree_budget`` (tokens verified per step), while the
-DFlash pass predicts ``draft_depth`` positions.
+``tree_budget`` nodes per step instead of a chain. The method stays
+``"ddtree"`` in the resolved config (``SpeculativeConfig.use_ddtree()``); the
+upstream code paths that serve any DFlash drafter (aux hidden states, the
+draft model loader, context K/V precompute, the scheduler's lookahead) ask
+``SpeculativeConfig.use_dflash()``, which is true for both methods. The
+scheduler sees ``num_speculative_tokens = tree_budget`` (tokens verified per
+step), while the DFlash pass predicts ``draft_depth`` positions.
 
 Every check here raises ``ValueError`` with one readable line, so that a bad
 configuration stops ``LLM(...)`` or ``vllm serve`` at startup.
@@ -48,17 +49,19 @@ def _check_positive_int(name: str, value: object) -> int:
 
 
 def resolve_ddtree_method(spec: "SpeculativeConfig") -> None:
-    """Turn ``method='ddtree'`` into a DFlash configuration with a tree.
+    """Validate the DDTree fields and size the step by the tree budget.
 
-    Called first thing in ``SpeculativeConfig.__post_init__``, before the
-    draft model config is created.
+    Called first thing in ``SpeculativeConfig.__post_init__`` when the method
+    is ``"ddtree"`` or a DDTree field is set, before the draft model config
+    is created.
     """
     if (
-        spec.method == "dflash"
+        spec.method == DDTREE_METHOD
         and spec.tree_budget is not None
         and spec.num_speculative_tokens == spec.tree_budget
     ):
-        return  # A copy of an already resolved config.
+        # Already resolved: a copy (``replace()`` runs __post_init__ again).
+        return
     if spec.method != DDTREE_METHOD:
         raise ValueError(
             "DDTree: tree_budget and draft_depth are only valid with "
@@ -95,7 +98,6 @@ def resolve_ddtree_method(spec: "SpeculativeConfig") -> None:
     # The scheduler, the KV lookahead and the CUDA-graph sizes all count the
     # tokens verified per step: that is the tree budget.
     spec.num_speculative_tokens = spec.tree_budget
-    spec.method = "dflash"
 
 
 def verify_ddtree_drafter(spec: "SpeculativeConfig") -> None:

@@ -32,8 +32,10 @@ The post-conv q / k / v are recomputed rather than saved: saving them would
 double the buffers (a ``conv_dim`` row per verify token and layer) for a
 recomputation that costs one small conv launch per layer after the walk.
 
-The layer finds this object through `get_ddtree_gdn` (set by the verifier
-when the target is hybrid); the upstream layer only gains two branches.
+The verifier binds this object to each GDN layer of a hybrid target
+(`DDTreeGDN.bind_layers` sets the layer's ``ddtree_verifier``); the upstream
+layer only gains that attribute and two branches that call `conv` and
+`recurrent` when it is set.
 """
 
 from __future__ import annotations
@@ -51,18 +53,6 @@ from vllm.v1.spec_decode.ddtree.tree_conv import (
 from vllm.v1.spec_decode.ddtree.tree_gdn import tree_gated_delta_rule
 
 logger = init_logger(__name__)
-
-_ACTIVE: DDTreeGDN | None = None
-
-
-def get_ddtree_gdn() -> DDTreeGDN | None:
-    """The process's DDTree GDN context, or None (no DDTree hybrid target)."""
-    return _ACTIVE
-
-
-def set_ddtree_gdn(context: DDTreeGDN | None) -> None:
-    global _ACTIVE
-    _ACTIVE = context
 
 
 def spec_decode_rows(
@@ -192,7 +182,9 @@ class DDTreeGDN:
 
     # ------------------------------------------------------------ binding
     def bind_layers(self, forward_context: dict[str, Any]) -> None:
-        """Find the target's GDN layers (once the model is loaded)."""
+        """Find the target's GDN layers (once the model is loaded) and make
+        this object their tree verifier: from now on each layer's
+        spec-decode rows go through `conv` and `recurrent`."""
         from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
             QwenGatedDeltaNetAttention,
         )
@@ -218,6 +210,8 @@ class DDTreeGDN:
                 )
             self.layer_index[name] = i
             self.layers[name] = layer
+        for layer in layers.values():
+            layer.ddtree_verifier = self
 
     def attach(self, attn_metadata: dict[str, Any]) -> None:
         """Keep the step's GDN metadata per layer (state slots, per KV group)."""

@@ -208,8 +208,8 @@ def ddtree_tree_bias(
     out: torch.Tensor,
 ) -> None:
     """Write the batch's tree attention bias into ``out[:num_reqs]`` in one
-    launch (see `vllm.v1.spec_decode.ddtree.tree.ancestor_mask` for the
-    reference definition)."""
+    launch (the torch reference, `ancestor_mask`, is in the tests:
+    tests/ddtree_reference.py)."""
     num_reqs = idx_mapping.shape[0]
     num_nodes = parent_idx.shape[1] + 1
     assert out.dtype == torch.float32 and out.is_contiguous()

@@ -7,14 +7,16 @@
 top-k / top-p, Gumbel noise keyed by (request seed, tree position)), with
 one difference: the penalties of a tree row count the tokens on the row's
 root -> node path (see `vllm.v1.spec_decode.ddtree.sampling`) instead of the
-rows before it. `node_logprobs` then returns logprobs for the emitted tokens
+rows before it: `TreePenaltiesState`, which the verifier gives the sampler in
+place of upstream's `PenaltiesState`, applies that rule while a tree step is
+sampled. `node_logprobs` then returns logprobs for the emitted tokens
 only: per-row scores with each row's own draw, reordered so that a request's
 first ``num_sampled`` rows are its accepted path, as the output processor
 expects.
 """
 
-from collections.abc import Callable
-from typing import Any
+import contextlib
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -30,34 +32,38 @@ from vllm.v1.spec_decode.ddtree.sampling import (
 )
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+from vllm.v1.worker.gpu.sample.penalties import PenaltiesState
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+from vllm.v1.worker.gpu.states import RequestState
 
 PathsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], RowPaths]
 
 
-class TreePenalties:
-    """Wraps the sampler's `PenaltiesState`: while a tree context is set,
-    penalties count each row's ancestor path; otherwise upstream as is.
+class TreePenaltiesState(PenaltiesState):
+    """Upstream's `PenaltiesState` with the tree rule for DDTree steps.
 
-    Every other attribute (``output_bin_counts``, ``add_request``, ...) is
-    the wrapped state's.
+    Inside `counting_tree_paths` (the sampling of one verify step), the
+    repetition / frequency / presence penalties of a logits row count the
+    tokens on the row's root -> node path; outside it (prefill and plain
+    decode rows, the dummy sampler run) this is upstream's state unchanged.
+    `DDTreeVerifier.bind_sampler` puts one in place of the sampler's own,
+    before any request is added.
     """
 
-    def __init__(self, inner: Any):
-        self._inner = inner
+    def __init__(self, req_states: RequestState):
+        super().__init__(req_states)
         self._paths_fn: PathsFn | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    @classmethod
-    def install(cls, sampler: Sampler) -> "TreePenalties":
-        state = sampler.penalties_state
-        if not isinstance(state, TreePenalties):
-            state = cls(state)
-            sampler.penalties_state = state  # type: ignore[assignment]
-        return state
+    @contextlib.contextmanager
+    def counting_tree_paths(self, paths_fn: PathsFn) -> Iterator[None]:
+        """Penalties count ``paths_fn(input_ids, expanded_idx_mapping,
+        expanded_local_pos)``'s path tokens while the context is open."""
+        self._paths_fn = paths_fn
+        try:
+            yield
+        finally:
+            self._paths_fn = None
 
     def apply_penalties(
         self,
@@ -67,10 +73,9 @@ class TreePenalties:
         input_ids: torch.Tensor,
         expanded_local_pos: torch.Tensor,
     ) -> None:
-        inner = self._inner
         paths_fn = self._paths_fn
-        if paths_fn is None or not np.any(inner.use_penalty[idx_mapping_np]):
-            inner.apply_penalties(
+        if paths_fn is None or not np.any(self.use_penalty[idx_mapping_np]):
+            super().apply_penalties(
                 logits, expanded_idx_mapping, idx_mapping_np, input_ids,
                 expanded_local_pos,
             )
@@ -79,20 +84,20 @@ class TreePenalties:
         orig = gather_path_logits(logits, paths)
         # History only: with every local position 0 the kernel adds no
         # draft tokens; the path tokens are then recomputed exactly.
-        inner.apply_penalties(
+        super().apply_penalties(
             logits, expanded_idx_mapping, idx_mapping_np, input_ids,
             torch.zeros_like(expanded_local_pos),
         )
         hist, in_prompt = path_history_stats(
-            inner.output_bin_counts, inner.prompt_bin_mask,
+            self.output_bin_counts, self.prompt_bin_mask,
             expanded_idx_mapping, paths,
         )
         req = expanded_idx_mapping.long()
         penalize_path_tokens(
             logits, orig, paths, hist, in_prompt,
-            inner.repetition_penalty.gpu[req],
-            inner.frequency_penalty.gpu[req],
-            inner.presence_penalty.gpu[req],
+            self.repetition_penalty.gpu[req],
+            self.frequency_penalty.gpu[req],
+            self.presence_penalty.gpu[req],
         )
 
 
@@ -126,9 +131,13 @@ def sample_nodes(
             draft_depth,
         )
 
-    penalties = TreePenalties.install(sampler)
-    penalties._paths_fn = paths_fn
-    try:
+    penalties = sampler.penalties_state
+    if not isinstance(penalties, TreePenaltiesState):
+        raise RuntimeError(
+            "DDTree: the sampler's penalties state is not tree-aware; "
+            "DDTreeVerifier.bind_sampler must run before sampling."
+        )
+    with penalties.counting_tree_paths(paths_fn):
         sampled, processed_logits = sampler.sample(
             logits,
             expanded_idx_mapping,
@@ -138,8 +147,6 @@ def sample_nodes(
             input_batch.expanded_local_pos,
             return_logprobs=return_logprobs,
         )
-    finally:
-        penalties._paths_fn = None
     if not return_logprobs:
         return sampled, None
 

@@ -9,6 +9,7 @@ built with batched top-k steps inside the drafter's CUDA graph, so drafting
 adds no host synchronisation.
 """
 
+import copy
 from typing import Any
 
 import torch
@@ -19,13 +20,32 @@ from vllm.v1.spec_decode.ddtree.tree import build_tree
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 
+def drafter_vllm_config(vllm_config: VllmConfig) -> VllmConfig:
+    """The config the DDTree drafter runs with: the target's, except that its
+    speculative config has no per-batch-size budget schedule.
+
+    The schedule (``num_speculative_tokens_per_batch_size``, set by the
+    "batch" budget policy) says how many tree nodes the target verifies per
+    request at each batch size, and the target's CUDA graphs follow it. The
+    DFlash pass has 1 + draft_depth query tokens per request at every batch
+    size, so the drafter's graphs must not. Shallow copies: every other
+    sub-config is the target's own object.
+    """
+    speculative_config = copy.copy(vllm_config.speculative_config)
+    assert speculative_config is not None
+    speculative_config.num_speculative_tokens_per_batch_size = None
+    drafter_config = copy.copy(vllm_config)
+    drafter_config.speculative_config = speculative_config
+    return drafter_config
+
+
 class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device):
         # The base class sizes draft_tokens by num_speculative_tokens, which
         # DDTree sets to the tree budget: one column per tree node.
-        super().__init__(vllm_config, device)
+        super().__init__(drafter_vllm_config(vllm_config), device)
         spec = self.speculative_config
         assert spec.tree_budget is not None and spec.draft_depth is not None
         self.tree_budget: int = spec.tree_budget
@@ -61,18 +81,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.tree_valid = torch.zeros(
             self.max_num_reqs, self.tree_budget, dtype=torch.bool, device=device
         )
-
-    def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
-        # The DFlash pass has 1 + draft_depth query tokens per request whatever
-        # tree budget the batch-size schedule verifies, so its CUDA graphs are
-        # sized without the schedule (which only the target's graphs follow).
-        spec = self.speculative_config
-        schedule = spec.num_speculative_tokens_per_batch_size
-        spec.num_speculative_tokens_per_batch_size = None
-        try:
-            super().init_cudagraph_manager(cudagraph_mode)
-        finally:
-            spec.num_speculative_tokens_per_batch_size = schedule
 
     def _generate_draft(
         self,

@@ -49,6 +49,7 @@ from vllm.v1.worker.gpu.input_batch import (
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import (
+    TreePenaltiesState,
     node_logprobs,
     sample_nodes,
 )
@@ -109,17 +110,20 @@ class DDTreeVerifier:
         self.gdn = None
         model_config = getattr(vllm_config, "model_config", None)
         if model_config is not None and model_config.is_hybrid:
-            from vllm.v1.spec_decode.ddtree.gdn_verify import (
-                DDTreeGDN,
-                set_ddtree_gdn,
-            )
+            from vllm.v1.spec_decode.ddtree.gdn_verify import DDTreeGDN
 
+            # Bound to the target's GDN layers in bind(), once they exist.
             self.gdn = DDTreeGDN.from_vllm_config(
                 vllm_config, self.req_parent_idx, self.draft_depth, device
             )
-            set_ddtree_gdn(self.gdn)
 
     # ------------------------------------------------------------------ setup
+    def bind_sampler(self, sampler: Sampler) -> None:
+        """Give the target's sampler tree-aware penalties (a
+        `TreePenaltiesState` in place of its `PenaltiesState`). Called once
+        the sampler exists, before any request is added to it."""
+        sampler.penalties_state = TreePenaltiesState(sampler.req_states)
+
     def bind(
         self,
         model_state: Any,
