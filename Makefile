@@ -6,9 +6,12 @@ VERSION := $(shell $(PYTHON) apply_patches.py version)
 WHEEL := dist/$(shell $(PYTHON) apply_patches.py wheel-name)
 IMAGE ?= vllm-ddtree:$(subst +,-,$(VERSION))
 PYTEST_ARGS ?=
+# Files and directories we own that ruff checks with vLLM's settings (add a path
+# to cover more, e.g. bench).
+LINT_PATHS ?= overlay tests apply_patches.py
 REPORT_DIR ?= docs/rebase
 
-.PHONY: all fetch check apply export wheel test lint-docker image clean rebase-check
+.PHONY: all fetch check apply export wheel lint test lint-docker image clean rebase-check
 
 all: wheel
 
@@ -37,20 +40,27 @@ $(WHEEL): upstream.lock patches/series $(wildcard patches/*.patch) $(OVERLAY_FIL
 lint-docker:
 	hadolint Dockerfile
 
+# ruff (vLLM's settings, ruff.toml) on LINT_PATHS and on the lines the patches add
+# to upstream files (needs build/src: `make apply`).
+lint:
+	$(TOOL) lint --src $(SRC) $(LINT_PATHS)
+
 test:
-	@echo "== [1/7] fetch (cache: $${VLLM_DDTREE_CACHE:-~/.cache/vllm-ddtree})"
+	@echo "== [1/8] fetch (cache: $${VLLM_DDTREE_CACHE:-~/.cache/vllm-ddtree})"
 	$(TOOL) fetch
-	@echo "== [2/7] apply --verify into $(SRC)"
+	@echo "== [2/8] apply --verify into $(SRC)"
 	$(TOOL) apply --src $(SRC) --verify
-	@echo "== [3/7] check"
+	@echo "== [3/8] check"
 	$(TOOL) check
-	@echo "== [4/7] export --dry-run (drift gate)"
+	@echo "== [4/8] export --dry-run (drift gate: patches and overlay)"
 	$(TOOL) export --src $(SRC) --dry-run
-	@echo "== [5/7] wheel + Dockerfile lint"
+	@echo "== [5/8] lint (ruff, vLLM's settings)"
+	$(MAKE) --no-print-directory lint
+	@echo "== [6/8] wheel + Dockerfile lint"
 	$(MAKE) --no-print-directory wheel lint-docker
-	@echo "== [6/7] pytest (tooling, wheel round trip, DDTree core)"
+	@echo "== [7/8] pytest (tooling, wheel round trip, DDTree core)"
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
-	@echo "== [7/7] pytest inside the wheel's venv (tests that import the patched vLLM)"
+	@echo "== [8/8] pytest inside the wheel's venv (tests that import the patched vLLM)"
 	VENV=$$($(PYTHON) tests/ddtree_venv.py $(WHEEL)) && \
 	  $$VENV/bin/python -m pytest -c tests/in_vllm/pytest.ini tests/in_vllm $(PYTEST_ARGS)
 

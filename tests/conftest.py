@@ -44,7 +44,9 @@ def _tooling():
 
 
 def patched_src() -> Path:
-    return Path(os.environ.get("VLLM_DDTREE_SRC", REPO_ROOT / "build" / "src")).resolve()
+    return Path(
+        os.environ.get("VLLM_DDTREE_SRC", REPO_ROOT / "build" / "src")
+    ).resolve()
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +96,9 @@ def stack_copy(tmp_path: Path) -> tuple[Path, Path]:
     return lock, patches
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
     # `-m gpu` selects the GPU tests; on a machine without CUDA they skip.
     try:
         import torch

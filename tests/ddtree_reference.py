@@ -131,8 +131,7 @@ def _num_jump_steps(draft_depth: int) -> int:
 # --------------------------------------------------------------------------
 
 
-def tree_positions(root_positions: torch.Tensor,
-                   depth: torch.Tensor) -> torch.Tensor:
+def tree_positions(root_positions: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
     """Positions of the ``B + 1`` verify tokens: ``[R, B + 1]``.
 
     Column 0 is ``root_positions`` (``[R]``), column ``i`` is
@@ -143,8 +142,7 @@ def tree_positions(root_positions: torch.Tensor,
     return torch.cat([root, node], dim=1)
 
 
-def _with_root(node_values: torch.Tensor,
-               root_value: int | bool = 0) -> torch.Tensor:
+def _with_root(node_values: torch.Tensor, root_value: int | bool = 0) -> torch.Tensor:
     """Prepend the root column: ``[R, B]`` -> ``[R, B + 1]``.
 
     For parent pointers the root (index 0) is its own parent; for depths the
@@ -177,8 +175,9 @@ def ancestor_mask(parent_idx: torch.Tensor, draft_depth: int) -> torch.Tensor:
     return mask
 
 
-def tree_attention_bias(mask: torch.Tensor,
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def tree_attention_bias(
+    mask: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Additive intra-tree attention bias ``[R, B + 1, B + 1]``: 0 where
     ``mask`` (from `ancestor_mask`) is True, ``-inf`` elsewhere."""
     zero = torch.zeros((), dtype=dtype, device=mask.device)
@@ -251,10 +250,9 @@ def walk_tree(
     # scratch column D + 1 that is dropped.
     depth = _with_root(tree.depth)
     dest = torch.where(accepted, depth, draft_depth + 1)
-    path = torch.full((num_reqs, draft_depth + 2), -1, dtype=torch.int64,
-                      device=device)
+    path = torch.full((num_reqs, draft_depth + 2), -1, dtype=torch.int64, device=device)
     path.scatter_(1, dest, _arange(budget + 1, device).expand(num_reqs, -1))
-    accepted_idx = path[:, :draft_depth + 1]
+    accepted_idx = path[:, : draft_depth + 1]
 
     on_path = accepted_idx >= 0
     output_tokens = target.gather(1, accepted_idx.clamp_min(0))

@@ -10,7 +10,6 @@ Reading a CPU tensor (the scheduler's own numbers) is fine and is what the
 runner does; this check is about the code we add."""
 
 import ast
-from pathlib import Path
 
 import pytest
 
@@ -21,20 +20,34 @@ from conftest import OVERLAY
 PER_STEP = {
     "vllm/v1/spec_decode/ddtree/tree.py": None,  # every function
     "vllm/v1/worker/gpu/spec_decode/ddtree/verifier.py": {
-        "prepare_verify", "prepare_model_positions", "sample", "compact",
-        "store_trees", "attach_bias",
+        "prepare_verify",
+        "prepare_model_positions",
+        "sample",
+        "compact",
+        "store_trees",
+        "attach_bias",
     },
     # Hybrid (Gated DeltaNet) targets: the layer hooks run inside the
     # captured forward, prepare_step / commit around it.
     "vllm/v1/spec_decode/ddtree/gdn_verify.py": {
-        "prepare_step", "attach", "_spec_rows", "conv", "recurrent", "commit",
-        "spec_decode_rows", "gdn_layer_states", "_copy_from_host",
+        "prepare_step",
+        "attach",
+        "_spec_rows",
+        "conv",
+        "recurrent",
+        "commit",
+        "spec_decode_rows",
+        "gdn_layer_states",
+        "_copy_from_host",
     },
     "vllm/v1/worker/gpu/spec_decode/ddtree/speculator.py": {"_generate_draft"},
     "vllm/v1/worker/gpu/spec_decode/ddtree/kernels.py": {"ddtree_walk", "__call__"},
     "vllm/v1/spec_decode/ddtree/sampling.py": None,
     "vllm/v1/worker/gpu/spec_decode/ddtree/sampling.py": {
-        "apply_penalties", "counting_tree_paths", "sample_nodes", "paths_fn",
+        "apply_penalties",
+        "counting_tree_paths",
+        "sample_nodes",
+        "paths_fn",
         "node_logprobs",
     },
 }

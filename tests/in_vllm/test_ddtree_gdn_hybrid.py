@@ -89,9 +89,7 @@ def decode_md(slot):
         num_spec_decodes=0,
         num_spec_decode_tokens=0,
         num_actual_tokens=1,
-        non_spec_query_start_loc=torch.tensor(
-            [0, 1], dtype=torch.int32, device=DEVICE
-        ),
+        non_spec_query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
         non_spec_state_indices_tensor=torch.tensor(
             [slot], dtype=torch.int32, device=DEVICE
         ),
@@ -199,9 +197,7 @@ class Case:
         self.depth = depth
         num_rows = len(budgets)
         budget = max(budgets)
-        tree = build_tree(
-            torch.randn(num_rows, depth, 6, generator=gen) * 2, budget
-        )
+        tree = build_tree(torch.randn(num_rows, depth, 6, generator=gen) * 2, budget)
         self.max_reqs = num_rows + 3
         # Batch row r verifies request state idx_mapping[r].
         self.idx_mapping = torch.randperm(self.max_reqs, generator=gen)[:num_rows]
@@ -308,8 +304,12 @@ def test_chain_parent_mutant_is_caught(monkeypatch):
         for node in range(1 + budget):
             rows = case.rows(r, path_of(parent_row, node))
             ref, _, _ = replay(
-                monkeypatch, layer, case.slots[r], case.mixed_qkv[rows],
-                case.b[rows], case.a[rows],
+                monkeypatch,
+                layer,
+                case.slots[r],
+                case.mixed_qkv[rows],
+                case.b[rows],
+                case.a[rows],
             )
             mismatches += not torch.allclose(
                 out[case.query_start[r] + node], ref[-1], rtol=1e-5, atol=1e-5
@@ -356,7 +356,12 @@ def test_commit_leaves_the_states_of_the_accepted_path(
         slot = case.slots[r]
         rows = case.rows(r, nodes[r, : int(counts[r])].cpu().tolist())
         ref_conv, ref_ssm = replay_from(
-            monkeypatch, layer, committed, slot, case.mixed_qkv[rows], case.b[rows],
+            monkeypatch,
+            layer,
+            committed,
+            slot,
+            case.mixed_qkv[rows],
+            case.b[rows],
             case.a[rows],
         )
         torch.testing.assert_close(ssm[slot], ref_ssm, rtol=1e-5, atol=1e-5)
@@ -384,7 +389,12 @@ def test_commit_with_only_the_root_accepted_is_one_decode_step(monkeypatch):
         slot = case.slots[r]
         row = [case.query_start[r]]
         assert_slot_is_replay(
-            monkeypatch, layer, committed, slot, case.mixed_qkv[row], case.b[row],
+            monkeypatch,
+            layer,
+            committed,
+            slot,
+            case.mixed_qkv[row],
+            case.b[row],
             case.a[row],
         )
 

@@ -16,7 +16,6 @@ from verifier_fakes import (  # noqa: E402
     DEPTH,
     DRAFTER,
     PARENT,
-    TARGET,
     TOKENS,
     ArgmaxSampler,
     B,
@@ -27,15 +26,7 @@ from verifier_fakes import (  # noqa: E402
     store_trees,
 )
 
-
 # ----------------------------------------------------------------- config
-@pytest.fixture(scope="module")
-def target_model_config():
-    from vllm.config import ModelConfig
-
-    return ModelConfig(model=TARGET, dtype="float32", max_model_len=2048)
-
-
 _spec = make_spec
 
 
@@ -55,9 +46,7 @@ def test_ddtree_config_keeps_its_method_and_drafts_like_dflash(target_model_conf
         target_model_config, method="dflash", model=DRAFTER, num_speculative_tokens=15
     )
     assert spec.compute_hash() == dflash.compute_hash()
-    spec2 = _spec(
-        target_model_config, method="ddtree", model=DRAFTER, draft_depth=7
-    )
+    spec2 = _spec(target_model_config, method="ddtree", model=DRAFTER, draft_depth=7)
     assert spec2.tree_budget == 64 and spec2.draft_depth == 7
     plain = _spec(
         target_model_config, method="dflash", model=DRAFTER, num_speculative_tokens=15
@@ -233,8 +222,20 @@ def _compact_batch(verifier, batch):
     the prefill, 20 * 16 + 4 + (i - 3) for the tree; each slot holds its
     token index. Returns (hidden, slots, kv_cache) after the compaction."""
     hidden = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 2) * 10
-    slots = torch.tensor([0, 1, 2, 20 * 16 + 4, 20 * 16 + 5, 20 * 16 + 6, 20 * 16 + 7,
-                          20 * 16 + 8, -1, -1])
+    slots = torch.tensor(
+        [
+            0,
+            1,
+            2,
+            20 * 16 + 4,
+            20 * 16 + 5,
+            20 * 16 + 6,
+            20 * 16 + 7,
+            20 * 16 + 8,
+            -1,
+            -1,
+        ]
+    )
     kv_cache = torch.zeros(32, 1, 16, 2)
     for tok in range(8):
         s = int(slots[tok])
@@ -263,7 +264,9 @@ def test_sample_walks_the_tree_and_compaction_moves_the_path():
     hidden, slots, kv_cache = _compact_batch(verifier, batch)
     # Accepted path root(3) -> node1(4) -> node4(7): rows 3, 4, 5 hold 3, 4, 7.
     assert hidden[:, 0].tolist() == [0, 10, 20, 30, 40, 70, 60, 70, 80, 90]
-    got = [float(kv_cache[int(slots[t]) // 16, 0, int(slots[t]) % 16, 0]) for t in range(8)]
+    got = [
+        float(kv_cache[int(slots[t]) // 16, 0, int(slots[t]) % 16, 0]) for t in range(8)
+    ]
     assert got == [0, 1, 2, 3, 4, 7, 6, 7]
     # Sequential positions are back for the DFlash context.
     assert batch.positions.tolist() == [0, 1, 2, 20, 21, 22, 23, 24, 0, 0]

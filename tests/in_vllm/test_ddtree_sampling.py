@@ -14,8 +14,8 @@ vllm = pytest.importorskip("vllm")
 
 from test_ddtree_runner import (  # noqa: E402
     PARENT,
-    B,
     TOKENS,
+    B,
     _batch,
     _store_one_tree,
     _verifier,
@@ -48,8 +48,14 @@ def test_bad_words_are_refused_and_the_rest_is_accepted():
     with pytest.raises(ValueError, match="DDTree does not support bad_words"):
         SamplingParams(bad_words=["foo"])._validate_spec_decode(_ddtree_spec())
     SamplingParams(
-        temperature=0.7, top_p=0.9, top_k=20, seed=3, repetition_penalty=1.2,
-        frequency_penalty=0.5, presence_penalty=0.3, logprobs=2,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        seed=3,
+        repetition_penalty=1.2,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        logprobs=2,
     )._validate_spec_decode(_ddtree_spec())
     # min_p and logit_bias apply per tree row (Sampler.sample); the chain
     # methods keep upstream's refusal.
@@ -60,8 +66,9 @@ def test_bad_words_are_refused_and_the_rest_is_accepted():
 
 
 # ------------------------------------------------------------ fakes
-def _chain_penalties(logits, eim, input_ids, local_pos, rep, freq, pres,
-                     prompt_mask, counts):
+def _chain_penalties(
+    logits, eim, input_ids, local_pos, rep, freq, pres, prompt_mask, counts
+):
     """Torch twin of upstream's penalties kernel (history + the draft
     tokens of the rows before, as a chain)."""
     for t in range(logits.shape[0]):
@@ -95,9 +102,11 @@ def _penalties(rep, freq, pres, counts, prompt_mask):
     state = TreePenaltiesState(
         SimpleNamespace(max_num_reqs=4, vocab_size=VOCAB, device=torch.device("cpu"))
     )
-    for uva, values in ((state.repetition_penalty, rep),
-                        (state.frequency_penalty, freq),
-                        (state.presence_penalty, pres)):
+    for uva, values in (
+        (state.repetition_penalty, rep),
+        (state.frequency_penalty, freq),
+        (state.presence_penalty, pres),
+    ):
         uva.np[:] = values.numpy()
         uva.copy_to_uva()
     state.use_penalty[:] = [
@@ -110,9 +119,13 @@ def _penalties(rep, freq, pres, counts, prompt_mask):
 
 
 def _no_penalties():
-    return _penalties(torch.tensor([1.0] * 4), torch.zeros(4), torch.zeros(4),
-                      torch.zeros(4, VOCAB, dtype=torch.int32),
-                      torch.zeros(4, VOCAB, dtype=torch.bool))
+    return _penalties(
+        torch.tensor([1.0] * 4),
+        torch.zeros(4),
+        torch.zeros(4),
+        torch.zeros(4, VOCAB, dtype=torch.int32),
+        torch.zeros(4, VOCAB, dtype=torch.bool),
+    )
 
 
 class _FakeSampler:
@@ -124,15 +137,21 @@ class _FakeSampler:
         self.logprobs = logprobs
         self.logprobs_mode = "processed_logprobs"
         self.sampling_states = SimpleNamespace(max_num_logprobs=lambda _: 2)
-        self.logprob_token_ids_state = SimpleNamespace(
-            max_num_token_ids=lambda _: 0
-        )
+        self.logprob_token_ids_state = SimpleNamespace(max_num_token_ids=lambda _: 0)
 
     def returns_logprobs(self, idx_mapping_np):
         return self.logprobs
 
-    def sample(self, logits, eim, idx_mapping_np, pos, input_ids, local_pos,
-               return_logprobs=False):
+    def sample(
+        self,
+        logits,
+        eim,
+        idx_mapping_np,
+        pos,
+        input_ids,
+        local_pos,
+        return_logprobs=False,
+    ):
         logits = logits.clone()
         self.penalties_state.apply_penalties(
             logits, eim, idx_mapping_np, input_ids, local_pos
@@ -177,20 +196,42 @@ def test_verifier_penalties_count_each_nodes_ancestor_path():
         ctx = counts.clone()
         for t in _node_path(row - 1):
             ctx[2, t] += 1
-        one = expected[row:row + 1].clone()
-        _chain_penalties(one, torch.tensor([2]), None, torch.tensor([0]),
-                         rep, freq, pres, prompt, ctx)
+        one = expected[row : row + 1].clone()
+        _chain_penalties(
+            one,
+            torch.tensor([2]),
+            None,
+            torch.tensor([0]),
+            rep,
+            freq,
+            pres,
+            prompt,
+            ctx,
+        )
         expected[row] = one[0]
     torch.testing.assert_close(sampler.processed, expected, rtol=1e-6, atol=1e-6)
     # Outside a tree step the state is upstream's: chain penalties.
     state = sampler.penalties_state
     plain = logits.clone()
-    state.apply_penalties(plain, torch.tensor([2] * 6, dtype=torch.int32),
-                          np.array([2]), batch.input_ids[2:8],
-                          torch.arange(6, dtype=torch.int32))
+    state.apply_penalties(
+        plain,
+        torch.tensor([2] * 6, dtype=torch.int32),
+        np.array([2]),
+        batch.input_ids[2:8],
+        torch.arange(6, dtype=torch.int32),
+    )
     chain = logits.clone()
-    _chain_penalties(chain, torch.tensor([2] * 6), batch.input_ids[2:8],
-                     torch.arange(6), rep, freq, pres, prompt, counts)
+    _chain_penalties(
+        chain,
+        torch.tensor([2] * 6),
+        batch.input_ids[2:8],
+        torch.arange(6),
+        rep,
+        freq,
+        pres,
+        prompt,
+        counts,
+    )
     torch.testing.assert_close(plain, chain, rtol=1e-6, atol=1e-6)
 
 
@@ -244,12 +285,20 @@ def _real_sampler(seeds):
 
     device = torch.device("cpu")
     req_states = RequestState(
-        max_num_reqs=4, max_model_len=64, max_num_batched_tokens=64,
-        num_speculative_steps=B, vocab_size=VOCAB, device=device,
+        max_num_reqs=4,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        num_speculative_steps=B,
+        vocab_size=VOCAB,
+        device=device,
     )
     sampler = Sampler(
-        max_num_reqs=4, vocab_size=VOCAB, device=device, req_states=req_states,
-        num_speculative_tokens=B + 1, use_fp64_gumbel=True,
+        max_num_reqs=4,
+        vocab_size=VOCAB,
+        device=device,
+        req_states=req_states,
+        num_speculative_tokens=B + 1,
+        use_fp64_gumbel=True,
     )
     sampler.use_flashinfer = False
     verifier = _verifier()
@@ -270,8 +319,9 @@ def _seeded_run(seed, monkeypatch):
     real_sample = sampler.sample
 
     def recording_sample(logits, eim, idx_mapping_np, pos, *args, **kwargs):
-        sampled, processed = real_sample(logits, eim, idx_mapping_np, pos, *args,
-                                         **kwargs)
+        sampled, processed = real_sample(
+            logits, eim, idx_mapping_np, pos, *args, **kwargs
+        )
         seen.update(pos=pos.clone(), draws=sampled.clone())
         return sampled, processed
 
@@ -291,8 +341,11 @@ def test_seeded_draws_are_keyed_by_tree_position_and_reproducible(monkeypatch):
     assert draws[2] == draws[3] and draws[4] == draws[5]
     # The same draws as the sampler's own call at those positions.
     again, _ = real_sample(
-        torch.zeros(6, VOCAB), batch.expanded_idx_mapping, batch.idx_mapping_np,
-        torch.tensor(pos), batch.input_ids[batch.logits_indices],
+        torch.zeros(6, VOCAB),
+        batch.expanded_idx_mapping,
+        batch.idx_mapping_np,
+        torch.tensor(pos),
+        batch.input_ids[batch.logits_indices],
         batch.expanded_local_pos,
     )
     assert again.tolist() == draws

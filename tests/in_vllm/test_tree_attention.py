@@ -8,7 +8,8 @@ patched files are in place).  Two modes:
 
 * CPU, Triton interpreter (no GPU needed)::
 
-      TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" pytest tests/in_vllm/test_tree_attention.py
+      TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" \
+          pytest tests/in_vllm/test_tree_attention.py
 
   Without those variables and without CUDA, ``test_cpu_interpreter`` re-runs
   this file in a subprocess with them set.

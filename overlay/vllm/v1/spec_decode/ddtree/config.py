@@ -42,9 +42,7 @@ DDTREE_HYBRID_ARCHITECTURES = (
 
 def _check_positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"DDTree: {name} must be a positive integer, got {value!r}."
-        )
+        raise ValueError(f"DDTree: {name} must be a positive integer, got {value!r}.")
     return value
 
 
@@ -110,9 +108,10 @@ def verify_ddtree_drafter(spec: "SpeculativeConfig") -> None:
     # checkpoint's own config (kept as ``.model``) to tell a real drafter.
     checkpoint_config = getattr(hf_config, "model", None) or hf_config
     architectures = list(getattr(checkpoint_config, "architectures", None) or [])
-    is_dflash = any(
-        a.startswith("DFlash") or a.endswith("DFlash") for a in architectures
-    ) or getattr(checkpoint_config, "dflash_config", None) is not None
+    is_dflash = (
+        any(a.startswith("DFlash") or a.endswith("DFlash") for a in architectures)
+        or getattr(checkpoint_config, "dflash_config", None) is not None
+    )
     if not is_dflash:
         raise ValueError(
             "DDTree: the draft model must be a DFlash drafter (e.g. "
@@ -243,8 +242,7 @@ def verify_ddtree_vllm_config(vllm_config: "VllmConfig") -> None:
     if attention_config.backend is None:
         attention_config.backend = triton
         logger.info(
-            "DDTree: using the %s attention backend (per-request tree "
-            "attention).",
+            "DDTree: using the %s attention backend (per-request tree attention).",
             DDTREE_TARGET_ATTENTION_BACKEND,
         )
     elif attention_config.backend != triton:
@@ -274,7 +272,9 @@ def _verify_drafting_slots(vllm_config: "VllmConfig") -> None:
     batched = scheduler_config.max_num_batched_tokens
     if slots_per_seq * max_num_seqs < batched:
         return
-    fitting_seqs = (batched - 1) // slots_per_seq  # > 0 here: the product reached batched
+    fitting_seqs = (
+        batched - 1
+    ) // slots_per_seq  # > 0 here: the product reached batched
     # The README's quickstart value where it fits, else the largest that does.
     example = min(256, fitting_seqs)
     raise ValueError(
@@ -324,9 +324,7 @@ def _verify_ddtree_target(vllm_config: "VllmConfig") -> None:
         )
     if problems:
         raise ValueError(
-            f"DDTree cannot run {architecture}: "
-            + "; ".join(problems)
-            + "."
+            f"DDTree cannot run {architecture}: " + "; ".join(problems) + "."
         )
     # Said once at startup so that a user of a real hybrid knows how far the
     # path has been checked: the kernels against upstream's sequential ones,

@@ -256,9 +256,7 @@ class DDTreeGDN:
         _copy_from_host(query_start_np, self.spec_query_start[: n + 1])
 
     # -------------------------------------------- forward (inside the layer)
-    def _spec_rows(
-        self, md: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _spec_rows(self, md: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # Eager: the step's spec rows; full CUDA graph: the padded batch
         # (padding rows have the null slot and no tokens: skipped).
         slots = md.spec_state_indices_tensor[:, 0].contiguous()
@@ -268,8 +266,7 @@ class DDTreeGDN:
     def _check_dtype(self, t: torch.Tensor, what: str) -> None:
         if t.dtype != self.dtype:
             raise ValueError(
-                f"DDTree: GDN {what} is {t.dtype}, the verify buffers "
-                f"{self.dtype}."
+                f"DDTree: GDN {what} is {t.dtype}, the verify buffers {self.dtype}."
             )
 
     def conv(

@@ -64,9 +64,7 @@ def _depth(spec: "SpeculativeConfig") -> int:
     return max(1, min(budget, int(depth)))
 
 
-def num_acceptance_positions(
-    spec: "SpeculativeConfig | None", default: int
-) -> int:
+def num_acceptance_positions(spec: "SpeculativeConfig | None", default: int) -> int:
     """Per-position acceptance series to keep: ``default`` (one per
     speculative token) except for DDTree, where position k means depth k + 1
     and the accepted path is at most ``min(tree_budget, draft_depth)`` deep."""
@@ -189,10 +187,7 @@ class DDTreeProm:
             labelnames=[*labelnames, "depth"],
         )
         self.counter_accepted_per_depth = {
-            idx: [
-                per_depth.labels(*lv, str(d))
-                for d in range(1, self.draft_depth + 1)
-            ]
+            idx: [per_depth.labels(*lv, str(d)) for d in range(1, self.draft_depth + 1)]
             for idx, lv in per_engine_labelvalues.items()
         }
 

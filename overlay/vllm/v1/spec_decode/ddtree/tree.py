@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -104,7 +104,7 @@ class _BuildPlan(NamedTuple):
     prefix_counts: tuple[int, ...]  # n_d for d = 1..D
     # Depth d >= 2: flat index a * K + b of each kept candidate into the
     # [n_{d-1}, K] outer sum, or None when every pair is kept.
-    cand_flat_idx: tuple[Optional[torch.Tensor], ...]
+    cand_flat_idx: tuple[torch.Tensor | None, ...]
     num_selected: int  # min(B, N): real nodes; the rest is padding
     col_depth: torch.Tensor  # [N] depth of each column
     col_cand_offset: torch.Tensor  # [N] start of the column's depth in cand
@@ -116,13 +116,15 @@ class _BuildPlan(NamedTuple):
 
 def _depth_pairs(budget: int, num_tokens: int, n_prev: int):
     """Candidate pairs ``(a, b)`` of one depth in list order (see below)."""
-    return [(a, b) for a in range(n_prev)
-            for b in range(min(num_tokens, budget // (a + 1)))]
+    return [
+        (a, b) for a in range(n_prev) for b in range(min(num_tokens, budget // (a + 1)))
+    ]
 
 
 @functools.lru_cache(maxsize=64)
-def _build_plan(budget: int, vocab: int, depth: int,
-                device: torch.device) -> _BuildPlan:
+def _build_plan(
+    budget: int, vocab: int, depth: int, device: torch.device
+) -> _BuildPlan:
     num_tokens = min(budget, vocab)
     prefix_counts: list[int] = []
     count = 1
@@ -130,7 +132,7 @@ def _build_plan(budget: int, vocab: int, depth: int,
         count = min(budget, count * vocab)  # capped, so no huge V**d
         prefix_counts.append(count)
 
-    cand_flat_idx: list[Optional[torch.Tensor]] = []
+    cand_flat_idx: list[torch.Tensor | None] = []
     cand_token_slot: list[int] = []
     cand_parent_col: list[int] = []
     col_depth: list[int] = []
@@ -150,8 +152,12 @@ def _build_plan(budget: int, vocab: int, depth: int,
         if d >= 2:
             if len(pairs) < n_prev * num_tokens:
                 cand_flat_idx.append(
-                    torch.tensor([a * num_tokens + b for a, b in pairs],
-                                 dtype=torch.int64, device=device))
+                    torch.tensor(
+                        [a * num_tokens + b for a, b in pairs],
+                        dtype=torch.int64,
+                        device=device,
+                    )
+                )
             else:
                 cand_flat_idx.append(None)
         for a, b in pairs:
@@ -178,8 +184,9 @@ def _build_plan(budget: int, vocab: int, depth: int,
         col_cand_offset=as_tensor(col_cand_offset),
         cand_token_slot=as_tensor(cand_token_slot),
         cand_parent_col=as_tensor(cand_parent_col),
-        node_positions=torch.arange(1, num_selected + 1, dtype=torch.int64,
-                                    device=device),
+        node_positions=torch.arange(
+            1, num_selected + 1, dtype=torch.int64, device=device
+        ),
     )
 
 
@@ -220,20 +227,22 @@ class _TritonPlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def _triton_plan(budget: int, vocab: int, depth: int,
-                 device: torch.device) -> _TritonPlan:
+def _triton_plan(
+    budget: int, vocab: int, depth: int, device: torch.device
+) -> _TritonPlan:
     plan = _build_plan(budget, vocab, depth, device)
     counts = plan.prefix_counts
-    per_depth = [[]] + [_depth_pairs(budget, plan.num_tokens, counts[d - 1])
-                        for d in range(1, depth)]
+    per_depth = [[]] + [
+        _depth_pairs(budget, plan.num_tokens, counts[d - 1]) for d in range(1, depth)
+    ]
     cand_block = _next_pow2(max([1] + [len(p) for p in per_depth]))
     cand_a = torch.zeros(depth, cand_block, dtype=torch.int32)
     cand_b = torch.zeros(depth, cand_block, dtype=torch.int32)
     for d, pairs in enumerate(per_depth):
         if pairs:
             ab = torch.tensor(pairs, dtype=torch.int32)
-            cand_a[d, :len(pairs)] = ab[:, 0]
-            cand_b[d, :len(pairs)] = ab[:, 1]
+            cand_a[d, : len(pairs)] = ab[:, 0]
+            cand_b[d, : len(pairs)] = ab[:, 1]
     col_start = [sum(counts[:d]) for d in range(depth)]
 
     def as_int32(values: list[int]) -> torch.Tensor:
@@ -270,6 +279,7 @@ def triton_available() -> bool:
 def _resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         import os
+
         backend = os.environ.get("VLLM_DDTREE_BACKEND", "auto")
     if backend == "auto":
         # Triton on CUDA: a few launches instead of ~100 small torch kernels
@@ -281,8 +291,9 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in ("torch", "triton"):
         raise ValueError(f"unknown DDTree build backend {backend!r}")
     if backend == "triton" and not triton_available():
-        raise RuntimeError("DDTree triton backend requested but triton "
-                           "is not importable")
+        raise RuntimeError(
+            "DDTree triton backend requested but triton is not importable"
+        )
     return backend
 
 
@@ -291,8 +302,9 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
 # --------------------------------------------------------------------------
 
 
-def _top_tokens(scores: torch.Tensor, k: int,
-                exact_vocab_ties: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_tokens(
+    scores: torch.Tensor, k: int, exact_vocab_ties: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top ``k`` entries of each row of ``scores [rows, V]`` (float32).
 
     Returns ``(values, token_ids)``, both ``[rows, k]``, ordered by
@@ -311,8 +323,9 @@ def _top_tokens(scores: torch.Tensor, k: int,
             # (fewer than k entries, all kept) gets 2V, entries at the
             # threshold get V - token_id (smaller ids win), the rest 0.
             threshold = values.amin(dim=-1, keepdim=True)
-            key = torch.where(scores == threshold,
-                              _reversed_ids(vocab, scores.device), 0)
+            key = torch.where(
+                scores == threshold, _reversed_ids(vocab, scores.device), 0
+            )
             key = key.masked_fill_(scores > threshold, 2 * vocab)
             token_ids = torch.topk(key, k, dim=-1, sorted=False).indices
         # Order by (value desc, id asc): sort by id, then stable by value.
@@ -383,10 +396,13 @@ def build_tree(
         raise ValueError("tree_budget must be >= 1")
     backend = _resolve_backend(backend, draft_logits.device)
     token_logprobs, top_tokens = vocab_stage(
-        draft_logits, tree_budget, inputs_are_logprobs=inputs_are_logprobs,
-        exact_vocab_ties=exact_vocab_ties, backend=backend)
-    return tree_stage(token_logprobs, top_tokens, tree_budget,
-                      backend=backend)
+        draft_logits,
+        tree_budget,
+        inputs_are_logprobs=inputs_are_logprobs,
+        exact_vocab_ties=exact_vocab_ties,
+        backend=backend,
+    )
+    return tree_stage(token_logprobs, top_tokens, tree_budget, backend=backend)
 
 
 def _vocab_chunking(vocab: int, num_tokens: int) -> tuple[int, int]:
@@ -420,8 +436,9 @@ def _threshold_capacity(num_tokens: int) -> int:
     return 4 * num_tokens
 
 
-def _vocab_threshold_plan(vocab: int, num_tokens: int,
-                          chunk: int) -> Optional[tuple[int, int, int]]:
+def _vocab_threshold_plan(
+    vocab: int, num_tokens: int, chunk: int
+) -> tuple[int, int, int] | None:
     """``(sub, num_sub, capacity)`` of the Triton threshold filter, or None
     where its sorts would be too large (``K`` above ~512): then only the
     tournament runs.
@@ -439,8 +456,7 @@ def _vocab_threshold_plan(vocab: int, num_tokens: int,
     while sub > 1 and -(-vocab // sub) < 2 * num_tokens:
         sub //= 2
     num_sub = -(-vocab // sub)
-    capacity = _next_pow2(max(num_tokens,
-                              min(_threshold_capacity(num_tokens), vocab)))
+    capacity = _next_pow2(max(num_tokens, min(_threshold_capacity(num_tokens), vocab)))
     if _next_pow2(num_sub) > 2048 or capacity > 2048:
         return None
     return sub, num_sub, capacity
@@ -475,8 +491,9 @@ def vocab_stage(
             # Reference numerics for the logsumexp (bit-identical to the
             # torch backend); the top-K itself is always exact here.
             lse = _reference_lse(logits2d)
-        return _triton_vocab(logits2d, num_reqs, draft_depth, num_tokens,
-                             inputs_are_logprobs, lse)
+        return _triton_vocab(
+            logits2d, num_reqs, draft_depth, num_tokens, inputs_are_logprobs, lse
+        )
 
     # float32 working copy with NaN -> -inf.  The caller's logits are never
     # modified: NaN replacement is in place only on our own float32 copy.
@@ -492,8 +509,9 @@ def vocab_stage(
         # log-prob tensor.  -inf - -inf = NaN -> -inf; the clamp keeps
         # "child score <= parent score" even if rounding made lp > 0.
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-        token_logprobs = torch.nan_to_num(top_values - lse, nan=_NEG_INF,
-                                          posinf=_NEG_INF)
+        token_logprobs = torch.nan_to_num(
+            top_values - lse, nan=_NEG_INF, posinf=_NEG_INF
+        )
         token_logprobs = token_logprobs.clamp_max_(0.0)
     token_logprobs = token_logprobs.view(num_reqs, draft_depth, num_tokens)
     top_tokens = top_tokens.reshape(num_reqs, draft_depth * num_tokens)
@@ -513,9 +531,14 @@ def _reference_lse(logits2d: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(_float_copy(logits2d), dim=-1)
 
 
-def _triton_vocab(logits2d: torch.Tensor, num_reqs: int, draft_depth: int,
-                  num_tokens: int, inputs_are_logprobs: bool,
-                  lse: Optional[torch.Tensor]):
+def _triton_vocab(
+    logits2d: torch.Tensor,
+    num_reqs: int,
+    draft_depth: int,
+    num_tokens: int,
+    inputs_are_logprobs: bool,
+    lse: torch.Tensor | None,
+):
     """Triton vocabulary pass (see tree_triton.py's docstring): threshold
     filter, with the exact tournament as the per-row fallback (all of it
     always launched, fixed shapes, no host synchronisation)."""
@@ -540,56 +563,104 @@ def _triton_vocab(logits2d: torch.Tensor, num_reqs: int, draft_depth: int,
         sub, num_sub, capacity = plan
         submax = torch.empty(rows, num_sub, **i64)
         thresh = torch.empty(rows, **i64)
-        blocks = torch.empty(rows, num_tokens, dtype=torch.int32,
-                             device=device)
+        blocks = torch.empty(rows, num_tokens, dtype=torch.int32, device=device)
         count = torch.empty(rows, dtype=torch.int32, device=device)
         small = torch.empty(rows, capacity, **i64)
         num_over = torch.empty(1, dtype=torch.int32, device=device)
         over_rows = torch.empty(rows, dtype=torch.int32, device=device)
         # 1. Partial logsumexps and sub-block maxima (no sort).
         kernels._vocab_stats_kernel[(rows, num_chunks)](
-            logits2d, part_max, part_sum, cand, submax,
-            vocab, logits2d.stride(0), num_chunks, num_sub, -1,
-            K=num_tokens, CHUNK=chunk, SUB=sub,
-            IS_LOGPROBS=inputs_are_logprobs, COMPUTE_LSE=compute_lse,
-            num_warps=4 if chunk <= 2048 else 8)
+            logits2d,
+            part_max,
+            part_sum,
+            cand,
+            submax,
+            vocab,
+            logits2d.stride(0),
+            num_chunks,
+            num_sub,
+            -1,
+            K=num_tokens,
+            CHUNK=chunk,
+            SUB=sub,
+            IS_LOGPROBS=inputs_are_logprobs,
+            COMPUTE_LSE=compute_lse,
+            num_warps=4 if chunk <= 2048 else 8,
+        )
         # 2. Threshold t = K-th largest sub-block maximum, and the K
         # sub-blocks that hold every key >= t.
         sub_block = _next_pow2(num_sub)
         kernels._vocab_threshold_kernel[(rows,)](
-            submax, thresh, blocks, count, num_over, num_sub,
-            K=num_tokens, SUB=sub, MP=sub_block,
+            submax,
+            thresh,
+            blocks,
+            count,
+            num_over,
+            num_sub,
+            K=num_tokens,
+            SUB=sub,
+            MP=sub_block,
             TOP=_top_size(num_tokens, sub_block, kernels.HAS_TOPK),
-            num_warps=4)
+            num_warps=4,
+        )
         # 3. Append the keys >= t to the row's candidates (atomic count).
         # ~2K tokens per program
         per_prog = min(_next_pow2(num_tokens), max(1, 2048 // sub))
         kernels._vocab_filter_kernel[(rows, -(-num_tokens // per_prog))](
-            logits2d, thresh, blocks, count, small, num_over, over_rows,
-            vocab, logits2d.stride(0),
-            K=num_tokens, SUB=sub, G=per_prog, CAP=capacity,
-            IS_LOGPROBS=inputs_are_logprobs, num_warps=4)
+            logits2d,
+            thresh,
+            blocks,
+            count,
+            small,
+            num_over,
+            over_rows,
+            vocab,
+            logits2d.stride(0),
+            K=num_tokens,
+            SUB=sub,
+            G=per_prog,
+            CAP=capacity,
+            IS_LOGPROBS=inputs_are_logprobs,
+            num_warps=4,
+        )
     # The tournament: the exact answer for the rows whose threshold
     # candidates overflowed (a fixed grid of programs shares out their
     # (row, chunk) pairs), or for every row without a plan.
     token_logprobs = torch.empty(num_reqs, draft_depth, num_tokens, **f32)
     top_tokens = torch.empty(num_reqs, draft_depth * num_tokens, **i64)
     if gated:
-        kernels._fallback_chunk_kernel[(min(rows * num_chunks,
-                                            _FALLBACK_PROGRAMS),)](
-            logits2d, cand, num_over, over_rows,
-            vocab, logits2d.stride(0), num_chunks,
-            K=num_tokens, CHUNK=chunk, IS_LOGPROBS=inputs_are_logprobs,
-            KEY16=key16, num_warps=4 if chunk <= 2048 else 8)
+        kernels._fallback_chunk_kernel[(min(rows * num_chunks, _FALLBACK_PROGRAMS),)](
+            logits2d,
+            cand,
+            num_over,
+            over_rows,
+            vocab,
+            logits2d.stride(0),
+            num_chunks,
+            K=num_tokens,
+            CHUNK=chunk,
+            IS_LOGPROBS=inputs_are_logprobs,
+            KEY16=key16,
+            num_warps=4 if chunk <= 2048 else 8,
+        )
     else:
         count = small = None
         capacity = 1
         kernels._vocab_chunk_kernel[(rows, num_chunks)](
-            logits2d, part_max, part_sum, cand,
-            vocab, logits2d.stride(0), num_chunks,
-            K=num_tokens, CHUNK=chunk, IS_LOGPROBS=inputs_are_logprobs,
-            COMPUTE_LSE=compute_lse, KEY16=key16,
-            num_warps=4 if chunk <= 2048 else 8)
+            logits2d,
+            part_max,
+            part_sum,
+            cand,
+            vocab,
+            logits2d.stride(0),
+            num_chunks,
+            K=num_tokens,
+            CHUNK=chunk,
+            IS_LOGPROBS=inputs_are_logprobs,
+            COMPUTE_LSE=compute_lse,
+            KEY16=key16,
+            num_warps=4 if chunk <= 2048 else 8,
+        )
     # Tournament: the top-K of a row are among the top-K of each group of
     # chunks, so groups of fan_in chunks shrink to K candidates per level
     # (static shapes: the level count depends on V and K only).
@@ -599,38 +670,68 @@ def _triton_vocab(logits2d: torch.Tensor, num_reqs: int, draft_depth: int,
         num_groups = -(-num_cand // group)
         merged = torch.empty(rows, num_groups * num_tokens, **i64)
         if gated:
-            kernels._fallback_merge_kernel[(min(rows * num_groups,
-                                                _FALLBACK_PROGRAMS),)](
-                cand, merged, num_over, over_rows, num_cand, num_groups,
-                K=num_tokens, GROUP=group, BLOCK=_next_pow2(group),
-                num_warps=4 if group <= 2048 else 8)
+            kernels._fallback_merge_kernel[
+                (min(rows * num_groups, _FALLBACK_PROGRAMS),)
+            ](
+                cand,
+                merged,
+                num_over,
+                over_rows,
+                num_cand,
+                num_groups,
+                K=num_tokens,
+                GROUP=group,
+                BLOCK=_next_pow2(group),
+                num_warps=4 if group <= 2048 else 8,
+            )
         else:
             kernels._topk_merge_kernel[(rows, num_groups)](
-                cand, merged, num_cand, num_groups,
-                K=num_tokens, GROUP=group, BLOCK=_next_pow2(group),
-                num_warps=4 if group <= 2048 else 8)
+                cand,
+                merged,
+                num_cand,
+                num_groups,
+                K=num_tokens,
+                GROUP=group,
+                BLOCK=_next_pow2(group),
+                num_warps=4 if group <= 2048 else 8,
+            )
         cand, num_cand = merged, num_groups * num_tokens
     cand_block = _next_pow2(num_cand)
     # 4. Per row the top K of the threshold candidates or of the tournament,
     # and the log-probs.
     kernels._vocab_merge_kernel[(rows,)](
-        part_max, part_sum, cand, token_logprobs, top_tokens,
+        part_max,
+        part_sum,
+        cand,
+        token_logprobs,
+        top_tokens,
         lse if lse is not None else part_max,
-        small if gated else cand, count if gated else cand,
-        num_chunks, num_cand,
-        K=num_tokens, NC_BLOCK=_next_pow2(num_chunks), CAND_BLOCK=cand_block,
+        small if gated else cand,
+        count if gated else cand,
+        num_chunks,
+        num_cand,
+        K=num_tokens,
+        NC_BLOCK=_next_pow2(num_chunks),
+        CAND_BLOCK=cand_block,
         IS_LOGPROBS=inputs_are_logprobs,
         HAS_LSE=lse is not None and not inputs_are_logprobs,
-        THRESHOLD=gated, CAP=capacity,
+        THRESHOLD=gated,
+        CAP=capacity,
         CAP_TOP=_top_size(num_tokens, capacity, kernels.HAS_TOPK),
         # as before the threshold filter: _combine_lse's reduction order
         # depends on num_warps
-        num_warps=4 if cand_block <= 2048 else 8)
+        num_warps=4 if cand_block <= 2048 else 8,
+    )
     return token_logprobs, top_tokens
 
 
-def tree_stage(token_logprobs: torch.Tensor, top_tokens: torch.Tensor,
-               tree_budget: int, *, backend: str = "auto") -> DDTree:
+def tree_stage(
+    token_logprobs: torch.Tensor,
+    top_tokens: torch.Tensor,
+    tree_budget: int,
+    *,
+    backend: str = "auto",
+) -> DDTree:
     """Second stage of `build_tree`: the tree from `vocab_stage`'s output
     (``token_logprobs [R, D, K]``, ``top_tokens [R, D * K]``)."""
     num_reqs, draft_depth, num_tokens = token_logprobs.shape
@@ -641,9 +742,13 @@ def tree_stage(token_logprobs: torch.Tensor, top_tokens: torch.Tensor,
     vocab = num_tokens if num_tokens < tree_budget else tree_budget
     plan = _build_plan(tree_budget, vocab, draft_depth, device)
     if backend == "triton":
-        return _triton_tree(token_logprobs, top_tokens, tree_budget, plan,
-                            _triton_plan(tree_budget, vocab, draft_depth,
-                                         device))
+        return _triton_tree(
+            token_logprobs,
+            top_tokens,
+            tree_budget,
+            plan,
+            _triton_plan(tree_budget, vocab, draft_depth, device),
+        )
     return _torch_tree(token_logprobs, top_tokens, tree_budget, plan)
 
 
@@ -653,39 +758,58 @@ def _triton_tree(token_logprobs, top_tokens, tree_budget, plan, tplan):
     device = token_logprobs.device
     n_cols = tplan.num_cols
     i64 = dict(dtype=torch.int64, device=device)
-    all_scores = torch.empty(num_reqs, n_cols, dtype=torch.float32,
-                             device=device)
-    all_cands = torch.empty(num_reqs, n_cols, dtype=torch.int32,
-                            device=device)
+    all_scores = torch.empty(num_reqs, n_cols, dtype=torch.float32, device=device)
+    all_cands = torch.empty(num_reqs, n_cols, dtype=torch.int32, device=device)
     col_position = torch.empty(num_reqs, n_cols + 1, **i64)
     tokens = torch.empty(num_reqs, tree_budget, **i64)
     parent = torch.empty(num_reqs, tree_budget, **i64)
     depth = torch.empty(num_reqs, tree_budget, **i64)
-    score = torch.empty(num_reqs, tree_budget, dtype=torch.float32,
-                        device=device)
-    valid = torch.empty(num_reqs, tree_budget, dtype=torch.int8,
-                        device=device)
+    score = torch.empty(num_reqs, tree_budget, dtype=torch.float32, device=device)
+    valid = torch.empty(num_reqs, tree_budget, dtype=torch.int8, device=device)
     n_block = _next_pow2(max(n_cols, tree_budget))
     kernels._tree_kernel[(num_reqs,)](
-        token_logprobs.contiguous(), top_tokens.contiguous(),
-        tplan.cand_a, tplan.cand_b, tplan.cand_count, tplan.col_start,
-        tplan.prefix_count, plan.col_depth, plan.col_cand_offset,
-        plan.cand_token_slot, plan.cand_parent_col,
-        all_scores, all_cands, col_position,
-        tokens, parent, depth, score, valid,
-        n_cols, plan.num_selected,
-        D=draft_depth, K=num_tokens, B=tree_budget, CP=tplan.cand_block,
-        KP=_next_pow2(num_tokens), NB=n_block,
-        TN=_top_size(max(plan.prefix_counts), tplan.cand_block,
-                     kernels.HAS_TOPK),
+        token_logprobs.contiguous(),
+        top_tokens.contiguous(),
+        tplan.cand_a,
+        tplan.cand_b,
+        tplan.cand_count,
+        tplan.col_start,
+        tplan.prefix_count,
+        plan.col_depth,
+        plan.col_cand_offset,
+        plan.cand_token_slot,
+        plan.cand_parent_col,
+        all_scores,
+        all_cands,
+        col_position,
+        tokens,
+        parent,
+        depth,
+        score,
+        valid,
+        n_cols,
+        plan.num_selected,
+        D=draft_depth,
+        K=num_tokens,
+        B=tree_budget,
+        CP=tplan.cand_block,
+        KP=_next_pow2(num_tokens),
+        NB=n_block,
+        TN=_top_size(max(plan.prefix_counts), tplan.cand_block, kernels.HAS_TOPK),
         TB=_top_size(tree_budget, n_block, kernels.HAS_TOPK),
         # One program per request runs every depth's sort in sequence: more
         # warps shorten each bitonic stage once the blocks reach 1024 keys
         # (H200, R=1: B=64 tree 64 -> 41 us at 8 warps; B=16 the same).
-        num_warps=4 if max(n_block, tplan.cand_block) <= 512 else 8)
-    return DDTree(token_ids=tokens, parent_idx=parent, depth=depth,
-                  score=score, valid=valid.view(torch.bool),
-                  draft_depth=draft_depth)
+        num_warps=4 if max(n_block, tplan.cand_block) <= 512 else 8,
+    )
+    return DDTree(
+        token_ids=tokens,
+        parent_idx=parent,
+        depth=depth,
+        score=score,
+        valid=valid.view(torch.bool),
+        draft_depth=draft_depth,
+    )
 
 
 def _torch_tree(token_logprobs, top_tokens, tree_budget, plan) -> DDTree:
@@ -694,9 +818,8 @@ def _torch_tree(token_logprobs, top_tokens, tree_budget, plan) -> DDTree:
 
     # Per-depth top-n_d prefixes, as (score, index into that depth's
     # candidate list).  Depth 1: the tokens, already in order.
-    depth_scores = [token_logprobs[:, 0, :plan.prefix_counts[0]]]
-    depth_cands = [_arange(plan.prefix_counts[0], device)
-                   .expand(num_reqs, -1)]
+    depth_scores = [token_logprobs[:, 0, : plan.prefix_counts[0]]]
+    depth_cands = [_arange(plan.prefix_counts[0], device).expand(num_reqs, -1)]
     prev_scores = depth_scores[0]
     for d in range(2, draft_depth + 1):
         outer = prev_scores.unsqueeze(2) + token_logprobs[:, d - 1, None, :]
@@ -706,8 +829,9 @@ def _torch_tree(token_logprobs, top_tokens, tree_budget, plan) -> DDTree:
             cand_scores = cand_scores.index_select(1, flat_idx)
         # Stable: among equal scores the earlier candidate, i.e. smaller
         # (parent rank, token rank), wins, as the documented key requires.
-        sorted_scores, order = torch.sort(cand_scores, dim=1,
-                                          descending=True, stable=True)
+        sorted_scores, order = torch.sort(
+            cand_scores, dim=1, descending=True, stable=True
+        )
         n_d = plan.prefix_counts[d - 1]
         prev_scores = sorted_scores[:, :n_d]
         depth_scores.append(prev_scores)
@@ -717,8 +841,7 @@ def _torch_tree(token_logprobs, top_tokens, tree_budget, plan) -> DDTree:
     # so a stable sort on score gives (score desc, depth asc, rank asc).
     all_scores = torch.cat(depth_scores, dim=1)
     all_cands = torch.cat(depth_cands, dim=1)
-    sorted_scores, order = torch.sort(all_scores, dim=1, descending=True,
-                                      stable=True)
+    sorted_scores, order = torch.sort(all_scores, dim=1, descending=True, stable=True)
     num_sel = plan.num_selected
     node_cols = order[:, :num_sel]
     node_score = sorted_scores[:, :num_sel]
@@ -730,15 +853,16 @@ def _torch_tree(token_logprobs, top_tokens, tree_budget, plan) -> DDTree:
     # is the root with position 0; unselected columns are never referenced
     # because the selection is prefix-closed.
     total_cols = all_scores.shape[1]
-    col_position = torch.zeros(num_reqs, total_cols + 1, dtype=torch.int64,
-                               device=device)
-    col_position.scatter_(1, node_cols,
-                          plan.node_positions.expand(num_reqs, -1))
+    col_position = torch.zeros(
+        num_reqs, total_cols + 1, dtype=torch.int64, device=device
+    )
+    col_position.scatter_(1, node_cols, plan.node_positions.expand(num_reqs, -1))
     node_parent = col_position.gather(1, plan.cand_parent_col[node_cand])
 
     valid = torch.ones(num_reqs, tree_budget, dtype=torch.bool, device=device)
     num_pad = tree_budget - num_sel
     if num_pad > 0:  # static: only when B > sum_d V**d
+
         def pad(x: torch.Tensor, value: float) -> torch.Tensor:
             return torch.nn.functional.pad(x, (0, num_pad), value=value)
 

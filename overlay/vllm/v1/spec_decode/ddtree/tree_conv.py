@@ -176,9 +176,7 @@ def _tree_conv_state_update_kernel(
     idx_feats = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_d = idx_feats < dim
     x_c = tl.load(
-        x
-        + ((row0 + t) * stride_x_tok)[:, None]
-        + (idx_feats * stride_x_dim)[None, :],
+        x + ((row0 + t) * stride_x_tok)[:, None] + (idx_feats * stride_x_dim)[None, :],
         mask=from_x[:, None] & mask_d[None, :],
         other=0.0,
     ).to(conv_state.dtype.element_ty)
@@ -201,10 +199,7 @@ def _tree_conv_state_update_kernel(
     # one writes.
     tl.debug_barrier()
     tl.store(
-        conv_state
-        + final_slot * stride_s_seq
-        + (c * stride_s_tok)[:, None]
-        + p_dim,
+        conv_state + final_slot * stride_s_seq + (c * stride_s_tok)[:, None] + p_dim,
         new_state,
         mask=in_state[:, None] & mask_d[None, :],
     )

@@ -133,14 +133,16 @@ def _canonical(x, IS_LOGPROBS: tl.constexpr):
 
 
 @triton.jit
-def _load_chunk(logits_ptr, row, chunk, V, stride, CHUNK: tl.constexpr,
-                IS_LOGPROBS: tl.constexpr):
+def _load_chunk(
+    logits_ptr, row, chunk, V, stride, CHUNK: tl.constexpr, IS_LOGPROBS: tl.constexpr
+):
     """One chunk of one row as canonical float32 (``-inf`` past ``V``)."""
     local = tl.arange(0, CHUNK)
     tok = chunk * CHUNK + local
     in_range = tok < V
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride + tok, mask=in_range,
-                other=float("-inf")).to(tl.float32)
+    x = tl.load(
+        logits_ptr + row.to(tl.int64) * stride + tok, mask=in_range, other=float("-inf")
+    ).to(tl.float32)
     x = _canonical(x, IS_LOGPROBS)
     return x, local, tok, in_range
 
@@ -162,29 +164,54 @@ def _vocab_chunk_kernel(
     part_max_ptr,  # [rows, NC] float32
     part_sum_ptr,  # [rows, NC] float32
     cand_ptr,  # [rows, NC * K] int64
-    V, stride, NC,
+    V,
+    stride,
+    NC,
     K: tl.constexpr,
     CHUNK: tl.constexpr,
     IS_LOGPROBS: tl.constexpr,
     COMPUTE_LSE: tl.constexpr,
     KEY16: tl.constexpr,  # bfloat16 input: sort int32 keys (chunk-local id)
 ):
-    _vocab_chunk(logits_ptr, part_max_ptr, part_sum_ptr, cand_ptr,
-                 tl.program_id(0), tl.program_id(1), V, stride, NC, K, CHUNK,
-                 IS_LOGPROBS, COMPUTE_LSE, KEY16)
+    _vocab_chunk(
+        logits_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        cand_ptr,
+        tl.program_id(0),
+        tl.program_id(1),
+        V,
+        stride,
+        NC,
+        K,
+        CHUNK,
+        IS_LOGPROBS,
+        COMPUTE_LSE,
+        KEY16,
+    )
 
 
 @triton.jit
-def _vocab_chunk(logits_ptr, part_max_ptr, part_sum_ptr, cand_ptr, row, chunk,
-                 V, stride, NC,
-                 K: tl.constexpr,
-                 CHUNK: tl.constexpr,
-                 IS_LOGPROBS: tl.constexpr,
-                 COMPUTE_LSE: tl.constexpr,
-                 KEY16: tl.constexpr):
+def _vocab_chunk(
+    logits_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    cand_ptr,
+    row,
+    chunk,
+    V,
+    stride,
+    NC,
+    K: tl.constexpr,
+    CHUNK: tl.constexpr,
+    IS_LOGPROBS: tl.constexpr,
+    COMPUTE_LSE: tl.constexpr,
+    KEY16: tl.constexpr,
+):
     """Sorts the chunk, keeps its top ``K`` keys (the tournament's input)."""
-    x, local, tok, in_range = _load_chunk(logits_ptr, row, chunk, V, stride,
-                                          CHUNK, IS_LOGPROBS)
+    x, local, tok, in_range = _load_chunk(
+        logits_ptr, row, chunk, V, stride, CHUNK, IS_LOGPROBS
+    )
     if COMPUTE_LSE:
         _partial_lse(x, part_max_ptr, part_sum_ptr, row, chunk, NC)
 
@@ -216,7 +243,10 @@ def _vocab_stats_kernel(
     part_sum_ptr,  # [rows, NC] float32 (only with COMPUTE_LSE)
     cand_ptr,  # [rows, NC * K] int64: never written (see below)
     submax_ptr,  # [rows, NSUB] int64 out: largest key of each sub-block
-    V, stride, NC, NSUB,
+    V,
+    stride,
+    NC,
+    NSUB,
     no_store,  # -1: masks off the store into cand_ptr
     K: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -226,8 +256,9 @@ def _vocab_stats_kernel(
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    x, local, tok, in_range = _load_chunk(logits_ptr, row, chunk, V, stride,
-                                          CHUNK, IS_LOGPROBS)
+    x, local, tok, in_range = _load_chunk(
+        logits_ptr, row, chunk, V, stride, CHUNK, IS_LOGPROBS
+    )
     if COMPUTE_LSE:
         _partial_lse(x, part_max_ptr, part_sum_ptr, row, chunk, NC)
 
@@ -248,8 +279,7 @@ def _vocab_stats_kernel(
     smax = tl.max(tl.reshape(gkey, (NUM, SUB)), axis=1, keep_dims=True)
     sidx = chunk * NUM + tl.arange(0, NUM)[:, None]
     # Sub-blocks wholly past V are not stored (NSUB = ceil(V / SUB)).
-    tl.store(submax_ptr + row.to(tl.int64) * NSUB + sidx, smax,
-             mask=sidx < NSUB)
+    tl.store(submax_ptr + row.to(tl.int64) * NSUB + sidx, smax, mask=sidx < NSUB)
 
 
 @triton.jit
@@ -257,7 +287,8 @@ def _top_desc(keys, TOP: tl.constexpr):
     """The ``TOP`` largest of ``keys`` (distinct int64, last axis) in
     descending order; all of them sorted when ``TOP`` is their length
     (`tl.topk` is only called where this Triton has it, see `HAS_TOPK`)."""
-    if TOP < keys.shape[-1]:
+    # An if statement on a constexpr (compiled away), not a runtime select.
+    if keys.shape[-1] > TOP:  # noqa: SIM108
         out = tl.topk(keys, TOP)
     else:
         out = tl.sort(keys, descending=True)
@@ -279,14 +310,12 @@ def _vocab_threshold_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, MP)
-    keys = tl.load(submax_ptr + row * NSUB + offs, mask=offs < NSUB,
-                   other=_INVALID_KEY)
+    keys = tl.load(submax_ptr + row * NSUB + offs, mask=offs < NSUB, other=_INVALID_KEY)
     top = _top_desc(keys, TOP)
     t_offs = tl.arange(0, TOP)
     thresh = tl.min(tl.where(t_offs < K, top, _MAX_KEY), axis=0)
     tok = (top & _LOW31) * -1 + _LOW31
-    tl.store(blocks_ptr + row * K + t_offs, (tok // SUB).to(tl.int32),
-             mask=t_offs < K)
+    tl.store(blocks_ptr + row * K + t_offs, (tok // SUB).to(tl.int32), mask=t_offs < K)
     tl.store(thresh_ptr + row, thresh)
     tl.store(count_ptr + row, 0)
     if row == 0:
@@ -302,7 +331,8 @@ def _vocab_filter_kernel(
     small_ptr,  # [rows, CAP] int64 out: the first CAP of them, any order
     num_over_ptr,  # [1] int32: rows whose count exceeds CAP (atomic)
     over_rows_ptr,  # [rows] int32 out: their ids, in no particular order
-    V, stride,
+    V,
+    stride,
     K: tl.constexpr,
     SUB: tl.constexpr,
     G: tl.constexpr,  # sub-blocks per program (power of 2)
@@ -315,21 +345,24 @@ def _vocab_filter_kernel(
     blk = tl.load(blocks_ptr + row.to(tl.int64) * K + j, mask=j_ok, other=0)
     tok = blk[:, None] * SUB + tl.arange(0, SUB)[None, :]
     live = j_ok[:, None] & (tok < V)
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride + tok, mask=live,
-                other=float("-inf")).to(tl.float32)
+    x = tl.load(
+        logits_ptr + row.to(tl.int64) * stride + tok, mask=live, other=float("-inf")
+    ).to(tl.float32)
     x = _canonical(x, IS_LOGPROBS)
-    key = ((_ordered_f32(x).to(tl.int64) << 31)
-           | (tok * -1 + _LOW31).to(tl.int64))
+    key = (_ordered_f32(x).to(tl.int64) << 31) | (tok * -1 + _LOW31).to(tl.int64)
     sel = live & (key >= tl.load(thresh_ptr + row))
     sel_i = sel.to(tl.int32)
     per_blk = tl.sum(sel_i, axis=1)
     # Slots: a row-wide atomic counter, then a prefix sum in the program.
     n = tl.sum(per_blk, axis=0)
     base = tl.atomic_add(count_ptr + row, n)
-    pos = (base + (tl.cumsum(per_blk, axis=0) - per_blk)[:, None]
-           + tl.cumsum(sel_i, axis=1) - 1)
-    tl.store(small_ptr + row.to(tl.int64) * CAP + pos, key,
-             mask=sel & (pos < CAP))
+    pos = (
+        base
+        + (tl.cumsum(per_blk, axis=0) - per_blk)[:, None]
+        + tl.cumsum(sel_i, axis=1)
+        - 1
+    )
+    tl.store(small_ptr + row.to(tl.int64) * CAP + pos, key, mask=sel & (pos < CAP))
     # The slot ranges [base, base + n) of a row's programs tile [0, count):
     # exactly one holds slot CAP when the row overflows.  It lists the row.
     if (base <= CAP) & (base + n > CAP):
@@ -346,20 +379,40 @@ def _topk_merge_kernel(
     GROUP: tl.constexpr,  # candidates per group (fan_in * K)
     BLOCK: tl.constexpr,  # power of 2 >= GROUP
 ):
-    _topk_merge(cand_ptr, out_ptr, tl.program_id(0).to(tl.int64),
-                tl.program_id(1), NCAND, NUM_GROUPS, K, GROUP, BLOCK)
+    _topk_merge(
+        cand_ptr,
+        out_ptr,
+        tl.program_id(0).to(tl.int64),
+        tl.program_id(1),
+        NCAND,
+        NUM_GROUPS,
+        K,
+        GROUP,
+        BLOCK,
+    )
 
 
 @triton.jit
-def _topk_merge(cand_ptr, out_ptr, row, group, NCAND, NUM_GROUPS,
-                K: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_merge(
+    cand_ptr,
+    out_ptr,
+    row,
+    group,
+    NCAND,
+    NUM_GROUPS,
+    K: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.arange(0, BLOCK)
     idx = group * GROUP + offs
-    keys = tl.load(cand_ptr + row * NCAND + idx,
-                   mask=(offs < GROUP) & (idx < NCAND), other=_INVALID_KEY)
+    keys = tl.load(
+        cand_ptr + row * NCAND + idx,
+        mask=(offs < GROUP) & (idx < NCAND),
+        other=_INVALID_KEY,
+    )
     keys = tl.sort(keys, descending=True)
-    tl.store(out_ptr + row * NUM_GROUPS * K + group * K + offs, keys,
-             mask=offs < K)
+    tl.store(out_ptr + row * NUM_GROUPS * K + group * K + offs, keys, mask=offs < K)
 
 
 @triton.jit
@@ -368,7 +421,9 @@ def _fallback_chunk_kernel(
     cand_ptr,  # [rows, NC * K] int64 out (overflowed rows only)
     num_over_ptr,  # [1] int32: number of overflowed rows
     over_rows_ptr,  # [rows] int32: their ids (first num_over entries)
-    V, stride, NC,
+    V,
+    stride,
+    NC,
     K: tl.constexpr,
     CHUNK: tl.constexpr,
     IS_LOGPROBS: tl.constexpr,
@@ -379,9 +434,22 @@ def _fallback_chunk_kernel(
     after one load (instead of R*D*num_chunks programs doing so)."""
     num_items = tl.load(num_over_ptr) * NC
     for w in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        _vocab_chunk(logits_ptr, cand_ptr, cand_ptr, cand_ptr,
-                     tl.load(over_rows_ptr + w // NC), w % NC, V, stride, NC,
-                     K, CHUNK, IS_LOGPROBS, False, KEY16)
+        _vocab_chunk(
+            logits_ptr,
+            cand_ptr,
+            cand_ptr,
+            cand_ptr,
+            tl.load(over_rows_ptr + w // NC),
+            w % NC,
+            V,
+            stride,
+            NC,
+            K,
+            CHUNK,
+            IS_LOGPROBS,
+            False,
+            KEY16,
+        )
 
 
 @triton.jit
@@ -390,7 +458,8 @@ def _fallback_merge_kernel(
     out_ptr,  # [rows, num_groups * K] int64 keys (overflowed rows only)
     num_over_ptr,  # [1] int32
     over_rows_ptr,  # [rows] int32
-    NCAND, NUM_GROUPS,
+    NCAND,
+    NUM_GROUPS,
     K: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -399,13 +468,15 @@ def _fallback_merge_kernel(
     num_items = tl.load(num_over_ptr) * NUM_GROUPS
     for w in range(tl.program_id(0), num_items, tl.num_programs(0)):
         row = tl.load(over_rows_ptr + w // NUM_GROUPS).to(tl.int64)
-        _topk_merge(cand_ptr, out_ptr, row, w % NUM_GROUPS, NCAND,
-                    NUM_GROUPS, K, GROUP, BLOCK)
+        _topk_merge(
+            cand_ptr, out_ptr, row, w % NUM_GROUPS, NCAND, NUM_GROUPS, K, GROUP, BLOCK
+        )
 
 
 @triton.jit
 def _vocab_merge_kernel(
-    part_max_ptr, part_sum_ptr,  # [rows, NC] float32
+    part_max_ptr,
+    part_sum_ptr,  # [rows, NC] float32
     cand_ptr,  # [rows, NCAND] int64: the tournament's last candidates
     token_lp_ptr,  # [rows, K] float32 out
     token_ids_ptr,  # [rows, K] int64 out
@@ -438,36 +509,84 @@ def _vocab_merge_kernel(
             # the partial logsumexp loads (see `_vocab_stats_kernel`), so
             # _combine_lse reduces in the same order as without THRESHOLD.
             offs = tl.arange(0, CAP)[None, :]
-            keys = tl.load(small_ptr + row.to(tl.int64) * CAP + offs,
-                           mask=offs < count, other=_INVALID_KEY)
+            keys = tl.load(
+                small_ptr + row.to(tl.int64) * CAP + offs,
+                mask=offs < count,
+                other=_INVALID_KEY,
+            )
             keys = _top_desc(keys, CAP_TOP)
-            _emit(keys, tl.arange(0, CAP_TOP)[None, :], lse, row,
-                  token_lp_ptr, token_ids_ptr, K, IS_LOGPROBS)
+            _emit(
+                keys,
+                tl.arange(0, CAP_TOP)[None, :],
+                lse,
+                row,
+                token_lp_ptr,
+                token_ids_ptr,
+                K,
+                IS_LOGPROBS,
+            )
         else:
-            _merge_candidates(cand_ptr, row, NCAND, lse, token_lp_ptr,
-                              token_ids_ptr, K, CAND_BLOCK, IS_LOGPROBS)
+            _merge_candidates(
+                cand_ptr,
+                row,
+                NCAND,
+                lse,
+                token_lp_ptr,
+                token_ids_ptr,
+                K,
+                CAND_BLOCK,
+                IS_LOGPROBS,
+            )
     else:
-        _merge_candidates(cand_ptr, row, NCAND, lse, token_lp_ptr,
-                          token_ids_ptr, K, CAND_BLOCK, IS_LOGPROBS)
+        _merge_candidates(
+            cand_ptr,
+            row,
+            NCAND,
+            lse,
+            token_lp_ptr,
+            token_ids_ptr,
+            K,
+            CAND_BLOCK,
+            IS_LOGPROBS,
+        )
 
 
 @triton.jit
-def _merge_candidates(cand_ptr, row, NCAND, lse, token_lp_ptr, token_ids_ptr,
-                      K: tl.constexpr, CAND_BLOCK: tl.constexpr,
-                      IS_LOGPROBS: tl.constexpr):
+def _merge_candidates(
+    cand_ptr,
+    row,
+    NCAND,
+    lse,
+    token_lp_ptr,
+    token_ids_ptr,
+    K: tl.constexpr,
+    CAND_BLOCK: tl.constexpr,
+    IS_LOGPROBS: tl.constexpr,
+):
     """Top ``K`` of the tournament's last candidates (a full sort: the
     memory accesses are the ones of the kernel before the threshold
     filter, see `_vocab_merge_kernel`)."""
     offs = tl.arange(0, CAND_BLOCK)
-    keys = tl.load(cand_ptr + row.to(tl.int64) * NCAND + offs,
-                   mask=offs < NCAND, other=_INVALID_KEY)
+    keys = tl.load(
+        cand_ptr + row.to(tl.int64) * NCAND + offs,
+        mask=offs < NCAND,
+        other=_INVALID_KEY,
+    )
     keys = tl.sort(keys, descending=True)
     _emit(keys, offs, lse, row, token_lp_ptr, token_ids_ptr, K, IS_LOGPROBS)
 
 
 @triton.jit
-def _emit(keys, offs, lse, row, token_lp_ptr, token_ids_ptr, K: tl.constexpr,
-          IS_LOGPROBS: tl.constexpr):
+def _emit(
+    keys,
+    offs,
+    lse,
+    row,
+    token_lp_ptr,
+    token_ids_ptr,
+    K: tl.constexpr,
+    IS_LOGPROBS: tl.constexpr,
+):
     """Stores the first ``K`` of the sorted ``keys`` as (log-prob, id)."""
     value = _unordered_f32((keys >> 31).to(tl.int32))
     ids = (keys & _LOW31) * -1 + _LOW31
@@ -488,8 +607,7 @@ def _emit(keys, offs, lse, row, token_lp_ptr, token_ids_ptr, K: tl.constexpr,
 
 
 @triton.jit
-def _combine_lse(part_max_ptr, part_sum_ptr, row, NC,
-                 NC_BLOCK: tl.constexpr):
+def _combine_lse(part_max_ptr, part_sum_ptr, row, NC, NC_BLOCK: tl.constexpr):
     c = tl.arange(0, NC_BLOCK)
     cm = tl.load(part_max_ptr + row * NC + c, mask=c < NC, other=0.0)
     cs = tl.load(part_sum_ptr + row * NC + c, mask=c < NC, other=0.0)
@@ -503,20 +621,26 @@ def _combine_lse(part_max_ptr, part_sum_ptr, row, NC,
 def _tree_kernel(
     token_lp_ptr,  # [R, D, K] float32
     top_tokens_ptr,  # [R, D * K] int64
-    cand_a_ptr, cand_b_ptr,  # [D, CP] int32: pair (a, b) of candidate c
+    cand_a_ptr,
+    cand_b_ptr,  # [D, CP] int32: pair (a, b) of candidate c
     # at depth d + 1 (row 0 unused)
     cand_count_ptr,  # [D] int32: number of candidates at depth d + 1
     col_start_ptr,  # [D] int32: first column of depth d + 1
     prefix_count_ptr,  # [D] int32: n_{d+1}
-    col_depth_ptr, col_cand_offset_ptr,  # [N] int64
-    cand_token_slot_ptr, cand_parent_col_ptr,  # [total candidates] int64
+    col_depth_ptr,
+    col_cand_offset_ptr,  # [N] int64
+    cand_token_slot_ptr,
+    cand_parent_col_ptr,  # [total candidates] int64
     all_scores_ptr,  # [R, N] float32 scratch
     all_cands_ptr,  # [R, N] int32 scratch
     col_position_ptr,  # [R, N + 1] int64 scratch
-    out_tokens_ptr, out_parent_ptr, out_depth_ptr,  # [R, B] int64
+    out_tokens_ptr,
+    out_parent_ptr,
+    out_depth_ptr,  # [R, B] int64
     out_score_ptr,  # [R, B] float32
     out_valid_ptr,  # [R, B] int8 (bool storage)
-    N, NUM_SEL,
+    N,
+    NUM_SEL,
     D: tl.constexpr,
     K: tl.constexpr,
     B: tl.constexpr,
@@ -548,21 +672,27 @@ def _tree_kernel(
         live = c_offs < count
         a = tl.load(cand_a_ptr + d * CP + c_offs, mask=live, other=0)
         b = tl.load(cand_b_ptr + d * CP + c_offs, mask=live, other=0)
-        s = (tl.load(scores_row + prev_start + a, mask=live, other=0.0)
-             + tl.load(lp_row + d * K + b, mask=live, other=0.0))
+        s = tl.load(scores_row + prev_start + a, mask=live, other=0.0) + tl.load(
+            lp_row + d * K + b, mask=live, other=0.0
+        )
         s = tl.where(s == 0.0, 0.0, s)
-        key = ((_ordered_f32(s).to(tl.int64) << 31)
-               | (c_offs * -1 + _LOW31).to(tl.int64))
+        key = (_ordered_f32(s).to(tl.int64) << 31) | (c_offs * -1 + _LOW31).to(tl.int64)
         key = tl.where(live, key, _INVALID_KEY)
         # Only the first n_d <= TN are kept: a top-TN costs fewer bitonic
         # stages than sorting all CP (the same keys in the same order).
         key = _top_desc(key, TN)
         t_offs = tl.arange(0, TN)
         keep = t_offs < n_d
-        tl.store(scores_row + start + t_offs,
-                 _unordered_f32((key >> 31).to(tl.int32)), mask=keep)
-        tl.store(cands_row + start + t_offs,
-                 ((key & _LOW31) * -1 + _LOW31).to(tl.int32), mask=keep)
+        tl.store(
+            scores_row + start + t_offs,
+            _unordered_f32((key >> 31).to(tl.int32)),
+            mask=keep,
+        )
+        tl.store(
+            cands_row + start + t_offs,
+            ((key & _LOW31) * -1 + _LOW31).to(tl.int32),
+            mask=keep,
+        )
         tl.debug_barrier()
 
     # Global top-B over all columns: (score desc, column asc), and columns
@@ -570,8 +700,7 @@ def _tree_kernel(
     n_offs = tl.arange(0, NB)
     live = n_offs < N
     s = tl.load(scores_row + n_offs, mask=live, other=0.0)
-    key = ((_ordered_f32(s).to(tl.int64) << 31)
-           | (n_offs * -1 + _LOW31).to(tl.int64))
+    key = (_ordered_f32(s).to(tl.int64) << 31) | (n_offs * -1 + _LOW31).to(tl.int64)
     key = tl.where(live, key, _INVALID_KEY)
     key = _top_desc(key, TB)  # the first B (<= TB) of the global order
     o_offs = tl.arange(0, TB)
@@ -581,8 +710,9 @@ def _tree_kernel(
     sel = (o_offs < NUM_SEL) & (o_offs < N)
     col = tl.where(sel, col, 0)
     depth = tl.load(col_depth_ptr + col, mask=sel, other=1)
-    cand = (tl.load(cands_row + col, mask=sel, other=0).to(tl.int64)
-            + tl.load(col_cand_offset_ptr + col, mask=sel, other=0))
+    cand = tl.load(cands_row + col, mask=sel, other=0).to(tl.int64) + tl.load(
+        col_cand_offset_ptr + col, mask=sel, other=0
+    )
     slot = tl.load(cand_token_slot_ptr + cand, mask=sel, other=0)
     token = tl.load(top_tokens_ptr + r * D * K + slot, mask=sel, other=0)
     parent_col = tl.load(cand_parent_col_ptr + cand, mask=sel, other=0)
@@ -597,6 +727,5 @@ def _tree_kernel(
     tl.store(out_tokens_ptr + out, tl.where(sel, token, 0), mask=in_b)
     tl.store(out_parent_ptr + out, tl.where(sel, parent, 0), mask=in_b)
     tl.store(out_depth_ptr + out, tl.where(sel, depth, 1), mask=in_b)
-    tl.store(out_score_ptr + out, tl.where(sel, score, float("-inf")),
-             mask=in_b)
+    tl.store(out_score_ptr + out, tl.where(sel, score, float("-inf")), mask=in_b)
     tl.store(out_valid_ptr + out, sel.to(tl.int8), mask=in_b)

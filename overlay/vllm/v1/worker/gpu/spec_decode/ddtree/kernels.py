@@ -265,14 +265,12 @@ def _ddtree_compact_kv_kernel(
         if src_row != dst_row:
             src_slot = tl.load(slot_mapping_ptr + src_row).to(tl.int64)
             dst_slot = tl.load(slot_mapping_ptr + dst_row).to(tl.int64)
-            src = (
-                (src_slot // block_size) * stride_block
-                + (src_slot % block_size) * stride_slot
-            )
-            dst = (
-                (dst_slot // block_size) * stride_block
-                + (dst_slot % block_size) * stride_slot
-            )
+            src = (src_slot // block_size) * stride_block + (
+                src_slot % block_size
+            ) * stride_slot
+            dst = (dst_slot // block_size) * stride_block + (
+                dst_slot % block_size
+            ) * stride_slot
             values = tl.load(base + src + offs, mask=mask)
             tl.store(base + dst + offs, values, mask=mask)
 

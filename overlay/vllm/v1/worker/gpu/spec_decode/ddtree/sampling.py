@@ -76,7 +76,10 @@ class TreePenaltiesState(PenaltiesState):
         paths_fn = self._paths_fn
         if paths_fn is None or not np.any(self.use_penalty[idx_mapping_np]):
             super().apply_penalties(
-                logits, expanded_idx_mapping, idx_mapping_np, input_ids,
+                logits,
+                expanded_idx_mapping,
+                idx_mapping_np,
+                input_ids,
                 expanded_local_pos,
             )
             return
@@ -85,16 +88,25 @@ class TreePenaltiesState(PenaltiesState):
         # History only: with every local position 0 the kernel adds no
         # draft tokens; the path tokens are then recomputed exactly.
         super().apply_penalties(
-            logits, expanded_idx_mapping, idx_mapping_np, input_ids,
+            logits,
+            expanded_idx_mapping,
+            idx_mapping_np,
+            input_ids,
             torch.zeros_like(expanded_local_pos),
         )
         hist, in_prompt = path_history_stats(
-            self.output_bin_counts, self.prompt_bin_mask,
-            expanded_idx_mapping, paths,
+            self.output_bin_counts,
+            self.prompt_bin_mask,
+            expanded_idx_mapping,
+            paths,
         )
         req = expanded_idx_mapping.long()
         penalize_path_tokens(
-            logits, orig, paths, hist, in_prompt,
+            logits,
+            orig,
+            paths,
+            hist,
+            in_prompt,
             self.repetition_penalty.gpu[req],
             self.frequency_penalty.gpu[req],
             self.presence_penalty.gpu[req],
@@ -127,7 +139,11 @@ def sample_nodes(
 
     def paths_fn(row_tokens, row_req, row_node):
         return row_path_tokens(
-            row_tokens, parent_idx, depth_with_root, row_req, row_node,
+            row_tokens,
+            parent_idx,
+            depth_with_root,
+            row_req,
+            row_node,
             draft_depth,
         )
 

@@ -37,17 +37,17 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import (
-    KVCompactor,
-    ddtree_tree_bias,
-    ddtree_walk,
-)
 from vllm.v1.worker.gpu.input_batch import (
     InputBatch,
     get_num_sampled_and_rejected,
 )
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
+from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import (
+    KVCompactor,
+    ddtree_tree_bias,
+    ddtree_walk,
+)
 from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import (
     TreePenaltiesState,
     node_logprobs,
@@ -250,7 +250,11 @@ class DDTreeVerifier:
         """Draw the target's token at every node and walk the tree."""
         # Target draw at every node (penalties on the node's ancestor path).
         target_flat, row_logprobs = sample_nodes(
-            sampler, logits, input_batch, self.req_parent_idx, self.req_depth,
+            sampler,
+            logits,
+            input_batch,
+            self.req_parent_idx,
+            self.req_depth,
             self.draft_depth,
         )
         num_reqs = input_batch.num_reqs
