@@ -660,15 +660,38 @@ def test_cuda_graph_replay_matches_eager(T, dtype):
 
 @pytest.mark.gpu
 def test_cuda_topk_boundary_ties(T):
-    """Informational: does the fast path (exact_vocab_ties=False) already
-    resolve boundary ties like the exact path on this device?"""
+    """Heavy ties at the vocabulary's top-B boundary on the GPU (integer
+    logits, V = 151936). The fast path (exact_vocab_ties=False) leaves the
+    choice among exactly tied boundary tokens to torch.topk: the tree may hold
+    other tokens, but it is still an optimal tree of the same shape: the same
+    parents, depths, scores and validity, and each node's token has the same
+    draft logit as the exact tree's node there. The Triton vocabulary pass
+    resolves the ties exactly either way."""
     dev = torch.device("cuda")
-    logits = torch.randint(0, 4, (8, 15, 151936), device=dev).to(torch.bfloat16)
-    a = T.build_tree(logits, 64)
-    b = T.build_tree(logits, 64, exact_vocab_ties=False)
-    check_structure(T.DDTree(*[x.cpu() if torch.is_tensor(x) else x for x in b]), 15)
-    same = all(torch.equal(x, y) for x, y in zip(a[:5], b[:5]))
-    print(f"fast path equals exact path under boundary ties: {same}")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randint(0, 4, (8, 15, 151936), device=dev, generator=gen).to(
+        torch.bfloat16
+    )
+    exact = T.build_tree(logits, 64, backend="torch")
+    fast = T.build_tree(logits, 64, backend="torch", exact_vocab_ties=False)
+    check_structure(T.DDTree(*[x.cpu() if torch.is_tensor(x) else x for x in fast]), 15)
+    for name in ("parent_idx", "depth", "score", "valid"):
+        assert torch.equal(getattr(exact, name), getattr(fast, name)), name
+
+    def token_logits(tree):
+        depth0 = (tree.depth - 1).unsqueeze(2).expand(-1, -1, logits.shape[2])
+        per_depth = logits.gather(1, depth0)  # [R, B, V]: the node's depth row
+        return per_depth.gather(2, tree.token_ids.unsqueeze(2)).squeeze(2)
+
+    assert torch.equal(token_logits(exact), token_logits(fast))
+    if _has_triton():
+        lp_exact, tok_exact = T.vocab_stage(logits, 64, backend="torch")
+        for exact_ties in (True, False):
+            lp, tok = T.vocab_stage(
+                logits, 64, backend="triton", exact_vocab_ties=exact_ties
+            )
+            assert torch.equal(tok, tok_exact)
+            torch.testing.assert_close(lp, lp_exact, rtol=0, atol=1e-5)
 
 
 # --------------------------------------------------------------------------

@@ -61,17 +61,21 @@ def cpu_uva_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(buffer_utils.UvaBuffer, "__init__", cpu_buffer)
 
 
-@pytest.fixture(scope="session")
-def tinypair() -> Path:
+def find_tinypair(root: Path = TINYPAIR) -> Path:
     """The tiny pair's directory. Missing: skipped on a developer machine,
     a failure in CI (CI=true), where ../shared is always laid beside the
     checkout and a silent skip would hide the tests that need it."""
-    if (TINYPAIR / "target").is_dir() and (TINYPAIR / "drafter").is_dir():
-        return TINYPAIR
-    message = f"tinypair not found at {TINYPAIR} (../shared/models or $TINYPAIR_DIR)"
+    if (root / "target").is_dir() and (root / "drafter").is_dir():
+        return root
+    message = f"tinypair not found at {root} (../shared/models or $TINYPAIR_DIR)"
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(message + "; CI must have it")
     pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def tinypair() -> Path:
+    return find_tinypair()
 
 
 @pytest.fixture(scope="module")

@@ -418,3 +418,17 @@ def test_batch_policy_is_the_default_and_fixed_pins_the_budget(target_model_conf
             budget_policy="batch",
             verify_tokens_per_step=0,
         )
+
+
+def test_missing_tinypair_fails_in_ci_and_skips_elsewhere(monkeypatch, tmp_path):
+    from conftest import find_tinypair
+
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI must have it"):
+        find_tinypair(tmp_path)
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="tinypair not found"):
+        find_tinypair(tmp_path)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "drafter").mkdir()
+    assert find_tinypair(tmp_path) == tmp_path
