@@ -116,8 +116,8 @@ SCRIPT = textwrap.dedent(
     for store_final in (False, True):
         compile_kernel(
             tg._tree_gdn_kernel, dict(gdn_sig, **{n: C for n in (
-                "NUM_TARGETS", "HAS_TARGETS", "H", "HV", "K", "V", "BK", "BV", "
-                ""MAX_PATH",
+                "NUM_TARGETS", "HAS_TARGETS", "H", "HV", "K", "V", "BK", "BV",
+                "MAX_PATH",
                 "PATH_BLOCK", "USE_QK_L2NORM_IN_KERNEL", "STORE_OUTPUT",
                 "STORE_FINAL")}),
             {"NUM_TARGETS": 1 if store_final else 65, "HAS_TARGETS": store_final,

@@ -19,7 +19,7 @@ the logits of the at most ``D`` tokens on each row's path with the full count
 (history + path). Only ``[num_rows, D]`` entries are gathered and scattered:
 no dense ``[rows, V]`` count matrix and no host synchronisation.
 
-This module imports only ``torch`` (tests load it by file path).
+This module imports only ``torch`` (tests import it without vLLM).
 """
 
 from __future__ import annotations
