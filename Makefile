@@ -1,9 +1,12 @@
-# vllm-ddtree: vLLM 0.26.0 + the patch stack in patches/ (see README.md).
+# vllm-ddtree: vLLM 0.26.0 + the patch stack in patches/ + our files in overlay/ (see README.md).
 PYTHON ?= python3
 .DEFAULT_GOAL := all
 TOOL := $(PYTHON) apply_patches.py
 SRC ?= build/src
 PYTEST_ARGS ?=
+# Files and directories we own that ruff checks with vLLM's settings (add a path
+# to cover more, e.g. bench).
+LINT_PATHS ?= overlay tests apply_patches.py
 REPORT_DIR ?= docs/rebase
 
 # Python requirements. Every target runs apply_patches.py, which needs
@@ -45,7 +48,7 @@ IMAGE ?= vllm-ddtree:$(subst +,-,$(VERSION))
 # Where pip puts console scripts (hadolint) for $(PYTHON).
 SCRIPTS = $$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
 
-.PHONY: all deps fetch check apply export wheel test lint-docker image clean rebase-check
+.PHONY: all deps fetch check apply export wheel lint test lint-docker image clean rebase-check
 
 all: wheel
 
@@ -66,7 +69,9 @@ export:
 
 wheel: $(WHEEL)
 
-$(WHEEL): upstream.lock patches/series $(wildcard patches/*.patch) apply_patches.py
+OVERLAY_FILES := $(shell find overlay -name '*.py' -not -path '*/__pycache__/*' 2>/dev/null)
+
+$(WHEEL): upstream.lock patches/series $(wildcard patches/*.patch) $(OVERLAY_FILES) apply_patches.py
 	@echo "== wheel $(VERSION): fetch, apply, repack"
 	$(TOOL) fetch
 	$(TOOL) apply --src $(SRC) --verify
@@ -75,20 +80,27 @@ $(WHEEL): upstream.lock patches/series $(wildcard patches/*.patch) apply_patches
 lint-docker: $(TEST_DEPS)
 	PATH="$(SCRIPTS):$$PATH" hadolint Dockerfile
 
+# ruff (vLLM's settings, ruff.toml) on LINT_PATHS and on the lines the patches add
+# to upstream files (needs build/src: `make apply`).
+lint: $(TEST_DEPS)
+	$(TOOL) lint --src $(SRC) $(LINT_PATHS)
+
 test: $(TEST_DEPS)
-	@echo "== [1/7] fetch (cache: $${VLLM_DDTREE_CACHE:-~/.cache/vllm-ddtree})"
+	@echo "== [1/8] fetch (cache: $${VLLM_DDTREE_CACHE:-~/.cache/vllm-ddtree})"
 	$(TOOL) fetch
-	@echo "== [2/7] apply --verify into $(SRC)"
+	@echo "== [2/8] apply --verify into $(SRC)"
 	$(TOOL) apply --src $(SRC) --verify
-	@echo "== [3/7] check"
+	@echo "== [3/8] check"
 	$(TOOL) check
-	@echo "== [4/7] export --dry-run (drift gate)"
+	@echo "== [4/8] export --dry-run (drift gate: patches and overlay)"
 	$(TOOL) export --src $(SRC) --dry-run
-	@echo "== [5/7] wheel + Dockerfile lint"
+	@echo "== [5/8] lint (ruff, vLLM's settings)"
+	$(MAKE) --no-print-directory lint
+	@echo "== [6/8] wheel + Dockerfile lint"
 	$(MAKE) --no-print-directory wheel lint-docker
-	@echo "== [6/7] pytest (tooling, wheel round trip, DDTree core)"
+	@echo "== [7/8] pytest (tooling, wheel round trip, DDTree core)"
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
-	@echo "== [7/7] pytest inside the wheel's venv (tests that import the patched vLLM)"
+	@echo "== [8/8] pytest inside the wheel's venv (tests that import the patched vLLM)"
 	VENV=$$($(PYTHON) tests/ddtree_venv.py $(WHEEL)) && \
 	  $$VENV/bin/python -m pytest -c tests/in_vllm/pytest.ini tests/in_vllm $(PYTEST_ARGS)
 

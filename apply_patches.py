@@ -4,11 +4,12 @@
 
 Subcommands:
   fetch            download the pinned sdist and wheel into the cache, verify sha256
-  check            validate patches/series and every patch (no tree needed)
-  apply            pristine sdist tree + series -> git repo (default build/src)
-  export           rewrite patches/ from the commits above the `upstream` tag
+  check            validate patches/series, every patch and overlay/
+  apply            pristine sdist tree + series + overlay/ -> git repo (build/src)
+  export           rewrite patches/ and overlay/ from the commits above `upstream`
   wheel            official wheel + patched vllm/ files -> dist/<our wheel>
   rebase           replay the stack onto another vLLM release; Markdown + JSON report
+  lint             ruff with vLLM's settings: our files, and the lines patches add
   version          print our version (for the Makefile)
   series-hash      print the sha256 of the series (for image labels)
 """
@@ -33,18 +34,26 @@ import sys
 import tarfile
 import tempfile
 import time
-import tomllib
 import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import git
+import tomllib
 import unidiff
 
 REPO_ROOT = Path(__file__).resolve().parent
 DEFAULT_LOCK = REPO_ROOT / "upstream.lock"
 DEFAULT_PATCHES = REPO_ROOT / "patches"
+# The files we own (new modules only), at their paths in the vLLM tree; `apply`
+# copies them in after the patches. Default: next to the patches directory.
+OVERLAY_DIRNAME = "overlay"
+OVERLAY_SUBJECT = (
+    "overlay: the files vllm-ddtree owns (overlay/, not applied by git am)"
+)
+OVERLAY_TAG = "overlay"
+SPDX_LINE = "# SPDX-License-Identifier: Apache-2.0"
 DEFAULT_SRC = REPO_ROOT / "build" / "src"
 DEFAULT_DIST = REPO_ROOT / "dist"
 DEFAULT_REPORTS = REPO_ROOT / "docs" / "rebase"
@@ -56,6 +65,14 @@ BASE_ENV = {
     "GIT_AUTHOR_EMAIL": "upstream@vllm.invalid",
     "GIT_COMMITTER_NAME": "vLLM upstream",
     "GIT_COMMITTER_EMAIL": "upstream@vllm.invalid",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00 +0000",
+    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00 +0000",
+}
+OVERLAY_ENV = {
+    "GIT_AUTHOR_NAME": "vllm-ddtree",
+    "GIT_AUTHOR_EMAIL": "ddtree@vllm.invalid",
+    "GIT_COMMITTER_NAME": "vllm-ddtree",
+    "GIT_COMMITTER_EMAIL": "ddtree@vllm.invalid",
     "GIT_AUTHOR_DATE": "2000-01-01T00:00:00 +0000",
     "GIT_COMMITTER_DATE": "2000-01-01T00:00:00 +0000",
 }
@@ -98,7 +115,7 @@ class Lock:
     data: dict
 
     @classmethod
-    def load(cls, path: Path) -> "Lock":
+    def load(cls, path: Path) -> Lock:
         try:
             with open(path, "rb") as f:
                 return cls(path, tomllib.load(f))
@@ -138,7 +155,7 @@ class Lock:
         text = self.path.read_text()
         pattern = re.compile(rf'^{key}[ \t]*=[ \t]*"[^"\n]*"[ \t]*$', re.M)
         if not pattern.search(text):
-            raise DDTreeError(f"{self.path}: no `{key} = \"...\"` line to update")
+            raise DDTreeError(f'{self.path}: no `{key} = "..."` line to update')
         text = pattern.sub(f'{key} = "{value}"', text, count=1)
         self.path.write_text(text)
         self.data["ddtree"][key] = value
@@ -148,7 +165,9 @@ class Lock:
 
 
 def cache_dir() -> Path:
-    d = Path(os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree"))
+    d = Path(
+        os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree")
+    )
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -165,7 +184,8 @@ def verify_sha256(path: Path, expected: str) -> None:
     actual = sha256_file(path)
     if actual != expected:
         raise DDTreeError(
-            f"sha256 mismatch for {path.name} ({path}): expected {expected}, got {actual}; "
+            f"sha256 mismatch for {path.name} ({path}): expected {expected}, got "
+            f"{actual}; "
             "refusing to use it"
         )
 
@@ -176,7 +196,9 @@ PYPI_SIMPLE = "https://pypi.org/simple/{project}/"
 def pypi_index(project: str) -> dict[str, dict]:
     """filename -> {url, sha256, yanked} from PyPI's JSON simple API."""
     url = PYPI_SIMPLE.format(project=project)
-    req = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    req = urllib.request.Request(
+        url, headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             index = json.load(r)
@@ -197,7 +219,9 @@ def resolve_url(filename: str) -> str:
     project = filename.split("-", 1)[0]
     entry = pypi_index(project).get(filename)
     if entry is None:
-        raise DDTreeError(f"{filename} not found on {PYPI_SIMPLE.format(project=project)}")
+        raise DDTreeError(
+            f"{filename} not found on {PYPI_SIMPLE.format(project=project)}"
+        )
     return entry["url"]
 
 
@@ -281,8 +305,25 @@ def header_fields(body: str) -> dict[str, str]:
     return fields
 
 
-def check_patch(path: Path, precompiled: bool) -> list[str]:
-    """Return the problems found in one patch file."""
+FORWARDED_VALUES = ("no", "not-needed", "not yet, candidate")
+
+
+@dataclass
+class PatchStats:
+    """What one patch changes in upstream files."""
+
+    files: set[str]
+    added: int
+    removed: int
+
+
+def check_patch(
+    path: Path,
+    precompiled: bool,
+    overlay: dict[str, Path] | None = None,
+    stats: PatchStats | None = None,
+) -> list[str]:
+    """Return the problems found in one patch file (and fill `stats`)."""
     problems: list[str] = []
     text = path.read_text(encoding="utf-8")
     try:
@@ -299,8 +340,11 @@ def check_patch(path: Path, precompiled: bool) -> list[str]:
     if origin and not (origin == "vendor" or origin.startswith("https://")):
         problems.append(f"{path.name}: Origin must be an upstream PR URL or 'vendor'")
     fwd = fields.get("Forwarded", "")
-    if fwd and not (fwd in ("no", "not-needed") or fwd.startswith("https://")):
-        problems.append(f"{path.name}: Forwarded must be 'no', 'not-needed' or a URL")
+    if fwd and not (fwd in FORWARDED_VALUES or fwd.startswith("https://")):
+        problems.append(
+            f"{path.name}: Forwarded must be 'no', 'not-needed', "
+            "'not yet, candidate' or a URL"
+        )
     try:
         patchset = unidiff.PatchSet(io.StringIO(text))
     except unidiff.UnidiffParseError as e:
@@ -322,12 +366,84 @@ def check_patch(path: Path, precompiled: bool) -> list[str]:
                     f"{path.name}: touches {rel}; only Python/Triton files under vllm/ "
                     "may be patched"
                 )
+            elif overlay is not None and rel in overlay:
+                problems.append(
+                    f"{path.name}: touches {rel}, a file of {OVERLAY_DIRNAME}/; "
+                    f"edit {OVERLAY_DIRNAME}/{rel} instead"
+                )
+        if pf.is_added_file:
+            problems.append(
+                f"{path.name}: adds {pf.path}; patches edit upstream files only, "
+                f"new files go in {OVERLAY_DIRNAME}/{pf.path}"
+            )
         if pf.is_binary_file:
             problems.append(f"{path.name}: binary diff for {pf.path}")
+        if stats is not None:
+            stats.files.add(pf.path)
+            stats.added += pf.added
+            stats.removed += pf.removed
     return problems
 
 
-def check_all(lock: Lock, patches_dir: Path) -> list[str]:
+def overlay_files(overlay_dir: Path) -> dict[str, Path]:
+    """The overlay's files: path in the vLLM tree -> file (``__pycache__`` left out)."""
+    if not overlay_dir.is_dir():
+        return {}
+    out: dict[str, Path] = {}
+    for path in sorted(overlay_dir.rglob("*")):
+        rel = path.relative_to(overlay_dir)
+        if "__pycache__" in rel.parts or path.is_dir():
+            continue
+        out[rel.as_posix()] = path
+    return out
+
+
+def upstream_files(lock: Lock) -> set[str]:
+    """Every file of the pinned pristine sdist tree."""
+    base = ensure_base_repo(lock)
+    return set(run_git(base, "ls-tree", "-r", "--name-only", BASE_TAG).splitlines())
+
+
+def check_overlay(overlay_dir: Path, upstream: set[str]) -> list[str]:
+    """The overlay holds only new Python files under vllm/, each in a package."""
+    problems: list[str] = []
+    files = overlay_files(overlay_dir)
+    upstream_dirs = {str(Path(f).parent) for f in upstream}
+    name = OVERLAY_DIRNAME
+    for rel, path in files.items():
+        if path.is_symlink() or not path.is_file():
+            problems.append(f"{name}/{rel}: not a regular file")
+            continue
+        if not (rel.startswith("vllm/") and rel.endswith(".py")):
+            problems.append(f"{name}/{rel}: only Python files under vllm/ may be added")
+            continue
+        if rel in upstream:
+            problems.append(
+                f"{name}/{rel}: overwrites an upstream file; change it with a "
+                "patch instead"
+            )
+            continue
+        first = path.read_text(encoding="utf-8").split("\n", 1)[0]
+        if first != SPDX_LINE:
+            problems.append(f"{name}/{rel}: first line must be '{SPDX_LINE}'")
+        # Every directory the overlay adds is a package of its own.
+        parent = Path(rel).parent
+        while str(parent) not in upstream_dirs and str(parent) != ".":
+            init = (parent / "__init__.py").as_posix()
+            if init not in files:
+                problems.append(
+                    f"{name}/{parent.as_posix()}/: new package without __init__.py"
+                )
+            parent = parent.parent
+    return sorted(set(problems))
+
+
+def check_all(
+    lock: Lock,
+    patches_dir: Path,
+    overlay_dir: Path | None = None,
+    stats: dict[str, PatchStats] | None = None,
+) -> list[str]:
     problems: list[str] = []
     series = read_series(patches_dir)
     seen: set[str] = set()
@@ -340,21 +456,41 @@ def check_all(lock: Lock, patches_dir: Path) -> list[str]:
     on_disk = {p.name for p in patches_dir.glob("*.patch")}
     for name in sorted(on_disk - seen):
         problems.append(f"series: patches/{name} is not listed in the series")
+    overlay = overlay_files(overlay_dir) if overlay_dir is not None else {}
     for name in dict.fromkeys(series):
         if (patches_dir / name).is_file():
-            problems.extend(check_patch(patches_dir / name, lock.precompiled))
+            st = PatchStats(set(), 0, 0)
+            problems.extend(
+                check_patch(patches_dir / name, lock.precompiled, overlay, st)
+            )
+            if stats is not None:
+                stats[name] = st
+    if overlay:
+        problems.extend(check_overlay(overlay_dir, upstream_files(lock)))
     return problems
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     lock = Lock.load(args.lock)
-    lock.version  # validates the version fields
-    problems = check_all(lock, args.patches)
+    _ = lock.version  # validates the version fields
+    stats: dict[str, PatchStats] = {}
+    problems = check_all(lock, args.patches, args.overlay, stats)
     for p in problems:
         print(f"check: {p}", file=sys.stderr)
     if problems:
         return 1
-    log(f"check: {len(read_series(args.patches))} patches ok")
+    for name, st in stats.items():
+        log(f"  {name}: +{st.added} -{st.removed} in {len(st.files)} file(s)")
+    files = set().union(*(st.files for st in stats.values())) if stats else set()
+    added = sum(st.added for st in stats.values())
+    removed = sum(st.removed for st in stats.values())
+    overlay = overlay_files(args.overlay)
+    overlay_lines = sum(len(p.read_bytes().splitlines()) for p in overlay.values())
+    log(
+        f"check: {len(stats)} patches ok: {added} added and {removed} removed lines in "
+        f"{len(files)} upstream files; {OVERLAY_DIRNAME}/: {len(overlay)} files, "
+        f"{overlay_lines} lines"
+    )
     return 0
 
 
@@ -371,6 +507,15 @@ def run_git(repo: Path, *argv: str, env: dict[str, str] | None = None) -> str:
     )
     if proc.returncode != 0:
         raise DDTreeError(f"git {' '.join(argv)} failed:\n{proc.stderr.strip()}")
+    return proc.stdout
+
+
+def run_git_bytes(repo: Path, *argv: str) -> bytes:
+    proc = subprocess.run(["git", "-C", str(repo), *argv], capture_output=True)
+    if proc.returncode != 0:
+        raise DDTreeError(
+            f"git {' '.join(argv)} failed:\n{proc.stderr.decode().strip()}"
+        )
     return proc.stdout
 
 
@@ -411,7 +556,8 @@ def ensure_base_repo(lock: Lock) -> Path:
             "-q",
             "--no-verify",
             "-m",
-            f"vLLM {lock.upstream['version']} ({lock.upstream['commit']}): pristine sdist "
+            f"vLLM {lock.upstream['version']} ({lock.upstream['commit']}): pristine "
+            "sdist "
             f"{sdist.filename}",
             env=BASE_ENV,
         )
@@ -451,7 +597,9 @@ def explain_am_failure(repo: Path, patch_path: Path, stderr: str) -> str:
         lines.append(f"  file: {fname}")
         lines.append(f"  hunk: {hunk_desc}")
     else:
-        m2 = re.search(r"error: (.+?): (does not exist in index|already exists in index)", stderr)
+        m2 = re.search(
+            r"error: (.+?): (does not exist in index|already exists in index)", stderr
+        )
         if m2:
             lines.append(f"  file: {m2.group(1)} ({m2.group(2)})")
     lines.append("  git says:")
@@ -469,7 +617,7 @@ def is_dirty(repo: Path) -> bool:
 
 def cmd_apply(args: argparse.Namespace) -> int:
     lock = Lock.load(args.lock)
-    problems = check_all(lock, args.patches)
+    problems = check_all(lock, args.patches, args.overlay)
     if problems:
         raise DDTreeError("apply: `check` failed:\n  " + "\n  ".join(problems))
     t0 = time.monotonic()
@@ -486,11 +634,12 @@ def cmd_apply(args: argparse.Namespace) -> int:
             run_git(src, "am", "--abort")
         if is_dirty(src) and not args.force:
             raise DDTreeError(
-                f"{src} has uncommitted changes; commit them (and `export`) or pass --force"
+                f"{src} has uncommitted changes; commit them (and `export`) or pass "
+                "--force"
             )
         head = run_git(src, "rev-parse", "HEAD").strip()
         upstream = run_git(src, "rev-parse", f"refs/tags/{BASE_TAG}^{{commit}}").strip()
-        if head != upstream and tree_of(src, "HEAD") != lock.tree("patched_tree"):
+        if head != upstream and not is_applied_state(src, lock, args.overlay):
             backup = f"refs/ddtree/backup/{time.strftime('%Y%m%d-%H%M%S')}"
             run_git(src, "update-ref", backup, head)
             log(f"previous HEAD saved as {backup}")
@@ -513,24 +662,100 @@ def cmd_apply(args: argparse.Namespace) -> int:
         patch_path = (args.patches / name).resolve()
         log(f"[{i}/{len(series)}] {name}")
         proc = subprocess.run(
-            ["git", "-C", str(src), "am", "-q", "--keep", "--committer-date-is-author-date",
-             str(patch_path)],
+            [
+                "git",
+                "-C",
+                str(src),
+                "am",
+                "-q",
+                "--keep",
+                "--committer-date-is-author-date",
+                str(patch_path),
+            ],
             capture_output=True,
             text=True,
         )
         if proc.returncode != 0:
-            raise DDTreeError(explain_am_failure(src, patch_path, proc.stderr + proc.stdout))
+            raise DDTreeError(
+                explain_am_failure(src, patch_path, proc.stderr + proc.stdout)
+            )
     head_tree = tree_of(src, "HEAD")
-    log(f"applied {len(series)} patches in {time.monotonic() - t0:.1f}s; tree {head_tree}")
+    log(
+        f"applied {len(series)} patches in {time.monotonic() - t0:.1f}s; tree "
+        f"{head_tree}"
+    )
     if args.verify:
         expected = lock.tree("patched_tree")
         if head_tree != expected:
             raise DDTreeError(
-                f"apply --verify: patched tree {head_tree} != patched_tree {expected!r} "
+                f"apply --verify: patched tree {head_tree} != patched_tree "
+                f"{expected!r} "
                 f"in {lock.path} (run `export` after changing patches)"
             )
         log("verify: patched tree matches upstream.lock")
+    copied = copy_overlay(src, args.overlay)
+    if copied:
+        log(
+            f"{OVERLAY_DIRNAME}/: copied {copied} files (commit tagged `{OVERLAY_TAG}`)"
+        )
     return 0
+
+
+def is_applied_state(src: Path, lock: Lock, overlay_dir: Path) -> bool:
+    """Whether HEAD is what `apply` makes of upstream.lock, patches/ and overlay/."""
+    try:
+        return (
+            stack_tree(src) == lock.tree("patched_tree")
+            and not overlay_state(src, overlay_dir)[1]
+        )
+    except DDTreeError:
+        return False
+
+
+def copy_overlay(src: Path, overlay_dir: Path) -> int:
+    """Copy the overlay into the tree as one commit on top of the patches."""
+    files = overlay_files(overlay_dir)
+    if not files:
+        return 0
+    for rel, path in files.items():
+        dest = src / rel
+        if dest.exists():
+            raise DDTreeError(
+                f"apply: {OVERLAY_DIRNAME}/{rel} would overwrite {dest}; "
+                "the overlay may only add files"
+            )
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, dest)
+    run_git(src, "add", "-f", "--", *files)
+    run_git(src, "commit", "-q", "--no-verify", "-m", OVERLAY_SUBJECT, env=OVERLAY_ENV)
+    run_git(src, "tag", "-f", OVERLAY_TAG)
+    return len(files)
+
+
+def new_files(src: Path, rev: str = "HEAD") -> list[str]:
+    """Files of `rev` that the pristine tree does not have (the overlay's files)."""
+    out = run_git(
+        src, "diff", "--name-only", "--no-renames", "--diff-filter=A", BASE_TAG, rev
+    )
+    return sorted(out.splitlines())
+
+
+def stack_tree(src: Path, rev: str = "HEAD") -> str:
+    """The tree of `rev` without the new files: the pristine tree plus the patches'
+    edits (what upstream.lock's patched_tree records)."""
+    added = new_files(src, rev)
+    if not added:
+        return tree_of(src, rev)
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        run_git(src, "read-tree", rev, env=env)
+        subprocess.run(
+            ["git", "-C", str(src), "rm", "-q", "--cached", "--", *added],
+            check=True,
+            capture_output=True,
+            env={**os.environ, **env},
+        )
+        return run_git(src, "write-tree", env=env).strip()
 
 
 # ------------------------------------------------------------------------ export
@@ -542,8 +767,13 @@ def slugify(subject: str) -> str:
 
 
 def render_patches(src: Path) -> list[tuple[str, bytes]]:
-    """Format the commits above `upstream` as (file name, bytes), in order."""
+    """Format the commits above `upstream` as (file name, bytes), in order.
+
+    Only edits to files of the pristine tree make patches: new files belong to the
+    overlay (`export` writes them to overlay/), so a commit that only adds or edits
+    those (the overlay commit of `apply`) gives no patch."""
     revs = run_git(src, "rev-list", "--reverse", f"{BASE_TAG}..HEAD").split()
+    pristine = set(run_git(src, "ls-tree", "-r", "--name-only", BASE_TAG).splitlines())
     out: list[tuple[str, bytes]] = []
     names: set[str] = set()
     for rev in revs:
@@ -555,13 +785,35 @@ def render_patches(src: Path) -> list[tuple[str, bytes]]:
             )
         if len(run_git(src, "rev-list", "--parents", "-1", rev).split()) != 2:
             raise DDTreeError(f"commit {rev[:10]} is a merge; keep the stack linear")
+        touched = run_git(
+            src,
+            "diff-tree",
+            "--no-commit-id",
+            "--name-only",
+            "-r",
+            "--no-renames",
+            f"{rev}~1",
+            rev,
+        ).splitlines()
+        upstream_paths = [f for f in touched if f in pristine]
+        if not upstream_paths:
+            continue
         name = slugify(subject)
         if name in names:
             raise DDTreeError(f"two commits give the same patch name {name}")
         names.add(name)
         text = subprocess.run(
-            ["git", "-C", str(src), "format-patch", "--stdout", *FORMAT_PATCH_ARGS,
-             f"{rev}~1..{rev}"],
+            [
+                "git",
+                "-C",
+                str(src),
+                "format-patch",
+                "--stdout",
+                *FORMAT_PATCH_ARGS,
+                f"{rev}~1..{rev}",
+                "--",
+                *upstream_paths,
+            ],
             capture_output=True,
             check=True,
         ).stdout
@@ -569,32 +821,104 @@ def render_patches(src: Path) -> list[tuple[str, bytes]]:
     return out
 
 
-def export_drift(lock: Lock, patches_dir: Path, rendered: list[tuple[str, bytes]],
-                 upstream_tree: str, head_tree: str) -> tuple[list[str], list[str]]:
-    """(drift descriptions, stale patch files) between `rendered` and patches_dir/lock."""
+def overlay_state(src: Path, overlay_dir: Path) -> tuple[dict[str, bytes], list[str]]:
+    """(the new files of build/src HEAD, drift against overlay/ as descriptions)."""
+    head = {rel: run_git_bytes(src, "show", f"HEAD:{rel}") for rel in new_files(src)}
+    outside = [rel for rel in head if not rel.startswith("vllm/")]
+    if outside:
+        raise DDTreeError(
+            f"{src}: new files outside vllm/ ({', '.join(outside)}); "
+            f"{OVERLAY_DIRNAME}/ holds new files under vllm/ only"
+        )
+    disk = overlay_files(overlay_dir)
+    drift = []
+    for rel in sorted(set(head) | set(disk)):
+        where = f"{OVERLAY_DIRNAME}/{rel}"
+        if rel not in disk:
+            drift.append(f"{where} (would be added: new in {src.name})")
+        elif rel not in head:
+            drift.append(f"{where} (would be removed: not in {src.name})")
+        elif disk[rel].read_bytes() != head[rel]:
+            drift.append(f"{where} (differs from {src.name}/{rel})")
+    return head, drift
+
+
+def applied_overlay(src: Path, rel: str) -> bytes | None:
+    """`rel` as `apply` copied it (the commit tagged `overlay`), if it did."""
+    try:
+        return run_git_bytes(src, "show", f"refs/tags/{OVERLAY_TAG}:{rel}")
+    except DDTreeError:
+        return None
+
+
+def write_overlay(src: Path, overlay_dir: Path, head: dict[str, bytes]) -> list[str]:
+    """Bring build/src's edits of overlay files to overlay/, three-way against the
+    copy `apply` made: a file changed only in build/src is written, one changed
+    only in overlay/ (edited there since `apply`) is kept, one changed in both is
+    refused (either edit would be lost). Returns the files written or removed."""
+    disk = overlay_files(overlay_dir)
+    changes: list[tuple[str, bytes | None]] = []
+    for rel in sorted(set(head) | set(disk)):
+        new = head.get(rel)
+        old = disk[rel].read_bytes() if rel in disk else None
+        applied = applied_overlay(src, rel)
+        if new in (old, applied):
+            continue
+        if old != applied:
+            raise DDTreeError(
+                f"export: {OVERLAY_DIRNAME}/{rel} was edited since `apply`, and "
+                f"{src}/{rel} too; keep one edit (commit the other into it) before "
+                "exporting"
+            )
+        changes.append((rel, new))
+    for rel, new in changes:
+        dest = overlay_dir / rel
+        if new is None:
+            dest.unlink()
+        else:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(new)
+    return [rel for rel, _ in changes]
+
+
+def export_drift(
+    lock: Lock,
+    patches_dir: Path,
+    rendered: list[tuple[str, bytes]],
+    upstream_tree: str,
+    head_tree: str,
+) -> tuple[list[str], list[str]]:
+    """(drift descriptions, stale patch files): `rendered` against patches_dir, lock."""
     drift: list[str] = []
     for name, data in rendered:
         p = patches_dir / name
         if not p.exists() or p.read_bytes() != data:
             drift.append(name)
     new_names = {n for n, _ in rendered}
-    stale = sorted(p.name for p in patches_dir.glob("*.patch") if p.name not in new_names)
+    stale = sorted(
+        p.name for p in patches_dir.glob("*.patch") if p.name not in new_names
+    )
     drift.extend(f"{n} (would be removed)" for n in stale)
     series_path = patches_dir / "series"
     old_series = series_path.read_text() if series_path.exists() else ""
-    if [line for line in old_series.splitlines() if line.strip() and not line.startswith("#")] != [
-        n for n, _ in rendered
-    ]:
+    if [
+        line
+        for line in old_series.splitlines()
+        if line.strip() and not line.startswith("#")
+    ] != [n for n, _ in rendered]:
         drift.append("series")
     if lock.tree("patched_tree") != head_tree:
-        drift.append(f"upstream.lock patched_tree ({lock.tree('patched_tree')!r} -> {head_tree})")
+        drift.append(
+            f"upstream.lock patched_tree ({lock.tree('patched_tree')!r} -> {head_tree})"
+        )
     if lock.tree("upstream_tree") != upstream_tree:
         drift.append(f"upstream.lock upstream_tree -> {upstream_tree}")
     return drift, stale
 
 
-def write_patches(patches_dir: Path, rendered: list[tuple[str, bytes]],
-                  stale: list[str]) -> None:
+def write_patches(
+    patches_dir: Path, rendered: list[tuple[str, bytes]], stale: list[str]
+) -> None:
     """Write the rendered patches and the series (keeping its comment lines)."""
     series_path = patches_dir / "series"
     old_series = series_path.read_text() if series_path.exists() else ""
@@ -603,7 +927,9 @@ def write_patches(patches_dir: Path, rendered: list[tuple[str, bytes]],
         (patches_dir / name).write_bytes(data)
     for name in stale:
         (patches_dir / name).unlink()
-    comments = "".join(line + "\n" for line in old_series.splitlines() if line.startswith("#"))
+    comments = "".join(
+        line + "\n" for line in old_series.splitlines() if line.startswith("#")
+    )
     series_path.write_text(comments + "".join(f"{name}\n" for name, _ in rendered))
 
 
@@ -617,23 +943,38 @@ def cmd_export(args: argparse.Namespace) -> int:
     if is_dirty(src):
         raise DDTreeError(f"{src} has uncommitted changes; commit them first")
     rendered = render_patches(src)
-    head_tree = tree_of(src, "HEAD")
+    head_tree = stack_tree(src)
     upstream_tree = tree_of(src, BASE_TAG)
     drift, stale = export_drift(lock, args.patches, rendered, upstream_tree, head_tree)
+    head_overlay, overlay_drift = overlay_state(src, args.overlay)
     if args.dry_run:
-        if drift:
-            print("export --dry-run: drift between build tree and patches/:", file=sys.stderr)
-            for d in drift:
+        if drift or overlay_drift:
+            print(
+                f"export --dry-run: drift between build tree and patches/ or "
+                f"{OVERLAY_DIRNAME}/:",
+                file=sys.stderr,
+            )
+            for d in drift + overlay_drift:
                 print(f"  {d}", file=sys.stderr)
             return 1
-        log(f"export --dry-run: no drift ({len(rendered)} patches)")
+        log(
+            f"export --dry-run: no drift ({len(rendered)} patches, "
+            f"{len(head_overlay)} {OVERLAY_DIRNAME}/ files)"
+        )
         return 0
+    written = write_overlay(src, args.overlay, head_overlay)
     write_patches(args.patches, rendered, stale)
     lock.set_tree("upstream_tree", upstream_tree)
     lock.set_tree("patched_tree", head_tree)
-    log(f"exported {len(rendered)} patches; patched_tree {head_tree}")
+    log(
+        f"exported {len(rendered)} patches and {len(head_overlay)} {OVERLAY_DIRNAME}/ "
+        "files; "
+        f"patched_tree {head_tree}"
+    )
     for d in drift:
         log(f"  updated: {d}")
+    for rel in written:
+        log(f"  updated: {OVERLAY_DIRNAME}/{rel}")
     return 0
 
 
@@ -651,7 +992,7 @@ MD_REGION_LINES = 40  # lines per conflict region in the Markdown report
 
 
 def release_lock(lock: Lock, version: str, index: dict[str, dict]) -> Lock:
-    """An in-memory lock for upstream `version`, artifacts and sha256s from the index."""
+    """An in-memory lock for upstream `version` (artifacts, sha256s from the index)."""
     old = lock.upstream["version"]
     if version == old:
         raise DDTreeError(f"rebase: {version} is already the pinned release")
@@ -660,7 +1001,8 @@ def release_lock(lock: Lock, version: str, index: dict[str, dict]) -> Lock:
     for kind in ("sdist", "wheel"):
         art = lock.artifact(kind)
         name = art.filename.replace(f"-{old}-", f"-{version}-", 1).replace(
-            f"-{old}.tar.gz", f"-{version}.tar.gz", 1)
+            f"-{old}.tar.gz", f"-{version}.tar.gz", 1
+        )
         project = art.filename.split("-", 1)[0]
         entry = index.get(name)
         if entry is None:
@@ -677,13 +1019,16 @@ def release_lock(lock: Lock, version: str, index: dict[str, dict]) -> Lock:
     up["tag"] = lock.upstream["tag"].replace(old, version)
     up["base_image"] = lock.upstream["base_image"].replace(old, version)
     up["commit"] = ""
-    data["ddtree"].update(build=1, version=f"{version}+ddtree.1", upstream_tree="",
-                          patched_tree="")
+    data["ddtree"].update(
+        build=1, version=f"{version}+ddtree.1", upstream_tree="", patched_tree=""
+    )
     return Lock(lock.path, data)
 
 
 def commit_id_from_version_py(text: str) -> str:
-    m = re.search(r"^__commit_id__ = commit_id = ['\"]g?([0-9a-f]{7,40})['\"]", text, re.M)
+    m = re.search(
+        r"^__commit_id__ = commit_id = ['\"]g?([0-9a-f]{7,40})['\"]", text, re.M
+    )
     return m.group(1) if m else ""
 
 
@@ -693,16 +1038,22 @@ def wheel_commit(wheel: Path) -> str:
 
 
 def git_env_for(repo: Path, rev: str) -> dict[str, str]:
-    """Committer = the commit's author date, like `git am --committer-date-is-author-date`."""
+    """Committer date = author date, as `git am --committer-date-is-author-date`."""
     date = run_git(repo, "log", "-1", "--format=%aD", rev).strip()
     return {"GIT_COMMITTER_DATE": date}
 
 
-def vllm_tree_commit(repo: Path, vllm_tree: str, parent: str | None, message: str) -> str:
+def vllm_tree_commit(
+    repo: Path, vllm_tree: str, parent: str | None, message: str
+) -> str:
     """A commit whose tree holds only `vllm/` = vllm_tree."""
-    root = subprocess.run(["git", "-C", str(repo), "mktree"],
-                          input=f"040000 tree {vllm_tree}\tvllm\n",
-                          capture_output=True, text=True, check=True).stdout.strip()
+    root = subprocess.run(
+        ["git", "-C", str(repo), "mktree"],
+        input=f"040000 tree {vllm_tree}\tvllm\n",
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     argv = ["commit-tree", root, "-m", message]
     if parent:
         argv += ["-p", parent]
@@ -710,12 +1061,15 @@ def vllm_tree_commit(repo: Path, vllm_tree: str, parent: str | None, message: st
 
 
 def sdist_vllm_tree(repo: Path, sdist: Path) -> str:
-    """Write the sdist's vllm/ directory into repo's object store; return its tree id."""
+    """Write the sdist's vllm/ into repo's object store; return its tree id."""
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         work = Path(tmp) / "tree"
         with tarfile.open(sdist) as tf:
-            members = [m for m in tf.getmembers()
-                       if len(parts := m.name.split("/")) > 1 and parts[1] == "vllm"]
+            members = [
+                m
+                for m in tf.getmembers()
+                if len(parts := m.name.split("/")) > 1 and parts[1] == "vllm"
+            ]
             if not members:
                 raise DDTreeError(f"{sdist.name} has no vllm/ directory")
             tf.extractall(Path(tmp) / "x", members=members, filter="data")
@@ -728,18 +1082,20 @@ def sdist_vllm_tree(repo: Path, sdist: Path) -> str:
 
 
 def single_hunk_patches(patch_text: str) -> list[tuple[str, int, str, str]]:
-    """(file, hunk number, hunk header, one-hunk patch text) for every hunk of a patch."""
+    """(file, hunk number, hunk header, one-hunk patch text) for each hunk."""
     out = []
     for pf in unidiff.PatchSet(io.StringIO(patch_text)):
         head = str(pf.patch_info) if pf.patch_info else ""
         if not head.startswith("diff --git"):
             head = f"diff --git {pf.source_file} {pf.target_file}\n"
-        head = head[head.index("diff --git"):]
+        head = head[head.index("diff --git") :]
         if "\n--- " not in "\n" + head:
             head += f"--- {pf.source_file}\n+++ {pf.target_file}\n"
         for i, h in enumerate(pf, 1):
-            header = (f"@@ -{h.source_start},{h.source_length} "
-                      f"+{h.target_start},{h.target_length} @@")
+            header = (
+                f"@@ -{h.source_start},{h.source_length} "
+                f"+{h.target_start},{h.target_length} @@"
+            )
             if h.section_header:
                 header += f" {h.section_header}"
             out.append((pf.path, i, header, head + str(h)))
@@ -752,14 +1108,25 @@ def conflict_regions(path: Path, rel: str) -> list[dict]:
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except FileNotFoundError:
-        return [{"file": rel, "line": 0, "text": "(deleted on one side: modify/delete conflict)"}]
+        return [
+            {
+                "file": rel,
+                "line": 0,
+                "text": "(deleted on one side: modify/delete conflict)",
+            }
+        ]
     start = None
     for n, line in enumerate(lines, 1):
         if line.startswith("<<<<<<< "):
             start = n
         elif line.startswith(">>>>>>> ") and start is not None:
-            regions.append({"file": rel, "line": start,
-                            "text": "\n".join(lines[start - 1:n]) + "\n"})
+            regions.append(
+                {
+                    "file": rel,
+                    "line": start,
+                    "text": "\n".join(lines[start - 1 : n]) + "\n",
+                }
+            )
             start = None
     return regions
 
@@ -767,66 +1134,121 @@ def conflict_regions(path: Path, rel: str) -> list[dict]:
 def replay_patch(scratch: Path, patch_path: Path, pre_image: str) -> dict:
     """Replay one patch on the current HEAD of scratch and classify it."""
     text = patch_path.read_text(encoding="utf-8")
-    rec: dict = {"patch": patch_path.name, "subject": patch_message(text)[0],
-                 "files": sorted({pf.path for pf in unidiff.PatchSet(io.StringIO(text))})}
-    check = subprocess.run(["git", "-C", str(scratch), "apply", "--check", str(patch_path)],
-                           capture_output=True, text=True)
+    rec: dict = {
+        "patch": patch_path.name,
+        "subject": patch_message(text)[0],
+        "files": sorted({pf.path for pf in unidiff.PatchSet(io.StringIO(text))}),
+    }
+    check = subprocess.run(
+        ["git", "-C", str(scratch), "apply", "--check", str(patch_path)],
+        capture_output=True,
+        text=True,
+    )
     if check.returncode == 0:
-        run_git(scratch, "am", "-q", "--keep", "--committer-date-is-author-date",
-                str(patch_path))
+        run_git(
+            scratch,
+            "am",
+            "-q",
+            "--keep",
+            "--committer-date-is-author-date",
+            str(patch_path),
+        )
         rec["fate"] = "clean"
         return rec
     failing = []
     for rel, i, header, one in single_hunk_patches(text):
-        r = subprocess.run(["git", "-C", str(scratch), "apply", "--check", "-"], input=one,
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            ["git", "-C", str(scratch), "apply", "--check", "-"],
+            input=one,
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             failing.append({"file": rel, "hunk": i, "header": header})
     rec["hunks_not_applying"] = failing
     pick = subprocess.run(
-        ["git", "-C", str(scratch), "-c", "merge.conflictStyle=diff3", "cherry-pick",
-         "--no-commit", pre_image],
-        capture_output=True, text=True)
+        [
+            "git",
+            "-C",
+            str(scratch),
+            "-c",
+            "merge.conflictStyle=diff3",
+            "cherry-pick",
+            "--no-commit",
+            pre_image,
+        ],
+        capture_output=True,
+        text=True,
+    )
     if pick.returncode == 0:
         if not run_git(scratch, "diff", "--cached", "--name-only", "HEAD").strip():
             rec["fate"] = "already-upstream"
             run_git(scratch, "reset", "-q", "--hard", "HEAD")
         else:
-            run_git(scratch, "commit", "-q", "--no-verify", "-C", pre_image,
-                    env=git_env_for(scratch, pre_image))
+            run_git(
+                scratch,
+                "commit",
+                "-q",
+                "--no-verify",
+                "-C",
+                pre_image,
+                env=git_env_for(scratch, pre_image),
+            )
             rec["fate"] = "merged"
-        subprocess.run(["git", "-C", str(scratch), "cherry-pick", "--quit"],
-                       capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(scratch), "cherry-pick", "--quit"], capture_output=True
+        )
         return rec
     unmerged = run_git(scratch, "diff", "--name-only", "--diff-filter=U").split()
     if not unmerged:
-        raise DDTreeError(f"rebase: cherry-pick of {patch_path.name} failed:\n"
-                          f"{(pick.stderr + pick.stdout).strip()}")
+        raise DDTreeError(
+            f"rebase: cherry-pick of {patch_path.name} failed:\n"
+            f"{(pick.stderr + pick.stdout).strip()}"
+        )
     regions: list[dict] = []
-    status = {line[3:]: line[:2] for line in
-              run_git(scratch, "status", "--porcelain", "--untracked-files=no").splitlines()}
+    status = {
+        line[3:]: line[:2]
+        for line in run_git(
+            scratch, "status", "--porcelain", "--untracked-files=no"
+        ).splitlines()
+    }
     for rel in unmerged:
         found = conflict_regions(scratch / rel, rel)
         if not found or found[0]["line"] == 0:  # modify/delete, add/add without markers
-            found = [{"file": rel, "line": 0, "text": f"(no conflict markers: git status "
-                      f"{status.get(rel, '??')}; e.g. upstream deleted or renamed the file)\n"}]
+            found = [
+                {
+                    "file": rel,
+                    "line": 0,
+                    "text": f"(no conflict markers: git status "
+                    f"{status.get(rel, '??')}; e.g. upstream deleted or renamed the "
+                    "file)\n",
+                }
+            ]
         regions.extend(found)
     rec["fate"] = "conflict"
     rec["conflict"] = {"files": unmerged, "regions": regions}
     run_git(scratch, "reset", "-q", "--hard", "HEAD")
     run_git(scratch, "clean", "-q", "-fd")
-    subprocess.run(["git", "-C", str(scratch), "cherry-pick", "--quit"], capture_output=True)
+    subprocess.run(
+        ["git", "-C", str(scratch), "cherry-pick", "--quit"], capture_output=True
+    )
     return rec
 
 
 def upstream_changes(scratch: Path, files: list[str], with_diff: bool) -> dict:
-    """How upstream changed `files` between the two releases (numstat, optional diff)."""
+    """How upstream changed `files` between the releases (numstat, optional diff)."""
     stat = []
-    for line in run_git(scratch, "diff", "--numstat", "old-base", "new-base", "--",
-                        *files).splitlines():
+    for line in run_git(
+        scratch, "diff", "--numstat", "old-base", "new-base", "--", *files
+    ).splitlines():
         added, removed, name = line.split("\t", 2)
-        stat.append({"file": name, "added": int(added) if added.isdigit() else added,
-                     "removed": int(removed) if removed.isdigit() else removed})
+        stat.append(
+            {
+                "file": name,
+                "added": int(added) if added.isdigit() else added,
+                "removed": int(removed) if removed.isdigit() else removed,
+            }
+        )
     out: dict = {"stat": stat}
     if with_diff:
         diff = run_git(scratch, "diff", "old-base", "new-base", "--", *files)
@@ -838,34 +1260,54 @@ def upstream_changes(scratch: Path, files: list[str], with_diff: bool) -> dict:
 def md_block(text: str, limit: int, lang: str = "diff") -> str:
     lines = text.splitlines()
     shown = "\n".join(lines[:limit]).replace("```", "`\u200b``")
-    more = f"\n\n_({len(lines) - limit} more lines; {len(lines)} in all: see the JSON report)_" \
-        if len(lines) > limit else ""
+    more = (
+        f"\n\n_({len(lines) - limit} more lines; {len(lines)} in all: see the JSON "
+        "report)_"
+        if len(lines) > limit
+        else ""
+    )
     return f"```{lang}\n{shown}\n```{more}\n"
 
 
 def render_markdown(report: dict) -> str:
     fr, to = report["from"], report["to"]
     s = report["summary"]
+    to_commit = to["commit"] or "not known: wheel not fetched"
+    wheel_state = (
+        "verified" if to["wheel"]["verified"] else "from the index; not downloaded"
+    )
     out = [
         f"# Rebase check: vLLM {fr['version']} -> {to['version']}",
         "",
         f"Generated by `apply_patches.py rebase --onto {to['version']}` "
-        f"(series sha256 `{report['series_sha256'][:16]}`, {len(report['patches'])} patches).",
+        f"(series sha256 `{report['series_sha256'][:16]}`, {len(report['patches'])} "
+        "patches).",
         "",
         "| | from | to |",
         "|---|---|---|",
-        f"| release | {fr['version']} (`{fr['tag']}`) | {to['version']} (`{to['tag']}`) |",
-        f"| commit | `{fr['commit']}` | `{to['commit'] or 'not known: wheel not fetched'}` |",
+        f"| release | {fr['version']} (`{fr['tag']}`) | {to['version']} "
+        f"(`{to['tag']}`) |",
+        f"| commit | `{fr['commit']}` | `{to_commit}` |",
         f"| sdist | `{fr['sdist']['filename']}` | `{to['sdist']['filename']}` |",
-        f"| sdist sha256 | `{fr['sdist']['sha256']}` | `{to['sdist']['sha256']}` (verified) |",
+        f"| sdist sha256 | `{fr['sdist']['sha256']}` | `{to['sdist']['sha256']}` "
+        "(verified) |",
         f"| wheel sha256 | `{fr['wheel']['sha256']}` | `{to['wheel']['sha256']}` "
-        f"({'verified' if to['wheel']['verified'] else 'from the index; not downloaded'}) |",
+        f"({wheel_state}) |",
         "",
         f"**Result: {report['result']}** — "
-        + ", ".join(f"{s[f]} {FATE_TEXT[f].split(' (')[0]}" for f in FATES) + ". "
-        + ("`upstream.lock` and `patches/` were rewritten." if report["written"] else
-           "Nothing was rewritten" + (" (dry run)." if report["rewritable"] else
-                                     " (conflicts must be resolved first).")),
+        + ", ".join(f"{s[f]} {FATE_TEXT[f].split(' (')[0]}" for f in FATES)
+        + f"; {OVERLAY_DIRNAME}/: {s['overlay'] - s['overlay_collisions']} files ours, "
+        f"{s['overlay_collisions']} collisions. "
+        + (
+            "`upstream.lock` and `patches/` were rewritten."
+            if report["written"]
+            else "Nothing was rewritten"
+            + (
+                " (dry run)."
+                if report["rewritable"]
+                else " (conflicts must be resolved first)."
+            )
+        ),
         "",
         "| # | patch | fate | files |",
         "|---|---|---|---|",
@@ -874,8 +1316,27 @@ def render_markdown(report: dict) -> str:
         files = ", ".join(f"`{f}`" for f in p["files"])
         out.append(f"| {i} | `{p['patch']}` | {FATE_TEXT[p['fate']]} | {files} |")
     out.append("")
+    if report["overlay"]:
+        out += [
+            f"{OVERLAY_DIRNAME}/ (ours, not applied by git: copied as they are; a "
+            f"collision is a file that vLLM {to['version']} has at the same path):",
+            "",
+            "| file | lines | fate |",
+            "|---|---|---|",
+        ]
+        out += [
+            f"| `{o['file']}` | {o['lines']} | "
+            f"{'COLLISION' if o['fate'] == 'collision' else 'ours'} |"
+            for o in report["overlay"]
+        ]
+        out.append("")
     for i, p in enumerate(report["patches"], 1):
-        out += [f"## {i}. {p['subject']} — {FATE_TEXT[p['fate']]}", "", f"`{p['patch']}`", ""]
+        out += [
+            f"## {i}. {p['subject']} — {FATE_TEXT[p['fate']]}",
+            "",
+            f"`{p['patch']}`",
+            "",
+        ]
         if p.get("note"):
             out += [f"Note: {p['note']}", ""]
         if p.get("hunks_not_applying"):
@@ -886,37 +1347,65 @@ def render_markdown(report: dict) -> str:
             out.append("")
         stat = p["upstream"]["stat"]
         if stat:
-            out.append("Upstream changes to the patched files between the releases: "
-                       + ", ".join(f"`{x['file']}` +{x['added']}/-{x['removed']}" for x in stat)
-                       + ".")
+            out.append(
+                "Upstream changes to the patched files between the releases: "
+                + ", ".join(
+                    f"`{x['file']}` +{x['added']}/-{x['removed']}" for x in stat
+                )
+                + "."
+            )
         else:
-            out.append("Upstream did not change the patched files between the releases.")
+            out.append(
+                "Upstream did not change the patched files between the releases."
+            )
         out.append("")
         if p["fate"] == "conflict":
             c = p["conflict"]
             out += ["Conflicted files: " + ", ".join(f"`{f}`" for f in c["files"]), ""]
             for r in c["regions"]:
-                out += [f"Conflict at `{r['file']}:{r['line']}` (ours = {to['version']}, "
-                        f"base = pre-image on {fr['version']}, theirs = the patch):", "",
-                        md_block(r["text"], MD_REGION_LINES, "text")]
+                out += [
+                    f"Conflict at `{r['file']}:{r['line']}` (ours = {to['version']}, "
+                    f"base = pre-image on {fr['version']}, theirs = the patch):",
+                    "",
+                    md_block(r["text"], MD_REGION_LINES, "text"),
+                ]
             up = p["upstream"]
-            out += [f"Upstream diff of the conflicted files, {fr['version']} -> "
-                    f"{to['version']} ({up['diff_lines']} lines):", "",
-                    md_block(up["diff"], MD_DIFF_LINES)]
+            out += [
+                f"Upstream diff of the conflicted files, {fr['version']} -> "
+                f"{to['version']} ({up['diff_lines']} lines):",
+                "",
+                md_block(up["diff"], MD_DIFF_LINES),
+            ]
     return "\n".join(out).rstrip() + "\n"
 
 
-def rebase(lock: Lock, patches_dir: Path, version: str, report_dir: Path, *,
-           write: bool = False, fetch_wheel: bool = False, scratch: Path | None = None,
-           index_fn=None) -> dict:
-    """Replay the stack onto `version`; write the reports; rewrite when clean and `write`."""
-    problems = check_all(lock, patches_dir)
+def rebase(
+    lock: Lock,
+    patches_dir: Path,
+    version: str,
+    report_dir: Path,
+    *,
+    write: bool = False,
+    fetch_wheel: bool = False,
+    scratch: Path | None = None,
+    index_fn=None,
+    overlay_dir: Path | None = None,
+) -> dict:
+    """Replay the stack onto `version`; write reports; rewrite when clean and `write`.
+
+    The overlay's files are not applied by git: they are copied as they are. Each is
+    reported as ours, or as a collision where the new release has a file at its path."""
+    overlay_dir = overlay_dir or default_overlay(patches_dir)
+    problems = check_all(lock, patches_dir, overlay_dir)
     if problems:
         raise DDTreeError("rebase: `check` failed:\n  " + "\n  ".join(problems))
     series = read_series(patches_dir)
     index_fn = index_fn or pypi_index
     project = lock.artifact("sdist").filename.split("-", 1)[0]
-    log(f"rebase: vLLM {lock.upstream['version']} -> {version}: looking up {project} on PyPI")
+    log(
+        f"rebase: vLLM {lock.upstream['version']} -> {version}: looking up {project} "
+        "on PyPI"
+    )
     new = release_lock(lock, version, index_fn(project))
     new_sdist = fetch_artifact(new, "sdist")
     log(f"sdist {new_sdist.name}: sha256 {new.artifact('sdist').sha256} ok")
@@ -928,9 +1417,13 @@ def rebase(lock: Lock, patches_dir: Path, version: str, report_dir: Path, *,
         new.upstream["commit"] = wheel_commit(whl)
         log(f"wheel {whl.name}: sha256 ok, commit {new.upstream['commit']}")
     old_base = ensure_base_repo(lock)
-    if lock.tree("upstream_tree") and tree_of(old_base, BASE_TAG) != lock.tree("upstream_tree"):
-        raise DDTreeError(f"pristine tree of {lock.upstream['version']} differs from "
-                          f"upstream_tree in {lock.path}")
+    if lock.tree("upstream_tree") and tree_of(old_base, BASE_TAG) != lock.tree(
+        "upstream_tree"
+    ):
+        raise DDTreeError(
+            f"pristine tree of {lock.upstream['version']} differs from "
+            f"upstream_tree in {lock.path}"
+        )
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(dir=cache_dir(), prefix="rebase-") as tmp:
         work = scratch.resolve() if scratch else Path(tmp) / "scratch"
@@ -940,28 +1433,50 @@ def rebase(lock: Lock, patches_dir: Path, version: str, report_dir: Path, *,
         run_git(work, "init", "-q")
         configure_repo(git.Repo(work))
         (work / ".git/objects/info/alternates").write_text(
-            str((old_base / "objects").resolve()) + "\n")
+            str((old_base / "objects").resolve()) + "\n"
+        )
         old_vllm = run_git(old_base, "rev-parse", f"{BASE_TAG}:vllm").strip()
-        old_c = vllm_tree_commit(work, old_vllm, None,
-                                 f"vLLM {lock.upstream['version']}: vllm/ of the sdist")
+        old_c = vllm_tree_commit(
+            work, old_vllm, None, f"vLLM {lock.upstream['version']}: vllm/ of the sdist"
+        )
         run_git(work, "tag", "old-base", old_c)
-        log(f"[scratch] {work}: applying the stack on {lock.upstream['version']} "
-            "(pre-images) ...")
+        log(
+            f"[scratch] {work}: applying the stack on {lock.upstream['version']} "
+            "(pre-images) ..."
+        )
         run_git(work, "checkout", "-q", "-B", "stack", "old-base")
         for name in series:
             proc = subprocess.run(
-                ["git", "-C", str(work), "am", "-q", "--keep", "--committer-date-is-author-date",
-                 str((patches_dir / name).resolve())], capture_output=True, text=True)
+                [
+                    "git",
+                    "-C",
+                    str(work),
+                    "am",
+                    "-q",
+                    "--keep",
+                    "--committer-date-is-author-date",
+                    str((patches_dir / name).resolve()),
+                ],
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode != 0:
                 raise DDTreeError(
                     f"rebase: the stack does not apply on its own base "
                     f"{lock.upstream['version']}; fix that first (`make apply`):\n"
-                    + explain_am_failure(work, patches_dir / name, proc.stderr + proc.stdout))
+                    + explain_am_failure(
+                        work, patches_dir / name, proc.stderr + proc.stdout
+                    )
+                )
         pre_images = run_git(work, "rev-list", "--reverse", "old-base..stack").split()
         assert len(pre_images) == len(series)
         log(f"[scratch] importing vllm/ of {new_sdist.name} ...")
-        new_c = vllm_tree_commit(work, sdist_vllm_tree(work, new_sdist), old_c,
-                                 f"vLLM {version}: vllm/ of the sdist")
+        new_c = vllm_tree_commit(
+            work,
+            sdist_vllm_tree(work, new_sdist),
+            old_c,
+            f"vLLM {version}: vllm/ of the sdist",
+        )
         run_git(work, "tag", "new-base", new_c)
         run_git(work, "checkout", "-q", "-B", "rebased", "new-base")
         records: list[dict] = []
@@ -970,37 +1485,81 @@ def rebase(lock: Lock, patches_dir: Path, version: str, report_dir: Path, *,
             rec = replay_patch(work, (patches_dir / name).resolve(), pre)
             overlap = [n for n, files in skipped.items() if files & set(rec["files"])]
             if overlap and rec["fate"] != "clean":
-                rec["note"] = ("earlier conflicted (so skipped) patches touch the same files ("
-                               + ", ".join(overlap) + "); this result may depend on them")
+                rec["note"] = (
+                    "earlier conflicted (so skipped) patches touch the same files ("
+                    + ", ".join(overlap)
+                    + "); this result may depend on them"
+                )
             if rec["fate"] == "conflict":
                 skipped[name] = set(rec["files"])
-            rec["upstream"] = upstream_changes(work, rec["files"],
-                                               with_diff=rec["fate"] == "conflict")
+            rec["upstream"] = upstream_changes(
+                work, rec["files"], with_diff=rec["fate"] == "conflict"
+            )
             log(f"[{i}/{len(series)}] {name}: {FATE_TEXT[rec['fate']]}")
             records.append(rec)
+        new_paths = set(
+            run_git(work, "ls-tree", "-r", "--name-only", "new-base").splitlines()
+        )
+        overlay_records = [
+            {
+                "file": rel,
+                "lines": len(path.read_bytes().splitlines()),
+                "fate": "collision" if rel in new_paths else "ours",
+            }
+            for rel, path in overlay_files(overlay_dir).items()
+        ]
+        collisions = [o["file"] for o in overlay_records if o["fate"] == "collision"]
+        for rel in collisions:
+            log(
+                f"[{OVERLAY_DIRNAME}] {rel}: COLLISION (vLLM {version} has a file "
+                "there)"
+            )
+        log(
+            f"[{OVERLAY_DIRNAME}] {len(overlay_records) - len(collisions)} files ours "
+            "(copied, not applied by git)"
+        )
         summary = {f: sum(r["fate"] == f for r in records) for f in FATES}
-        rewritable = summary["conflict"] == 0
-        result = ("clean" if summary["clean"] == len(records) else
-                  "no conflicts" if rewritable else f"{summary['conflict']} conflicted")
+        summary["overlay"] = len(overlay_records)
+        summary["overlay_collisions"] = len(collisions)
+        rewritable = summary["conflict"] == 0 and not collisions
+        problems_text = (
+            [f"{summary['conflict']} conflicted"] if summary["conflict"] else []
+        )
+        if collisions:
+            problems_text.append(f"{len(collisions)} {OVERLAY_DIRNAME}/ collisions")
+        result = (
+            "clean"
+            if summary["clean"] == len(records) and not collisions
+            else "no conflicts"
+            if rewritable
+            else ", ".join(problems_text)
+        )
         report = {
             "tool": "apply_patches.py rebase",
             "from": {
-                "version": lock.upstream["version"], "tag": lock.upstream["tag"],
+                "version": lock.upstream["version"],
+                "tag": lock.upstream["tag"],
                 "commit": lock.upstream["commit"],
-                "sdist": {"filename": lock.artifact("sdist").filename,
-                          "sha256": lock.artifact("sdist").sha256},
-                "wheel": {"filename": lock.artifact("wheel").filename,
-                          "sha256": lock.artifact("wheel").sha256},
+                "sdist": {
+                    "filename": lock.artifact("sdist").filename,
+                    "sha256": lock.artifact("sdist").sha256,
+                },
+                "wheel": {
+                    "filename": lock.artifact("wheel").filename,
+                    "sha256": lock.artifact("wheel").sha256,
+                },
                 "upstream_tree": lock.tree("upstream_tree"),
             },
             "to": {
-                "version": version, "tag": new.upstream["tag"],
+                "version": version,
+                "tag": new.upstream["tag"],
                 "commit": new.upstream["commit"] or None,
                 "sdist": {**new.upstream["sdist"], "verified": True},
                 "wheel": {**new.upstream["wheel"], "verified": wheel_verified},
             },
-            "series_sha256": series_hash(patches_dir),
+            "series_sha256": series_hash(patches_dir, overlay_dir),
             "patches": records,
+            "overlay": overlay_records,
             "summary": summary,
             "result": result,
             "rewritable": rewritable,
@@ -1009,12 +1568,14 @@ def rebase(lock: Lock, patches_dir: Path, version: str, report_dir: Path, *,
         if write and rewritable:
             run_git(work, "tag", BASE_TAG, "new-base")
             rendered = render_patches(work)
-            write_release(lock, new, patches_dir, rendered, work)
+            write_release(lock, new, patches_dir, rendered, work, overlay_dir)
             report["written"] = True
             report["to"]["upstream_tree"] = new.tree("upstream_tree")
             report["to"]["patched_tree"] = new.tree("patched_tree")
-    log(f"replayed {len(series)} patches in {time.monotonic() - t0:.1f}s: "
-        + ", ".join(f"{summary[f]} {f}" for f in FATES))
+    log(
+        f"replayed {len(series)} patches in {time.monotonic() - t0:.1f}s: "
+        + ", ".join(f"{summary[f]} {f}" for f in FATES)
+    )
     report_dir.mkdir(parents=True, exist_ok=True)
     md, js = report_dir / f"{version}.md", report_dir / f"{version}.json"
     md.write_text(render_markdown(report))
@@ -1028,28 +1589,43 @@ def set_lock_value(text: str, section: str, key: str, value: str | int) -> str:
     m = re.search(rf"^\[{re.escape(section)}\][ \t]*$", text, re.M)
     if not m:
         raise DDTreeError(f"lock has no [{section}] table")
-    end = re.search(r"^\[", text[m.end():], re.M)
+    end = re.search(r"^\[", text[m.end() :], re.M)
     body_end = m.end() + end.start() if end else len(text)
-    body = text[m.end():body_end]
+    body = text[m.end() : body_end]
     rendered = json.dumps(value) if isinstance(value, str) else str(value)
-    body, n = re.subn(rf"^{re.escape(key)}[ \t]*=.*$", f"{key} = {rendered}".replace("\\", "\\\\"),
-                      body, count=1, flags=re.M)
+    body, n = re.subn(
+        rf"^{re.escape(key)}[ \t]*=.*$",
+        f"{key} = {rendered}".replace("\\", "\\\\"),
+        body,
+        count=1,
+        flags=re.M,
+    )
     if n != 1:
         raise DDTreeError(f"lock has no `{key}` in [{section}]")
-    return text[:m.end()] + body + text[body_end:]
+    return text[: m.end()] + body + text[body_end:]
 
 
-def write_release(old: Lock, new: Lock, patches_dir: Path,
-                  rendered: list[tuple[str, bytes]], scratch: Path) -> None:
-    """Rewrite upstream.lock and patches/ for the new release; restore them on failure."""
+def write_release(
+    old: Lock,
+    new: Lock,
+    patches_dir: Path,
+    rendered: list[tuple[str, bytes]],
+    scratch: Path,
+    overlay_dir: Path,
+) -> None:
+    """Rewrite upstream.lock and patches/ for the new release; restore on failure."""
     saved_lock = old.path.read_text()
     saved = {p.name: p.read_bytes() for p in patches_dir.iterdir() if p.is_file()}
     try:
         base = ensure_base_repo(new)
         upstream_tree = tree_of(base, BASE_TAG)
-        if run_git(base, "rev-parse", f"{BASE_TAG}:vllm").strip() != \
-                run_git(scratch, "rev-parse", "new-base:vllm").strip():
-            raise DDTreeError("rebase: the scratch vllm/ tree differs from the full sdist's")
+        if (
+            run_git(base, "rev-parse", f"{BASE_TAG}:vllm").strip()
+            != run_git(scratch, "rev-parse", "new-base:vllm").strip()
+        ):
+            raise DDTreeError(
+                "rebase: the scratch vllm/ tree differs from the full sdist's"
+            )
         text = saved_lock
         up = new.upstream
         for key in ("tag", "commit", "version", "base_image"):
@@ -1064,19 +1640,36 @@ def write_release(old: Lock, new: Lock, patches_dir: Path,
         old.path.write_text(text)
         _, stale = export_drift(Lock.load(old.path), patches_dir, rendered, "", "")
         write_patches(patches_dir, rendered, stale)
-        # Prove it the ordinary way: apply the rewritten stack on the full new sdist tree.
-        with tempfile.TemporaryDirectory(dir=cache_dir(), prefix="rebase-apply-") as tmp:
+        # Prove it the ordinary way: apply the rewritten stack on the full new sdist
+        # tree.
+        with tempfile.TemporaryDirectory(
+            dir=cache_dir(), prefix="rebase-apply-"
+        ) as tmp:
             src = Path(tmp) / "src"
-            cmd_apply(argparse.Namespace(lock=old.path, patches=patches_dir, src=src,
-                                         verify=False, force=False))
+            cmd_apply(
+                argparse.Namespace(
+                    lock=old.path,
+                    patches=patches_dir,
+                    src=src,
+                    verify=False,
+                    force=False,
+                    overlay=overlay_dir,
+                )
+            )
             if render_patches(src) != rendered:
-                raise DDTreeError("rebase: re-exporting the applied stack gives other patches")
-            patched_tree = tree_of(src, "HEAD")
+                raise DDTreeError(
+                    "rebase: re-exporting the applied stack gives other patches"
+                )
+            patched_tree = stack_tree(src)
         written = Lock.load(old.path)
         written.set_tree("patched_tree", patched_tree)
-        new.data["ddtree"].update(upstream_tree=upstream_tree, patched_tree=patched_tree)
-        log(f"rewrote {old.path.name} ({up['version']}, commit {up['commit']}) and "
-            f"{len(rendered)} patches; patched_tree {patched_tree}")
+        new.data["ddtree"].update(
+            upstream_tree=upstream_tree, patched_tree=patched_tree
+        )
+        log(
+            f"rewrote {old.path.name} ({up['version']}, commit {up['commit']}) and "
+            f"{len(rendered)} patches; patched_tree {patched_tree}"
+        )
         for name in stale:
             log(f"  dropped {name} (already upstream)")
     except BaseException:
@@ -1091,19 +1684,201 @@ def write_release(old: Lock, new: Lock, patches_dir: Path,
 
 def cmd_rebase(args: argparse.Namespace) -> int:
     lock = Lock.load(args.lock)
-    lock.version  # validates the version fields
-    report = rebase(lock, args.patches, args.onto, args.report_dir, write=args.write,
-                    fetch_wheel=args.fetch_wheel, scratch=args.scratch)
+    _ = lock.version  # validates the version fields
+    report = rebase(
+        lock,
+        args.patches,
+        args.onto,
+        args.report_dir,
+        write=args.write,
+        fetch_wheel=args.fetch_wheel,
+        scratch=args.scratch,
+        overlay_dir=args.overlay,
+    )
     if report["rewritable"]:
         if not args.write:
-            log("dry run: nothing rewritten (pass --write to rewrite upstream.lock and "
-                "patches/)")
+            log(
+                "dry run: nothing rewritten (pass --write to rewrite upstream.lock and "
+                "patches/)"
+            )
         return 0
     conflicted = [p["patch"] for p in report["patches"] if p["fate"] == "conflict"]
-    print(f"rebase: {len(conflicted)} of {len(report['patches'])} patches conflict with "
-          f"{args.onto}: {', '.join(conflicted)}; nothing rewritten (see "
-          f"{args.report_dir / (args.onto + '.md')})", file=sys.stderr)
+    collided = [o["file"] for o in report["overlay"] if o["fate"] == "collision"]
+    what = []
+    if conflicted:
+        what.append(
+            f"{len(conflicted)} of {len(report['patches'])} patches conflict with "
+            f"{args.onto}: {', '.join(conflicted)}"
+        )
+    if collided:
+        what.append(
+            f"{args.onto} has files at {len(collided)} {OVERLAY_DIRNAME}/ paths: "
+            f"{', '.join(collided)}"
+        )
+    print(
+        f"rebase: {'; '.join(what)}; nothing rewritten (see "
+        f"{args.report_dir / (args.onto + '.md')})",
+        file=sys.stderr,
+    )
     return 1
+
+
+# -------------------------------------------------------------------------- lint
+
+RUFF_CONFIG = REPO_ROOT / "ruff.toml"
+# Keys of ruff.toml that are ours, not upstream's (see the file's header).
+RUFF_OWN_KEYS = {("target-version",), ("src",), ("lint", "isort", "known-first-party")}
+
+
+def _flatten(
+    table: dict, prefix: tuple[str, ...] = ()
+) -> dict[tuple[str, ...], object]:
+    out: dict[tuple[str, ...], object] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, (*prefix, key)))
+        else:
+            out[(*prefix, key)] = value
+    return out
+
+
+def ruff_config_drift(src: Path, config: Path) -> list[str]:
+    """Differences between ruff.toml and [tool.ruff] of the pinned pyproject.toml."""
+    upstream = tomllib.loads(run_git(src, "show", f"{BASE_TAG}:pyproject.toml"))
+    theirs = _flatten(upstream.get("tool", {}).get("ruff", {}))
+    ours = _flatten(tomllib.loads(config.read_text()))
+    drift = [
+        f"{'.'.join(k)}: upstream {theirs[k]!r}, {config.name} {ours.get(k)!r}"
+        for k in sorted(theirs)
+        if ours.get(k) != theirs[k]
+    ]
+    drift += [
+        f"{'.'.join(k)}: not upstream's"
+        for k in sorted(set(ours) - set(theirs))
+        if k not in RUFF_OWN_KEYS
+    ]
+    return drift
+
+
+def ruff(
+    *argv: str, cwd: Path, stdin: str | None = None
+) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(
+            ["ruff", *argv], cwd=cwd, input=stdin, capture_output=True, text=True
+        )
+    except FileNotFoundError as e:
+        raise DDTreeError("ruff not found; pip install -r requirements-dev.txt") from e
+
+
+def ruff_diagnostics(src: Path, rel: str, text: str) -> list[tuple[str, str, str]]:
+    """(code, message, source line) of every diagnostic of `text` as build/src/rel,
+    with build/src's own ruff settings (vLLM's pyproject.toml)."""
+    r = ruff(
+        "check",
+        "--no-cache",
+        "--output-format",
+        "json",
+        "--stdin-filename",
+        rel,
+        "-",
+        cwd=src,
+        stdin=text,
+    )
+    if r.returncode not in (0, 1):
+        raise DDTreeError(f"ruff check {rel} failed:\n{r.stderr.strip()}")
+    lines = text.splitlines()
+    out = []
+    for d in json.loads(r.stdout or "[]"):
+        row = d["location"]["row"]
+        line = lines[row - 1].strip() if 0 < row <= len(lines) else ""
+        out.append((d["code"] or "syntax", d["message"], line))
+    return out
+
+
+def ruff_formatted(src: Path, rel: str, text: str) -> bool:
+    r = ruff(
+        "format",
+        "--no-cache",
+        "--check",
+        "--stdin-filename",
+        rel,
+        "-",
+        cwd=src,
+        stdin=text,
+    )
+    return r.returncode == 0
+
+
+def lint_patched_files(src: Path) -> tuple[list[str], int]:
+    """Ruff on every upstream file the patches touch, as patched: only diagnostics
+    that the pristine file does not have already are ours (lines we added); and the
+    file stays formatted when the pristine one is. Returns (problems, files)."""
+    files = run_git(
+        src, "diff", "--name-only", "--diff-filter=M", BASE_TAG, "HEAD", "--", "*.py"
+    ).split()
+    problems: list[str] = []
+    for rel in files:
+        pristine = run_git(src, "show", f"{BASE_TAG}:{rel}")
+        patched = run_git(src, "show", f"HEAD:{rel}")
+        known = list(ruff_diagnostics(src, rel, pristine))
+        for diag in ruff_diagnostics(src, rel, patched):
+            if diag in known:
+                known.remove(diag)
+            else:
+                code, message, line = diag
+                problems.append(f"{rel}: {code} {message}: {line}")
+        if ruff_formatted(src, rel, pristine) and not ruff_formatted(src, rel, patched):
+            diff = ruff(
+                "format",
+                "--no-cache",
+                "--diff",
+                "--stdin-filename",
+                rel,
+                "-",
+                cwd=src,
+                stdin=patched,
+            ).stdout
+            problems.append(
+                f"{rel}: not formatted as ruff formats it:\n{diff.rstrip()}"
+            )
+    return problems, len(files)
+
+
+def cmd_lint(args: argparse.Namespace) -> int:
+    src: Path = args.src.resolve()
+    if not (src / ".git").exists():
+        raise DDTreeError(f"{src} is not a patched tree; run `apply` first")
+    version = ruff("--version", cwd=REPO_ROOT).stdout.strip()
+    problems = [f"{args.config.name}: {d}" for d in ruff_config_drift(src, args.config)]
+    paths = [str(p) for p in args.paths]
+    check = ruff(
+        "check", "--no-cache", "--config", str(args.config), *paths, cwd=REPO_ROOT
+    )
+    if check.returncode != 0:
+        problems.append("ruff check:\n" + (check.stdout + check.stderr).rstrip())
+    fmt = ruff(
+        "format",
+        "--no-cache",
+        "--check",
+        "--config",
+        str(args.config),
+        *paths,
+        cwd=REPO_ROOT,
+    )
+    if fmt.returncode != 0:
+        problems.append("ruff format --check:\n" + (fmt.stdout + fmt.stderr).rstrip())
+    patched, num_files = lint_patched_files(src)
+    problems += patched
+    for p in problems:
+        print(f"lint: {p}", file=sys.stderr)
+    if problems:
+        return 1
+    log(
+        f"lint: {version}: {' '.join(paths)} clean; the patches' added lines in "
+        f"{num_files} upstream files clean (vLLM's settings)"
+    )
+    return 0
 
 
 # ------------------------------------------------------------------------- wheel
@@ -1114,8 +1889,12 @@ def record_hash(data: bytes) -> str:
     return "sha256=" + digest.decode()
 
 
-def copy_raw_member(zin: zipfile.ZipFile, zout: zipfile.ZipFile, info: zipfile.ZipInfo,
-                    new_name: str | None = None) -> None:
+def copy_raw_member(
+    zin: zipfile.ZipFile,
+    zout: zipfile.ZipFile,
+    info: zipfile.ZipInfo,
+    new_name: str | None = None,
+) -> None:
     """Copy one member's compressed bytes unchanged (no recompression)."""
     assert zin.fp is not None and zout.fp is not None
     zin.fp.seek(info.header_offset)
@@ -1183,13 +1962,22 @@ def wheel_name(lock: Lock) -> str:
     return upstream.replace(f"-{lock.upstream['version']}-", f"-{lock.version}-", 1)
 
 
-def build_wheel(lock: Lock, src: Path, dist: Path) -> Path:
+def build_wheel(
+    lock: Lock, src: Path, dist: Path, overlay_dir: Path | None = None
+) -> Path:
     if not (src / ".git").exists():
         raise DDTreeError(f"{src} is not a patched tree; run `apply` first")
     expected = lock.tree("patched_tree")
-    head_tree = tree_of(src, "HEAD")
+    head_tree = stack_tree(src)
     if expected and head_tree != expected:
         log(f"warning: building from tree {head_tree}, upstream.lock says {expected}")
+    if overlay_dir is not None:
+        drift = overlay_state(src, overlay_dir)[1]
+        if drift:
+            raise DDTreeError(
+                f"wheel: {src} does not hold {OVERLAY_DIRNAME}/ as it is "
+                "(run `apply`): " + "; ".join(drift)
+            )
     upstream_whl = fetch_artifact(lock, "wheel")
     version = lock.version
     old_ver = lock.upstream["version"]
@@ -1212,8 +2000,9 @@ def build_wheel(lock: Lock, src: Path, dist: Path) -> Path:
             zin.read("vllm/_version.py").decode(), version
         ).encode()
         metadata = zin.read(f"{old_di}/METADATA").decode()
-        metadata, n = re.subn(r"^Version: .*$", f"Version: {version}", metadata, count=1,
-                              flags=re.M)
+        metadata, n = re.subn(
+            r"^Version: .*$", f"Version: {version}", metadata, count=1, flags=re.M
+        )
         if n != 1:
             raise DDTreeError("METADATA has no Version: line")
         new_files[f"{new_di}/METADATA"] = metadata.encode()
@@ -1226,7 +2015,9 @@ def build_wheel(lock: Lock, src: Path, dist: Path) -> Path:
                 log(f"  wheel: {i}/{len(members)} members")
             if name == f"{old_di}/RECORD" or name in deleted:
                 continue
-            target = new_di + name[len(old_di):] if name.startswith(old_di + "/") else name
+            target = (
+                new_di + name[len(old_di) :] if name.startswith(old_di + "/") else name
+            )
             if target in new_files:
                 continue  # written below
             copy_raw_member(zin, zout, info, target)
@@ -1256,16 +2047,24 @@ def build_wheel(lock: Lock, src: Path, dist: Path) -> Path:
 
 def cmd_wheel(args: argparse.Namespace) -> int:
     lock = Lock.load(args.lock)
-    build_wheel(lock, args.src.resolve(), args.dist)
+    build_wheel(lock, args.src.resolve(), args.dist, args.overlay)
     return 0
 
 
-def series_hash(patches_dir: Path) -> str:
+def series_hash(patches_dir: Path, overlay_dir: Path | None = None) -> str:
+    """sha256 of what the build is made of: the series, its patches and the overlay."""
     h = hashlib.sha256()
     for name in read_series(patches_dir):
         h.update(name.encode() + b"\0")
         h.update((patches_dir / name).read_bytes())
+    for rel, path in overlay_files(overlay_dir or default_overlay(patches_dir)).items():
+        h.update(f"{OVERLAY_DIRNAME}/{rel}".encode() + b"\0")
+        h.update(path.read_bytes())
     return h.hexdigest()
+
+
+def default_overlay(patches_dir: Path) -> Path:
+    return patches_dir.resolve().parent / OVERLAY_DIRNAME
 
 
 def cmd_version(args: argparse.Namespace) -> int:
@@ -1279,7 +2078,7 @@ def cmd_wheel_name(args: argparse.Namespace) -> int:
 
 
 def cmd_series_hash(args: argparse.Namespace) -> int:
-    print(series_hash(args.patches))
+    print(series_hash(args.patches, args.overlay))
     return 0
 
 
@@ -1295,10 +2094,17 @@ def cmd_lock_get(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--lock", type=Path, default=DEFAULT_LOCK)
     parser.add_argument("--patches", type=Path, default=DEFAULT_PATCHES)
+    parser.add_argument(
+        "--overlay",
+        type=Path,
+        default=None,
+        help=f"the files we own (default: {OVERLAY_DIRNAME}/ next to --patches)",
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("fetch", help="download and verify the pinned sdist and wheel")
     sub.add_parser("check", help="validate series and patches (no tree needed)")
@@ -1312,22 +2118,45 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("wheel", help="build our wheel from the official one")
     p.add_argument("--src", type=Path, default=DEFAULT_SRC)
     p.add_argument("--dist", type=Path, default=DEFAULT_DIST)
-    p = sub.add_parser("rebase", help="replay the stack onto another vLLM release; report")
-    p.add_argument("--onto", required=True, metavar="VERSION", help="vLLM release, e.g. 0.27.0")
+    p = sub.add_parser(
+        "rebase", help="replay the stack onto another vLLM release; report"
+    )
+    p.add_argument(
+        "--onto", required=True, metavar="VERSION", help="vLLM release, e.g. 0.27.0"
+    )
     p.add_argument("--report-dir", type=Path, default=DEFAULT_REPORTS)
-    p.add_argument("--write", action="store_true",
-                   help="rewrite upstream.lock and patches/ when no patch conflicts")
-    p.add_argument("--fetch-wheel", action="store_true",
-                   help="also download and verify the new wheel (its commit id goes into "
-                        "the report; implied by --write)")
-    p.add_argument("--scratch", type=Path, default=None,
-                   help="keep the scratch git repo here for inspection (default: temporary)")
+    p.add_argument(
+        "--write",
+        action="store_true",
+        help="rewrite upstream.lock and patches/ when no patch conflicts",
+    )
+    p.add_argument(
+        "--fetch-wheel",
+        action="store_true",
+        help="also download and verify the new wheel (its commit id goes into "
+        "the report; implied by --write)",
+    )
+    p.add_argument(
+        "--scratch",
+        type=Path,
+        default=None,
+        help="keep the scratch git repo here for inspection (default: temporary)",
+    )
+    p = sub.add_parser(
+        "lint",
+        help="ruff (vLLM's settings) on our files and on the lines the patches add",
+    )
+    p.add_argument("--src", type=Path, default=DEFAULT_SRC)
+    p.add_argument("--config", type=Path, default=RUFF_CONFIG)
+    p.add_argument("paths", nargs="+", type=Path, help="files and directories we own")
     sub.add_parser("version", help="print our version")
     sub.add_parser("wheel-name", help="print our wheel's file name")
     sub.add_parser("series-hash", help="print the sha256 of the patch series")
     p = sub.add_parser("lock-get", help="print one value of upstream.lock")
     p.add_argument("key")
     args = parser.parse_args(argv)
+    if args.overlay is None:
+        args.overlay = default_overlay(args.patches)
     handlers = {
         "fetch": cmd_fetch,
         "check": cmd_check,
@@ -1335,6 +2164,7 @@ def main(argv: list[str] | None = None) -> int:
         "export": cmd_export,
         "wheel": cmd_wheel,
         "rebase": cmd_rebase,
+        "lint": cmd_lint,
         "version": cmd_version,
         "wheel-name": cmd_wheel_name,
         "series-hash": cmd_series_hash,

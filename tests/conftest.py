@@ -1,21 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """Shared fixtures for vllm-ddtree tests.
 
-`load_patched_module(relpath)` imports one file of the patched vLLM tree
-($VLLM_DDTREE_SRC, default <repo>/build/src) by path, under a private module
-name, without importing the `vllm` package: for code that only needs torch.
+The files we own are imported from ``overlay/`` where they stand: it goes on
+``sys.path`` first, so ``vllm`` is a namespace package holding only our
+modules (``vllm.v1.spec_decode.ddtree.tree`` and friends need torch, not the
+rest of vLLM, which this interpreter does not have). Tests that import the
+patched vLLM itself live in tests/in_vllm and run in the wheel's venv.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import os
 import shutil
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -30,9 +28,10 @@ except ImportError:  # pragma: no cover
     pass
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+OVERLAY = REPO_ROOT / "overlay"
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+sys.path.insert(0, str(OVERLAY))
 
 
 def _tooling():
@@ -45,35 +44,9 @@ def _tooling():
 
 
 def patched_src() -> Path:
-    return Path(os.environ.get("VLLM_DDTREE_SRC", REPO_ROOT / "build" / "src")).resolve()
-
-
-def load_patched_module(relpath: str) -> ModuleType:
-    """Import `<patched tree>/<relpath>` as a standalone module (no `vllm` import)."""
-    path = patched_src() / relpath
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found; run `make apply` (or set VLLM_DDTREE_SRC)"
-        )
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
-    name = "_ddtree_patched_" + relpath.replace("/", "_").removesuffix(".py") + "_" + digest
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
-@pytest.fixture(name="load_patched_module")
-def load_patched_module_fixture() -> Callable[[str], ModuleType]:
-    return load_patched_module
+    return Path(
+        os.environ.get("VLLM_DDTREE_SRC", REPO_ROOT / "build" / "src")
+    ).resolve()
 
 
 @pytest.fixture(scope="session")
@@ -108,22 +81,24 @@ def wheel_venv(our_wheel: Path) -> Path:
 
 @pytest.fixture()
 def stack_copy(tmp_path: Path) -> tuple[Path, Path]:
-    """Copies of upstream.lock and patches/ that a test may corrupt."""
+    """Copies of upstream.lock, patches/ and overlay/ (beside patches/, where the
+    tool looks for it) that a test may corrupt."""
     lock = tmp_path / "upstream.lock"
     tool = _tooling()
     shutil.copy(tool.DEFAULT_LOCK, lock)
     patches = tmp_path / "patches"
     shutil.copytree(tool.DEFAULT_PATCHES, patches)
+    shutil.copytree(
+        REPO_ROOT / tool.OVERLAY_DIRNAME,
+        tmp_path / tool.OVERLAY_DIRNAME,
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     return lock, patches
 
 
-@pytest.fixture
-def ddtree_tree() -> ModuleType:
-    """The DDTree core (vllm/v1/spec_decode/ddtree/tree.py), torch only."""
-    return load_patched_module("vllm/v1/spec_decode/ddtree/tree.py")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
     # `-m gpu` selects the GPU tests; on a machine without CUDA they skip.
     try:
         import torch

@@ -17,7 +17,9 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    d = Path(os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree"))
+    d = Path(
+        os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree")
+    )
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -43,7 +45,7 @@ def _requires(wheel: Path) -> str:
     with zipfile.ZipFile(wheel) as zf:
         meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
         lines = zf.read(meta).decode().splitlines()
-    return "\n".join(sorted(l for l in lines if l.startswith("Requires-Dist:")))
+    return "\n".join(sorted(ln for ln in lines if ln.startswith("Requires-Dist:")))
 
 
 # Test tools the tests in tests/in_vllm need inside the venv.
@@ -76,9 +78,19 @@ def ensure_venv(wheel: Path, python: str | None = None) -> Path:
         subprocess.run([python, "-m", "venv", str(venv)], check=True)
         _log(f"pip install {wheel.name} with dependencies (several GB) ...")
         subprocess.run(
-            [str(venv_python(venv)), "-m", "pip", "install", "--progress-bar", "off",
-             "--disable-pip-version-check", str(wheel), *TEST_TOOLS],
-            check=True, stdout=sys.stderr,
+            [
+                str(venv_python(venv)),
+                "-m",
+                "pip",
+                "install",
+                "--progress-bar",
+                "off",
+                "--disable-pip-version-check",
+                str(wheel),
+                *TEST_TOOLS,
+            ],
+            check=True,
+            stdout=sys.stderr,
         )
         installed.write_text(wheel_sha + "\n")
         marker.write_text(str(wheel) + "\n")
@@ -86,9 +98,19 @@ def ensure_venv(wheel: Path, python: str | None = None) -> Path:
     elif installed.read_text().strip() != wheel_sha:
         _log(f"installing {wheel.name} over {venv} (--no-deps --force-reinstall)")
         subprocess.run(
-            [str(venv_python(venv)), "-m", "pip", "install", "-q", "--no-deps",
-             "--force-reinstall", "--disable-pip-version-check", str(wheel)],
-            check=True, stdout=sys.stderr,
+            [
+                str(venv_python(venv)),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--force-reinstall",
+                "--disable-pip-version-check",
+                str(wheel),
+            ],
+            check=True,
+            stdout=sys.stderr,
         )
         installed.write_text(wheel_sha + "\n")
     return venv

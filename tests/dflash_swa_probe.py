@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Run inside a venv with our vllm installed (CPU is fine).
 
-Builds DFlashQwen3Attention layers from each qwen3_dflash.py given on the command line
-(loaded as a module of the installed vllm package) and prints, as JSON, the KV-cache spec
-each layer reports to the KV cache manager and the window its attention impl applies.
+Builds DFlashQwen3Attention layers from each qwen3_dflash.py given on the command
+line (loaded as a module of the installed vllm package) and prints, as JSON, the
+KV-cache spec each layer reports to the KV cache manager and the window its
+attention impl applies.
 """
 
 from __future__ import annotations
@@ -22,9 +23,16 @@ import torch  # noqa: E402
 import vllm.platforms as platforms  # noqa: E402
 from vllm.platforms.cpu import CpuPlatform  # noqa: E402
 
-platforms._current_platform = CpuPlatform()  # no GPU here: use the CPU attention backend
+platforms._current_platform = (
+    CpuPlatform()
+)  # no GPU here: use the CPU attention backend
 
-from vllm.config import CacheConfig, DeviceConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
 from vllm.distributed import (  # noqa: E402
     init_distributed_environment,
     initialize_model_parallel,
@@ -51,24 +59,36 @@ def load(path: str, tag: str) -> Any:
 
 
 def main() -> None:
-    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"),
-                     cache_config=CacheConfig(block_size=16))
+    cfg = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        cache_config=CacheConfig(block_size=16),
+    )
     object.__setattr__(cfg, "model_config", ModelConfigStub())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results: dict[str, dict[str, Any]] = {}
     with set_current_vllm_config(cfg):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+        )
         initialize_model_parallel(1, 1)
         for i, path in enumerate(sys.argv[1:]):
             module = load(path, str(i))
             for window in (None, 32):
                 layer = module.DFlashQwen3Attention(
-                    hidden_size=64, num_heads=4, num_kv_heads=2,
+                    hidden_size=64,
+                    num_heads=4,
+                    num_kv_heads=2,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                    max_position=256, head_dim=16, sliding_window=window, causal=True,
+                    max_position=256,
+                    head_dim=16,
+                    sliding_window=window,
+                    causal=True,
                     cache_config=cfg.cache_config,
                     prefix=f"probe{i}.layers.{window}.self_attn",
                 )

@@ -8,7 +8,9 @@ import pathlib
 from types import SimpleNamespace
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("ddtree_e2e", ROOT / "bench" / "ddtree_e2e.py")
+spec = importlib.util.spec_from_file_location(
+    "ddtree_e2e", ROOT / "bench" / "ddtree_e2e.py"
+)
 e2e = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(e2e)
 

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""CPU tests for the DDTree core (vllm/v1/spec_decode/ddtree/tree.py).
-
-Run with ``VLLM_DDTREE_SRC=overlay pytest tests/``.
+"""CPU tests for the DDTree core: the tree build of
+overlay/vllm/v1/spec_decode/ddtree/tree.py against brute force, and the torch
+reference verification (tests/ddtree_reference.py) on the trees it builds.
 """
 
 from __future__ import annotations
@@ -15,14 +15,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import load_patched_module
+import ddtree_reference as ref
+from vllm.v1.spec_decode.ddtree import tree as tree_module
 
 NEG_INF = float("-inf")
 
 
 @pytest.fixture(scope="module")
 def T():
-    return load_patched_module("vllm/v1/spec_decode/ddtree/tree.py")
+    """The DDTree tree build (the overlay's tree.py, imported where it stands)."""
+    return tree_module
 
 
 # --------------------------------------------------------------------------
@@ -32,8 +34,9 @@ def T():
 
 def reference_logprobs(draft: torch.Tensor, inputs_are_logprobs: bool):
     """(rank_values, logprobs) as documented: NaN -> -inf, float32."""
-    x = torch.nan_to_num(draft.float(), nan=NEG_INF, posinf=float("inf"),
-                         neginf=NEG_INF)
+    x = torch.nan_to_num(
+        draft.float(), nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF
+    )
     if inputs_are_logprobs:
         x = x.clamp_max(0.0)
         return x, x
@@ -42,8 +45,7 @@ def reference_logprobs(draft: torch.Tensor, inputs_are_logprobs: bool):
     return x, lp
 
 
-def brute_force_tree(rank_values: torch.Tensor, logprobs: torch.Tensor,
-                     budget: int):
+def brute_force_tree(rank_values: torch.Tensor, logprobs: torch.Tensor, budget: int):
     """Enumerate every prefix of one request ([D, V] inputs), order them by
     the documented key and keep the first ``budget``.
 
@@ -62,14 +64,18 @@ def brute_force_tree(rank_values: torch.Tensor, logprobs: torch.Tensor,
     per_depth = []  # per depth: list of (tokens, score) sorted by key
     prev = [((), np.float32(0.0))]
     for d in range(depth_total):  # float32 sums, -inf allowed
-
         cands = []
         for parent_rank, (tokens, score) in enumerate(prev):
             for t in range(vocab):
                 with np.errstate(all="ignore"):
                     s = np.float32(score + lp[d, t]) if d else lp[d, t]
-                cands.append(((-float(s), parent_rank, token_rank[d][t]),
-                              tokens + (t,), np.float32(s)))
+                cands.append(
+                    (
+                        (-float(s), parent_rank, token_rank[d][t]),
+                        tokens + (t,),
+                        np.float32(s),
+                    )
+                )
         cands.sort(key=lambda c: c[0])
         prev = [(tokens, s) for _, tokens, s in cands]
         per_depth.append(prev)
@@ -103,10 +109,10 @@ def tree_prefixes(tree, r: int):
     return out
 
 
-def assert_matches_brute_force(T, draft, budget, inputs_are_logprobs=False,
-                               **kwargs):
-    tree = T.build_tree(draft, budget, inputs_are_logprobs=inputs_are_logprobs,
-                        **kwargs)
+def assert_matches_brute_force(T, draft, budget, inputs_are_logprobs=False, **kwargs):
+    tree = T.build_tree(
+        draft, budget, inputs_are_logprobs=inputs_are_logprobs, **kwargs
+    )
     R, D, V = draft.shape
     rank_values, lp = reference_logprobs(draft, inputs_are_logprobs)
     for r in range(R):
@@ -191,8 +197,9 @@ def test_build_logprobs_input_matches_logits(T):
     torch.manual_seed(1)
     logits = torch.randn(2, 4, 6)
     for budget in (1, 5, 17, 40):
-        assert_matches_brute_force(T, logits.log_softmax(-1), budget,
-                                   inputs_are_logprobs=True)
+        assert_matches_brute_force(
+            T, logits.log_softmax(-1), budget, inputs_are_logprobs=True
+        )
 
 
 def test_build_nan_and_inf(T):
@@ -214,8 +221,7 @@ def test_build_nan_and_inf(T):
 
 
 def test_build_nan_logprobs_input(T):
-    draft = torch.tensor([[[-0.5, float("nan"), -1.5],
-                           [NEG_INF, -0.1, float("nan")]]])
+    draft = torch.tensor([[[-0.5, float("nan"), -1.5], [NEG_INF, -0.1, float("nan")]]])
     for budget in range(1, 14):
         assert_matches_brute_force(T, draft, budget, inputs_are_logprobs=True)
 
@@ -244,7 +250,7 @@ def test_build_budget_exceeds_prefixes(T):
     assert tree.valid.sum(1).tolist() == [6, 6]
     # padded nodes are never accepted, even if the target says token 0
     target = torch.zeros(2, 11, dtype=torch.int64)
-    walk = T.walk_tree(tree, target)
+    walk = ref.walk_tree(tree, target)
     assert not walk.accepted_mask[:, 7:].any()
 
 
@@ -310,22 +316,27 @@ def test_build_does_not_modify_input(T):
     assert torch.equal(draft.nan_to_num(0.0), copy.nan_to_num(0.0))
 
 
-logprob_values = st.sampled_from([0.0, -0.5, -1.0, -1.5, -2.0, -3.0, NEG_INF,
-                                  float("nan")]) | st.floats(-8.0, 0.0)
+logprob_values = st.sampled_from(
+    [0.0, -0.5, -1.0, -1.5, -2.0, -3.0, NEG_INF, float("nan")]
+) | st.floats(-8.0, 0.0)
 
 
-@settings(max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), vocab=st.integers(1, 4), depth=st.integers(1, 4),
-       budget=st.integers(1, 40), as_logprobs=st.booleans())
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    vocab=st.integers(1, 4),
+    depth=st.integers(1, 4),
+    budget=st.integers(1, 40),
+    as_logprobs=st.booleans(),
+)
 def test_build_property(T, data, vocab, depth, budget, as_logprobs):
     """Random (often tied, NaN, -inf) inputs: prefix-closed, parents first,
     scores consistent, and equal to brute force."""
-    values = data.draw(st.lists(logprob_values, min_size=2 * depth * vocab,
-                                max_size=2 * depth * vocab))
+    values = data.draw(
+        st.lists(logprob_values, min_size=2 * depth * vocab, max_size=2 * depth * vocab)
+    )
     draft = torch.tensor(values, dtype=torch.float32).view(2, depth, vocab)
-    tree = assert_matches_brute_force(T, draft, budget,
-                                      inputs_are_logprobs=as_logprobs)
+    tree = assert_matches_brute_force(T, draft, budget, inputs_are_logprobs=as_logprobs)
     check_structure(tree, depth)
     for r in range(2):
         prefixes = tree_prefixes(tree, r)
@@ -357,14 +368,14 @@ def test_ancestor_mask_matches_brute_force(T, depth):
     torch.manual_seed(depth)
     for budget, vocab in [(1, 3), (7, 2), (31, 5), (33, 4), (64, 8)]:
         tree = T.build_tree(torch.randn(3, depth, vocab) * 0.3, budget)
-        mask = T.ancestor_mask(tree.parent_idx, depth)
+        mask = ref.ancestor_mask(tree.parent_idx, depth)
         assert torch.equal(mask, brute_force_ancestors(tree.parent_idx))
 
 
 def test_ancestor_mask_deep_chain(T):
     B = D = 40
     parent = torch.arange(B).unsqueeze(0)  # node i+1 has parent i
-    mask = T.ancestor_mask(parent, D)
+    mask = ref.ancestor_mask(parent, D)
     assert torch.equal(mask[0], torch.ones(B + 1, B + 1, dtype=torch.bool).tril())
 
 
@@ -372,12 +383,12 @@ def test_bias_and_packed_bits(T):
     torch.manual_seed(8)
     for budget in (1, 30, 31, 32, 63, 64, 100):
         tree = T.build_tree(torch.randn(2, 4, 6), budget)
-        mask = T.ancestor_mask(tree.parent_idx, 4)
-        bias = T.tree_attention_bias(mask, torch.bfloat16)
+        mask = ref.ancestor_mask(tree.parent_idx, 4)
+        bias = ref.tree_attention_bias(mask, torch.bfloat16)
         assert bias.dtype == torch.bfloat16
         assert torch.equal(bias == 0, mask)
         assert torch.isneginf(bias[~mask].float()).all()
-        words = T.pack_ancestor_bits(mask)
+        words = ref.pack_ancestor_bits(mask)
         n = budget + 1
         assert words.dtype == torch.int32
         assert words.shape == (2, n, (n + 31) // 32)
@@ -390,7 +401,7 @@ def test_bias_and_packed_bits(T):
 def test_tree_positions(T):
     root = torch.tensor([5, 100], dtype=torch.int32)
     depth = torch.tensor([[1, 2, 1], [1, 1, 3]])
-    pos = T.tree_positions(root, depth)
+    pos = ref.tree_positions(root, depth)
     assert pos.dtype == torch.int32
     assert pos.tolist() == [[5, 6, 7, 6], [100, 101, 101, 103]]
 
@@ -408,7 +419,8 @@ def make_tree(T, token_ids, parent_idx, depth, draft_depth, valid=None):
         parent_idx=torch.tensor(parent_idx, dtype=torch.int64),
         depth=torch.tensor(depth, dtype=torch.int64),
         score=torch.zeros(R, B),
-        valid=torch.ones(R, B, dtype=torch.bool) if valid is None
+        valid=torch.ones(R, B, dtype=torch.bool)
+        if valid is None
         else torch.tensor(valid),
         draft_depth=draft_depth,
     )
@@ -422,9 +434,13 @@ def reference_walk(tree, target):
     for r in range(R):
         node, path = 0, [0]
         while True:
-            nxt = [i + 1 for i in range(B)
-                   if tree.valid[r, i] and tree.parent_idx[r, i] == node
-                   and tree.token_ids[r, i] == target[r, node]]
+            nxt = [
+                i + 1
+                for i in range(B)
+                if tree.valid[r, i]
+                and tree.parent_idx[r, i] == node
+                and tree.token_ids[r, i] == target[r, node]
+            ]
             assert len(nxt) <= 1
             if not nxt:
                 break
@@ -435,10 +451,10 @@ def reference_walk(tree, target):
 
 
 def check_walk(T, tree, target, expected_paths=None):
-    walk = T.walk_tree(tree, target)
+    walk = ref.walk_tree(tree, target)
     # the ancestor-mask variant must agree exactly
-    mask = T.ancestor_mask(tree.parent_idx, tree.draft_depth)
-    walk_masked = T.walk_tree(tree, target, ancestors=mask)
+    mask = ref.ancestor_mask(tree.parent_idx, tree.draft_depth)
+    walk_masked = ref.walk_tree(tree, target, ancestors=mask)
     for a, b in zip(walk, walk_masked):
         assert torch.equal(a, b)
     paths = reference_walk(tree, target)
@@ -461,17 +477,19 @@ def test_walk_hand_built_branch_off_spine(T):
     #                      1:a[1]                2:b[1]
     #               3:c[2]      4:d[2]           5:e[2]
     #               6:f[3]      7:g[3]
-    tree = make_tree(T,
-                     token_ids=[[10, 11, 12, 13, 14, 15, 16]],
-                     parent_idx=[[0, 0, 1, 1, 2, 3, 4]],
-                     depth=[[1, 1, 2, 2, 2, 3, 3]],
-                     draft_depth=3)
+    tree = make_tree(
+        T,
+        token_ids=[[10, 11, 12, 13, 14, 15, 16]],
+        parent_idx=[[0, 0, 1, 1, 2, 3, 4]],
+        depth=[[1, 1, 2, 2, 2, 3, 3]],
+        draft_depth=3,
+    )
     # target at root says 10 (node 1), at node 1 says 13 (node 4, off the
     # spine 1-3-6), at node 4 says 16 (node 7), at node 7 says 99 (bonus).
     target = torch.tensor([[10, 13, 0, 0, 16, 0, 0, 99]])
     walk = check_walk(T, tree, target, [[0, 1, 4, 7]])
     assert walk.output_token_ids.tolist() == [[10, 13, 16, 99]]
-    plan = T.compaction_indices(walk, torch.tensor([0, 8]))
+    plan = ref.compaction_indices(walk, torch.tensor([0, 8]))
     assert plan.src_idx.tolist() == [[0, 1, 4, 7]]
     assert plan.dst_offset.tolist() == [[0, 1, 2, 3]]
     assert plan.needs_move.tolist() == [[False, False, True, True]]
@@ -482,13 +500,13 @@ def test_walk_hand_built_branch_off_spine(T):
     target = torch.tensor([[42, 13, 0, 0, 16, 0, 0, 99]])
     walk = check_walk(T, tree, target, [[0]])
     assert walk.bonus_token_ids.tolist() == [42]
-    plan = T.compaction_indices(walk)
+    plan = ref.compaction_indices(walk)
     assert not plan.needs_move.any() and plan.src_token_idx is None
 
     # second branch: root -> 2 -> 5, stops at depth 2
     target = torch.tensor([[11, 0, 14, 0, 0, 7, 0, 0]])
     walk = check_walk(T, tree, target, [[0, 2, 5]])
-    plan = T.compaction_indices(walk, torch.tensor([3, 11]))
+    plan = ref.compaction_indices(walk, torch.tensor([3, 11]))
     assert plan.src_idx.tolist() == [[0, 2, 5, 0]]
     assert plan.needs_move.tolist() == [[False, True, True, False]]
     assert plan.src_token_idx.tolist() == [[3, 5, 8, 3]]
@@ -496,8 +514,7 @@ def test_walk_hand_built_branch_off_spine(T):
 
 
 def test_walk_invalid_nodes_never_accepted(T):
-    tree = make_tree(T, [[5, 0]], [[0, 1]], [[1, 2]], 2,
-                     valid=[[True, False]])
+    tree = make_tree(T, [[5, 0]], [[0, 1]], [[1, 2]], 2, valid=[[True, False]])
     target = torch.tensor([[5, 0, 0]])
     check_walk(T, tree, target, [[0, 1]])
 
@@ -511,24 +528,29 @@ def test_chain_walk_equals_linear_verification(T, depth):
     drafts = torch.randint(0, 3, (R, depth))
     target = torch.randint(0, 3, (R, depth + 1))
     target[:8, :depth] = drafts[:8]  # some full acceptances
-    tree = make_tree(T, drafts.tolist(),
-                     [list(range(depth))] * R,
-                     [list(range(1, depth + 1))] * R, depth)
+    tree = make_tree(
+        T,
+        drafts.tolist(),
+        [list(range(depth))] * R,
+        [list(range(1, depth + 1))] * R,
+        depth,
+    )
     walk = check_walk(T, tree, target)
     for r in range(R):
         n = 0
         while n < depth and drafts[r, n] == target[r, n]:
             n += 1
-        expected = target[r, :n + 1].tolist()  # accepted drafts + bonus
+        expected = target[r, : n + 1].tolist()  # accepted drafts + bonus
         assert walk.num_accepted[r] == n + 1
-        assert walk.output_token_ids[r, :n + 1].tolist() == expected
+        assert walk.output_token_ids[r, : n + 1].tolist() == expected
         assert walk.bonus_token_ids[r] == target[r, n]
-        plan = T.compaction_indices(walk)
+        plan = ref.compaction_indices(walk)
         assert not plan.needs_move.any()  # a chain is always in place
 
 
-@pytest.mark.parametrize("depth,vocab,budget", [(3, 3, 10), (5, 2, 31),
-                                                (15, 4, 64), (4, 6, 100)])
+@pytest.mark.parametrize(
+    "depth,vocab,budget", [(3, 3, 10), (5, 2, 31), (15, 4, 64), (4, 6, 100)]
+)
 def test_walk_and_compaction_random_trees(T, depth, vocab, budget):
     torch.manual_seed(depth * 1000 + budget)
     R = 16
@@ -544,9 +566,10 @@ def test_walk_and_compaction_random_trees(T, depth, vocab, budget):
     target = torch.where(follow, next_greedy, target)
     walk = check_walk(T, tree, target)
 
-    qsl = torch.cat([torch.zeros(1, dtype=torch.int64),
-                     torch.full((R,), budget + 1).cumsum(0)])
-    plan = T.compaction_indices(walk, qsl)
+    qsl = torch.cat(
+        [torch.zeros(1, dtype=torch.int64), torch.full((R,), budget + 1).cumsum(0)]
+    )
+    plan = ref.compaction_indices(walk, qsl)
     # Apply the moves to a fake per-token buffer (gather, then scatter) and
     # check the accepted path lands at root + k.
     buffer = torch.arange(R * (budget + 1)) * 10
@@ -556,12 +579,13 @@ def test_walk_and_compaction_random_trees(T, depth, vocab, budget):
         n = walk.num_accepted[r].item()
         path = walk.accepted_idx[r, :n]
         expected = buffer[qsl[r] + path]
-        assert torch.equal(moved[qsl[r]:qsl[r] + n], expected)
+        assert torch.equal(moved[qsl[r] : qsl[r] + n], expected)
         # untouched elsewhere in the window: only destinations 0..n-1 move
         rest = torch.arange(qsl[r] + n, qsl[r + 1])
         assert torch.equal(moved[rest], buffer[rest])
         assert plan.needs_move[r].tolist() == [
-            k < n and path[k].item() != k for k in range(depth + 1)]
+            k < n and path[k].item() != k for k in range(depth + 1)
+        ]
 
 
 # --------------------------------------------------------------------------
@@ -571,16 +595,30 @@ def test_walk_and_compaction_random_trees(T, depth, vocab, budget):
 
 def _pipeline(T, logits, target, root_pos, qsl, budget):
     tree = T.build_tree(logits, budget)
-    pos = T.tree_positions(root_pos, tree.depth)
-    mask = T.ancestor_mask(tree.parent_idx, tree.draft_depth)
-    bits = T.pack_ancestor_bits(mask)
-    walk = T.walk_tree(tree, target)
-    walk_masked = T.walk_tree(tree, target, ancestors=mask)
-    plan = T.compaction_indices(walk, qsl)
-    return (*walk_masked[:4], tree.token_ids, tree.parent_idx, tree.depth, tree.score,
-            tree.valid, pos, mask, bits, walk.accepted_idx, walk.num_accepted,
-            walk.output_token_ids, walk.bonus_token_ids, plan.src_token_idx,
-            plan.dst_token_idx, plan.needs_move)
+    pos = ref.tree_positions(root_pos, tree.depth)
+    mask = ref.ancestor_mask(tree.parent_idx, tree.draft_depth)
+    bits = ref.pack_ancestor_bits(mask)
+    walk = ref.walk_tree(tree, target)
+    walk_masked = ref.walk_tree(tree, target, ancestors=mask)
+    plan = ref.compaction_indices(walk, qsl)
+    return (
+        *walk_masked[:4],
+        tree.token_ids,
+        tree.parent_idx,
+        tree.depth,
+        tree.score,
+        tree.valid,
+        pos,
+        mask,
+        bits,
+        walk.accepted_idx,
+        walk.num_accepted,
+        walk.output_token_ids,
+        walk.bonus_token_ids,
+        plan.src_token_idx,
+        plan.dst_token_idx,
+        plan.needs_move,
+    )
 
 
 @pytest.mark.gpu
@@ -622,32 +660,55 @@ def test_cuda_graph_replay_matches_eager(T, dtype):
 
 @pytest.mark.gpu
 def test_cuda_topk_boundary_ties(T):
-    """Informational: does the fast path (exact_vocab_ties=False) already
-    resolve boundary ties like the exact path on this device?"""
+    """Heavy ties at the vocabulary's top-B boundary on the GPU (integer
+    logits, V = 151936). The fast path (exact_vocab_ties=False) leaves the
+    choice among exactly tied boundary tokens to torch.topk: the tree may hold
+    other tokens, but it is still an optimal tree of the same shape: the same
+    parents, depths, scores and validity, and each node's token has the same
+    draft logit as the exact tree's node there. The Triton vocabulary pass
+    resolves the ties exactly either way."""
     dev = torch.device("cuda")
-    logits = torch.randint(0, 4, (8, 15, 151936), device=dev).to(torch.bfloat16)
-    a = T.build_tree(logits, 64)
-    b = T.build_tree(logits, 64, exact_vocab_ties=False)
-    check_structure(T.DDTree(*[x.cpu() if torch.is_tensor(x) else x
-                               for x in b]), 15)
-    same = all(torch.equal(x, y) for x, y in zip(a[:5], b[:5]))
-    print(f"fast path equals exact path under boundary ties: {same}")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randint(0, 4, (8, 15, 151936), device=dev, generator=gen).to(
+        torch.bfloat16
+    )
+    exact = T.build_tree(logits, 64, backend="torch")
+    fast = T.build_tree(logits, 64, backend="torch", exact_vocab_ties=False)
+    check_structure(T.DDTree(*[x.cpu() if torch.is_tensor(x) else x for x in fast]), 15)
+    for name in ("parent_idx", "depth", "score", "valid"):
+        assert torch.equal(getattr(exact, name), getattr(fast, name)), name
+
+    def token_logits(tree):
+        depth0 = (tree.depth - 1).unsqueeze(2).expand(-1, -1, logits.shape[2])
+        per_depth = logits.gather(1, depth0)  # [R, B, V]: the node's depth row
+        return per_depth.gather(2, tree.token_ids.unsqueeze(2)).squeeze(2)
+
+    assert torch.equal(token_logits(exact), token_logits(fast))
+    if _has_triton():
+        lp_exact, tok_exact = T.vocab_stage(logits, 64, backend="torch")
+        for exact_ties in (True, False):
+            lp, tok = T.vocab_stage(
+                logits, 64, backend="triton", exact_vocab_ties=exact_ties
+            )
+            assert torch.equal(tok, tok_exact)
+            torch.testing.assert_close(lp, lp_exact, rtol=0, atol=1e-5)
 
 
 # --------------------------------------------------------------------------
 # Triton backend (interpreter on CPU: TRITON_INTERPRET=1, set in conftest)
 # --------------------------------------------------------------------------
 
+
 def _has_triton():
     try:
         import triton  # noqa: F401
+
         return True
     except ImportError:
         return False
 
 
-triton_only = pytest.mark.skipif(not _has_triton(),
-                                 reason="triton not importable")
+triton_only = pytest.mark.skipif(not _has_triton(), reason="triton not importable")
 
 
 def assert_same_tree(a, b, scores_exact=True):
@@ -667,19 +728,30 @@ def test_triton_build_matches_brute_force(T, vocab, depth):
     torch.manual_seed(vocab * 10 + depth)
     num_prefixes = sum(vocab**d for d in range(1, depth + 1))
     # (the interpreter's tl.sort is slow: keep the blocks small)
-    budgets = sorted(b for b in {1, 2, 3, vocab, vocab + 1, num_prefixes // 2,
-                                 num_prefixes - 1, num_prefixes,
-                                 num_prefixes + 2, 24} if 1 <= b <= 24)
+    budgets = sorted(
+        b
+        for b in {
+            1,
+            2,
+            3,
+            vocab,
+            vocab + 1,
+            num_prefixes // 2,
+            num_prefixes - 1,
+            num_prefixes,
+            num_prefixes + 2,
+            24,
+        }
+        if 1 <= b <= 24
+    )
     random = torch.randn(2, depth, vocab) * 2
     tied = torch.randint(0, 3, (2, depth, vocab)).float()
     tied[0] = 0.0
     for draft, no_ties in ((random, True), (tied, False)):
         for budget in budgets:
-            tree = assert_matches_brute_force(T, draft, budget,
-                                              backend="triton")
+            tree = assert_matches_brute_force(T, draft, budget, backend="triton")
             check_structure(tree, depth)
-            fast = T.build_tree(draft, budget, backend="triton",
-                                exact_vocab_ties=False)
+            fast = T.build_tree(draft, budget, backend="triton", exact_vocab_ties=False)
             check_structure(fast, depth)
             if no_ties:
                 # the fast path resolves vocabulary ties exactly too; only
@@ -699,28 +771,34 @@ def test_triton_build_special_values(T):
     draft[3] = NEG_INF
     for budget in (1, 4, 9, 40):
         assert_matches_brute_force(T, draft, budget, backend="triton")
-        fast = T.build_tree(draft, budget, backend="triton",
-                            exact_vocab_ties=False)
+        fast = T.build_tree(draft, budget, backend="triton", exact_vocab_ties=False)
         check_structure(fast, 3)
-        assert_same_tree(T.build_tree(draft, budget, backend="torch"), fast,
-                         scores_exact=False)
-    lp = torch.tensor([[[-0.5, float("nan"), -1.5, 0.0],
-                        [NEG_INF, -0.1, float("nan"), -0.0]]])
+        assert_same_tree(
+            T.build_tree(draft, budget, backend="torch"), fast, scores_exact=False
+        )
+    lp = torch.tensor(
+        [[[-0.5, float("nan"), -1.5, 0.0], [NEG_INF, -0.1, float("nan"), -0.0]]]
+    )
     for budget in (1, 3, 7, 20):
         for exact in (True, False):
-            assert_matches_brute_force(T, lp, budget, inputs_are_logprobs=True,
-                                       backend="triton",
-                                       exact_vocab_ties=exact)
+            assert_matches_brute_force(
+                T,
+                lp,
+                budget,
+                inputs_are_logprobs=True,
+                backend="triton",
+                exact_vocab_ties=exact,
+            )
     # +0.0 and -0.0 logits tie (then the smaller id wins), +inf logits
-    signed_zero = torch.tensor([[[-0.0, 0.0, -0.0, 0.0, -1.0],
-                                 [0.0, -0.0, float("inf"), -0.0, 1.0]]])
+    signed_zero = torch.tensor(
+        [[[-0.0, 0.0, -0.0, 0.0, -1.0], [0.0, -0.0, float("inf"), -0.0, 1.0]]]
+    )
     for budget in (1, 2, 5, 12):
         assert_matches_brute_force(T, signed_zero, budget, backend="triton")
 
 
 @triton_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16,
-                                   torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("budget", [1, 8, 32])
 def test_triton_vocab_stage_multi_chunk(T, monkeypatch, dtype, budget):
     """Several vocabulary chunks, heavy ties across chunk borders: the
@@ -739,26 +817,33 @@ def test_triton_vocab_stage_multi_chunk(T, monkeypatch, dtype, budget):
     logits[0, 1, ::7] = float("nan")
     logits[0, 1, 5::11] = NEG_INF
     for exact in (True, False):
-        ref_lp, ref_tok = T.vocab_stage(logits, budget, backend="torch",
-                                        exact_vocab_ties=True)
-        lp, tok = T.vocab_stage(logits, budget, backend="triton",
-                                exact_vocab_ties=exact)
+        ref_lp, ref_tok = T.vocab_stage(
+            logits, budget, backend="torch", exact_vocab_ties=True
+        )
+        lp, tok = T.vocab_stage(
+            logits, budget, backend="triton", exact_vocab_ties=exact
+        )
         assert torch.equal(tok, ref_tok)
         if exact:
             assert torch.equal(lp, ref_lp)
         else:
             torch.testing.assert_close(lp, ref_lp, rtol=0, atol=2e-6)
     lp_in = torch.log_softmax(logits.float().nan_to_num(0.0), -1).to(dtype)
-    ref = T.vocab_stage(lp_in, budget, backend="torch",
-                        inputs_are_logprobs=True)
-    out = T.vocab_stage(lp_in, budget, backend="triton",
-                        inputs_are_logprobs=True, exact_vocab_ties=False)
+    ref = T.vocab_stage(lp_in, budget, backend="torch", inputs_are_logprobs=True)
+    out = T.vocab_stage(
+        lp_in,
+        budget,
+        backend="triton",
+        inputs_are_logprobs=True,
+        exact_vocab_ties=False,
+    )
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
 
 
 @triton_only
-@pytest.mark.parametrize("depth,vocab,budget", [(15, 40, 32), (4, 50, 64),
-                                                (2, 300, 40)])
+@pytest.mark.parametrize(
+    "depth,vocab,budget", [(15, 40, 32), (4, 50, 64), (2, 300, 40)]
+)
 def test_triton_build_equals_torch_build(T, depth, vocab, budget):
     """Larger shapes (many candidate pairs per depth): Triton tree stage
     equals the torch tree stage bit for bit, including tied inputs."""
@@ -772,22 +857,29 @@ def test_triton_build_equals_torch_build(T, depth, vocab, budget):
         check_structure(b, depth)
         # tree stage alone, from identical vocab-stage inputs
         lp, tok = T.vocab_stage(draft, budget, backend="torch")
-        assert_same_tree(T.tree_stage(lp, tok, budget, backend="torch"),
-                         T.tree_stage(lp, tok, budget, backend="triton"))
+        assert_same_tree(
+            T.tree_stage(lp, tok, budget, backend="torch"),
+            T.tree_stage(lp, tok, budget, backend="triton"),
+        )
 
 
 @triton_only
-@settings(max_examples=10, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), vocab=st.integers(1, 4), depth=st.integers(1, 3),
-       budget=st.integers(1, 20), as_logprobs=st.booleans())
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    vocab=st.integers(1, 4),
+    depth=st.integers(1, 3),
+    budget=st.integers(1, 20),
+    as_logprobs=st.booleans(),
+)
 def test_triton_build_property(T, data, vocab, depth, budget, as_logprobs):
-    values = data.draw(st.lists(logprob_values, min_size=2 * depth * vocab,
-                                max_size=2 * depth * vocab))
+    values = data.draw(
+        st.lists(logprob_values, min_size=2 * depth * vocab, max_size=2 * depth * vocab)
+    )
     draft = torch.tensor(values, dtype=torch.float32).view(2, depth, vocab)
-    tree = assert_matches_brute_force(T, draft, budget,
-                                      inputs_are_logprobs=as_logprobs,
-                                      backend="triton")
+    tree = assert_matches_brute_force(
+        T, draft, budget, inputs_are_logprobs=as_logprobs, backend="triton"
+    )
     check_structure(tree, depth)
 
 
@@ -807,13 +899,15 @@ def test_cuda_triton_equals_torch(T, budget):
     rounding when there are no near-ties."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(budget)
-    logits = (torch.randn(4, 15, 151936, device=dev, generator=gen) * 4
-              ).to(torch.bfloat16)
+    logits = (torch.randn(4, 15, 151936, device=dev, generator=gen) * 4).to(
+        torch.bfloat16
+    )
     a = T.build_tree(logits, budget, backend="torch")
     b = T.build_tree(logits, budget, backend="triton")
     assert_same_tree(a, b)
     lp_t, tok_t = T.vocab_stage(logits, budget, backend="torch")
-    lp_f, tok_f = T.vocab_stage(logits, budget, backend="triton",
-                                exact_vocab_ties=False)
+    lp_f, tok_f = T.vocab_stage(
+        logits, budget, backend="triton", exact_vocab_ties=False
+    )
     assert torch.equal(tok_t, tok_f)
     torch.testing.assert_close(lp_f, lp_t, rtol=0, atol=1e-5)

@@ -12,22 +12,21 @@ import itertools
 import pytest
 import torch
 
-from conftest import load_patched_module
+import ddtree_reference as ref
+from vllm.v1.spec_decode.ddtree import sampling as sampling_module
+from vllm.v1.spec_decode.ddtree import tree as tree_module
 
 scipy_stats = pytest.importorskip("scipy.stats")
-
-TREE = "vllm/v1/spec_decode/ddtree/tree.py"
-SAMPLING = "vllm/v1/spec_decode/ddtree/sampling.py"
 
 
 @pytest.fixture(scope="module")
 def tree_mod():
-    return load_patched_module(TREE)
+    return tree_module
 
 
 @pytest.fixture(scope="module")
 def samp():
-    return load_patched_module(SAMPLING)
+    return sampling_module
 
 
 # ------------------------------------------------------------ references
@@ -73,8 +72,9 @@ def python_path(parent, tokens, node):
 )
 @pytest.mark.parametrize("with_history", [False, True])
 @pytest.mark.parametrize("vocab", [5, 40])
-def test_tree_penalties_match_brute_force(tree_mod, samp, rep, freq, pres,
-                                          with_history, vocab):
+def test_tree_penalties_match_brute_force(
+    tree_mod, samp, rep, freq, pres, with_history, vocab
+):
     gen = torch.Generator().manual_seed(hash((rep, freq, pres, vocab)) % 2**31)
     num_states, depth, budget = 6, 4, 9
     # Small vocabularies make tokens repeat along paths.
@@ -82,15 +82,18 @@ def test_tree_penalties_match_brute_force(tree_mod, samp, rep, freq, pres,
     tree = tree_mod.build_tree(draft, budget)
     if vocab == 5:
         # Force repeats: some trees reuse one token at several depths.
-        tree = tree._replace(token_ids=torch.where(
-            tree.depth % 2 == 0, tree.token_ids, tree.token_ids % 2))
+        tree = tree._replace(
+            token_ids=torch.where(
+                tree.depth % 2 == 0, tree.token_ids, tree.token_ids % 2
+            )
+        )
     depth_with_root = torch.nn.functional.pad(tree.depth, (1, 0))
     hist = torch.zeros(num_states, vocab, dtype=torch.int32)
     prompt = torch.zeros(num_states, vocab, dtype=torch.bool)
     if with_history:
-        hist = torch.randint(0, 3, (num_states, vocab), generator=gen,
-                             dtype=torch.int32) * (torch.rand(
-                                 num_states, vocab, generator=gen) < 0.4)
+        hist = torch.randint(
+            0, 3, (num_states, vocab), generator=gen, dtype=torch.int32
+        ) * (torch.rand(num_states, vocab, generator=gen) < 0.4)
         prompt = torch.rand(num_states, vocab, generator=gen) < 0.3
     # Batch: states 4, 1, 3 verify (full trees); state 0 is a prefill row.
     batch_states = [4, 1, 3]
@@ -115,23 +118,34 @@ def test_tree_penalties_match_brute_force(tree_mod, samp, rep, freq, pres,
         counts = hist[row_req[i]].clone()
         if i > 0:
             s = row_req[i]
-            for t in python_path(tree.parent_idx[s].tolist(),
-                                 tree.token_ids[s].tolist(), row_node[i]):
+            for t in python_path(
+                tree.parent_idx[s].tolist(), tree.token_ids[s].tolist(), row_node[i]
+            ):
                 counts[t] += 1
-        expected[i] = ref_penalties(logits[i:i + 1], counts[None],
-                                    prompt[row_req[i]][None], reps[r[i:i + 1]],
-                                    freqs[r[i:i + 1]], press[r[i:i + 1]])[0]
+        expected[i] = ref_penalties(
+            logits[i : i + 1],
+            counts[None],
+            prompt[row_req[i]][None],
+            reps[r[i : i + 1]],
+            freqs[r[i : i + 1]],
+            press[r[i : i + 1]],
+        )[0]
 
     paths = samp.row_path_tokens(
-        torch.tensor(row_tok), tree.parent_idx, depth_with_root, row_req_t,
-        row_node_t, depth)
+        torch.tensor(row_tok),
+        tree.parent_idx,
+        depth_with_root,
+        row_req_t,
+        row_node_t,
+        depth,
+    )
     got = logits.clone()
     orig = samp.gather_path_logits(got, paths)
     got = ref_penalties(got, hist[r], prompt[r], reps[r], freqs[r], press[r])
-    h, in_prompt = samp.path_history_stats(hist, pack_bits(prompt), row_req_t,
-                                           paths)
-    samp.penalize_path_tokens(got, orig, paths, h, in_prompt, reps[r],
-                              freqs[r], press[r])
+    h, in_prompt = samp.path_history_stats(hist, pack_bits(prompt), row_req_t, paths)
+    samp.penalize_path_tokens(
+        got, orig, paths, h, in_prompt, reps[r], freqs[r], press[r]
+    )
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
     # Upstream's chain adjustment (row p counts rows 1..p) differs for trees.
@@ -141,9 +155,14 @@ def test_tree_penalties_match_brute_force(tree_mod, samp, rep, freq, pres,
             counts = hist[row_req[i]].clone()
             for j in range(i - row_node[i] + 1, i + 1):
                 counts[row_tok[j]] += 1
-            chain[i] = ref_penalties(logits[i:i + 1], counts[None],
-                                     prompt[row_req[i]][None], reps[r[i:i + 1]],
-                                     freqs[r[i:i + 1]], press[r[i:i + 1]])[0]
+            chain[i] = ref_penalties(
+                logits[i : i + 1],
+                counts[None],
+                prompt[row_req[i]][None],
+                reps[r[i : i + 1]],
+                freqs[r[i : i + 1]],
+                press[r[i : i + 1]],
+            )[0]
         assert not torch.equal(chain, expected)
 
 
@@ -152,12 +171,16 @@ def test_path_tokens_of_a_hand_built_tree(samp):
     parent = torch.tensor([[0, 0, 1, 1]])
     depth = torch.tensor([[0, 1, 1, 2, 2]])
     row_tok = torch.tensor([10, 11, 12, 13, 11])
-    paths = samp.row_path_tokens(row_tok, parent, depth,
-                                 torch.zeros(5, dtype=torch.int32),
-                                 torch.arange(5), 3)
-    assert paths.valid.tolist() == [[False] * 3, [True, False, False],
-                                    [True, False, False], [True, True, False],
-                                    [True, True, False]]
+    paths = samp.row_path_tokens(
+        row_tok, parent, depth, torch.zeros(5, dtype=torch.int32), torch.arange(5), 3
+    )
+    assert paths.valid.tolist() == [
+        [False] * 3,
+        [True, False, False],
+        [True, False, False],
+        [True, True, False],
+        [True, True, False],
+    ]
     assert paths.tokens[paths.valid].tolist() == [11, 12, 13, 11, 11, 11]
     assert paths.count.tolist()[4] == [2, 2, 2]
     assert paths.count.tolist()[3] == [1, 1, 1]
@@ -167,8 +190,7 @@ def test_path_tokens_of_a_hand_built_tree(samp):
 def test_logprob_rows_follow_the_accepted_path(samp):
     # Request 0: 1 row (prefill); request 1: rows 1..5, path 0 -> 1 -> 4.
     accepted = torch.tensor([[0, -1, -1], [0, 1, 4]])
-    order = samp.path_row_order(accepted, torch.tensor([1, 3]),
-                                torch.tensor([0, 1]), 6)
+    order = samp.path_row_order(accepted, torch.tensor([1, 3]), torch.tensor([0, 1]), 6)
     assert order.tolist() == [0, 1, 2, 5, 4, 5]
 
 
@@ -193,16 +215,22 @@ def _target_logprobs(table, context, temperature, penalties):
     if penalties is not None:
         rep, freq, pres = penalties
         counts = torch.zeros(1, V, dtype=torch.int32)
-        for t in context[len(PROMPT):]:
+        for t in context[len(PROMPT) :]:
             counts[0, t] += 1
         prompt = torch.zeros(1, V, dtype=torch.bool)
         prompt[0, PROMPT] = True
-        logits = ref_penalties(logits, counts, prompt, torch.tensor([rep]),
-                               torch.tensor([freq]), torch.tensor([pres]))
+        logits = ref_penalties(
+            logits,
+            counts,
+            prompt,
+            torch.tensor([rep]),
+            torch.tensor([freq]),
+            torch.tensor([pres]),
+        )
     return torch.log_softmax(logits[0].double() / temperature, dim=-1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _exact_three(temperature, penalties):
     table = _toy_tables()[0]
     probs = {}
@@ -217,8 +245,9 @@ def _exact_three(temperature, penalties):
     return probs
 
 
-def _run_ddtree(tree_mod, samp, table, draft_table, trials, temperature,
-                penalties, variant, seed=0):
+def _run_ddtree(
+    tree_mod, samp, table, draft_table, trials, temperature, penalties, variant, seed=0
+):
     """First 3 emitted tokens of `trials` independent DDTree generations.
 
     Per step and trial: build the tree from the drafter, compute every
@@ -243,30 +272,32 @@ def _run_ddtree(tree_mod, samp, table, draft_table, trials, temperature,
     # paths) per root token, indexed per trial below.
     root_trees = tree_mod.build_tree(draft_table.permute(1, 0, 2), BUDGET)
     root_paths = samp.row_path_tokens(
-        torch.cat([torch.arange(V)[:, None], root_trees.token_ids],
-                  dim=1).reshape(-1),
+        torch.cat([torch.arange(V)[:, None], root_trees.token_ids], dim=1).reshape(-1),
         root_trees.parent_idx,
         torch.nn.functional.pad(root_trees.depth, (1, 0)),
         torch.arange(V).repeat_interleave(n_nodes),
-        torch.arange(n_nodes).repeat(V), DEPTH)
+        torch.arange(n_nodes).repeat(V),
+        DEPTH,
+    )
     while int((length - 3).min()) < 3:
         root = hist[ar, length - 1]
         prev = hist[ar, length - 2]
-        tree = root_trees._replace(**{
-            f: getattr(root_trees, f)[root]
-            for f in ("token_ids", "parent_idx", "depth", "score", "valid")})
+        tree = root_trees._replace(
+            **{
+                f: getattr(root_trees, f)[root]
+                for f in ("token_ids", "parent_idx", "depth", "score", "valid")
+            }
+        )
         tokens = torch.cat([root[:, None], tree.token_ids], dim=1)
         parent = torch.nn.functional.pad(tree.parent_idx, (1, 0))
         depth = torch.nn.functional.pad(tree.depth, (1, 0))
-        prev_tok = torch.where(parent == 0, root[:, None],
-                               tokens.gather(1, parent))
+        prev_tok = torch.where(parent == 0, root[:, None], tokens.gather(1, parent))
         prev_tok[:, 0] = prev
         logits = table[prev_tok, tokens].reshape(-1, V)  # [trials*(B+1), V]
         row_req = ar.repeat_interleave(n_nodes)
         row_node = torch.arange(n_nodes).repeat(trials)
         if penalties is not None:
-            rep, freq, pres = (torch.full((trials * n_nodes,), p)
-                               for p in penalties)
+            rep, freq, pres = (torch.full((trials * n_nodes,), p) for p in penalties)
             if variant == "chain_penalties":
                 row_counts = counts[row_req].clone()
                 flat = tokens.reshape(-1)
@@ -274,19 +305,26 @@ def _run_ddtree(tree_mod, samp, table, draft_table, trials, temperature,
                     later = row_node >= j
                     tok_j = flat[row_req * n_nodes + j]
                     row_counts[later, tok_j[later]] += 1
-                logits = ref_penalties(logits, row_counts, prompt[row_req],
-                                       rep, freq, pres)
+                logits = ref_penalties(
+                    logits, row_counts, prompt[row_req], rep, freq, pres
+                )
             else:
-                paths = samp.RowPaths(*(
-                    x.view(V, n_nodes, *x.shape[1:])[root].flatten(0, 1)
-                    for x in root_paths))
+                paths = samp.RowPaths(
+                    *(
+                        x.view(V, n_nodes, *x.shape[1:])[root].flatten(0, 1)
+                        for x in root_paths
+                    )
+                )
                 orig = samp.gather_path_logits(logits, paths)
-                logits = ref_penalties(logits, counts[row_req],
-                                       prompt[row_req], rep, freq, pres)
-                h, in_prompt = samp.path_history_stats(counts, prompt_bits,
-                                                       row_req, paths)
-                samp.penalize_path_tokens(logits, orig, paths, h, in_prompt,
-                                          rep, freq, pres)
+                logits = ref_penalties(
+                    logits, counts[row_req], prompt[row_req], rep, freq, pres
+                )
+                h, in_prompt = samp.path_history_stats(
+                    counts, prompt_bits, row_req, paths
+                )
+                samp.penalize_path_tokens(
+                    logits, orig, paths, h, in_prompt, rep, freq, pres
+                )
         logits = logits.view(trials, n_nodes, V) / temperature
         u = torch.rand(trials, DEPTH + 1, V, generator=gen).clamp_min(1e-12)
         gumbel = -torch.log(-torch.log(u))
@@ -294,7 +332,7 @@ def _run_ddtree(tree_mod, samp, table, draft_table, trials, temperature,
             gumbel = gumbel[:, :1].expand(-1, DEPTH + 1, -1)
         noise = gumbel.gather(1, depth[:, :, None].expand(-1, -1, V))
         target = (logits + noise).argmax(dim=-1)
-        walk = tree_mod.walk_tree(tree, target)
+        walk = ref.walk_tree(tree, target)
         out = walk.output_token_ids
         for k in range(DEPTH + 1):
             take = k < walk.num_accepted
@@ -336,8 +374,9 @@ def toy():
 def _p_values(tree_mod, samp, toy, case, variant):
     table, draft = toy
     temperature, penalties = CASES[case]
-    got, tau = _run_ddtree(tree_mod, samp, table, draft, TRIALS, temperature,
-                           penalties, variant)
+    got, tau = _run_ddtree(
+        tree_mod, samp, table, draft, TRIALS, temperature, penalties, variant
+    )
     probs3 = _exact_three(temperature, penalties)
     first = {}
     for seq, p in probs3.items():
@@ -355,11 +394,14 @@ def test_toy_ddtree_matches_target_only_sampling(tree_mod, samp, toy, case):
     assert p_first > 0.01 and p_three > 0.01, (p_first, p_three)
 
 
-@pytest.mark.parametrize("case, variant", [
-    ("T1_plain", "shared_noise"),
-    ("T07_penalties", "shared_noise"),
-    ("T07_penalties", "chain_penalties"),
-])
+@pytest.mark.parametrize(
+    "case, variant",
+    [
+        ("T1_plain", "shared_noise"),
+        ("T07_penalties", "shared_noise"),
+        ("T07_penalties", "chain_penalties"),
+    ],
+)
 def test_toy_biased_variants_are_rejected(tree_mod, samp, toy, case, variant):
     p_first, p_three, _ = _p_values(tree_mod, samp, toy, case, variant)
     assert min(p_first, p_three) < 1e-6, (variant, p_first, p_three)

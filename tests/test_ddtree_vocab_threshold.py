@@ -8,8 +8,8 @@ with the tournament alone (``_vocab_threshold_plan`` -> None: the Triton pass
 as it was before the filter), on rows whose threshold candidates fit and
 rows that overflow the capacity (the per-row fallback), in the same batch.
 
-Run with ``VLLM_DDTREE_SRC=<patched tree> pytest`` with ``tests/`` of the
-repository on ``sys.path`` (for ``conftest``).
+Runs from the repository (``pytest tests/test_ddtree_vocab_threshold.py``):
+``tests/conftest.py`` puts ``overlay/`` on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import load_patched_module
+from vllm.v1.spec_decode.ddtree import tree as tree_module
 
 NEG_INF = float("-inf")
 NAN = float("nan")
@@ -27,13 +27,14 @@ pytest.importorskip("triton")
 
 @pytest.fixture(scope="module")
 def T():
-    return load_patched_module("vllm/v1/spec_decode/ddtree/tree.py")
+    return tree_module
 
 
 @pytest.fixture
 def small_chunks(T, monkeypatch):
     """32-token chunks and merge groups of 2 chunks: many chunks and several
     tournament levels at a vocabulary the interpreter sorts quickly."""
+
     def chunking(vocab, k):  # a chunk holds at least K tokens
         chunk = max(32, T._next_pow2(k))
         return chunk, -(-vocab // chunk)
@@ -43,15 +44,15 @@ def small_chunks(T, monkeypatch):
 
 
 def canonical(row: torch.Tensor, as_logprobs: bool) -> list[float]:
-    x = torch.nan_to_num(row.float(), nan=NEG_INF, posinf=float("inf"),
-                         neginf=NEG_INF)
+    x = torch.nan_to_num(row.float(), nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
     if as_logprobs:
         x = x.clamp_max(0.0)
     return x.tolist()
 
 
-def threshold_count(T, row: torch.Tensor, k: int,
-                    as_logprobs: bool = False) -> tuple[int, int]:
+def threshold_count(
+    T, row: torch.Tensor, k: int, as_logprobs: bool = False
+) -> tuple[int, int]:
     """(keys >= t, capacity) of one row, computed independently in Python:
     t is the k-th largest sub-block maximum in (value desc, id asc)."""
     vocab = row.numel()
@@ -60,8 +61,10 @@ def threshold_count(T, row: torch.Tensor, k: int,
     values = canonical(row, as_logprobs)
     order = sorted(range(vocab), key=lambda t: (-values[t], t))
     rank = {t: i for i, t in enumerate(order)}
-    best = sorted(min(rank[t] for t in range(b * sub, min(vocab, b * sub + sub)))
-                  for b in range(num_sub))
+    best = sorted(
+        min(rank[t] for t in range(b * sub, min(vocab, b * sub + sub)))
+        for b in range(num_sub)
+    )
     return best[k - 1] + 1, capacity
 
 
@@ -73,12 +76,12 @@ def crafted_row(T, vocab: int, k: int, count: int) -> torch.Tensor:
     chunk, _ = T._vocab_chunking(vocab, k)
     sub, _, _ = T._vocab_threshold_plan(vocab, k, chunk)
     row = torch.zeros(vocab)
-    row[:(k - 1) * sub] = -1.0
+    row[: (k - 1) * sub] = -1.0
     need = count - 1  # zeros in blocks 0..k-2, each block 1..sub of them
     assert k - 1 <= need <= (k - 1) * sub
     for b in range(k - 1):
         z = min(sub, need - (k - 2 - b))
-        row[b * sub:b * sub + z] = 0.0
+        row[b * sub : b * sub + z] = 0.0
         need -= z
     assert need == 0
     return row
@@ -97,8 +100,9 @@ def assert_bits(a: torch.Tensor, b: torch.Tensor):
     assert torch.equal(a, b)
 
 
-def check_all_paths(T, monkeypatch, logits, budget, as_logprobs=False,
-                    vs_tournament=True):
+def check_all_paths(
+    T, monkeypatch, logits, budget, as_logprobs=False, vs_tournament=True
+):
     """Triton (threshold filter + fallback) == torch bit for bit, and on the
     fused-logsumexp path (exact_vocab_ties=False) the same tokens and (with
     ``vs_tournament``) the tournament alone's log-probs bit for bit."""
@@ -109,13 +113,15 @@ def check_all_paths(T, monkeypatch, logits, budget, as_logprobs=False,
     assert_bits(lp, ref_lp)
     if as_logprobs:  # exact_vocab_ties changes nothing for log-probs
         return
-    lp, tok = T.vocab_stage(logits, budget, backend="triton",
-                            exact_vocab_ties=False, **kw)
+    lp, tok = T.vocab_stage(
+        logits, budget, backend="triton", exact_vocab_ties=False, **kw
+    )
     assert torch.equal(tok, ref_tok)
     if not vs_tournament:
         return
-    old_lp, old_tok = tournament_only(T, monkeypatch, logits, budget,
-                                      exact_vocab_ties=False, **kw)
+    old_lp, old_tok = tournament_only(
+        T, monkeypatch, logits, budget, exact_vocab_ties=False, **kw
+    )
     assert_bits(tok, old_tok)
     assert_bits(lp, old_lp)
 
@@ -148,23 +154,30 @@ def test_crafted_counts(T, small_chunks):
             assert threshold_count(T, row, k) == (count, cap)
 
 
-@pytest.mark.parametrize("dtype,budget,vs_tournament",
-                         [(torch.float32, 1, False),
-                          (torch.float32, 8, True),
-                          (torch.bfloat16, 5, True),
-                          (torch.float16, 8, False),
-                          (torch.float32, 24, False)])
-def test_mixed_overflow_batch(T, monkeypatch, small_chunks, dtype, budget,
-                              vs_tournament):
+@pytest.mark.parametrize(
+    "dtype,budget,vs_tournament",
+    [
+        (torch.float32, 1, False),
+        (torch.float32, 8, True),
+        (torch.bfloat16, 5, True),
+        (torch.float16, 8, False),
+        (torch.float32, 24, False),
+    ],
+)
+def test_mixed_overflow_batch(
+    T, monkeypatch, small_chunks, dtype, budget, vs_tournament
+):
     """One batch: rows under, at and over the capacity, and special values;
     the rows that overflow take the tournament, the others the filter."""
     torch.manual_seed(budget)
     V = 160
     k = min(budget, V)
-    rows = [torch.randn(V) * 3,  # random: a few candidates
-            torch.zeros(V),  # all tied: overflows
-            torch.randint(-2, 2, (V,)).float(),  # heavy ties
-            torch.full((V,), NEG_INF)]  # all -inf: overflows
+    rows = [
+        torch.randn(V) * 3,  # random: a few candidates
+        torch.zeros(V),  # all tied: overflows
+        torch.randint(-2, 2, (V,)).float(),  # heavy ties
+        torch.full((V,), NEG_INF),
+    ]  # all -inf: overflows
     spec = torch.randn(V)
     spec[::7] = NAN
     spec[5::11] = NEG_INF
@@ -186,8 +199,7 @@ def test_mixed_overflow_batch(T, monkeypatch, small_chunks, dtype, budget,
     assert any(c <= cap for c in counts)  # the filter is exercised
     # and the fallback, wherever a row can overflow
     assert any(c > cap for c in counts) == (max_count > cap)
-    check_all_paths(T, monkeypatch, logits, budget,
-                    vs_tournament=vs_tournament)
+    check_all_paths(T, monkeypatch, logits, budget, vs_tournament=vs_tournament)
     lp_in = torch.log_softmax(logits.float().nan_to_num(0.0), -1).to(dtype)
     lp_in[0, 0, ::3] = 0.0  # ties at the top of log-prob inputs
     check_all_paths(T, monkeypatch, lp_in, budget, as_logprobs=True)
@@ -200,17 +212,16 @@ def test_most_rows_overflow(T, monkeypatch, small_chunks):
     logits = torch.randn(3, 2, 120)
     logits[1] = torch.randint(0, 2, (2, 120)).float()
     for budget in (3, 6):
-        counts = [threshold_count(T, r, budget)
-                  for r in logits.view(-1, 120)]
+        counts = [threshold_count(T, r, budget) for r in logits.view(-1, 120)]
         assert sum(c > cap for c, cap in counts) >= 2
         check_all_paths(T, monkeypatch, logits, budget)
 
 
-@pytest.mark.parametrize("vocab,budget", [(1, 1), (1, 4), (2, 5), (7, 7),
-                                          (7, 100), (33, 32), (33, 40),
-                                          (31, 3), (97, 20)])
-def test_small_vocab_and_k_at_least_v(T, monkeypatch, small_chunks, vocab,
-                                      budget):
+@pytest.mark.parametrize(
+    "vocab,budget",
+    [(1, 1), (1, 4), (2, 5), (7, 7), (7, 100), (33, 32), (33, 40), (31, 3), (97, 20)],
+)
+def test_small_vocab_and_k_at_least_v(T, monkeypatch, small_chunks, vocab, budget):
     """K >= V (every token kept, sub-blocks of 1), V not a multiple of the
     chunk, a single chunk."""
     torch.manual_seed(vocab + budget)
@@ -265,14 +276,15 @@ def test_cuda_production_vocab(T, monkeypatch, dtype, budget):
     gen = torch.Generator(device=dev).manual_seed(budget)
     logits = torch.randn(8, 15, V, device=dev, generator=gen) * 4
     logits[1] = 0.0
-    logits[2] = torch.randint(0, 4, (15, V), device=dev,
-                              generator=gen).float()
+    logits[2] = torch.randint(0, 4, (15, V), device=dev, generator=gen).float()
     logits[3, :5] = NEG_INF
     logits[4, :, ::7] = NAN
     logits[4, :, 3::13] = float("inf")
     logits = logits.to(dtype)
-    counts = [threshold_count(T, r.cpu(), k)[0]
-              for r in (logits[0, 0], logits[1, 0], logits[2, 0])]
+    counts = [
+        threshold_count(T, r.cpu(), k)[0]
+        for r in (logits[0, 0], logits[1, 0], logits[2, 0])
+    ]
     cap = T._vocab_threshold_plan(V, k, T._vocab_chunking(V, k)[0])[2]
     assert counts[0] <= cap < min(counts[1:])  # both paths in one batch
     check_all_paths(T, monkeypatch, logits, budget, vs_tournament=True)

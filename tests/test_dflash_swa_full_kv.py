@@ -21,17 +21,28 @@ REL = "vllm/model_executor/models/qwen3_dflash.py"
 
 
 @pytest.mark.slow
-def test_swa_draft_layer_keeps_full_kv(wheel_venv: Path, src_tree: Path,
-                                       tmp_path: Path) -> None:
+def test_swa_draft_layer_keeps_full_kv(
+    wheel_venv: Path, src_tree: Path, tmp_path: Path
+) -> None:
     pristine = tmp_path / "qwen3_dflash_upstream.py"
-    pristine.write_bytes(subprocess.run(
-        ["git", "-C", str(src_tree), "show", f"upstream:{REL}"],
-        check=True, capture_output=True).stdout)
+    pristine.write_bytes(
+        subprocess.run(
+            ["git", "-C", str(src_tree), "show", f"upstream:{REL}"],
+            check=True,
+            capture_output=True,
+        ).stdout
+    )
     probe = Path(__file__).with_name("dflash_swa_probe.py")
     proc = subprocess.run(
-        [str(ddtree_venv.venv_python(wheel_venv)), str(probe), str(src_tree / REL),
-         str(pristine)],
-        capture_output=True, text=True, timeout=600,
+        [
+            str(ddtree_venv.venv_python(wheel_venv)),
+            str(probe),
+            str(src_tree / REL),
+            str(pristine),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("PROBE ")]
     assert proc.returncode == 0 and lines, proc.stdout + proc.stderr

@@ -1,40 +1,69 @@
 # SPDX-License-Identifier: Apache-2.0
 """DDTree's per-step code must not synchronise the host with the device.
 
-A static check over the patched tree: the functions that run every decoding
-step (tree build and walk, the verifier around the target forward, the DFlash
+A static check over the overlay (the files we own, where they stand): the
+functions that run every decoding step (tree build, the verifier around the
+target forward, the DFlash
 override, the sampling and bookkeeping kernels' wrappers) must not call the
 operations that copy a device value to the host or wait for the device.
 Reading a CPU tensor (the scheduler's own numbers) is fine and is what the
 runner does; this check is about the code we add."""
 
 import ast
-from pathlib import Path
 
 import pytest
 
-from conftest import patched_src
+from conftest import OVERLAY
 
 # Files of ours that run in the decoding loop, and the functions in them
 # that run every step (setup code such as __init__ / bind may allocate).
 PER_STEP = {
     "vllm/v1/spec_decode/ddtree/tree.py": None,  # every function
     "vllm/v1/worker/gpu/spec_decode/ddtree/verifier.py": {
-        "prepare_verify", "prepare_model_positions", "sample", "compact",
-        "store_trees", "attach_bias",
+        "prepare_verify",
+        "prepare_model_positions",
+        "sample",
+        "compact",
+        "store_trees",
+        "attach_bias",
     },
     # Hybrid (Gated DeltaNet) targets: the layer hooks run inside the
     # captured forward, prepare_step / commit around it.
     "vllm/v1/spec_decode/ddtree/gdn_verify.py": {
-        "prepare_step", "attach", "_spec_rows", "conv", "recurrent", "commit",
-        "spec_decode_rows", "gdn_layer_states", "_copy_from_host",
+        "prepare_step",
+        "attach",
+        "_spec_rows",
+        "conv",
+        "recurrent",
+        "commit",
+        "spec_decode_rows",
+        "gdn_layer_states",
+        "_copy_from_host",
     },
     "vllm/v1/worker/gpu/spec_decode/ddtree/speculator.py": {"_generate_draft"},
     "vllm/v1/worker/gpu/spec_decode/ddtree/kernels.py": {"ddtree_walk", "__call__"},
     "vllm/v1/spec_decode/ddtree/sampling.py": None,
     "vllm/v1/worker/gpu/spec_decode/ddtree/sampling.py": {
-        "apply_penalties", "sample_nodes", "paths_fn", "node_logprobs",
+        "apply_penalties",
+        "counting_tree_paths",
+        "sample_nodes",
+        "paths_fn",
+        "node_logprobs",
     },
+}
+# Overlay files that run no per-step code: configuration and startup checks,
+# metrics fed from the scheduler's host-side stats, Triton kernels and their
+# launchers (`tree_triton`, `tree_gdn`, `tree_conv`: device code, called from
+# the per-step functions above).
+NOT_PER_STEP = {
+    "vllm/v1/spec_decode/ddtree/__init__.py",
+    "vllm/v1/spec_decode/ddtree/config.py",
+    "vllm/v1/spec_decode/ddtree/metrics.py",
+    "vllm/v1/spec_decode/ddtree/startup.py",
+    "vllm/v1/spec_decode/ddtree/tree_triton.py",
+    "vllm/v1/spec_decode/ddtree/tree_gdn.py",
+    "vllm/v1/spec_decode/ddtree/tree_conv.py",
+    "vllm/v1/worker/gpu/spec_decode/ddtree/__init__.py",
 }
 # Host round trips: a device tensor's value to Python, or a device wait.
 FORBIDDEN_ATTRS = {"item", "tolist", "cpu", "numpy", "synchronize", "nonzero"}
@@ -75,9 +104,9 @@ def _violations(func: ast.AST) -> list[str]:
 
 @pytest.mark.parametrize("relpath", sorted(PER_STEP))
 def test_per_step_code_has_no_host_sync(relpath: str) -> None:
-    path = patched_src() / relpath
+    path = OVERLAY / relpath
     if not path.exists():
-        pytest.fail(f"{path} missing: run `make apply`")
+        pytest.fail(f"{path} missing")
     tree = ast.parse(path.read_text())
     wanted = PER_STEP[relpath]
     checked = 0
@@ -89,6 +118,17 @@ def test_per_step_code_has_no_host_sync(relpath: str) -> None:
         problems += [f"{func.name}: {v}" for v in _violations(func)]
     assert checked, f"no per-step function found in {relpath}"
     assert not problems, f"{relpath}: " + "; ".join(problems)
+
+
+def test_every_overlay_file_is_classified() -> None:
+    """A new overlay file must be added to PER_STEP or NOT_PER_STEP."""
+    files = {
+        p.relative_to(OVERLAY).as_posix()
+        for p in OVERLAY.rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+    assert files == set(PER_STEP) | NOT_PER_STEP
+    assert not set(PER_STEP) & NOT_PER_STEP
 
 
 def test_the_check_catches_a_sync() -> None:

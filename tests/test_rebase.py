@@ -1,13 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """`apply_patches.py rebase` on a synthetic upstream (no network).
 
-Two fake releases, 1.0.0 and 1.1.0, as sdists (tar.gz) and wheels in a tmp dir; the package
-index and the download are injected. The stack has one patch per fate:
+Two fake releases, 1.0.0 and 1.1.0, as sdists (tar.gz) and wheels in a tmp dir; the
+package index and the download are injected. The stack has one patch per fate:
 
-  a.py  clean             upstream only inserts lines above (the patch applies at an offset)
-  b.py  merged three-way  upstream changes a context line two lines below the patch's change
+  a.py  clean             upstream only inserts lines above (applies at an offset)
+  b.py  merged three-way  upstream changes a context line two lines below the change
   c.py  conflict          upstream changes the very line the patch changes, differently
   d.py  already upstream  upstream made the same change (and touched the context)
+
+and an overlay (files of our own, copied, not applied by git): vllm/ours/ (ours in both
+releases) and, in one test, vllm/added.py, a path where 1.1.0 adds a file (a collision).
 """
 
 from __future__ import annotations
@@ -58,9 +61,17 @@ def new_tree() -> dict[str, str]:
     c[9] = "c_10 = 'upstream'\n"  # line 10: the very line the patch changes
     d = lines("d")
     d[9] = "d_10 = 'patched'\n"  # the patch's own change ...
-    d[11] = "d_12 = 'upstream'\n"  # ... plus a context change, so it does not apply as is
-    t |= {"vllm/a.py": "".join(a), "vllm/b.py": "".join(b), "vllm/c.py": "".join(c),
-          "vllm/d.py": "".join(d), "vllm/_version.py": f"__version__ = version = '{NEW}'\n"}
+    d[11] = (
+        "d_12 = 'upstream'\n"  # ... plus a context change, so it does not apply as is
+    )
+    t |= {
+        "vllm/a.py": "".join(a),
+        "vllm/b.py": "".join(b),
+        "vllm/c.py": "".join(c),
+        "vllm/d.py": "".join(d),
+        "vllm/_version.py": f"__version__ = version = '{NEW}'\n",
+        "vllm/added.py": "# new in 1.1.0\n",
+    }
     return t
 
 
@@ -75,9 +86,11 @@ def make_sdist(path: Path, version: str, files: dict[str, str]) -> None:
 
 def make_wheel(path: Path, version: str, commit: str) -> None:
     with zipfile.ZipFile(path, "w") as z:
-        z.writestr("vllm/_version.py",
-                   f"__version__ = version = '{version}'\n"
-                   f"__commit_id__ = commit_id = 'g{commit}'\n")
+        z.writestr(
+            "vllm/_version.py",
+            f"__version__ = version = '{version}'\n"
+            f"__commit_id__ = commit_id = 'g{commit}'\n",
+        )
 
 
 def sha256(path: Path) -> str:
@@ -85,8 +98,9 @@ def sha256(path: Path) -> str:
 
 
 def git(repo: Path, *argv: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), *argv], check=True,
-                          capture_output=True, text=True).stdout
+    return subprocess.run(
+        ["git", "-C", str(repo), *argv], check=True, capture_output=True, text=True
+    ).stdout
 
 
 class FakeUpstream:
@@ -161,41 +175,100 @@ def stack(fake: FakeUpstream, tmp_path: Path) -> tuple[Path, Path]:
     """A lock pinned to 1.0.0 and a 4-patch stack made with `apply` + `export`."""
     lock = tmp_path / "upstream.lock"
     wheel = WHEEL.format(v=OLD)
-    lock.write_text(LOCK.format(
-        v=OLD, sdist_url=fake.url(f"vllm-{OLD}.tar.gz"),
-        sdist_sha=sha256(fake.dir / f"vllm-{OLD}.tar.gz"), wheel=wheel,
-        wheel_url=fake.url(wheel), wheel_sha=sha256(fake.dir / wheel)))
+    lock.write_text(
+        LOCK.format(
+            v=OLD,
+            sdist_url=fake.url(f"vllm-{OLD}.tar.gz"),
+            sdist_sha=sha256(fake.dir / f"vllm-{OLD}.tar.gz"),
+            wheel=wheel,
+            wheel_url=fake.url(wheel),
+            wheel_sha=sha256(fake.dir / wheel),
+        )
+    )
     patches = tmp_path / "patches"
     patches.mkdir()
     (patches / "series").write_text("# fake series\n")
+    for rel in OVERLAY:
+        path = tmp_path / "overlay" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{SPDX}\n# {rel}\n")
     src = tmp_path / "src"
-    assert apply_patches.main(["--lock", str(lock), "--patches", str(patches), "apply",
-                               "--src", str(src)]) == 0
-    for name, subject in [("a", "fake a clean"), ("b", "fake b merged"),
-                          ("c", "fake c conflict"), ("d", "fake d already upstream")]:
+    assert (
+        apply_patches.main(
+            ["--lock", str(lock), "--patches", str(patches), "apply", "--src", str(src)]
+        )
+        == 0
+    )
+    for name, subject in [
+        ("a", "fake a clean"),
+        ("b", "fake b merged"),
+        ("c", "fake c conflict"),
+        ("d", "fake d already upstream"),
+    ]:
         f = src / f"vllm/{name}.py"
         text = f.read_text()
         f.write_text(text.replace(f"{name}_10 = 10\n", f"{name}_10 = 'patched'\n"))
-        git(src, "commit", "-q", "-a", "-m", f"{subject}\n\n{HEADERS}",
-            "--date", "2026-01-01T00:00:00+0000")
-    assert apply_patches.main(["--lock", str(lock), "--patches", str(patches), "export",
-                               "--src", str(src)]) == 0
+        git(
+            src,
+            "commit",
+            "-q",
+            "-a",
+            "-m",
+            f"{subject}\n\n{HEADERS}",
+            "--date",
+            "2026-01-01T00:00:00+0000",
+        )
+    assert (
+        apply_patches.main(
+            [
+                "--lock",
+                str(lock),
+                "--patches",
+                str(patches),
+                "export",
+                "--src",
+                str(src),
+            ]
+        )
+        == 0
+    )
     assert apply_patches.read_series(patches) == list(FATES)
     return lock, patches
 
 
+SPDX = "# SPDX-License-Identifier: Apache-2.0"
+OVERLAY = ["vllm/ours/__init__.py", "vllm/ours/mod.py"]
+
+
 def run_rebase(lock: Path, patches: Path, reports: Path, *extra: str) -> int:
-    return apply_patches.main(["--lock", str(lock), "--patches", str(patches), "rebase",
-                               "--onto", NEW, "--report-dir", str(reports), *extra])
+    return apply_patches.main(
+        [
+            "--lock",
+            str(lock),
+            "--patches",
+            str(patches),
+            "rebase",
+            "--onto",
+            NEW,
+            "--report-dir",
+            str(reports),
+            *extra,
+        ]
+    )
 
 
 def snapshot(lock: Path, patches: Path) -> dict[str, bytes]:
-    return {"lock": lock.read_bytes()} | {p.name: p.read_bytes() for p in patches.iterdir()}
+    return {"lock": lock.read_bytes()} | {
+        p.name: p.read_bytes() for p in patches.iterdir()
+    }
 
 
-def test_each_fate_keep_going_no_rewrite(stack: tuple[Path, Path], fake: FakeUpstream,
-                                         tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_each_fate_keep_going_no_rewrite(
+    stack: tuple[Path, Path],
+    fake: FakeUpstream,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     lock, patches = stack
     before = snapshot(lock, patches)
     reports = tmp_path / "reports"
@@ -206,19 +279,32 @@ def test_each_fate_keep_going_no_rewrite(stack: tuple[Path, Path], fake: FakeUps
     report = json.loads((reports / f"{NEW}.json").read_text())
     # every patch has a fate, also the one after the conflict (keep going)
     assert {p["patch"]: p["fate"] for p in report["patches"]} == FATES
-    assert report["summary"] == {"clean": 1, "merged": 1, "conflict": 1,
-                                 "already-upstream": 1}
+    assert report["summary"] == {
+        "clean": 1,
+        "merged": 1,
+        "conflict": 1,
+        "already-upstream": 1,
+        "overlay": 2,
+        "overlay_collisions": 0,
+    }
+    assert report["overlay"] == [
+        {"file": rel, "lines": 2, "fate": "ours"} for rel in OVERLAY
+    ]
     assert report["rewritable"] is False and report["written"] is False
-    # the new sdist was verified against the index's sha256, the wheel was fetched (--write)
+    # the new sdist was verified against the index's sha256, the wheel was fetched
+    # (--write)
     assert report["to"]["sdist"]["sha256"] == sha256(fake.dir / f"vllm-{NEW}.tar.gz")
     assert report["to"]["commit"] == "abc1234" and report["to"]["wheel"]["verified"]
     by = {p["patch"]: p for p in report["patches"]}
     c = by["fake-c-conflict.patch"]
     assert c["conflict"]["files"] == ["vllm/c.py"]
     (region,) = c["conflict"]["regions"]
-    assert "c_10 = 'upstream'" in region["text"] and "c_10 = 'patched'" in region["text"]
+    assert (
+        "c_10 = 'upstream'" in region["text"] and "c_10 = 'patched'" in region["text"]
+    )
     assert c["hunks_not_applying"] == [
-        {"file": "vllm/c.py", "hunk": 1, "header": "@@ -7,7 +7,7 @@ c_6 = 6"}]
+        {"file": "vllm/c.py", "hunk": 1, "header": "@@ -7,7 +7,7 @@ c_6 = 6"}
+    ]
     assert "+c_10 = 'upstream'" in c["upstream"]["diff"]
     assert c["upstream"]["stat"] == [{"file": "vllm/c.py", "added": 1, "removed": 1}]
     assert "note" not in c
@@ -226,21 +312,29 @@ def test_each_fate_keep_going_no_rewrite(stack: tuple[Path, Path], fake: FakeUps
     assert by["fake-a-clean.patch"]["upstream"]["stat"][0]["added"] == 3
     md = (reports / f"{NEW}.md").read_text()
     assert "# Rebase check: vLLM 1.0.0 -> 1.1.0" in md
-    for needle in ("| 1 | `fake-a-clean.patch` | clean", "| 2 | `fake-b-merged.patch` | merged",
-                   "| 3 | `fake-c-conflict.patch` | CONFLICT",
-                   "| 4 | `fake-d-already-upstream.patch` | already upstream",
-                   "Conflict at `vllm/c.py:", "Upstream diff of the conflicted files",
-                   sha256(fake.dir / f"vllm-{NEW}.tar.gz")):
+    for needle in (
+        "| 1 | `fake-a-clean.patch` | clean",
+        "| 2 | `fake-b-merged.patch` | merged",
+        "| 3 | `fake-c-conflict.patch` | CONFLICT",
+        "| 4 | `fake-d-already-upstream.patch` | already upstream",
+        "Conflict at `vllm/c.py:",
+        "Upstream diff of the conflicted files",
+        "overlay/ (ours, not applied by git",
+        "| `vllm/ours/mod.py` | 2 | ours |",
+        sha256(fake.dir / f"vllm-{NEW}.tar.gz"),
+    ):
         assert needle in md, needle
 
 
-def test_dry_run_reports_and_does_not_fetch_wheel(stack: tuple[Path, Path],
-                                                  fake: FakeUpstream, tmp_path: Path) -> None:
+def test_dry_run_reports_and_does_not_fetch_wheel(
+    stack: tuple[Path, Path], fake: FakeUpstream, tmp_path: Path
+) -> None:
     lock, patches = stack
     # drop the conflicting patch: no conflict left, but a dry run still rewrites nothing
     (patches / "fake-c-conflict.patch").unlink()
-    (patches / "series").write_text((patches / "series").read_text().replace(
-        "fake-c-conflict.patch\n", ""))
+    (patches / "series").write_text(
+        (patches / "series").read_text().replace("fake-c-conflict.patch\n", "")
+    )
     before = snapshot(lock, patches)
     fake.downloads.clear()
     assert run_rebase(lock, patches, tmp_path / "r") == 0
@@ -252,11 +346,14 @@ def test_dry_run_reports_and_does_not_fetch_wheel(stack: tuple[Path, Path],
     assert "not known: wheel not fetched" in (tmp_path / "r" / f"{NEW}.md").read_text()
 
 
-def test_write_when_clean(stack: tuple[Path, Path], fake: FakeUpstream, tmp_path: Path) -> None:
+def test_write_when_clean(
+    stack: tuple[Path, Path], fake: FakeUpstream, tmp_path: Path
+) -> None:
     lock, patches = stack
     (patches / "fake-c-conflict.patch").unlink()
-    (patches / "series").write_text((patches / "series").read_text().replace(
-        "fake-c-conflict.patch\n", ""))
+    (patches / "series").write_text(
+        (patches / "series").read_text().replace("fake-c-conflict.patch\n", "")
+    )
     old_b = (patches / "fake-b-merged.patch").read_text()
     old_a = (patches / "fake-a-clean.patch").read_text()
     assert run_rebase(lock, patches, tmp_path / "r", "--write") == 0
@@ -275,7 +372,10 @@ def test_write_when_clean(stack: tuple[Path, Path], fake: FakeUpstream, tmp_path
     assert new.tree("patched_tree") == report["to"]["patched_tree"] != ""
     assert lock.read_text().startswith("# fake lock")  # comments kept
     # already-upstream patch dropped; the merged one refreshed; headers intact
-    assert apply_patches.read_series(patches) == ["fake-a-clean.patch", "fake-b-merged.patch"]
+    assert apply_patches.read_series(patches) == [
+        "fake-a-clean.patch",
+        "fake-b-merged.patch",
+    ]
     assert (patches / "series").read_text().startswith("# fake series\n")
     assert not (patches / "fake-d-already-upstream.patch").exists()
     new_b = (patches / "fake-b-merged.patch").read_text()
@@ -289,10 +389,49 @@ def test_write_when_clean(stack: tuple[Path, Path], fake: FakeUpstream, tmp_path
     assert apply_patches.main([*base, "apply", "--src", str(src), "--verify"]) == 0
     assert apply_patches.main([*base, "export", "--src", str(src), "--dry-run"]) == 0
     assert (src / "vllm/b.py").read_text().count("'patched'") == 1
+    # the overlay came along, copied as it is
+    assert apply_patches.new_files(src) == OVERLAY
+    assert (src / "vllm/ours/mod.py").read_text() == f"{SPDX}\n# vllm/ours/mod.py\n"
 
 
-def test_index_sha256_is_enforced(stack: tuple[Path, Path], fake: FakeUpstream,
-                                  tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_overlay_collision_blocks_the_rewrite(
+    stack: tuple[Path, Path],
+    fake: FakeUpstream,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An overlay file at a path where the new release adds a file of its own."""
+    lock, patches = stack
+    (patches / "fake-c-conflict.patch").unlink()
+    (patches / "series").write_text(
+        (patches / "series").read_text().replace("fake-c-conflict.patch\n", "")
+    )
+    (tmp_path / "overlay/vllm/added.py").write_text(f"{SPDX}\n")
+    before = snapshot(lock, patches)
+    assert run_rebase(lock, patches, tmp_path / "r", "--write") == 1
+    assert (
+        "1.1.0 has files at 1 overlay/ paths: vllm/added.py" in capsys.readouterr().err
+    )
+    assert snapshot(lock, patches) == before
+    report = json.loads((tmp_path / "r" / f"{NEW}.json").read_text())
+    assert {o["file"]: o["fate"] for o in report["overlay"]} == {
+        "vllm/added.py": "collision",
+        "vllm/ours/__init__.py": "ours",
+        "vllm/ours/mod.py": "ours",
+    }
+    assert report["rewritable"] is False and report["result"] == "1 overlay/ collisions"
+    assert (
+        "| `vllm/added.py` | 1 | COLLISION |"
+        in (tmp_path / "r" / f"{NEW}.md").read_text()
+    )
+
+
+def test_index_sha256_is_enforced(
+    stack: tuple[Path, Path],
+    fake: FakeUpstream,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     lock, patches = stack
     fake.tamper = f"vllm-{NEW}.tar.gz"
     assert run_rebase(lock, patches, tmp_path / "r") == 1
@@ -300,29 +439,57 @@ def test_index_sha256_is_enforced(stack: tuple[Path, Path], fake: FakeUpstream,
     assert not (tmp_path / "r").exists()
 
 
-def test_unknown_release(stack: tuple[Path, Path], fake: FakeUpstream, tmp_path: Path,
-                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_release(
+    stack: tuple[Path, Path],
+    fake: FakeUpstream,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     lock, patches = stack
-    assert apply_patches.main(["--lock", str(lock), "--patches", str(patches), "rebase",
-                               "--onto", "9.9.9", "--report-dir", str(tmp_path / "r")]) == 1
+    assert (
+        apply_patches.main(
+            [
+                "--lock",
+                str(lock),
+                "--patches",
+                str(patches),
+                "rebase",
+                "--onto",
+                "9.9.9",
+                "--report-dir",
+                str(tmp_path / "r"),
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "vllm-9.9.9.tar.gz is not on" in err
 
 
 def test_cli_help_lists_rebase() -> None:
-    r = subprocess.run([sys.executable, str(REPO_ROOT / "apply_patches.py"), "rebase", "-h"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "apply_patches.py"), "rebase", "-h"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0 and "--onto" in r.stdout and "--write" in r.stdout
 
 
 def test_make_rebase_check_needs_version() -> None:
-    r = subprocess.run(["make", "-s", "rebase-check", f"PYTHON={sys.executable}"], cwd=REPO_ROOT,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["make", "-s", "rebase-check", f"PYTHON={sys.executable}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2
     assert "usage: make rebase-check VERSION=" in r.stderr
-    r = subprocess.run(["make", "-n", "rebase-check", "VERSION=0.27.0",
-                        f"PYTHON={sys.executable}"], cwd=REPO_ROOT, capture_output=True,
-                       text=True)
+    r = subprocess.run(
+        ["make", "-n", "rebase-check", "VERSION=0.27.0", f"PYTHON={sys.executable}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0
     assert "apply_patches.py rebase --onto 0.27.0 --report-dir docs/rebase" in r.stdout
 
@@ -338,7 +505,9 @@ def test_conflict_when_upstream_deleted_the_file(tmp_path: Path) -> None:
     git(r, "add", "-A")
     git(r, "commit", "-q", "-m", "base")
     git(r, "tag", "old-base")
-    (r / "vllm/e.py").write_text((r / "vllm/e.py").read_text().replace("e_5 = 5", "e_5 = 'x'"))
+    (r / "vllm/e.py").write_text(
+        (r / "vllm/e.py").read_text().replace("e_5 = 5", "e_5 = 'x'")
+    )
     git(r, "commit", "-q", "-a", "-m", f"fake e\n\n{HEADERS}")
     pre = git(r, "rev-parse", "HEAD").strip()
     patch = tmp_path / "fake-e.patch"

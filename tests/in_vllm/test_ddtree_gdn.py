@@ -73,7 +73,9 @@ def _reference(inputs, state0, rows, l2norm):
     "seed, budgets, depth, l2norm",
     [(0, [1], 1, False), (1, [6, 3], 3, True), (2, [8, 8, 2], 4, False)],
 )
-def test_tree_gdn_matches_the_sequential_kernel_on_every_path(seed, budgets, depth, l2norm):
+def test_tree_gdn_matches_the_sequential_kernel_on_every_path(
+    seed, budgets, depth, l2norm
+):
     tree, idx_mapping, parent, qsl, inputs, state, state_idx = _case(
         seed, budgets, depth, l2norm
     )
@@ -94,7 +96,9 @@ def test_tree_gdn_matches_the_sequential_kernel_on_every_path(seed, budgets, dep
         for node in range(1 + n):
             rows = [int(qsl[r]) + i for i in _path(parent_row, node)]
             ref_o, _ = _reference(inputs, committed[int(state_idx[r])], rows, l2norm)
-            torch.testing.assert_close(o[int(qsl[r]) + node], ref_o, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                o[int(qsl[r]) + node], ref_o, rtol=1e-5, atol=1e-5
+            )
 
     # After the walk: the state after one accepted node per row goes to a
     # fresh slot; the committed slots stay as they were.

@@ -13,22 +13,14 @@ import pytest
 torch = pytest.importorskip("torch")
 qgdn = pytest.importorskip("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn")
 
-from vllm.config.compilation import CUDAGraphMode  # noqa: E402
-from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
-from vllm.v1.attention.backends.gdn_attn import (  # noqa: E402
-    GDNAttentionMetadataBuilder,
-)
-from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
-from vllm.v1.spec_decode.ddtree import gdn_verify  # noqa: E402
-
 from test_ddtree_gdn_hybrid import (  # noqa: E402
     CONV_DIM,
     DEVICE,
     HV,
+    Case,
     K,
     V,
     W,
-    Case,
     assert_slot_is_replay,
     gdn_context,
     make_layer,
@@ -36,6 +28,13 @@ from test_ddtree_gdn_hybrid import (  # noqa: E402
     replay,
     run_core,
 )
+
+from vllm.config.compilation import CUDAGraphMode  # noqa: E402
+from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backends.gdn_attn import (  # noqa: E402
+    GDNAttentionMetadataBuilder,
+)
+from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 
 B = 6  # tree budget = num_speculative_tokens
 
@@ -130,9 +129,7 @@ def test_mixed_batch_spec_rows_and_commit(monkeypatch):
     # The prefill chunk's kernels (causal_conv1d_fn's and FLA's chunked
     # delta rule) do not run in the Triton interpreter and are not what is
     # tested here: torch stand-ins that leave a mark in the prefill slot.
-    monkeypatch.setattr(
-        qgdn, "causal_conv1d_fn", lambda x, *args, **kwargs: x.clone()
-    )
+    monkeypatch.setattr(qgdn, "causal_conv1d_fn", lambda x, *args, **kwargs: x.clone())
 
     def chunk_stub(q, k, v, initial_state, **kwargs):
         o = torch.zeros(*v.shape[:2], HV, V, device=v.device)
@@ -151,7 +148,7 @@ def test_mixed_batch_spec_rows_and_commit(monkeypatch):
     num_tokens = sum(query_lens)
     wide = torch.randn(num_tokens, CONV_DIM + 5, generator=gen).to(DEVICE)
     mixed_qkv = wide[:, 1 : 1 + CONV_DIM]
-    mixed_qkv[flat_a] = case.mixed_qkv[: n_a]
+    mixed_qkv[flat_a] = case.mixed_qkv[:n_a]
     mixed_qkv[flat_b] = case.mixed_qkv[n_a : n_a + n_b]
     a = torch.randn(num_tokens, HV, generator=gen).to(DEVICE)
     b = torch.randn(num_tokens, HV, generator=gen).to(DEVICE)
@@ -181,10 +178,11 @@ def test_mixed_batch_spec_rows_and_commit(monkeypatch):
             num_reqs=3,
             num_draft_tokens_per_req=np.array([n_a - 1, 0, n_b - 1], dtype=np.int32),
             num_scheduled_tokens=np.array(query_lens, dtype=np.int32),
-            idx_mapping_np=np.array([idx_mapping[0], 7, idx_mapping[1]], dtype=np.int32),
+            idx_mapping_np=np.array(
+                [idx_mapping[0], 7, idx_mapping[1]], dtype=np.int32
+            ),
         )
     )
-    monkeypatch.setattr(gdn_verify, "_ACTIVE", ctx)
     out = run_core(monkeypatch, layer, md, mixed_qkv, b, a, num_tokens)
     ctx.attach({layer.prefix: md})
 

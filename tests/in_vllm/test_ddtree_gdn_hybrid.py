@@ -49,6 +49,7 @@ def make_layer(seed, prefix=PREFIX):
     layer.conv_kernel_size = W
     layer.activation = "silu"
     layer.enable_packed_recurrent_decode = False
+    layer.ddtree_verifier = None  # as __init__ leaves it; bind_layers sets it
     layer.conv1d = SimpleNamespace(
         weight=torch.randn(CONV_DIM, 1, W, generator=gen) * 0.5,
         bias=torch.randn(CONV_DIM, generator=gen) * 0.1,
@@ -88,9 +89,7 @@ def decode_md(slot):
         num_spec_decodes=0,
         num_spec_decode_tokens=0,
         num_actual_tokens=1,
-        non_spec_query_start_loc=torch.tensor(
-            [0, 1], dtype=torch.int32, device=DEVICE
-        ),
+        non_spec_query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
         non_spec_state_indices_tensor=torch.tensor(
             [slot], dtype=torch.int32, device=DEVICE
         ),
@@ -198,9 +197,7 @@ class Case:
         self.depth = depth
         num_rows = len(budgets)
         budget = max(budgets)
-        tree = build_tree(
-            torch.randn(num_rows, depth, 6, generator=gen) * 2, budget
-        )
+        tree = build_tree(torch.randn(num_rows, depth, 6, generator=gen) * 2, budget)
         self.max_reqs = num_rows + 3
         # Batch row r verifies request state idx_mapping[r].
         self.idx_mapping = torch.randperm(self.max_reqs, generator=gen)[:num_rows]
@@ -246,29 +243,18 @@ class Case:
         return [self.query_start[r] + i for i in nodes]
 
 
-@pytest.fixture
-def active(monkeypatch):
-    """Install a DDTree GDN context for the layer hooks (undone after)."""
-
-    def install(ctx):
-        monkeypatch.setattr(gdn_verify, "_ACTIVE", ctx)
-        return ctx
-
-    return install
-
-
 # --------------------------------------------------------------------- tests
 @pytest.mark.parametrize(
     "seed, budgets, depth, pad_rows, pad_tokens",
     [(0, [5, 3], 3, 0, 0), (1, [6, 2, 4], 4, 2, 5)],
 )
 def test_tree_branch_outputs_match_upstream_decode_over_every_path(
-    monkeypatch, active, seed, budgets, depth, pad_rows, pad_tokens
+    monkeypatch, seed, budgets, depth, pad_rows, pad_tokens
 ):
     case = Case(seed, budgets, depth, pad_rows, pad_tokens)
     layer = make_layer(seed)
     committed = [t.clone() for t in layer.kv_cache]
-    ctx = active(case.context(layer))
+    ctx = case.context(layer)
     out = run_core(
         monkeypatch, layer, case.md(), case.mixed_qkv, case.b, case.a, case.num_actual
     )
@@ -301,14 +287,14 @@ def test_tree_branch_outputs_match_upstream_decode_over_every_path(
             )
 
 
-def test_chain_parent_mutant_is_caught(monkeypatch, active):
+def test_chain_parent_mutant_is_caught(monkeypatch):
     """The comparison above fails when the kernels see chain parents (each
     node the child of the previous row, upstream's chain semantics)."""
     case = Case(0, [5, 3], 3)
     layer = make_layer(0)
     chain = torch.zeros_like(case.parent)
     chain[:, 1:] = torch.arange(1, chain.shape[1])
-    active(case.context(layer, parent=chain))
+    case.context(layer, parent=chain)
     out = run_core(
         monkeypatch, layer, case.md(), case.mixed_qkv, case.b, case.a, case.num_actual
     )
@@ -318,8 +304,12 @@ def test_chain_parent_mutant_is_caught(monkeypatch, active):
         for node in range(1 + budget):
             rows = case.rows(r, path_of(parent_row, node))
             ref, _, _ = replay(
-                monkeypatch, layer, case.slots[r], case.mixed_qkv[rows],
-                case.b[rows], case.a[rows],
+                monkeypatch,
+                layer,
+                case.slots[r],
+                case.mixed_qkv[rows],
+                case.b[rows],
+                case.a[rows],
             )
             mismatches += not torch.allclose(
                 out[case.query_start[r] + node], ref[-1], rtol=1e-5, atol=1e-5
@@ -345,12 +335,12 @@ def accepted_paths(case, gen):
     "seed, budgets, depth, pad_rows", [(2, [6, 4], 3, 0), (3, [7, 1, 5], 4, 1)]
 )
 def test_commit_leaves_the_states_of_the_accepted_path(
-    monkeypatch, active, seed, budgets, depth, pad_rows
+    monkeypatch, seed, budgets, depth, pad_rows
 ):
     case = Case(seed, budgets, depth, pad_rows, pad_tokens=2)
     layer = make_layer(seed)
     committed = [t.clone() for t in layer.kv_cache]
-    ctx = active(case.context(layer))
+    ctx = case.context(layer)
     md = case.md()
     run_core(monkeypatch, layer, md, case.mixed_qkv, case.b, case.a, case.num_actual)
     ctx.attach({layer.prefix: md, "model.layers.0.self_attn": object()})
@@ -366,7 +356,12 @@ def test_commit_leaves_the_states_of_the_accepted_path(
         slot = case.slots[r]
         rows = case.rows(r, nodes[r, : int(counts[r])].cpu().tolist())
         ref_conv, ref_ssm = replay_from(
-            monkeypatch, layer, committed, slot, case.mixed_qkv[rows], case.b[rows],
+            monkeypatch,
+            layer,
+            committed,
+            slot,
+            case.mixed_qkv[rows],
+            case.b[rows],
             case.a[rows],
         )
         torch.testing.assert_close(ssm[slot], ref_ssm, rtol=1e-5, atol=1e-5)
@@ -378,11 +373,11 @@ def test_commit_leaves_the_states_of_the_accepted_path(
         assert torch.equal(layer.kv_cache[1][slot], committed[1][slot])
 
 
-def test_commit_with_only_the_root_accepted_is_one_decode_step(monkeypatch, active):
+def test_commit_with_only_the_root_accepted_is_one_decode_step(monkeypatch):
     case = Case(4, [4, 2], 2)
     layer = make_layer(4)
     committed = [t.clone() for t in layer.kv_cache]
-    ctx = active(case.context(layer))
+    ctx = case.context(layer)
     md = case.md()
     run_core(monkeypatch, layer, md, case.mixed_qkv, case.b, case.a, case.num_actual)
     ctx.attach({layer.prefix: md})
@@ -394,15 +389,20 @@ def test_commit_with_only_the_root_accepted_is_one_decode_step(monkeypatch, acti
         slot = case.slots[r]
         row = [case.query_start[r]]
         assert_slot_is_replay(
-            monkeypatch, layer, committed, slot, case.mixed_qkv[row], case.b[row],
+            monkeypatch,
+            layer,
+            committed,
+            slot,
+            case.mixed_qkv[row],
+            case.b[row],
             case.a[row],
         )
 
 
-def test_commit_refuses_metadata_that_disagrees_with_the_verifier(monkeypatch, active):
+def test_commit_refuses_metadata_that_disagrees_with_the_verifier(monkeypatch):
     case = Case(5, [3, 3], 2)
     layer = make_layer(5)
-    ctx = active(case.context(layer))
+    ctx = case.context(layer)
     md = case.md()
     md.num_spec_decodes = 1  # the GDN layers saw another batch
     ctx.attach({layer.prefix: md})

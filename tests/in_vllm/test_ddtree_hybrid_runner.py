@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """DDTree for hybrid / M-RoPE targets, CPU side: startup checks (refusals,
-the startup warning, real ModelConfig / SpeculativeConfig of a hand-written tiny Qwen3-Next), the
-mamba state sizing under DDTree, the M-RoPE position rewrite, and the
-verifier driving the GDN path through a whole step (prepare_verify ->
+the startup warning, real ModelConfig / SpeculativeConfig of a hand-written
+tiny Qwen3-Next), the mamba state sizing under DDTree, the M-RoPE position
+rewrite, and the verifier driving the GDN path through a whole step (prepare_verify ->
 GDN forward -> walk -> compact)."""
 
 import json
@@ -15,12 +15,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 vllm = pytest.importorskip("vllm")
-
-from vllm.v1.spec_decode.ddtree import gdn_verify  # noqa: E402
-from vllm.v1.spec_decode.ddtree.config import (  # noqa: E402
-    mamba_num_spec_tokens,
-    verify_ddtree_vllm_config,
-)
 
 from verifier_fakes import (  # noqa: E402
     DEPTH,
@@ -36,6 +30,11 @@ from verifier_fakes import (  # noqa: E402
     make_verifier,
     needs_models,
     store_trees,
+)
+
+from vllm.v1.spec_decode.ddtree.config import (  # noqa: E402
+    mamba_num_spec_tokens,
+    verify_ddtree_vllm_config,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -189,12 +188,11 @@ def test_real_hybrid_config_is_accepted(hybrid_model_config):
 def test_mamba_state_is_sized_for_one_committed_state_under_ddtree(
     hybrid_model_config,
 ):
+    from vllm.config import ParallelConfig
     from vllm.model_executor.layers.mamba.abstract import MambaBase
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-
-    from vllm.config import ParallelConfig
 
     ddtree = _spec(hybrid_model_config, method="ddtree", tree_budget=16)
     chain = _spec(hybrid_model_config, method="dflash", num_speculative_tokens=15)
@@ -260,23 +258,25 @@ def _prefill_and_tree_batch():
     """Batch row 0: a prefill chunk of 3 tokens (request state 0); batch row 1:
     tree verification of request state 2 (root + 4 nodes) at positions 20..24."""
     positions = torch.tensor([0, 1, 2, 20, 21, 22, 23, 24, 0, 0], dtype=torch.int64)
-    return _on_device(SimpleNamespace(
-        num_reqs=2,
-        num_tokens=8,
-        num_tokens_after_padding=10,
-        num_draft_tokens=B,
-        positions=positions,
-        logits_indices=torch.tensor([2, 3, 4, 5, 6, 7]),
-        expanded_idx_mapping=torch.tensor([0, 2, 2, 2, 2, 2], dtype=torch.int32),
-        expanded_local_pos=torch.tensor([0, 0, 1, 2, 3, 4], dtype=torch.int32),
-        idx_mapping=torch.tensor([0, 2], dtype=torch.int32),
-        idx_mapping_np=np.array([0, 2], dtype=np.int32),
-        cu_num_logits=torch.tensor([0, 1, 6], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, 3, 8], dtype=torch.int32),
-        seq_lens=torch.tensor([3, 25], dtype=torch.int32),
-        num_draft_tokens_per_req=np.array([0, B], dtype=np.int32),
-        num_scheduled_tokens=np.array([3, 1 + B], dtype=np.int32),
-    ))
+    return _on_device(
+        SimpleNamespace(
+            num_reqs=2,
+            num_tokens=8,
+            num_tokens_after_padding=10,
+            num_draft_tokens=B,
+            positions=positions,
+            logits_indices=torch.tensor([2, 3, 4, 5, 6, 7]),
+            expanded_idx_mapping=torch.tensor([0, 2, 2, 2, 2, 2], dtype=torch.int32),
+            expanded_local_pos=torch.tensor([0, 0, 1, 2, 3, 4], dtype=torch.int32),
+            idx_mapping=torch.tensor([0, 2], dtype=torch.int32),
+            idx_mapping_np=np.array([0, 2], dtype=np.int32),
+            cu_num_logits=torch.tensor([0, 1, 6], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, 3, 8], dtype=torch.int32),
+            seq_lens=torch.tensor([3, 25], dtype=torch.int32),
+            num_draft_tokens_per_req=np.array([0, B], dtype=np.int32),
+            num_scheduled_tokens=np.array([3, 1 + B], dtype=np.int32),
+        )
+    )
 
 
 def test_mrope_positions_get_the_tree_shift_in_every_section():
@@ -350,28 +350,29 @@ def test_one_verifier_step_advances_the_gdn_states_along_the_walk(monkeypatch):
     layer = make_layer(11)
     ctx.bind_layers({layer.prefix: layer})
     verifier.gdn = ctx
-    monkeypatch.setattr(gdn_verify, "_ACTIVE", ctx)
     committed = [t.clone() for t in layer.kv_cache]
 
     positions = torch.tensor([30, 31, 32, 33, 34, 8, 9, 10, 11, 12, 0, 0])
-    batch = _on_device(SimpleNamespace(
-        num_reqs=2,
-        num_tokens=10,
-        num_tokens_after_padding=12,
-        num_draft_tokens=2 * B,
-        positions=positions,
-        input_ids=torch.arange(12, dtype=torch.int64),
-        logits_indices=torch.arange(10),
-        expanded_idx_mapping=torch.tensor([2] * 5 + [0] * 5, dtype=torch.int32),
-        expanded_local_pos=torch.tensor(list(range(5)) * 2, dtype=torch.int32),
-        idx_mapping=torch.tensor([2, 0], dtype=torch.int32),
-        idx_mapping_np=np.array([2, 0], dtype=np.int32),
-        cu_num_logits=torch.tensor([0, 5, 10], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, 5, 10], dtype=torch.int32),
-        seq_lens=torch.tensor([35, 13], dtype=torch.int32),
-        num_draft_tokens_per_req=np.array([B, B], dtype=np.int32),
-        num_scheduled_tokens=np.array([1 + B, 1 + B], dtype=np.int32),
-    ))
+    batch = _on_device(
+        SimpleNamespace(
+            num_reqs=2,
+            num_tokens=10,
+            num_tokens_after_padding=12,
+            num_draft_tokens=2 * B,
+            positions=positions,
+            input_ids=torch.arange(12, dtype=torch.int64),
+            logits_indices=torch.arange(10),
+            expanded_idx_mapping=torch.tensor([2] * 5 + [0] * 5, dtype=torch.int32),
+            expanded_local_pos=torch.tensor(list(range(5)) * 2, dtype=torch.int32),
+            idx_mapping=torch.tensor([2, 0], dtype=torch.int32),
+            idx_mapping_np=np.array([2, 0], dtype=np.int32),
+            cu_num_logits=torch.tensor([0, 5, 10], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, 5, 10], dtype=torch.int32),
+            seq_lens=torch.tensor([35, 13], dtype=torch.int32),
+            num_draft_tokens_per_req=np.array([B, B], dtype=np.int32),
+            num_scheduled_tokens=np.array([1 + B, 1 + B], dtype=np.int32),
+        )
+    )
     verifier.prepare_verify(batch)
     assert ctx.num_spec == 2
     assert ctx.tree_rows[:2].tolist() == [2, 0]
@@ -382,7 +383,9 @@ def test_one_verifier_step_advances_the_gdn_states_along_the_walk(monkeypatch):
     b = torch.randn(12, HV, generator=gen).to(DEVICE)
     slots = [5, 3]
     md = spec_md([0, 5, 10], slots, 2, 12)
-    verifier.attach_bias({layer.prefix: md, "attn": SimpleNamespace(tree_attn_bias=None)})
+    verifier.attach_bias(
+        {layer.prefix: md, "attn": SimpleNamespace(tree_attn_bias=None)}
+    )
     run_core(monkeypatch, layer, md, mixed_qkv, b, a, 12)
 
     # Walk: state 2 accepts root -> 1 -> 4 (node 1 says 14, not 13);
@@ -411,17 +414,14 @@ def test_verifier_sizes_the_gdn_buffers_from_the_hybrid_config(hybrid_model_conf
         speculative_config=spec,
         scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=256),
     )
-    try:
-        verifier = DDTreeVerifier(cfg, torch.device(DEVICE))
-        gdn = verifier.gdn
-        assert gdn is not None and gdn_verify.get_ddtree_gdn() is gdn
-        # 6 linear-attention layers; conv dim 2 * 2 * 32 + 4 * 32; 4 value
-        # heads; rows: min(256 batched tokens, 4 requests x (1 + 16)).
-        assert gdn.x_buf.shape == (6, 68, 256)
-        assert gdn.a_buf.shape == gdn.b_buf.shape == (6, 68, 4)
-        assert gdn.x_buf.dtype == torch.float32
-        assert gdn.parent_idx is verifier.req_parent_idx
-        cfg.scheduler_config.max_num_batched_tokens = 32
-        assert DDTreeVerifier(cfg, torch.device(DEVICE)).gdn.x_buf.shape[1] == 32
-    finally:
-        gdn_verify.set_ddtree_gdn(None)
+    verifier = DDTreeVerifier(cfg, torch.device(DEVICE))
+    gdn = verifier.gdn
+    assert gdn is not None
+    # 6 linear-attention layers; conv dim 2 * 2 * 32 + 4 * 32; 4 value
+    # heads; rows: min(256 batched tokens, 4 requests x (1 + 16)).
+    assert gdn.x_buf.shape == (6, 68, 256)
+    assert gdn.a_buf.shape == gdn.b_buf.shape == (6, 68, 4)
+    assert gdn.x_buf.dtype == torch.float32
+    assert gdn.parent_idx is verifier.req_parent_idx
+    cfg.scheduler_config.max_num_batched_tokens = 32
+    assert DDTreeVerifier(cfg, torch.device(DEVICE)).gdn.x_buf.shape[1] == 32

@@ -1,19 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""DDTree's Triton bookkeeping kernels against the torch reference in the
-DDTree core (walk_tree, compaction_indices). On a CPU machine they run in the
-Triton interpreter (tests/in_vllm/conftest.py sets it up)."""
+"""DDTree's Triton bookkeeping kernels against the torch reference
+implementations (tests/ddtree_reference.py: walk_tree, compaction_indices,
+ancestor_mask). On a CPU machine they run in the Triton interpreter
+(tests/in_vllm/conftest.py sets it up)."""
 
 import pytest
 import torch
 
 kernels = pytest.importorskip("vllm.v1.worker.gpu.spec_decode.ddtree.kernels")
-from vllm.v1.spec_decode.ddtree.tree import (  # noqa: E402
+from ddtree_reference import (  # noqa: E402
     ancestor_mask,
-    build_tree,
     compaction_indices,
     tree_attention_bias,
     walk_tree,
 )
+from vllm.v1.spec_decode.ddtree.tree import build_tree  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -73,7 +74,14 @@ def test_walk_kernel_matches_the_core_walk(num_reqs, budget, depth, vocab):
         )
         to = lambda t: t.to(DEVICE)  # noqa: E731
         out, num_acc, src, dst = kernels.ddtree_walk(
-            to(flat), to(cu), to(idx), to(qsl), to(tok), to(par), to(dep), to(val),
+            to(flat),
+            to(cu),
+            to(idx),
+            to(qsl),
+            to(tok),
+            to(par),
+            to(dep),
+            to(val),
             depth,
         )
         # Reference: the core walk with unscheduled nodes masked out.
@@ -115,9 +123,7 @@ def test_tree_bias_kernel_matches_the_ancestor_mask(num_reqs, budget, depth, voc
     max_reqs = num_reqs + 2
     idx, _, par, _, _, cu, _, _ = _flatten(tree, target, scheduled, max_reqs, 0)
     out = torch.full((max_reqs, budget + 1, budget + 1), 7.0, device=DEVICE)
-    kernels.ddtree_tree_bias(
-        par.to(DEVICE), idx.to(DEVICE), cu.to(DEVICE), depth, out
-    )
+    kernels.ddtree_tree_bias(par.to(DEVICE), idx.to(DEVICE), cu.to(DEVICE), depth, out)
     ref = tree_attention_bias(ancestor_mask(tree.parent_idx, depth), torch.float32)
     ref[0] = 0.0
     assert torch.equal(out[:num_reqs].cpu(), ref)
@@ -139,25 +145,24 @@ def test_kv_compactor_moves_the_path_in_every_layer(num_layers):
         [torch.arange(1 + budget) + 100 * (r + 1) + 5 * r for r in range(3)]
     )
     layers = [
-        torch.randn(32, heads, block_size, row, device=DEVICE) for _ in range(num_layers)
+        torch.randn(32, heads, block_size, row, device=DEVICE)
+        for _ in range(num_layers)
     ]
     # Non-contiguous like vLLM's NHD layout: (blocks, heads, slots, row) view.
-    layers = [
-        x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for x in layers
-    ]
+    layers = [x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for x in layers]
     expected = []
     for kv in layers:
         ref = kv.clone().cpu()
         s = slots[plan.src_token_idx.view(-1)]
         d = slots[plan.dst_token_idx.view(-1)]
-        ref[d // block_size, :, d % block_size] = ref[s // block_size, :, s % block_size]
+        ref[d // block_size, :, d % block_size] = ref[
+            s // block_size, :, s % block_size
+        ]
         expected.append(ref)
     compactor = kernels.KVCompactor(layers)
     src = plan.src_token_idx.to(DEVICE)
     dst = plan.dst_token_idx.to(DEVICE)
-    compactor(
-        slots.to(DEVICE), src, dst, walk.num_accepted.to(torch.int32).to(DEVICE)
-    )
+    compactor(slots.to(DEVICE), src, dst, walk.num_accepted.to(torch.int32).to(DEVICE))
     assert num_tokens == slots.numel()
     for kv, ref in zip(layers, expected):
         assert torch.equal(kv.cpu(), ref)

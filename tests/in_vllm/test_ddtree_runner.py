@@ -16,7 +16,6 @@ from verifier_fakes import (  # noqa: E402
     DEPTH,
     DRAFTER,
     PARENT,
-    TARGET,
     TOKENS,
     ArgmaxSampler,
     B,
@@ -27,28 +26,27 @@ from verifier_fakes import (  # noqa: E402
     store_trees,
 )
 
-
 # ----------------------------------------------------------------- config
-@pytest.fixture(scope="module")
-def target_model_config():
-    from vllm.config import ModelConfig
-
-    return ModelConfig(model=TARGET, dtype="float32", max_model_len=2048)
-
-
 _spec = make_spec
 
 
 @needs_models
-def test_ddtree_config_resolves_to_dflash_with_a_tree(target_model_config):
+def test_ddtree_config_keeps_its_method_and_drafts_like_dflash(target_model_config):
     spec = _spec(target_model_config, method="ddtree", model=DRAFTER, tree_budget=32)
-    assert spec.use_ddtree() and spec.use_dflash()
-    assert spec.method == "dflash"
+    assert spec.method == "ddtree"  # visible in the resolved config
+    assert spec.use_ddtree() and spec.use_dflash() and spec.use_eagle()
+    # The DFlash paths: parallel drafting, the drafter wrapped as DFlash,
+    # aux hidden states from the target.
+    assert spec.parallel_drafting
+    assert all(a.startswith("DFlash") for a in spec.draft_model_config.architectures)
     assert spec.num_speculative_tokens == 32  # the scheduler verifies B tokens
     assert spec.draft_depth == 15  # drafter block_size 16 - 1
-    spec2 = _spec(
-        target_model_config, method="ddtree", model=DRAFTER, draft_depth=7
+    # The same graph-shaping factors as DFlash with the same drafter.
+    dflash = _spec(
+        target_model_config, method="dflash", model=DRAFTER, num_speculative_tokens=15
     )
+    assert spec.compute_hash() == dflash.compute_hash()
+    spec2 = _spec(target_model_config, method="ddtree", model=DRAFTER, draft_depth=7)
     assert spec2.tree_budget == 64 and spec2.draft_depth == 7
     plain = _spec(
         target_model_config, method="dflash", model=DRAFTER, num_speculative_tokens=15
@@ -224,8 +222,20 @@ def _compact_batch(verifier, batch):
     the prefill, 20 * 16 + 4 + (i - 3) for the tree; each slot holds its
     token index. Returns (hidden, slots, kv_cache) after the compaction."""
     hidden = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 2) * 10
-    slots = torch.tensor([0, 1, 2, 20 * 16 + 4, 20 * 16 + 5, 20 * 16 + 6, 20 * 16 + 7,
-                          20 * 16 + 8, -1, -1])
+    slots = torch.tensor(
+        [
+            0,
+            1,
+            2,
+            20 * 16 + 4,
+            20 * 16 + 5,
+            20 * 16 + 6,
+            20 * 16 + 7,
+            20 * 16 + 8,
+            -1,
+            -1,
+        ]
+    )
     kv_cache = torch.zeros(32, 1, 16, 2)
     for tok in range(8):
         s = int(slots[tok])
@@ -254,7 +264,9 @@ def test_sample_walks_the_tree_and_compaction_moves_the_path():
     hidden, slots, kv_cache = _compact_batch(verifier, batch)
     # Accepted path root(3) -> node1(4) -> node4(7): rows 3, 4, 5 hold 3, 4, 7.
     assert hidden[:, 0].tolist() == [0, 10, 20, 30, 40, 70, 60, 70, 80, 90]
-    got = [float(kv_cache[int(slots[t]) // 16, 0, int(slots[t]) % 16, 0]) for t in range(8)]
+    got = [
+        float(kv_cache[int(slots[t]) // 16, 0, int(slots[t]) % 16, 0]) for t in range(8)
+    ]
     assert got == [0, 1, 2, 3, 4, 7, 6, 7]
     # Sequential positions are back for the DFlash context.
     assert batch.positions.tolist() == [0, 1, 2, 20, 21, 22, 23, 24, 0, 0]
@@ -312,10 +324,10 @@ def test_resolving_an_already_resolved_config_is_a_no_op():
     from vllm.v1.spec_decode.ddtree.config import resolve_ddtree_method
 
     spec = SimpleNamespace(
-        method="dflash", tree_budget=16, num_speculative_tokens=16, model="x"
+        method="ddtree", tree_budget=16, num_speculative_tokens=16, model="x"
     )
     resolve_ddtree_method(spec)  # a copy of a resolved config: no error
-    assert spec.method == "dflash" and spec.num_speculative_tokens == 16
+    assert spec.method == "ddtree" and spec.num_speculative_tokens == 16
 
 
 def test_attach_bias_points_triton_metadata_at_the_buffer():
@@ -406,3 +418,17 @@ def test_batch_policy_is_the_default_and_fixed_pins_the_budget(target_model_conf
             budget_policy="batch",
             verify_tokens_per_step=0,
         )
+
+
+def test_missing_tinypair_fails_in_ci_and_skips_elsewhere(monkeypatch, tmp_path):
+    from conftest import find_tinypair
+
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI must have it"):
+        find_tinypair(tmp_path)
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="tinypair not found"):
+        find_tinypair(tmp_path)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "drafter").mkdir()
+    assert find_tinypair(tmp_path) == tmp_path

@@ -15,6 +15,7 @@ vllm = pytest.importorskip("vllm")
 from test_ddtree_runner import (  # noqa: E402
     PARENT,
     TOKENS,
+    B,
     _batch,
     _store_one_tree,
     _verifier,
@@ -47,8 +48,14 @@ def test_bad_words_are_refused_and_the_rest_is_accepted():
     with pytest.raises(ValueError, match="DDTree does not support bad_words"):
         SamplingParams(bad_words=["foo"])._validate_spec_decode(_ddtree_spec())
     SamplingParams(
-        temperature=0.7, top_p=0.9, top_k=20, seed=3, repetition_penalty=1.2,
-        frequency_penalty=0.5, presence_penalty=0.3, logprobs=2,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        seed=3,
+        repetition_penalty=1.2,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        logprobs=2,
     )._validate_spec_decode(_ddtree_spec())
     # min_p and logit_bias apply per tree row (Sampler.sample); the chain
     # methods keep upstream's refusal.
@@ -59,8 +66,9 @@ def test_bad_words_are_refused_and_the_rest_is_accepted():
 
 
 # ------------------------------------------------------------ fakes
-def _chain_penalties(logits, eim, input_ids, local_pos, rep, freq, pres,
-                     prompt_mask, counts):
+def _chain_penalties(
+    logits, eim, input_ids, local_pos, rep, freq, pres, prompt_mask, counts
+):
     """Torch twin of upstream's penalties kernel (history + the draft
     tokens of the rows before, as a chain)."""
     for t in range(logits.shape[0]):
@@ -85,65 +93,71 @@ def _pack(mask):
     return bits.to(torch.int32)
 
 
-class _FakePenalties:
-    def __init__(self, rep, freq, pres, counts, prompt_mask):
-        self.rep, self.freq, self.pres = rep, freq, pres
-        self.repetition_penalty = SimpleNamespace(gpu=rep)
-        self.frequency_penalty = SimpleNamespace(gpu=freq)
-        self.presence_penalty = SimpleNamespace(gpu=pres)
-        self.output_bin_counts = counts
-        self.prompt_mask = prompt_mask
-        self.prompt_bin_mask = _pack(prompt_mask)
-        self.use_penalty = np.array(
-            [(r != 1) or f != 0 or p != 0
-             for r, f, p in zip(rep.tolist(), freq.tolist(), pres.tolist())]
-        )
-        self.calls = 0
+def _penalties(rep, freq, pres, counts, prompt_mask):
+    """The verifier's real TreePenaltiesState (upstream's state and Triton
+    penalties kernel underneath) holding these per-state penalties, history
+    counts and prompt tokens."""
+    from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import TreePenaltiesState
 
-    def apply_penalties(self, logits, eim, idx_mapping_np, input_ids, local_pos):
-        self.calls += 1
-        _chain_penalties(logits, eim, input_ids, local_pos, self.rep, self.freq,
-                         self.pres, self.prompt_mask, self.output_bin_counts)
+    state = TreePenaltiesState(
+        SimpleNamespace(max_num_reqs=4, vocab_size=VOCAB, device=torch.device("cpu"))
+    )
+    for uva, values in (
+        (state.repetition_penalty, rep),
+        (state.frequency_penalty, freq),
+        (state.presence_penalty, pres),
+    ):
+        uva.np[:] = values.numpy()
+        uva.copy_to_uva()
+    state.use_penalty[:] = [
+        (r != 1) or f != 0 or p != 0
+        for r, f, p in zip(rep.tolist(), freq.tolist(), pres.tolist())
+    ]
+    state.output_bin_counts.copy_(counts)
+    state.prompt_bin_mask.copy_(_pack(prompt_mask))
+    return state
+
+
+def _no_penalties():
+    return _penalties(
+        torch.tensor([1.0] * 4),
+        torch.zeros(4),
+        torch.zeros(4),
+        torch.zeros(4, VOCAB, dtype=torch.int32),
+        torch.zeros(4, VOCAB, dtype=torch.bool),
+    )
 
 
 class _FakeSampler:
-    """Upstream's Sampler.sample order (penalties, temperature 1, Gumbel keyed
-    by (seed, position)); records what it saw."""
+    """Greedy after the real penalties state: records the processed logits
+    (the logprobs test swaps compute_topk_scores for a torch twin)."""
 
-    def __init__(self, penalties, seeds=None, logprobs=False):
+    def __init__(self, penalties, logprobs=False):
         self.penalties_state = penalties
-        self.seeds = seeds
         self.logprobs = logprobs
         self.logprobs_mode = "processed_logprobs"
         self.sampling_states = SimpleNamespace(max_num_logprobs=lambda _: 2)
-        self.logprob_token_ids_state = SimpleNamespace(
-            max_num_token_ids=lambda _: 0
-        )
+        self.logprob_token_ids_state = SimpleNamespace(max_num_token_ids=lambda _: 0)
 
     def returns_logprobs(self, idx_mapping_np):
         return self.logprobs
 
-    def sample(self, logits, eim, idx_mapping_np, pos, input_ids, local_pos,
-               return_logprobs=False):
+    def sample(
+        self,
+        logits,
+        eim,
+        idx_mapping_np,
+        pos,
+        input_ids,
+        local_pos,
+        return_logprobs=False,
+    ):
         logits = logits.clone()
         self.penalties_state.apply_penalties(
             logits, eim, idx_mapping_np, input_ids, local_pos
         )
         self.processed = logits.clone()
-        self.pos = pos.clone()
-        if self.seeds is None:
-            return logits.argmax(dim=-1), logits
-        noise = torch.stack([
-            _gumbel(int(self.seeds[int(s)]), int(p))
-            for s, p in zip(eim.tolist(), pos.tolist())
-        ])
-        return (logits + noise).argmax(dim=-1), logits
-
-
-def _gumbel(seed, pos):
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + pos)
-    u = torch.rand(VOCAB, generator=gen).clamp_min(1e-12)
-    return -torch.log(-torch.log(u))
+        return logits.argmax(dim=-1), logits
 
 
 def _node_path(node):
@@ -173,7 +187,7 @@ def test_verifier_penalties_count_each_nodes_ancestor_path():
     counts[2, 14] = 2
     prompt = torch.zeros(4, VOCAB, dtype=torch.bool)
     prompt[2, [3, 12]] = True
-    sampler = _FakeSampler(_FakePenalties(rep, freq, pres, counts, prompt))
+    sampler = _FakeSampler(_penalties(rep, freq, pres, counts, prompt))
     prefill_len = torch.tensor([3, 0, 10, 0], dtype=torch.int32)
     verifier.sample(sampler, logits, batch, draft_tokens, prefill_len)
 
@@ -182,21 +196,43 @@ def test_verifier_penalties_count_each_nodes_ancestor_path():
         ctx = counts.clone()
         for t in _node_path(row - 1):
             ctx[2, t] += 1
-        one = expected[row:row + 1].clone()
-        _chain_penalties(one, torch.tensor([2]), None, torch.tensor([0]),
-                         rep, freq, pres, prompt, ctx)
+        one = expected[row : row + 1].clone()
+        _chain_penalties(
+            one,
+            torch.tensor([2]),
+            None,
+            torch.tensor([0]),
+            rep,
+            freq,
+            pres,
+            prompt,
+            ctx,
+        )
         expected[row] = one[0]
-    torch.testing.assert_close(sampler.processed, expected, rtol=0, atol=0)
-    # The wrapper stays installed but is inert outside a tree step.
-    wrapped = sampler.penalties_state
-    assert wrapped._paths_fn is None and wrapped.output_bin_counts is counts
+    torch.testing.assert_close(sampler.processed, expected, rtol=1e-6, atol=1e-6)
+    # Outside a tree step the state is upstream's: chain penalties.
+    state = sampler.penalties_state
     plain = logits.clone()
-    wrapped.apply_penalties(plain, torch.tensor([2] * 6), np.array([2]),
-                            batch.input_ids[2:8], torch.arange(6))
+    state.apply_penalties(
+        plain,
+        torch.tensor([2] * 6, dtype=torch.int32),
+        np.array([2]),
+        batch.input_ids[2:8],
+        torch.arange(6, dtype=torch.int32),
+    )
     chain = logits.clone()
-    _chain_penalties(chain, torch.tensor([2] * 6), batch.input_ids[2:8],
-                     torch.arange(6), rep, freq, pres, prompt, counts)
-    torch.testing.assert_close(plain, chain, rtol=0, atol=0)
+    _chain_penalties(
+        chain,
+        torch.tensor([2] * 6),
+        batch.input_ids[2:8],
+        torch.arange(6),
+        rep,
+        freq,
+        pres,
+        prompt,
+        counts,
+    )
+    torch.testing.assert_close(plain, chain, rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------ logprobs
@@ -221,10 +257,7 @@ def test_logprobs_rows_are_the_emitted_tokens(monkeypatch):
     for row, tok in enumerate([5, 11, 14, 30, 30, 9]):
         logits[row, tok] = 3.0
     logits[2, 13] = 2.5  # node 1's row: 13 is its second choice
-    none = _FakePenalties(*(torch.tensor([1.0] * 4), torch.zeros(4),
-                            torch.zeros(4)), torch.zeros(4, VOCAB, dtype=torch.int32),
-                          torch.zeros(4, VOCAB, dtype=torch.bool))
-    sampler = _FakeSampler(none, logprobs=True)
+    sampler = _FakeSampler(_no_penalties(), logprobs=True)
     prefill_len = torch.tensor([3, 0, 10, 0], dtype=torch.int32)
     out = verifier.sample(sampler, logits, batch, draft_tokens, prefill_len)
     lp = out.logprobs_tensors
@@ -241,31 +274,84 @@ def test_logprobs_rows_are_the_emitted_tokens(monkeypatch):
 
 
 # ------------------------------------------------------------ seeds
-def _seeded_run(seed):
+def _real_sampler(seeds):
+    """vLLM's V2 Sampler with requests at temperature 1 and ``seeds`` (request
+    state -> seed), bound to a verifier as the model runner binds it. fp64
+    Gumbel noise: the fp32 path's log1p is a libdevice call that the Triton
+    interpreter does not have."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+    from vllm.v1.worker.gpu.states import RequestState
+
+    device = torch.device("cpu")
+    req_states = RequestState(
+        max_num_reqs=4,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        num_speculative_steps=B,
+        vocab_size=VOCAB,
+        device=device,
+    )
+    sampler = Sampler(
+        max_num_reqs=4,
+        vocab_size=VOCAB,
+        device=device,
+        req_states=req_states,
+        num_speculative_tokens=B + 1,
+        use_fp64_gumbel=True,
+    )
+    sampler.use_flashinfer = False
     verifier = _verifier()
+    verifier.bind_sampler(sampler)
+    for state, seed in seeds.items():
+        sampler.add_request(state, 3, SamplingParams(temperature=1.0, seed=seed))
+    sampler.apply_staged_writes()
+    return verifier, sampler
+
+
+def _seeded_run(seed, monkeypatch):
+    verifier, sampler = _real_sampler({0: 11, 2: seed})
     draft_tokens = _store_one_tree(verifier)
     batch = _batch()
     verifier.prepare_verify(batch)
     logits = torch.zeros(6, VOCAB)  # uniform: the noise alone decides
-    none = _FakePenalties(*(torch.tensor([1.0] * 4), torch.zeros(4),
-                            torch.zeros(4)), torch.zeros(4, VOCAB, dtype=torch.int32),
-                          torch.zeros(4, VOCAB, dtype=torch.bool))
-    sampler = _FakeSampler(none, seeds=[11, 0, seed, 0])
+    seen = {}
+    real_sample = sampler.sample
+
+    def recording_sample(logits, eim, idx_mapping_np, pos, *args, **kwargs):
+        sampled, processed = real_sample(
+            logits, eim, idx_mapping_np, pos, *args, **kwargs
+        )
+        seen.update(pos=pos.clone(), draws=sampled.clone())
+        return sampled, processed
+
+    monkeypatch.setattr(sampler, "sample", recording_sample)
     prefill_len = torch.tensor([3, 0, 10, 0], dtype=torch.int32)
     out = verifier.sample(sampler, logits, batch, draft_tokens, prefill_len)
-    draws = torch.stack([
-        (logits[r] + _gumbel(int(s), int(p))).argmax()
-        for r, (s, p) in enumerate(zip([11, seed, seed, seed, seed, seed],
-                                       sampler.pos.tolist()))
-    ])
-    return sampler.pos.tolist(), draws.tolist(), out.sampled_token_ids.tolist()
+    return seen["pos"].tolist(), seen["draws"].tolist(), out, real_sample, batch
 
 
-def test_seeded_draws_are_keyed_by_tree_position_and_reproducible():
-    pos, draws, out = _seeded_run(seed=42)
+def test_seeded_draws_are_keyed_by_tree_position_and_reproducible(monkeypatch):
+    """The real sampler (penalties state, temperature, Gumbel kernel) draws
+    every tree row with the request's seed at the row's tree position."""
+    pos, draws, out, real_sample, batch = _seeded_run(42, monkeypatch)
     # The sampler saw tree positions: root 20, depth-1 nodes 21, depth-2 22.
     assert pos == [2, 20, 21, 21, 22, 22]
     # Siblings share their position's noise: identical logits, same draw.
     assert draws[2] == draws[3] and draws[4] == draws[5]
-    assert _seeded_run(seed=42) == (pos, draws, out)  # run to run
-    assert _seeded_run(seed=43)[1] != draws  # another seed, other draws
+    # The same draws as the sampler's own call at those positions.
+    again, _ = real_sample(
+        torch.zeros(6, VOCAB),
+        batch.expanded_idx_mapping,
+        batch.idx_mapping_np,
+        torch.tensor(pos),
+        batch.input_ids[batch.logits_indices],
+        batch.expanded_local_pos,
+    )
+    assert again.tolist() == draws
+    # The emitted tokens follow the draws from the root.
+    assert out.sampled_token_ids[1, 0].item() == draws[1]
+    assert out.sampled_token_ids[0, 0].item() == draws[0]
+    # Run to run the same; another seed, other draws.
+    assert _seeded_run(42, monkeypatch)[1] == draws
+    assert _seeded_run(43, monkeypatch)[1][1:] != draws[1:]

@@ -14,18 +14,8 @@ torch = pytest.importorskip("torch")
 vllm = pytest.importorskip("vllm")
 prometheus_client = pytest.importorskip("prometheus_client")
 
-# The tiny pair: ../shared/models/tinypair beside the checkout, or
-# $TINYPAIR_DIR (e.g. on a GPU host).
-SHARED = os.environ.get("TINYPAIR_DIR") or os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "models", "tinypair"
-)
-TARGET = os.path.abspath(os.path.join(SHARED, "target"))
-DRAFTER = os.path.abspath(os.path.join(SHARED, "drafter"))
-needs_models = pytest.mark.skipif(
-    not os.path.isdir(TARGET), reason="tinypair not present (../shared/models or $TINYPAIR_DIR)"
-)
-
-from test_ddtree_runner import _spec, target_model_config  # noqa: E402,F401
+from test_ddtree_runner import _spec  # noqa: E402
+from verifier_fakes import DRAFTER, TARGET, needs_models  # noqa: E402
 
 LABELS = ["model_name", "engine"]
 PER_ENGINE = {0: ["tiny", "0"]}
@@ -46,12 +36,7 @@ def _value(registry, name, **labels):
 
 
 def _series(registry, name):
-    return [
-        s
-        for m in registry.collect()
-        for s in m.samples
-        if s.name == name
-    ]
+    return [s for m in registry.collect() for s in m.samples if s.name == name]
 
 
 # ---------------------------------------------------------------- metrics
@@ -60,9 +45,7 @@ def test_ddtree_prometheus_series_exist_and_move(target_model_config, registry):
     from vllm.v1.spec_decode.ddtree.metrics import DDTREE_METRIC_NAMES
     from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
 
-    spec = _spec(
-        target_model_config, method="ddtree", model=DRAFTER, tree_budget=256
-    )
+    spec = _spec(target_model_config, method="ddtree", model=DRAFTER, tree_budget=256)
     assert spec.use_ddtree() and spec.draft_depth == 15
     prom = SpecDecodingProm(spec, LABELS, PER_ENGINE)
 
@@ -188,11 +171,14 @@ def test_vllm_stat_loggers_export_ddtree_series():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     p = subprocess.run(
         [sys.executable, "-c", STAT_LOGGERS_ON_CPU, TARGET, DRAFTER],
-        capture_output=True, text=True, timeout=300, env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
-    line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
-    r = json.loads(line[len("RESULT "):])
+    r = json.loads(line[len("RESULT ") :])
     s = r["samples"]
     assert r["backend"].endswith("TRITON_ATTN")
     assert s["vllm:ddtree_tree_budget{}"] == 48
@@ -204,7 +190,9 @@ def test_vllm_stat_loggers_export_ddtree_series():
     assert s["vllm:spec_decode_num_drafts_total{}"] == 1
     assert s["vllm:spec_decode_num_accepted_tokens_total{}"] == 6
     positions = [
-        k for k in s if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")
+        k
+        for k in s
+        if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")
     ]
     assert len(positions) == 15  # per depth, not one per tree node (48)
     assert r["log"] and r["log"][0].startswith(
@@ -364,7 +352,7 @@ CLI_ON_CPU = (
 
 
 @pytest.fixture(scope="module")
-def cli_runs(tmp_path_factory):
+def cli_runs(tmp_path_factory, tinypair):
     """Run `vllm serve` with every bad config at once (each start imports vLLM)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="WARNING")
     port = 18000
@@ -374,10 +362,22 @@ def cli_runs(tmp_path_factory):
         if extra == ["TARGET_AS_DRAFTER"]:
             drafter, extra = TARGET, []
         cmd = [
-            sys.executable, "-c", CLI_ON_CPU, "serve", TARGET,
-            "--dtype", "float32", "--max-model-len", "512",
-            "--host", "127.0.0.1", "--port", str(port + i),
-            "--speculative-config", spec % drafter, *extra,
+            sys.executable,
+            "-c",
+            CLI_ON_CPU,
+            "serve",
+            TARGET,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port + i),
+            "--speculative-config",
+            spec % drafter,
+            *extra,
         ]
         procs[name] = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
@@ -394,10 +394,12 @@ def cli_runs(tmp_path_factory):
 
 
 @needs_models
-@pytest.mark.parametrize("name, spec, extra, message", BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS])
+@pytest.mark.parametrize(
+    "name, spec, extra, message", BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS]
+)
 def test_vllm_serve_bad_config_is_one_line(cli_runs, name, spec, extra, message):
     rc, stdout, stderr = cli_runs[name]
-    lines = [l for l in stderr.splitlines() if l.strip()]
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert rc == 1, (rc, stderr[-3000:])
     assert "Traceback" not in stderr, stderr[-3000:]
     assert lines, stdout[-2000:]

@@ -46,7 +46,9 @@ def _tiny_qwen3(path: str, num_kv_heads: int, attention_bias: bool = False) -> N
 
 
 def _logits(path: str) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32
+    ).eval()
     ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         return model(input_ids=ids).logits
@@ -72,9 +74,24 @@ def test_head_j_of_the_copy_is_head_j_div_repeat():
     out = expand.repeat_kv_heads(rows, num_kv_heads=3, repeat=2)
     assert out.shape == (12, 5)
     for j in range(6):
-        torch.testing.assert_close(out[2 * j : 2 * j + 2], rows[2 * (j // 2) : 2 * (j // 2) + 2])
+        torch.testing.assert_close(
+            out[2 * j : 2 * j + 2], rows[2 * (j // 2) : 2 * (j // 2) + 2]
+        )
     bias = torch.arange(6, dtype=torch.float32)
-    assert expand.repeat_kv_heads(bias, 3, 2).tolist() == [0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5]
+    assert expand.repeat_kv_heads(bias, 3, 2).tolist() == [
+        0,
+        1,
+        0,
+        1,
+        2,
+        3,
+        2,
+        3,
+        4,
+        5,
+        4,
+        5,
+    ]
 
 
 def test_refuses_a_head_count_that_does_not_fit(tmp_path):

@@ -75,7 +75,9 @@ def _reference(q, k, v, g, beta, h0, cu, l2norm):
     return o, final
 
 
-@pytest.mark.parametrize("lengths,l2norm", [([5, 1, 9], False), ([3, 7], True), ([1], False)])
+@pytest.mark.parametrize(
+    "lengths,l2norm", [([5, 1, 9], False), ([3, 7], True), ([1], False)]
+)
 def test_float32_prefill_matches_recurrence(lengths, l2norm):
     q, k, v, g, beta, h0, cu = _inputs(lengths, sum(lengths), l2norm)
     args = [x.to(DEVICE) for x in (q, k, v, g, beta, h0, cu)]
@@ -114,7 +116,9 @@ def test_dispatch_by_dtype():
     assert calls == [torch.bfloat16]  # not called for float32
     ref_o, ref_final = _reference(q, k, v, g, beta, h0, cu, False)
     assert o.shape == (2, 4, HV, V)
-    torch.testing.assert_close(o.reshape(1, 8, HV, V).cpu().double(), ref_o, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        o.reshape(1, 8, HV, V).cpu().double(), ref_o, rtol=1e-4, atol=1e-5
+    )
     torch.testing.assert_close(final.cpu().double(), ref_final, rtol=1e-4, atol=1e-5)
 
 

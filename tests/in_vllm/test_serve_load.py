@@ -52,16 +52,18 @@ class FakeServer:
         k = self.scrapes
         self.scrapes += 1
         lab = 'engine="0",model_name="m"'
+        per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
         return "\n".join(
             [
-                "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+                "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding "
+                "drafts.",
                 "# TYPE vllm:spec_decode_num_drafts_total counter",
                 f"vllm:spec_decode_num_drafts_total{{{lab}}} {10.0 * k}",
                 f"vllm:spec_decode_num_drafts_created{{{lab}}} 1.7e9",
                 f"vllm:spec_decode_num_accepted_tokens_total{{{lab}}} {25.0 * k}",
                 f"vllm:spec_decode_num_draft_tokens_total{{{lab}}} {640.0 * k}",
-                f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="0"}} {9.0 * k}',
-                f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="1"}} {6.0 * k}',
+                f'{per_pos}{{{lab},position="0"}} {9.0 * k}',
+                f'{per_pos}{{{lab},position="1"}} {6.0 * k}',
                 f"vllm:ddtree_tree_budget{{{lab}}} 64.0",
                 f"vllm:ddtree_draft_depth{{{lab}}} 15.0",
                 f'vllm:ddtree_acceptance_length_bucket{{{lab},le="1.0"}} {1.0 * k}',
@@ -90,23 +92,37 @@ class FakeServer:
                 # Token i's top-2 logprobs are 0.1 * (i + 1) apart.
                 top2 = [-0.1, -0.1 - 0.1 * (i + 1)]
                 if chat:
-                    choice = {"index": 0, "delta": {"content": piece}, "finish_reason": None}
+                    choice = {
+                        "index": 0,
+                        "delta": {"content": piece},
+                        "finish_reason": None,
+                    }
                     if body.get("logprobs"):
                         assert body["top_logprobs"] == 2
-                        choice["logprobs"] = {"content": [{
-                            "token": piece, "logprob": top2[0],
-                            "top_logprobs": [{"token": piece, "logprob": top2[0]},
-                                             {"token": "?", "logprob": top2[1]}],
-                        }]}
+                        choice["logprobs"] = {
+                            "content": [
+                                {
+                                    "token": piece,
+                                    "logprob": top2[0],
+                                    "top_logprobs": [
+                                        {"token": piece, "logprob": top2[0]},
+                                        {"token": "?", "logprob": top2[1]},
+                                    ],
+                                }
+                            ]
+                        }
                 else:
                     choice = {"index": 0, "text": piece, "finish_reason": None}
                     if body.get("logprobs"):
                         assert body["logprobs"] == 2
                         choice["logprobs"] = {
-                            "tokens": [piece], "token_logprobs": [top2[0]],
+                            "tokens": [piece],
+                            "token_logprobs": [top2[0]],
                             "top_logprobs": [{piece: top2[0], "?": top2[1]}],
                         }
-                await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+                await resp.write(
+                    f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
+                )
                 await asyncio.sleep(0.01)
             await resp.write(b"data: [DONE]\n\n")
             self.finished += 1
@@ -166,15 +182,30 @@ async def _with_server(fake: FakeServer, argv: list[str]) -> dict:
 
 def test_disconnects_reference_and_metrics(tmp_path):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": "x" * i}) + "\n" for i in range(1, 9)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": "x" * i}) + "\n" for i in range(1, 9))
+    )
     ref = tmp_path / "ref.json"
-    common = ["--prompts", str(prompts), "--n", "24", "--concurrency", "8",
-              "--chat-fraction", "0.3", "--timeout", "20", "--drain-timeout", "5"]
+    common = [
+        "--prompts",
+        str(prompts),
+        "--n",
+        "24",
+        "--concurrency",
+        "8",
+        "--chat-fraction",
+        "0.3",
+        "--timeout",
+        "20",
+        "--drain-timeout",
+        "5",
+    ]
 
     # Reference run: nothing disconnects, every output saved.
     fake = FakeServer()
-    r0 = asyncio.run(_with_server(fake, [*common, "--disconnect-fraction", "0",
-                                         "--save", str(ref)]))
+    r0 = asyncio.run(
+        _with_server(fake, [*common, "--disconnect-fraction", "0", "--save", str(ref)])
+    )
     assert r0["ok"], r0
     assert r0["completed"] == 24 and r0["cancelled"] == 0 and r0["error"] == 0
     saved_json = json.loads(ref.read_text())
@@ -189,8 +220,19 @@ def test_disconnects_reference_and_metrics(tmp_path):
 
     # DDTree-like run: half of the streams are cut mid-way.
     fake = FakeServer()
-    r1 = asyncio.run(_with_server(fake, [*common, "--disconnect-fraction", "0.5",
-                                         "--reference", str(ref), "--expect-ddtree"]))
+    r1 = asyncio.run(
+        _with_server(
+            fake,
+            [
+                *common,
+                "--disconnect-fraction",
+                "0.5",
+                "--reference",
+                str(ref),
+                "--expect-ddtree",
+            ],
+        )
+    )
     assert r1["ok"], r1
     assert r1["cancelled"] == r1["planned_disconnects"] > 0
     assert r1["completed"] + r1["cancelled"] == 24
@@ -214,9 +256,22 @@ def test_mismatch_and_missing_ddtree_fail(tmp_path):
     ref.write_text(json.dumps({"outputs": {"completion:0": "something else"}}))
     fake = FakeServer()
     fake.metrics = lambda: "vllm:num_requests_running 0\n"  # no spec decoding at all
-    r = asyncio.run(_with_server(fake, ["--n", "3", "--chat-fraction", "0",
-                                        "--disconnect-fraction", "0",
-                                        "--reference", str(ref), "--expect-ddtree"]))
+    r = asyncio.run(
+        _with_server(
+            fake,
+            [
+                "--n",
+                "3",
+                "--chat-fraction",
+                "0",
+                "--disconnect-fraction",
+                "0",
+                "--reference",
+                str(ref),
+                "--expect-ddtree",
+            ],
+        )
+    )
     assert not r["ok"]
     assert r["mismatches"] == 1 and r["mismatch_keys"] == ["completion:0"]
     assert not r["ddtree_moved"] and r["tau"] is None
@@ -232,14 +287,30 @@ def test_divergence_at_a_near_tie_is_reported_not_failed(tmp_path, gap, near_tie
     gaps = [1.0] * len(pieces)
     gaps[3] = gap
     ref = tmp_path / "ref.json"
-    ref.write_text(json.dumps({
-        "outputs": {"completion:0": "".join(ref_pieces)},
-        "logprobs": {"completion:0": [ref_pieces, gaps]},
-    }))
+    ref.write_text(
+        json.dumps(
+            {
+                "outputs": {"completion:0": "".join(ref_pieces)},
+                "logprobs": {"completion:0": [ref_pieces, gaps]},
+            }
+        )
+    )
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "p"}) + "\n")
-    argv = ["--prompts", str(prompts), "--n", "1", "--chat-fraction", "0",
-            "--disconnect-fraction", "0", "--reference", str(ref), "--drain-timeout", "5"]
+    argv = [
+        "--prompts",
+        str(prompts),
+        "--n",
+        "1",
+        "--chat-fraction",
+        "0",
+        "--disconnect-fraction",
+        "0",
+        "--reference",
+        str(ref),
+        "--drain-timeout",
+        "5",
+    ]
     r = asyncio.run(_with_server(FakeServer(), argv))
     assert r["compared"] == 1 and r["identical"] == 0
     if near_tie:
@@ -265,8 +336,21 @@ def test_divergence_gap_maps_characters_to_tokens():
 def test_errors_and_timeouts_are_failures():
     fake = FakeServer()
     fake.stall = 5.0  # longer than the per-request timeout
-    r = asyncio.run(_with_server(fake, ["--n", "2", "--chat-fraction", "0",
-                                        "--timeout", "0.5", "--drain-timeout", "1"]))
+    r = asyncio.run(
+        _with_server(
+            fake,
+            [
+                "--n",
+                "2",
+                "--chat-fraction",
+                "0",
+                "--timeout",
+                "0.5",
+                "--drain-timeout",
+                "1",
+            ],
+        )
+    )
     assert not r["ok"] and r["timeout"] == 2 and r["first_errors"]
 
 
@@ -275,14 +359,17 @@ def test_only_loopback_servers():
         serve_load.check_loopback("http://10.0.0.1:8000")
     with pytest.raises(SystemExit, match="loopback"):
         serve_load.check_loopback("https://example.com")
-    assert serve_load.check_loopback("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
+    assert (
+        serve_load.check_loopback("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
+    )
 
 
 def test_parse_prometheus_sums_engines_and_keeps_labels():
     text = (
         'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 3\n'
         'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 4\n'
-        'vllm:ddtree_num_accepted_tokens_per_depth_total{depth="2",engine="0",model_name="m"} 5\n'
+        "vllm:ddtree_num_accepted_tokens_per_depth_total"
+        '{depth="2",engine="0",model_name="m"} 5\n'
         "vllm:other 9\n"
     )
     m = serve_load.parse_prometheus(text)

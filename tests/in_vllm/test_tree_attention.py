@@ -8,7 +8,8 @@ patched files are in place).  Two modes:
 
 * CPU, Triton interpreter (no GPU needed)::
 
-      TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" pytest tests/in_vllm/test_tree_attention.py
+      TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" \
+          pytest tests/in_vllm/test_tree_attention.py
 
   Without those variables and without CUDA, ``test_cpu_interpreter`` re-runs
   this file in a subprocess with them set.
@@ -443,7 +444,7 @@ def test_gpu_tree_attention_large(dtype, tree_size, force_3d):
 def test_gpu_cuda_graph_refill():
     """Capture once, refill the persistent bias buffer, replay: the graph
     must pick up the new trees (stable buffer address)."""
-    from vllm.v1.spec_decode.ddtree.tree import ancestor_mask, tree_attention_bias
+    from ddtree_reference import ancestor_mask, tree_attention_bias
 
     t = 65
     specs = [("tree", 1100), ("plain", 1300), ("tree", 1500), ("short", 1024)]

@@ -116,7 +116,8 @@ SCRIPT = textwrap.dedent(
     for store_final in (False, True):
         compile_kernel(
             tg._tree_gdn_kernel, dict(gdn_sig, **{n: C for n in (
-                "NUM_TARGETS", "HAS_TARGETS", "H", "HV", "K", "V", "BK", "BV", "MAX_PATH",
+                "NUM_TARGETS", "HAS_TARGETS", "H", "HV", "K", "V", "BK", "BV",
+                "MAX_PATH",
                 "PATH_BLOCK", "USE_QK_L2NORM_IN_KERNEL", "STORE_OUTPUT",
                 "STORE_FINAL")}),
             {"NUM_TARGETS": 1 if store_final else 65, "HAS_TARGETS": store_final,
@@ -131,11 +132,18 @@ SCRIPT = textwrap.dedent(
                     stride_w_width="i64", bias="*bf16", conv_state="*bf16", o="*bf16",
                     state_idx_ptr="*i32", query_start_ptr="*i32", parent_ptr="*i64",
                     parent_stride="i32", idx_mapping_ptr="*i32", dim="i32")
+    CONV_CONSTEXPRS = (
+        "NUM_TARGETS",
+        "KERNEL_WIDTH",
+        "WIDTH_BLOCK",
+        "HAS_BIAS",
+        "SILU_ACTIVATION",
+        "BLOCK_N",
+    )
     for has_bias in (False, True):
         compile_kernel(
             tc._tree_conv1d_kernel,
-            dict(conv_sig, **{n: C for n in ("NUM_TARGETS", "KERNEL_WIDTH", "WIDTH_BLOCK",
-                                             "HAS_BIAS", "SILU_ACTIVATION", "BLOCK_N")}),
+            dict(conv_sig, **{n: C for n in CONV_CONSTEXPRS}),
             {"NUM_TARGETS": 65, "KERNEL_WIDTH": 4, "WIDTH_BLOCK": 4,
              "HAS_BIAS": has_bias, "SILU_ACTIVATION": True, "BLOCK_N": 256},
         )

@@ -1,0 +1,383 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Configuration of DDTree tree speculative decoding.
+
+DDTree (arXiv 2604.12989) drafts with a DFlash model and verifies a tree of
+``tree_budget`` nodes per step instead of a chain. The method stays
+``"ddtree"`` in the resolved config (``SpeculativeConfig.use_ddtree()``); the
+upstream code paths that serve any DFlash drafter (aux hidden states, the
+draft model loader, context K/V precompute, the scheduler's lookahead) ask
+``SpeculativeConfig.use_dflash()``, which is true for both methods. The
+scheduler sees ``num_speculative_tokens = tree_budget`` (tokens verified per
+step), while the DFlash pass predicts ``draft_depth`` positions.
+
+Every check here raises ``ValueError`` with one readable line, so that a bad
+configuration stops ``LLM(...)`` or ``vllm serve`` at startup.
+"""
+
+from typing import TYPE_CHECKING
+
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import SpeculativeConfig, VllmConfig
+
+logger = init_logger(__name__)
+
+DDTREE_METHOD = "ddtree"
+DEFAULT_TREE_BUDGET = 64
+# The Triton unified-attention kernel takes the per-request tree bias; the
+# other backends have no per-request mask that works inside CUDA graphs.
+DDTREE_TARGET_ATTENTION_BACKEND = "TRITON_ATTN"
+# Hybrid targets whose linear-attention layers are Qwen's Gated DeltaNet
+# (`QwenGatedDeltaNetAttention`), the only ones DDTree's tree kernels cover.
+DDTREE_HYBRID_ARCHITECTURES = (
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3NextForCausalLM",
+)
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"DDTree: {name} must be a positive integer, got {value!r}.")
+    return value
+
+
+def resolve_ddtree_method(spec: "SpeculativeConfig") -> None:
+    """Validate the DDTree fields and size the step by the tree budget.
+
+    Called first thing in ``SpeculativeConfig.__post_init__`` when the method
+    is ``"ddtree"`` or a DDTree field is set, before the draft model config
+    is created.
+    """
+    if (
+        spec.method == DDTREE_METHOD
+        and spec.tree_budget is not None
+        and spec.num_speculative_tokens == spec.tree_budget
+    ):
+        # Already resolved: a copy (``replace()`` runs __post_init__ again).
+        return
+    if spec.method != DDTREE_METHOD:
+        raise ValueError(
+            "DDTree: tree_budget and draft_depth are only valid with "
+            f"method='ddtree', got method={spec.method!r}."
+        )
+    if spec.model is None:
+        raise ValueError(
+            "DDTree: speculative_config needs 'model', the path of a DFlash "
+            "draft checkpoint."
+        )
+    if spec.num_speculative_tokens is not None:
+        raise ValueError(
+            "DDTree: do not set num_speculative_tokens; set tree_budget (tokens "
+            "verified per step) and draft_depth (positions the DFlash pass "
+            f"predicts) instead (got num_speculative_tokens="
+            f"{spec.num_speculative_tokens})."
+        )
+    if spec.tree_budget is None:
+        spec.tree_budget = DEFAULT_TREE_BUDGET
+    _check_positive_int("tree_budget", spec.tree_budget)
+    if spec.draft_depth is not None:
+        _check_positive_int("draft_depth", spec.draft_depth)
+    if spec.draft_sample_method != "greedy":
+        raise ValueError(
+            "DDTree: draft_sample_method must be 'greedy' (the tree is built "
+            "from the draft log-probabilities; it is lossless for any target "
+            f"sampling), got {spec.draft_sample_method!r}."
+        )
+    if spec.rejection_sample_method != "standard":
+        raise ValueError(
+            "DDTree: rejection_sample_method must be 'standard' (the tree walk "
+            f"replaces rejection sampling), got {spec.rejection_sample_method!r}."
+        )
+    # The scheduler, the KV lookahead and the CUDA-graph sizes all count the
+    # tokens verified per step: that is the tree budget.
+    spec.num_speculative_tokens = spec.tree_budget
+
+
+def verify_ddtree_drafter(spec: "SpeculativeConfig") -> None:
+    """Check the draft model and fix ``draft_depth`` once it is loaded."""
+    draft_model_config = spec.draft_model_config
+    if draft_model_config is None:
+        raise ValueError("DDTree: the draft model config could not be created.")
+    hf_config = draft_model_config.hf_config
+    # EAGLEConfig prefixes every architecture with "DFlash", so look at the
+    # checkpoint's own config (kept as ``.model``) to tell a real drafter.
+    checkpoint_config = getattr(hf_config, "model", None) or hf_config
+    architectures = list(getattr(checkpoint_config, "architectures", None) or [])
+    is_dflash = (
+        any(a.startswith("DFlash") or a.endswith("DFlash") for a in architectures)
+        or getattr(checkpoint_config, "dflash_config", None) is not None
+    )
+    if not is_dflash:
+        raise ValueError(
+            "DDTree: the draft model must be a DFlash drafter (e.g. "
+            "DFlashDraftModel with a dflash_config), got architectures "
+            f"{architectures}."
+        )
+    block_size = _draft_block_size(hf_config)
+    max_depth = block_size - 1 if block_size else None
+    if spec.draft_depth is None:
+        if max_depth is None:
+            raise ValueError(
+                "DDTree: the drafter config has no block_size; set draft_depth."
+            )
+        spec.draft_depth = max_depth
+    elif max_depth is not None and spec.draft_depth > max_depth:
+        raise ValueError(
+            f"DDTree: draft_depth={spec.draft_depth} exceeds the drafter's "
+            f"block_size - 1 = {max_depth}."
+        )
+    _apply_budget_policy(spec)
+    logger.info(
+        "DDTree tree speculative decoding: tree_budget=%d nodes verified per "
+        "step, draft_depth=%d DFlash positions, budget policy %s.",
+        spec.tree_budget,
+        spec.draft_depth,
+        _describe_schedule(spec),
+    )
+
+
+def budget_schedule(
+    tree_budget: int,
+    draft_depth: int,
+    verify_tokens_per_step: int,
+    max_batch_size: int = 1024,
+) -> list[tuple[int, int, int]]:
+    """The tree budget for each batch size, as (first, last, budget) ranges.
+
+    Verification cost is flat in the number of query tokens until the target
+    becomes compute-bound, then grows linearly; a tree that grows with the
+    batch turns that into lost throughput. The budget is the largest
+    power-of-two step below ``verify_tokens_per_step / batch - 1`` (few
+    distinct budgets: each needs its own decode CUDA graphs), capped by
+    ``tree_budget``, and never below ``draft_depth`` nodes: a tree of D nodes
+    verifies as many tokens per request as the DFlash chain of length D and,
+    being the optimal D-node tree for the drafter, expects at least the
+    chain's acceptance. The floor is D itself, not a power of two above it:
+    a batch of 32 then verifies 32 x (1 + 15) = 512 tokens, inside vLLM's
+    largest captured CUDA graph, where 16-node trees (544 tokens) ran without
+    CUDA graphs (H200, tinypair: 10.4 ms per step against the chain's 6.8 ms).
+
+    The default cap, 128 tokens, comes from the same GPU: at 8 requests,
+    32-node trees (264 tokens a step) lost to the chain (0.99x; 11.7 ms per
+    step against its 7.5 ms under the profiler) while 15-node trees at 32
+    requests and 64-node trees at 1 request beat it; 128 keeps 64 nodes for
+    one request, 32 for two or three, and the floor from four on.
+    """
+    floor = min(tree_budget, draft_depth)
+    allowed = {tree_budget, floor}
+    step = 1
+    while step < tree_budget:
+        if step >= 2 * floor:
+            allowed.add(step)
+        step *= 2
+    choices = sorted(allowed)
+    schedule: list[tuple[int, int, int]] = []
+    for batch in range(1, max_batch_size + 1):
+        raw = verify_tokens_per_step // batch - 1
+        budget = max(c for c in choices if c <= max(raw, floor))
+        if schedule and schedule[-1][2] == budget:
+            schedule[-1] = (schedule[-1][0], batch, budget)
+        else:
+            schedule.append((batch, batch, budget))
+    return schedule
+
+
+def _apply_budget_policy(spec: "SpeculativeConfig") -> None:
+    assert spec.tree_budget is not None and spec.draft_depth is not None
+    if spec.budget_policy not in ("batch", "fixed"):
+        raise ValueError(
+            "DDTree: budget_policy must be 'batch' or 'fixed', got "
+            f"{spec.budget_policy!r}."
+        )
+    if spec.num_speculative_tokens_per_batch_size is not None:
+        return  # The user's own schedule pins the budget per batch size.
+    if spec.budget_policy == "fixed":
+        return
+    _check_positive_int("verify_tokens_per_step", spec.verify_tokens_per_step)
+    schedule = budget_schedule(
+        spec.tree_budget, spec.draft_depth, spec.verify_tokens_per_step
+    )
+    if len(schedule) > 1:
+        spec.num_speculative_tokens_per_batch_size = schedule
+
+
+def _describe_schedule(spec: "SpeculativeConfig") -> str:
+    schedule = spec.num_speculative_tokens_per_batch_size
+    if not schedule:
+        return f"fixed (tree_budget={spec.tree_budget} at every batch size)"
+    return "by batch size: " + ", ".join(
+        f"{lo}-{hi}: {budget}" if hi < 1024 else f">={lo}: {budget}"
+        for lo, hi, budget in schedule
+    )
+
+
+def _draft_block_size(hf_config: object) -> int | None:
+    for owner in (hf_config, getattr(hf_config, "dflash_config", None)):
+        if owner is None:
+            continue
+        value = getattr(owner, "block_size", None)
+        if value is None and isinstance(owner, dict):
+            value = owner.get("block_size")
+        if isinstance(value, int) and value > 1:
+            return value
+    return None
+
+
+def verify_ddtree_vllm_config(vllm_config: "VllmConfig") -> None:
+    """Engine-level checks: V2 model runner and the Triton target backend."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if not vllm_config.use_v2_model_runner:
+        raise ValueError(
+            "DDTree runs on the V2 model runner only; unset "
+            "VLLM_USE_V2_MODEL_RUNNER=0 or use method='dflash'."
+        )
+    attention_config = vllm_config.attention_config
+    triton = AttentionBackendEnum[DDTREE_TARGET_ATTENTION_BACKEND]
+    if attention_config.backend is None:
+        attention_config.backend = triton
+        logger.info(
+            "DDTree: using the %s attention backend (per-request tree attention).",
+            DDTREE_TARGET_ATTENTION_BACKEND,
+        )
+    elif attention_config.backend != triton:
+        raise ValueError(
+            "DDTree needs the TRITON_ATTN attention backend for the target "
+            f"(per-request tree attention), got {attention_config.backend.name}."
+        )
+    _verify_drafting_slots(vllm_config)
+    if vllm_config.model_config is not None:
+        _verify_ddtree_target(vllm_config)
+
+
+def _verify_drafting_slots(vllm_config: "VllmConfig") -> None:
+    """Upstream reserves ``max_num_seqs * (draft_depth - 1)`` drafting slots
+    out of ``max_num_batched_tokens`` and stops later, in a multi-line
+    validation error that names num_speculative_tokens. `vllm serve` on an
+    H100/H200 defaults to 1024 sequences and 8192 batched tokens, which a
+    15-deep DFlash pass overruns: say it here, on one line, with the knobs."""
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    spec = getattr(vllm_config, "speculative_config", None)
+    if scheduler_config is None or spec is None:
+        return
+    if getattr(scheduler_config, "max_num_scheduled_tokens", None) is not None:
+        return  # set by the user: upstream checks it
+    slots_per_seq = spec.max_num_new_slots_for_drafting
+    max_num_seqs = scheduler_config.max_num_seqs
+    batched = scheduler_config.max_num_batched_tokens
+    if slots_per_seq * max_num_seqs < batched:
+        return
+    fitting_seqs = (
+        batched - 1
+    ) // slots_per_seq  # > 0 here: the product reached batched
+    # The README's quickstart value where it fits, else the largest that does.
+    example = min(256, fitting_seqs)
+    raise ValueError(
+        f"DDTree: max_num_seqs={max_num_seqs} requests x {slots_per_seq} "
+        f"drafting slots each leave none of "
+        f"max_num_batched_tokens={batched} to schedule; pass --max-num-seqs "
+        f"(at most {fitting_seqs}; e.g. {example}) or a larger "
+        f"--max-num-batched-tokens."
+    )
+
+
+def _verify_ddtree_target(vllm_config: "VllmConfig") -> None:
+    """Hybrid (linear-attention) and M-RoPE / XD-RoPE targets: only Gated
+    DeltaNet hybrids, and without what the tree path cannot keep (prefix
+    caching of the recurrent state, pipeline stages)."""
+    model_config = vllm_config.model_config
+    hybrid = bool(getattr(model_config, "is_hybrid", False))
+    multi_rope = bool(getattr(model_config, "uses_mrope", False)) or (
+        (getattr(model_config, "uses_xdrope_dim", 0) or 0) > 0
+    )
+    if not (hybrid or multi_rope):
+        return
+    architecture = getattr(model_config, "architecture", None)
+    problems = []
+    if hybrid and architecture not in DDTREE_HYBRID_ARCHITECTURES:
+        problems.append(
+            "its linear-attention layers must be Gated DeltaNet ("
+            + ", ".join(DDTREE_HYBRID_ARCHITECTURES)
+            + f"), got {architecture}"
+        )
+    cache_config = getattr(vllm_config, "cache_config", None)
+    mamba_cache_mode = getattr(cache_config, "mamba_cache_mode", "none")
+    if hybrid and (
+        mamba_cache_mode != "none"
+        or getattr(cache_config, "enable_prefix_caching", False)
+    ):
+        problems.append(
+            "prefix caching must be off (the tree path keeps one committed "
+            f"recurrent state per request; got mamba_cache_mode="
+            f"{mamba_cache_mode!r}): pass --no-enable-prefix-caching"
+        )
+    parallel_config = getattr(vllm_config, "parallel_config", None)
+    if hybrid and getattr(parallel_config, "pipeline_parallel_size", 1) > 1:
+        problems.append(
+            "pipeline parallelism is not supported (the recurrent states are "
+            "updated after the tree walk, on the last stage only)"
+        )
+    if problems:
+        raise ValueError(
+            f"DDTree cannot run {architecture}: " + "; ".join(problems) + "."
+        )
+    # Said once at startup so that a user of a real hybrid knows how far the
+    # path has been checked: the kernels against upstream's sequential ones,
+    # the engine on dummy weights only (its dummy drafter accepts nothing).
+    logger.warning(
+        "DDTree: %s path for %s. Checked on a GPU with a dummy-weight "
+        "Qwen3.5-shaped hybrid only (float32 greedy outputs equal to no "
+        "speculation; bf16 runs), not with real weights.",
+        "hybrid Gated DeltaNet" if hybrid else "M-RoPE",
+        architecture,
+    )
+
+
+def mamba_num_spec_tokens(speculative_config: "SpeculativeConfig | None") -> int:
+    """Draft positions the mamba / linear-attention state is sized for.
+
+    Upstream chain speculation keeps one recurrent state per draft position
+    (``num_speculative_tokens + 1`` state slots per request, the
+    ``MambaSpec``'s ``num_speculative_blocks``) and ``num_speculative_tokens``
+    extra conv-window columns. DDTree keeps ONE committed state per request
+    and layer: the tree verification only reads it and the post-walk update
+    (`vllm.v1.spec_decode.ddtree.gdn_verify`) rewrites it in place, so it
+    needs neither (0). A tree of B nodes would otherwise reserve B + 1 state
+    slots per request and layer.
+    """
+    if speculative_config is None:
+        return 0
+    if speculative_config.use_ddtree():
+        return 0
+    return speculative_config.num_speculative_tokens
+
+
+def verify_ddtree_sampling_params(params: object) -> None:
+    """Per-request checks (called from ``SamplingParams.verify``).
+
+    The target samples every tree node with the request's own parameters
+    (temperature, top-k / top-p, min-p, logit bias, penalties on the node's
+    ancestor path, seeds) and logprobs are returned for the emitted tokens,
+    so upstream's spec-decode refusal of min_p / logit_bias does not apply
+    (the caller skips it). Two
+    request features see the verified tokens as a chain and would be wrong
+    for a tree, so they are refused with one readable line instead.
+    """
+    if getattr(params, "structured_outputs", None) is not None:
+        raise ValueError(
+            "DDTree does not support structured outputs (guided decoding): "
+            "the grammar would have to be advanced along every tree branch. "
+            "Use method='dflash' (or no speculative decoding) for such "
+            "requests."
+        )
+    if getattr(params, "bad_words", None):
+        raise ValueError(
+            "DDTree does not support bad_words (they are matched against the "
+            "verified tokens as a chain, not along tree branches); use "
+            "method='dflash'."
+        )

@@ -1,0 +1,439 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""DDTree verification through the Gated DeltaNet layers of hybrid targets
+(Qwen3.5 / Qwen3.6 / Qwen3-Next).
+
+State memory: ONE committed conv window and ONE committed recurrent state per
+request and GDN layer, in the slot upstream calls column 0 of
+``spec_state_indices_tensor`` (the mamba groups reserve no per-draft slots
+under DDTree, see `vllm.v1.spec_decode.ddtree.config.mamba_num_spec_tokens`).
+The committed window sits at conv-state columns ``0 .. W - 2`` (upstream's
+``num_accepted_tokens == 1`` offset).
+
+Per step:
+
+1. Verify forward. A GDN layer's speculative rows of a request are its
+   verify rows [root, node 1 .. node n]. Instead of upstream's chain kernels
+   the layer calls `DDTreeGDN.conv` (`tree_causal_conv1d`: each node's window
+   is its ancestors, then the committed window) and `DDTreeGDN.recurrent`
+   (`tree_gated_delta_rule`: each node's output replays its root -> node
+   path from the committed state). Neither writes the committed state. Both
+   copy their verify-row inputs into the layer's persistent buffers (the
+   pre-conv ``mixed_qkv`` rows, ``a`` and ``b``), with fixed shapes and no
+   host synchronisation, so the copies are captured in CUDA graphs too.
+2. After the walk (`DDTreeGDN.commit`, from the verifier's ``compact``): per
+   layer, the post-conv rows are recomputed from the saved pre-conv rows
+   (the forward's kernel on the forward's inputs: the same values), the
+   recurrent state after the accepted path is written into the committed
+   slot (`tree_gated_delta_rule` with the accepted leaf as target), then the
+   conv window (`tree_conv_state_update`).
+
+The post-conv q / k / v are recomputed rather than saved: saving them would
+double the buffers (a ``conv_dim`` row per verify token and layer) for a
+recomputation that costs one small conv launch per layer after the walk.
+
+The verifier binds this object to each GDN layer of a hybrid target
+(`DDTreeGDN.bind_layers` sets the layer's ``ddtree_verifier``); the upstream
+layer only gains that attribute and two branches that call `conv` and
+`recurrent` when it is set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm.logger import init_logger
+from vllm.v1.spec_decode.ddtree.tree_conv import (
+    tree_causal_conv1d,
+    tree_conv_state_update,
+)
+from vllm.v1.spec_decode.ddtree.tree_gdn import tree_gated_delta_rule
+
+logger = init_logger(__name__)
+
+
+def spec_decode_rows(
+    num_draft_tokens_per_req: np.ndarray | None,
+    num_scheduled_tokens: np.ndarray,
+) -> np.ndarray:
+    """Batch rows the GDN metadata treats as speculative (tree) rows, in
+    batch order: exactly `MambaHybridModelState.prepare_attn`'s rule (draft
+    tokens scheduled and nothing else but the one decode token)."""
+    if num_draft_tokens_per_req is None:
+        return np.zeros(0, dtype=np.int64)
+    num_reqs = num_draft_tokens_per_req.shape[0]
+    drafts = num_draft_tokens_per_req
+    is_decode = num_scheduled_tokens[:num_reqs] == drafts + 1
+    return np.flatnonzero((drafts > 0) & is_decode).astype(np.int64)
+
+
+def _copy_from_host(values: np.ndarray, out: torch.Tensor) -> None:
+    src = torch.from_numpy(np.ascontiguousarray(values)).to(out.dtype)
+    if out.is_cuda:
+        out.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        out.copy_(src)
+
+
+class DDTreeGDN:
+    """Per-layer verify buffers, the step's tree rows, and the GDN hooks."""
+
+    def __init__(
+        self,
+        parent_idx: torch.Tensor,
+        draft_depth: int,
+        max_num_reqs: int,
+        max_rows: int,
+        num_layers: int,
+        conv_dim: int,
+        num_v_heads: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        # [max_num_reqs, B]: parent verify index of node i + 1, per request
+        # state (the verifier's persistent table; captured graphs read it).
+        self.parent_idx = parent_idx
+        self.draft_depth = draft_depth
+        self.max_rows = max_rows
+        self.num_layers = num_layers
+        self.conv_dim = conv_dim
+        self.num_v_heads = num_v_heads
+        self.dtype = dtype
+        # Verify-row inputs of every GDN layer, kept until the walk.
+        self.x_buf = torch.zeros(
+            num_layers, max_rows, conv_dim, dtype=dtype, device=device
+        )
+        self.a_buf = torch.zeros(
+            num_layers, max_rows, num_v_heads, dtype=dtype, device=device
+        )
+        self.b_buf = torch.zeros_like(self.a_buf)
+        # Spec row (GDN metadata order) -> request-state index (row of
+        # parent_idx). Persistent: captured graphs read it.
+        self.tree_rows = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        # The step's spec rows, for the post-walk update (outside graphs).
+        self.spec_batch_rows = torch.zeros(
+            max_num_reqs, dtype=torch.int64, device=device
+        )
+        self.spec_query_start = torch.zeros(
+            max_num_reqs + 1, dtype=torch.int32, device=device
+        )
+        self.num_spec = 0
+        self.num_spec_tokens = 0
+        self.layer_index: dict[str, int] = {}
+        self.layers: dict[str, Any] = {}
+        self.metadata: dict[str, Any] = {}
+
+    @classmethod
+    def from_vllm_config(
+        cls,
+        vllm_config: Any,
+        parent_idx: torch.Tensor,
+        draft_depth: int,
+        device: torch.device,
+    ) -> DDTreeGDN:
+        """Buffers sized from the target config, before memory profiling."""
+        model_config = vllm_config.model_config
+        parallel_config = vllm_config.parallel_config
+        scheduler_config = vllm_config.scheduler_config
+        spec = vllm_config.speculative_config
+        hf = model_config.hf_text_config
+        tp = parallel_config.tensor_parallel_size
+        key_dim = hf.linear_num_key_heads * hf.linear_key_head_dim
+        value_dim = hf.linear_num_value_heads * hf.linear_value_head_dim
+        conv_dim = (2 * key_dim + value_dim) // tp
+        num_v_heads = hf.linear_num_value_heads // tp
+        num_layers = model_config.get_num_layers_by_block_type(
+            parallel_config, "linear_attention"
+        )
+        # Spec rows per step: at most every scheduled token, at most one
+        # full tree per request.
+        max_rows = min(
+            scheduler_config.max_num_batched_tokens,
+            scheduler_config.max_num_seqs * (1 + spec.tree_budget),
+        )
+        dtype = model_config.dtype
+        context = cls(
+            parent_idx,
+            draft_depth,
+            scheduler_config.max_num_seqs,
+            max_rows,
+            num_layers,
+            conv_dim,
+            num_v_heads,
+            dtype,
+            device,
+        )
+        nbytes = sum(
+            t.numel() * t.element_size()
+            for t in (context.x_buf, context.a_buf, context.b_buf)
+        )
+        logger.info(
+            "DDTree hybrid: verify-row buffers for %d Gated DeltaNet layers x "
+            "%d rows (conv dim %d): %.1f MiB.",
+            num_layers,
+            max_rows,
+            conv_dim,
+            nbytes / 2**20,
+        )
+        return context
+
+    # ------------------------------------------------------------ binding
+    def bind_layers(self, forward_context: dict[str, Any]) -> None:
+        """Find the target's GDN layers (once the model is loaded) and make
+        this object their tree verifier: from now on each layer's
+        spec-decode rows go through `conv` and `recurrent`."""
+        from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+            QwenGatedDeltaNetAttention,
+        )
+
+        layers = {
+            name: module
+            for name, module in forward_context.items()
+            if isinstance(module, QwenGatedDeltaNetAttention)
+        }
+        if len(layers) != self.num_layers:
+            raise ValueError(
+                f"DDTree: expected {self.num_layers} Gated DeltaNet layers in "
+                f"the target, found {len(layers)}."
+            )
+        for i, (name, layer) in enumerate(layers.items()):
+            conv_dim = layer.conv1d.weight.shape[0]
+            num_v_heads = layer.num_v_heads // layer.tp_size
+            if (conv_dim, num_v_heads) != (self.conv_dim, self.num_v_heads):
+                raise ValueError(
+                    f"DDTree: GDN layer {name} has conv dim {conv_dim} and "
+                    f"{num_v_heads} value heads; the verify buffers were "
+                    f"sized for {self.conv_dim} and {self.num_v_heads}."
+                )
+            self.layer_index[name] = i
+            self.layers[name] = layer
+        for layer in layers.values():
+            layer.ddtree_verifier = self
+
+    def attach(self, attn_metadata: dict[str, Any]) -> None:
+        """Keep the step's GDN metadata per layer (state slots, per KV group)."""
+        metadata = {
+            name: md for name, md in attn_metadata.items() if name in self.layer_index
+        }
+        if metadata:
+            self.metadata = metadata
+
+    # ----------------------------------------------------- per step (host)
+    def prepare_step(self, input_batch: Any) -> None:
+        """The step's spec rows (before the forward; host data only: the
+        scheduler's numpy mirrors)."""
+        drafts_np = input_batch.num_draft_tokens_per_req
+        scheduled_np = np.asarray(input_batch.num_scheduled_tokens)
+        rows_np = spec_decode_rows(drafts_np, scheduled_np)
+        n = rows_np.shape[0]
+        if drafts_np is not None and n != np.count_nonzero(drafts_np > 0):
+            # Such a row would be verified as a tree by the attention layers
+            # but run through the GDN layers as a chain (prefill kernels).
+            raise RuntimeError(
+                "DDTree: a request with draft tokens also has other tokens "
+                "scheduled; the Gated DeltaNet tree path cannot verify it."
+            )
+        self.num_spec = n
+        self.num_spec_tokens = 0
+        if n == 0:
+            return
+        assert n <= input_batch.num_reqs
+        counts_np = scheduled_np[rows_np]
+        query_start_np = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(counts_np, out=query_start_np[1:])
+        self.num_spec_tokens = sum(counts_np.tolist())
+        if self.num_spec_tokens > self.max_rows:
+            raise ValueError(
+                f"DDTree: {self.num_spec_tokens} tree verify rows exceed the "
+                f"GDN verify buffers ({self.max_rows} rows)."
+            )
+        idx_mapping_np = np.asarray(input_batch.idx_mapping_np)
+        _copy_from_host(idx_mapping_np[rows_np], self.tree_rows[:n])
+        _copy_from_host(rows_np, self.spec_batch_rows[:n])
+        _copy_from_host(query_start_np, self.spec_query_start[: n + 1])
+
+    # -------------------------------------------- forward (inside the layer)
+    def _spec_rows(self, md: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Eager: the step's spec rows; full CUDA graph: the padded batch
+        # (padding rows have the null slot and no tokens: skipped).
+        slots = md.spec_state_indices_tensor[:, 0].contiguous()
+        num_rows = slots.shape[0]
+        return slots, md.spec_query_start_loc[: num_rows + 1], self.tree_rows[:num_rows]
+
+    def _check_dtype(self, t: torch.Tensor, what: str) -> None:
+        if t.dtype != self.dtype:
+            raise ValueError(
+                f"DDTree: GDN {what} is {t.dtype}, the verify buffers {self.dtype}."
+            )
+
+    def conv(
+        self,
+        layer: Any,
+        x: torch.Tensor,
+        conv_state: torch.Tensor,
+        weight: torch.Tensor,
+        md: Any,
+    ) -> torch.Tensor:
+        """The spec rows' causal conv over their trees (upstream:
+        `causal_conv1d_update` with ``num_accepted_tokens``); saves ``x``."""
+        self._check_dtype(x, "mixed_qkv")
+        idx = self.layer_index[layer.prefix]
+        n = min(x.shape[0], self.max_rows)
+        self.x_buf[idx, :n].copy_(x[:n])
+        slots, query_start, tree_rows = self._spec_rows(md)
+        return tree_causal_conv1d(
+            x,
+            conv_state,
+            weight,
+            layer.conv1d.bias,
+            layer.activation,
+            slots,
+            query_start,
+            self.parent_idx,
+            tree_rows,
+        )
+
+    def recurrent(
+        self,
+        layer: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        ssm_state: torch.Tensor,
+        md: Any,
+    ) -> torch.Tensor:
+        """The spec rows' gated delta rule over their trees (upstream:
+        `fused_sigmoid_gating_delta_rule_update` with ``num_accepted_tokens``);
+        saves ``a`` and ``b``. ``q, k [1, T, H, K]``, ``v [1, T, HV, V]``;
+        ``a, b`` all of the batch's rows. Returns ``o [1, T, HV, V]``."""
+        if md.num_prefills > 0 or md.num_decodes > 0:
+            a = a.index_select(0, md.spec_token_indx)
+            b = b.index_select(0, md.spec_token_indx)
+        num_tokens = q.shape[1]
+        a = a[:num_tokens]
+        b = b[:num_tokens]
+        self._check_dtype(a, "a")
+        idx = self.layer_index[layer.prefix]
+        n = min(num_tokens, self.max_rows)
+        self.a_buf[idx, :n].copy_(a[:n])
+        self.b_buf[idx, :n].copy_(b[:n])
+        slots, query_start, tree_rows = self._spec_rows(md)
+        o = tree_gated_delta_rule(
+            layer.A_log,
+            a,
+            b,
+            layer.dt_bias,
+            q[0],
+            k[0],
+            v[0],
+            ssm_state,
+            slots,
+            query_start,
+            self.parent_idx,
+            tree_rows,
+            self.draft_depth,
+            use_qk_l2norm_in_kernel=True,
+        )
+        assert o is not None
+        return o.unsqueeze(0)
+
+    # ------------------------------------------------ after the walk (eager)
+    def commit(
+        self,
+        num_accepted: torch.Tensor,
+        src_row: torch.Tensor,
+        query_start_loc: torch.Tensor,
+    ) -> None:
+        """Write every GDN layer's committed state after the accepted path.
+
+        ``num_accepted [R]`` (root included) and ``src_row [R, D + 1]`` (flat
+        verify rows of the accepted path, root first) are the walk's, per
+        batch row; ``query_start_loc`` the batch's.
+        """
+        n = self.num_spec
+        if n == 0:
+            return
+        num_reqs = src_row.shape[0]
+        rows = self.spec_batch_rows[:n]
+        # Accepted verify indices (node numbers), root first, per spec row.
+        nodes = (src_row - query_start_loc[:num_reqs, None].to(torch.int64))[rows]
+        counts = num_accepted[rows].to(torch.int32)
+        leaf = nodes.gather(1, (counts.to(torch.int64) - 1).clamp(min=0)[:, None])
+        query_start = self.spec_query_start[: n + 1]
+        tree_rows = self.tree_rows[:n]
+        num_tokens = self.num_spec_tokens
+        for name, idx in self.layer_index.items():
+            layer = self.layers[name]
+            md = self.metadata.get(name)
+            if md is None or md.num_spec_decodes != n:
+                raise RuntimeError(
+                    f"DDTree: GDN layer {name} ran "
+                    f"{getattr(md, 'num_spec_decodes', None)} spec rows, the "
+                    f"verifier expected {n}."
+                )
+            slots = md.spec_state_indices_tensor[:n, 0].contiguous()
+            conv_state, ssm_state = gdn_layer_states(layer)
+            weight = layer.conv1d.weight
+            weight = weight.view(weight.size(0), weight.size(-1))
+            x = self.x_buf[idx, :num_tokens]
+            # The forward's post-conv rows, from the same inputs.
+            post_conv = tree_causal_conv1d(
+                x,
+                conv_state,
+                weight,
+                layer.conv1d.bias,
+                layer.activation,
+                slots,
+                query_start,
+                self.parent_idx,
+                tree_rows,
+            )
+            q, k, v = layer.rearrange_mixed_qkv(post_conv)
+            tree_gated_delta_rule(
+                layer.A_log,
+                self.a_buf[idx, :num_tokens],
+                self.b_buf[idx, :num_tokens],
+                layer.dt_bias,
+                q[0],
+                k[0],
+                v[0],
+                ssm_state,
+                slots,
+                query_start,
+                self.parent_idx,
+                tree_rows,
+                self.draft_depth,
+                targets=leaf,
+                final_state_idx=slots,
+                use_qk_l2norm_in_kernel=True,
+            )
+            # Last: the recomputation above reads the committed window.
+            tree_conv_state_update(
+                x,
+                conv_state,
+                weight.shape[1],
+                slots,
+                slots,
+                query_start,
+                nodes,
+                counts,
+            )
+
+
+def gdn_layer_states(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conv_state [slots, dim, state_len], ssm_state [slots, HV, V, K]) of a
+    GDN layer, as its ``_forward_core`` sees them."""
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        is_conv_state_dim_first,
+    )
+
+    kv_cache = layer.kv_cache
+    conv_state = (
+        kv_cache[0] if is_conv_state_dim_first() else kv_cache[0].transpose(-1, -2)
+    )
+    return conv_state, kv_cache[1]

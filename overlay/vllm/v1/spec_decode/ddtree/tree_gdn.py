@@ -1,0 +1,255 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Tree verification through Gated DeltaNet layers (Qwen3.5 / Qwen3.6 / Qwen3-Next).
+
+A GDN layer is a recurrence: token t's output reads the state after tokens
+``0..t``. In chain speculation upstream keeps one recurrent state per draft
+position (``ssm_state_indices`` per token) and the next step starts from the
+accepted position's. A tree breaks both: a node's state follows from its
+*parent's*, not from the previous row's, and keeping a state per node costs
+``(B + 1) x HV x K x V`` floats per layer and request (B = 64, 48 value
+heads of 128 x 128: 65 x 48 x 128 x 128 x 4 bytes = 204 MB per layer).
+
+`tree_gated_delta_rule` computes every node's output by replaying the
+recurrence along the node's root-to-node path from the request's committed
+state, in one program per (value block, request x node, head): the same
+float32 operations in the same order as the sequential kernel
+(`fused_sigmoid_gating_delta_rule_update`) running over that path, so the
+outputs match it, with no per-node state memory. A node at depth d costs
+d + 1 state updates instead of 1: at most ``draft_depth + 1`` (16) times the
+chain's arithmetic per node, which is small next to the layer's
+projections at tree sizes. The committed state is only read.
+
+After the walk, the same kernel replays the accepted path once more and
+writes the final state into the request's state slot (``final_state_idx``),
+so the state memory per request stays one state per layer (plus the verify
+inputs kept until the walk: k, v, a, b of the ``B + 1`` rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.triton_utils import tl, triton
+
+
+@triton.jit
+def _tree_gdn_kernel(
+    A_log,  # [HV]
+    a,  # [T, HV]
+    b,  # [T, HV]
+    dt_bias,  # [HV]
+    q,  # [T, H, K]
+    k,  # [T, H, K]
+    v,  # [T, HV, V]
+    o,  # [T, HV, V] (STORE_OUTPUT)
+    state,  # [num_slots, HV, V, K] committed states (read) / final (write)
+    state_stride,  # elements between two slots
+    state_idx_ptr,  # [R] slot of each batch row's committed state
+    final_state_idx_ptr,  # [R] slot to write the final state to (STORE_FINAL)
+    query_start_ptr,  # [R + 1] first verify row of each batch row
+    parent_ptr,  # [S, B] parent verify index of node i + 1 (0 = root)
+    parent_stride,
+    idx_mapping_ptr,  # [R] batch row -> request state (tree row)
+    target_ptr,  # [R, NUM_TARGETS] node whose path to replay, -1 = none
+    # (HAS_TARGETS); without it target t of a row is node t
+    softplus_beta,
+    softplus_threshold,
+    scale,
+    NUM_TARGETS: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    MAX_PATH: tl.constexpr,  # draft_depth + 1 (root included)
+    PATH_BLOCK: tl.constexpr,  # power of 2 >= MAX_PATH
+    USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
+    STORE_OUTPUT: tl.constexpr,
+    STORE_FINAL: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_rt = tl.program_id(1)
+    i_hv = tl.program_id(2)
+    r = i_rt // NUM_TARGETS
+    if HAS_TARGETS:
+        node = tl.load(target_ptr + i_rt).to(tl.int64)
+    else:
+        node = (i_rt % NUM_TARGETS).to(tl.int64)
+    row0 = tl.load(query_start_ptr + r).to(tl.int64)
+    num_rows = tl.load(query_start_ptr + r + 1).to(tl.int64) - row0
+    slot = tl.load(state_idx_ptr + r).to(tl.int64)
+    if (node < 0) | (node >= num_rows) | (slot <= 0):
+        return
+    req = tl.load(idx_mapping_ptr + r).to(tl.int64)
+    i_h = i_hv // (HV // H)
+
+    # The root -> node path as verify indices, root first: walk up the
+    # parents, then right-align so that entry MAX_PATH - 1 is the node.
+    offs = tl.arange(0, PATH_BLOCK)
+    path = tl.full([PATH_BLOCK], -1, tl.int64)
+    cur = node
+    for s in range(MAX_PATH):
+        path = tl.where(offs == MAX_PATH - 1 - s, cur, path)
+        parent = tl.load(
+            parent_ptr + req * parent_stride + cur - 1, mask=cur > 0, other=0
+        ).to(tl.int64)
+        cur = tl.where(cur > 0, parent, -1)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    mask_h = mask_v[:, None] & mask_k[None, :]
+    p_state = state + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+    b_h = tl.load(p_state + slot * state_stride, mask=mask_h, other=0).to(tl.float32)
+    b_o = tl.zeros([BV], dtype=tl.float32)
+    A = tl.load(A_log + i_hv).to(tl.float32)
+    bias = tl.load(dt_bias + i_hv).to(tl.float32)
+
+    # As fused_sigmoid_gating_delta_rule_update_kernel, token by token.
+    for j in range(MAX_PATH):
+        t = tl.sum(tl.where(offs == j, path, 0))
+        if t >= 0:
+            row = row0 + t
+            b_q = tl.load(q + (row * H + i_h) * K + o_k, mask=mask_k, other=0).to(
+                tl.float32
+            )
+            b_k = tl.load(k + (row * H + i_h) * K + o_k, mask=mask_k, other=0).to(
+                tl.float32
+            )
+            b_v = tl.load(v + (row * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(
+                tl.float32
+            )
+            b_b = tl.load(b + row * HV + i_hv).to(tl.float32)
+            x = tl.load(a + row * HV + i_hv).to(tl.float32) + bias
+            softplus_x = tl.where(
+                softplus_beta * x <= softplus_threshold,
+                (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)),
+                x,
+            )
+            b_g = -tl.exp(A) * softplus_x
+            b_beta = tl.sigmoid(b_b)
+            if USE_QK_L2NORM_IN_KERNEL:
+                b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q) + 1e-6))
+                b_k = b_k * (tl.rsqrt(tl.sum(b_k * b_k) + 1e-6))
+            b_q = b_q * scale
+            b_h *= tl.exp(b_g)
+            b_v -= tl.sum(b_h * b_k[None, :], 1)
+            b_v *= b_beta
+            b_h += b_v[:, None] * b_k[None, :]
+            b_o = tl.sum(b_h * b_q[None, :], 1)
+
+    if STORE_OUTPUT:
+        p_o = o + ((row0 + node) * HV + i_hv) * V + o_v
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
+    if STORE_FINAL:
+        final_slot = tl.load(final_state_idx_ptr + r).to(tl.int64)
+        if final_slot > 0:
+            p_ht = p_state + final_slot * state_stride
+            tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), mask=mask_h)
+
+
+def tree_gated_delta_rule(
+    A_log: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dt_bias: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: torch.Tensor,
+    state_idx: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    parent_idx: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    draft_depth: int,
+    *,
+    targets: torch.Tensor | None = None,
+    final_state_idx: torch.Tensor | None = None,
+    softplus_beta: float = 1.0,
+    softplus_threshold: float = 20.0,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> torch.Tensor | None:
+    """Gated delta rule over every request's draft tree.
+
+    Rows ``query_start_loc[r] .. query_start_loc[r + 1] - 1`` of the flat
+    inputs (``q, k [T, H, K]``, ``v [T, HV, V]``, ``a, b [T, HV]``) are batch
+    row ``r``'s verify tokens in verify layout (row 0 the root, node ``i``'s
+    parent ``parent_idx[idx_mapping[r], i - 1]``). ``state [slots, HV, V, K]``
+    holds the committed states, ``state_idx [R]`` their slots (<= 0: skip
+    the row).
+
+    Without ``targets``: returns ``o [T, HV, V]``, each row's output after
+    its root -> node path. With ``targets [R, M]`` (verify indices, -1 for
+    none) and ``final_state_idx [R]``: writes the state after each target's
+    path into ``state[final_state_idx[r]]`` (M = 1: the walk's last accepted
+    node) and returns None. Committed states are only read, so the final
+    write may target the committed slot itself once the outputs are done.
+    """
+    num_rows = query_start_loc.shape[0] - 1
+    T, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    assert HV % H == 0
+    assert state.shape[1:] == (HV, V, K) and state.stride(1) == V * K
+    BK = triton.next_power_of_2(K)
+    BV = min(triton.next_power_of_2(V), 32)
+    if scale is None:
+        scale = K**-0.5
+    store_final = targets is not None
+    if targets is None:
+        # Every verify row of a batch row is a target: node t for program t
+        # (ragged: nodes past the row's count are skipped in the kernel).
+        num_targets = parent_idx.shape[1] + 1
+        # Zeros: rows no program writes (CUDA-graph padding, skipped rows)
+        # must not feed garbage into the layer's output projection.
+        o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    else:
+        assert final_state_idx is not None
+        targets = targets.contiguous()
+        num_targets = targets.shape[1]
+        o = v  # unused (STORE_OUTPUT off)
+    if num_rows == 0:
+        return None if store_final else o
+    max_path = draft_depth + 1
+    grid = (triton.cdiv(V, BV), num_rows * num_targets, HV)
+    _tree_gdn_kernel[grid](
+        A_log,
+        a.contiguous(),
+        b.contiguous(),
+        dt_bias,
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        o,
+        state,
+        state.stride(0),
+        state_idx,
+        final_state_idx if final_state_idx is not None else state_idx,
+        query_start_loc,
+        parent_idx,
+        parent_idx.stride(0),
+        idx_mapping,
+        targets if targets is not None else idx_mapping,  # unused without
+        softplus_beta,
+        softplus_threshold,
+        scale,
+        NUM_TARGETS=num_targets,
+        HAS_TARGETS=store_final,
+        H=H,
+        HV=HV,
+        K=K,
+        V=V,
+        BK=BK,
+        BV=BV,
+        MAX_PATH=max_path,
+        PATH_BLOCK=triton.next_power_of_2(max_path),
+        USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
+        STORE_OUTPUT=not store_final,
+        STORE_FINAL=store_final,
+        num_warps=4,
+    )
+    return None if store_final else o

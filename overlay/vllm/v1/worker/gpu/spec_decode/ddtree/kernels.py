@@ -1,0 +1,342 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Triton kernels for DDTree's per-step bookkeeping on the V2 model runner.
+
+The verification walk and the KV compaction run every step outside the
+captured graphs. As chains of small torch ops they cost dozens of kernel
+launches (about 0.4 ms of launch latency per step on an H200), so each is one
+launch here:
+
+- ``ddtree_walk``: per request, match every scheduled node against the
+  target's token at its parent, keep the nodes whose whole ancestor chain
+  matches (pointer jumping), and write the emitted tokens, the number
+  accepted and the compaction indices (source and destination rows of the
+  accepted path; off-path entries are self-copies of the root).
+- ``ddtree_tree_bias``: per request, the additive ancestor bias of its
+  tree (0 where query node i may see node j: j is i or an ancestor of i,
+  -inf elsewhere), built from the parent indices straight into the buffer
+  the attention kernel reads. Only the parents are kept per request, not a
+  [B + 1, B + 1] bias per request.
+- ``ddtree_compact_kv``: per (request, layer), copy the accepted path's KV
+  entries to the contiguous slots after the root. Entries are copied in
+  path order: entry k reads node a_k >= k and writes slot k, and every later
+  entry reads a node a_k' > a_k >= k, so no entry reads a slot an earlier
+  entry wrote.
+"""
+
+import torch
+
+from vllm.triton_utils import tl, triton
+
+
+@triton.jit
+def _ddtree_walk_kernel(
+    target_ptr,  # [num_logits] target token at every logit row
+    cu_num_logits_ptr,  # [num_reqs + 1]
+    idx_mapping_ptr,  # [num_reqs] batch row -> request state
+    query_start_loc_ptr,  # [num_reqs + 1]
+    node_tokens_ptr,  # [max_num_reqs, B] draft token of node i + 1
+    node_tokens_stride,
+    parent_ptr,  # [max_num_reqs, B] parent (verify index, 0 = root)
+    parent_stride,
+    depth_ptr,  # [max_num_reqs, B + 1] depth, column 0 = root
+    depth_stride,
+    valid_ptr,  # [max_num_reqs, B]
+    valid_stride,
+    scratch_ptr,  # [num_reqs, 2, BLOCK] int64
+    out_tokens_ptr,  # [num_reqs, D + 1] emitted tokens, -1 padded
+    out_tokens_stride,
+    num_accepted_ptr,  # [num_reqs] int32
+    src_row_ptr,  # [num_reqs, D + 1] int64
+    dst_row_ptr,  # [num_reqs, D + 1] int64
+    DRAFT_DEPTH: tl.constexpr,
+    NUM_JUMPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PATH_BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    req = tl.load(idx_mapping_ptr + r).to(tl.int64)
+    start = tl.load(cu_num_logits_ptr + r).to(tl.int64)
+    num_nodes = tl.load(cu_num_logits_ptr + r + 1).to(tl.int64) - start
+    row0 = tl.load(query_start_loc_ptr + r).to(tl.int64)
+
+    i = tl.arange(0, BLOCK)
+    in_tree = i < num_nodes
+    is_node = (i >= 1) & in_tree
+    node = tl.where(is_node, i - 1, 0)
+    parent = tl.load(parent_ptr + req * parent_stride + node, mask=is_node, other=0)
+    token = tl.load(
+        node_tokens_ptr + req * node_tokens_stride + node, mask=is_node, other=-1
+    )
+    valid = tl.load(valid_ptr + req * valid_stride + node, mask=is_node, other=0)
+    target = tl.load(target_ptr + start + i, mask=in_tree, other=-1)
+    target_at_parent = tl.load(target_ptr + start + parent, mask=is_node, other=-2)
+    matched = is_node & (valid != 0) & (token == target_at_parent)
+    accepted = tl.where(i == 0, 1, matched.to(tl.int64))
+    jump = tl.where(is_node, parent, 0).to(tl.int64)
+
+    # Pointer jumping: after t rounds, accepted[i] covers i and its 2^t - 1
+    # nearest ancestors; the root (index 0) is accepted and points to itself.
+    scratch = scratch_ptr + r * 2 * BLOCK
+    for _ in tl.static_range(NUM_JUMPS):
+        tl.store(scratch + i, accepted)
+        tl.store(scratch + BLOCK + i, jump)
+        tl.debug_barrier()
+        accepted_up = tl.load(scratch + jump)
+        jump_up = tl.load(scratch + BLOCK + jump)
+        tl.debug_barrier()
+        accepted = accepted & accepted_up
+        jump = jump_up
+    on_path = (accepted != 0) & in_tree
+    num_accepted = tl.sum(on_path.to(tl.int32), axis=0)
+    tl.store(num_accepted_ptr + r, num_accepted)
+
+    # The accepted node of depth k goes to column k (one per depth).
+    depth = tl.load(depth_ptr + req * depth_stride + i, mask=in_tree, other=0)
+    col = tl.where(on_path, depth, 0)
+    tl.store(out_tokens_ptr + r * out_tokens_stride + col, target, mask=on_path)
+    tl.store(src_row_ptr + r * (DRAFT_DEPTH + 1) + col, row0 + i, mask=on_path)
+    tl.store(dst_row_ptr + r * (DRAFT_DEPTH + 1) + col, row0 + col, mask=on_path)
+
+    # Columns past the path: -1 tokens, root self-copies.
+    k = tl.arange(0, PATH_BLOCK)
+    pad = (k >= num_accepted) & (k <= DRAFT_DEPTH)
+    tl.store(out_tokens_ptr + r * out_tokens_stride + k, -1, mask=pad)
+    tl.store(src_row_ptr + r * (DRAFT_DEPTH + 1) + k, row0, mask=pad)
+    tl.store(dst_row_ptr + r * (DRAFT_DEPTH + 1) + k, row0, mask=pad)
+
+
+def ddtree_walk(
+    target_token_ids: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    node_tokens: torch.Tensor,
+    parent_idx: torch.Tensor,
+    depth: torch.Tensor,
+    valid: torch.Tensor,
+    draft_depth: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Walk every request's tree in one launch.
+
+    Returns ``(output_token_ids [R, D + 1] (-1 padded), num_accepted [R]
+    int32, src_row [R, D + 1], dst_row [R, D + 1])``; rows index the
+    flattened verify batch.
+    """
+    num_reqs = idx_mapping.shape[0]
+    budget = parent_idx.shape[1]
+    device = target_token_ids.device
+    block = triton.next_power_of_2(budget + 1)
+    out_tokens = torch.empty(
+        num_reqs, draft_depth + 1, dtype=torch.int64, device=device
+    )
+    num_accepted = torch.empty(num_reqs, dtype=torch.int32, device=device)
+    src_row = torch.empty(num_reqs, draft_depth + 1, dtype=torch.int64, device=device)
+    dst_row = torch.empty_like(src_row)
+    scratch = torch.empty(num_reqs, 2, block, dtype=torch.int64, device=device)
+    _ddtree_walk_kernel[(num_reqs,)](
+        target_token_ids,
+        cu_num_logits,
+        idx_mapping,
+        query_start_loc,
+        node_tokens,
+        node_tokens.stride(0),
+        parent_idx,
+        parent_idx.stride(0),
+        depth,
+        depth.stride(0),
+        valid,
+        valid.stride(0),
+        scratch,
+        out_tokens,
+        out_tokens.stride(0),
+        num_accepted,
+        src_row,
+        dst_row,
+        DRAFT_DEPTH=draft_depth,
+        NUM_JUMPS=max(1, (draft_depth - 1).bit_length()),
+        BLOCK=block,
+        PATH_BLOCK=triton.next_power_of_2(draft_depth + 1),
+        num_warps=4 if block >= 128 else 1,
+    )
+    return out_tokens, num_accepted, src_row, dst_row
+
+
+@triton.jit
+def _ddtree_tree_bias_kernel(
+    parent_ptr,  # [max_num_reqs, B] parent (verify index, 0 = root)
+    parent_stride,
+    idx_mapping_ptr,  # [num_reqs] batch row -> request state
+    cu_num_logits_ptr,  # [num_reqs + 1]
+    out_ptr,  # [>= num_reqs, B + 1, B + 1] float32
+    NUM_NODES: tl.constexpr,  # B + 1
+    DRAFT_DEPTH: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,  # power of 2 >= NUM_NODES
+):
+    r = tl.program_id(0)
+    i = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # query nodes
+    j = tl.arange(0, COLS)  # key nodes
+    req = tl.load(idx_mapping_ptr + r).to(tl.int64)
+    num_logits = tl.load(cu_num_logits_ptr + r + 1) - tl.load(cu_num_logits_ptr + r)
+    # Self and the root, then one ancestor per round: a node's depth is at
+    # most DRAFT_DEPTH. Padding nodes hang off the root (depth 1).
+    visible = (j[None, :] == i[:, None]) | (j[None, :] == 0)
+    cur = tl.where(i < NUM_NODES, i, 0).to(tl.int64)
+    for _ in range(DRAFT_DEPTH):
+        parent = tl.load(
+            parent_ptr + req * parent_stride + cur - 1, mask=cur > 0, other=0
+        )
+        cur = tl.where(cur > 0, parent, 0)
+        visible = visible | (j[None, :] == cur[:, None])
+    # A request that verifies no tree (prefill, plain decode) sees no bias.
+    visible = visible | (num_logits <= 1)
+    bias = tl.where(visible, 0.0, float("-inf"))
+    out = out_ptr + r.to(tl.int64) * NUM_NODES * NUM_NODES
+    tl.store(
+        out + i[:, None] * NUM_NODES + j[None, :],
+        bias,
+        mask=(i[:, None] < NUM_NODES) & (j[None, :] < NUM_NODES),
+    )
+
+
+def ddtree_tree_bias(
+    parent_idx: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    draft_depth: int,
+    out: torch.Tensor,
+) -> None:
+    """Write the batch's tree attention bias into ``out[:num_reqs]`` in one
+    launch (the torch reference, `ancestor_mask`, is in the tests:
+    tests/ddtree_reference.py)."""
+    num_reqs = idx_mapping.shape[0]
+    num_nodes = parent_idx.shape[1] + 1
+    assert out.dtype == torch.float32 and out.is_contiguous()
+    assert out.shape[1:] == (num_nodes, num_nodes)
+    if num_reqs == 0:
+        return
+    cols = triton.next_power_of_2(num_nodes)
+    rows = max(1, min(cols, 4096 // cols))
+    _ddtree_tree_bias_kernel[(num_reqs, triton.cdiv(num_nodes, rows))](
+        parent_idx,
+        parent_idx.stride(0),
+        idx_mapping,
+        cu_num_logits,
+        out,
+        NUM_NODES=num_nodes,
+        DRAFT_DEPTH=draft_depth,
+        ROWS=rows,
+        COLS=cols,
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _ddtree_compact_kv_kernel(
+    layer_base_ptr,  # [num_layers] int64 data pointers, same shape / strides
+    slot_mapping_ptr,  # [num_tokens] slots of the verify batch
+    src_row_ptr,  # [num_reqs, D + 1]
+    dst_row_ptr,  # [num_reqs, D + 1]
+    num_accepted_ptr,  # [num_reqs]
+    stride_block,
+    stride_head,
+    stride_slot,
+    block_size,
+    NUM_HEADS: tl.constexpr,
+    ROW_SIZE: tl.constexpr,
+    HEAD_BLOCK: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    DRAFT_DEPTH: tl.constexpr,
+    ELEM_TYPE: tl.constexpr,
+):
+    r = tl.program_id(0)
+    layer = tl.program_id(1)
+    base = tl.load(layer_base_ptr + layer).to(tl.pointer_type(ELEM_TYPE))
+    num_accepted = tl.load(num_accepted_ptr + r)
+    h = tl.arange(0, HEAD_BLOCK)
+    c = tl.arange(0, ROW_BLOCK)
+    mask = (h[:, None] < NUM_HEADS) & (c[None, :] < ROW_SIZE)
+    offs = h[:, None] * stride_head + c[None, :]
+    # Sequential in path order (see the module docstring).
+    for k in range(1, num_accepted):
+        src_row = tl.load(src_row_ptr + r * (DRAFT_DEPTH + 1) + k)
+        dst_row = tl.load(dst_row_ptr + r * (DRAFT_DEPTH + 1) + k)
+        if src_row != dst_row:
+            src_slot = tl.load(slot_mapping_ptr + src_row).to(tl.int64)
+            dst_slot = tl.load(slot_mapping_ptr + dst_row).to(tl.int64)
+            src = (src_slot // block_size) * stride_block + (
+                src_slot % block_size
+            ) * stride_slot
+            dst = (dst_slot // block_size) * stride_block + (
+                dst_slot % block_size
+            ) * stride_slot
+            values = tl.load(base + src + offs, mask=mask)
+            tl.store(base + dst + offs, values, mask=mask)
+
+
+_TL_TYPES = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.uint8: tl.uint8,
+    torch.int8: tl.int8,
+}
+
+
+class KVCompactor:
+    """Moves the accepted path's KV in all target layers with one launch."""
+
+    def __init__(self, kv_caches: list[torch.Tensor]):
+        first = kv_caches[0]
+        for kv in kv_caches:
+            if (
+                kv.shape != first.shape
+                or kv.stride() != first.stride()
+                or kv.dtype != first.dtype
+            ):
+                raise ValueError(
+                    "DDTree: target KV caches differ in shape, stride or dtype; "
+                    f"{tuple(kv.shape)}/{kv.stride()} vs "
+                    f"{tuple(first.shape)}/{first.stride()}"
+                )
+        if first.dtype not in _TL_TYPES:
+            raise ValueError(f"DDTree: unsupported KV cache dtype {first.dtype}")
+        # (num_blocks, num_kv_heads, block_size, row): the row is contiguous.
+        if first.stride(3) != 1:
+            raise ValueError("DDTree: KV cache rows must be contiguous")
+        self.num_layers = len(kv_caches)
+        self.shape = tuple(first.shape)
+        self.strides = first.stride()
+        self.elem_type = _TL_TYPES[first.dtype]
+        self.layer_base = torch.tensor(
+            [kv.data_ptr() for kv in kv_caches], dtype=torch.int64, device=first.device
+        )
+
+    def __call__(
+        self,
+        slot_mapping: torch.Tensor,
+        src_row: torch.Tensor,
+        dst_row: torch.Tensor,
+        num_accepted: torch.Tensor,
+    ) -> None:
+        num_reqs, path_len = src_row.shape
+        _, num_heads, block_size, row_size = self.shape
+        _ddtree_compact_kv_kernel[(num_reqs, self.num_layers)](
+            self.layer_base,
+            slot_mapping,
+            src_row,
+            dst_row,
+            num_accepted,
+            self.strides[0],
+            self.strides[1],
+            self.strides[2],
+            block_size,
+            NUM_HEADS=num_heads,
+            ROW_SIZE=row_size,
+            HEAD_BLOCK=triton.next_power_of_2(num_heads),
+            ROW_BLOCK=triton.next_power_of_2(row_size),
+            DRAFT_DEPTH=path_len - 1,
+            ELEM_TYPE=self.elem_type,
+            num_warps=4,
+        )

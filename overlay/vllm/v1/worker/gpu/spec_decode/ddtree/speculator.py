@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""DDTree drafting on the V2 model runner.
+
+One DFlash pass predicts ``draft_depth`` positions; instead of taking the
+argmax chain, the per-depth distributions are turned into the optimal draft
+tree of ``tree_budget`` nodes (DDTree, arXiv 2604.12989, Prop. 2). The tree is
+built with batched top-k steps inside the drafter's CUDA graph, so drafting
+adds no host synchronisation.
+"""
+
+import copy
+from typing import Any
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.spec_decode.ddtree.tree import build_tree
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+
+def drafter_vllm_config(vllm_config: VllmConfig) -> VllmConfig:
+    """The config the DDTree drafter runs with: the target's, except that its
+    speculative config has no per-batch-size budget schedule.
+
+    The schedule (``num_speculative_tokens_per_batch_size``, set by the
+    "batch" budget policy) says how many tree nodes the target verifies per
+    request at each batch size, and the target's CUDA graphs follow it. The
+    DFlash pass has 1 + draft_depth query tokens per request at every batch
+    size, so the drafter's graphs must not. Shallow copies: every other
+    sub-config is the target's own object.
+    """
+    speculative_config = copy.copy(vllm_config.speculative_config)
+    assert speculative_config is not None
+    speculative_config.num_speculative_tokens_per_batch_size = None
+    drafter_config = copy.copy(vllm_config)
+    drafter_config.speculative_config = speculative_config
+    return drafter_config
+
+
+class DDTreeSpeculator(DFlashSpeculator):
+    _speculator_name = "DDTree"
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+        # The base class sizes draft_tokens by num_speculative_tokens, which
+        # DDTree sets to the tree budget: one column per tree node.
+        super().__init__(drafter_vllm_config(vllm_config), device)
+        spec = self.speculative_config
+        assert spec.tree_budget is not None and spec.draft_depth is not None
+        self.tree_budget: int = spec.tree_budget
+        self.draft_depth: int = spec.draft_depth
+
+        # The DFlash pass itself predicts draft_depth positions (more or fewer
+        # than the budget the base class sized its sampling buffers by).
+        self.num_speculative_steps = self.draft_depth
+        self.num_query_per_req = 1 + self.draft_depth
+        max_num_sampled_tokens = self.max_num_reqs * self.draft_depth
+        self.sample_indices = torch.zeros(
+            max_num_sampled_tokens, dtype=torch.int64, device=device
+        )
+        self.sample_pos = torch.zeros(
+            max_num_sampled_tokens, dtype=torch.int64, device=device
+        )
+        self.sample_idx_mapping = torch.zeros(
+            max_num_sampled_tokens, dtype=torch.int32, device=device
+        )
+        self.sample_col = torch.arange(
+            self.draft_depth, dtype=torch.int32, device=device
+        ).repeat(self.max_num_reqs)
+
+        # The tree of the last proposal, one row per batch position. The
+        # runner moves them to per-request state after propose(); the
+        # verifier builds the attention bias from the parents.
+        self.tree_parent_idx = torch.zeros(
+            self.max_num_reqs, self.tree_budget, dtype=torch.int64, device=device
+        )
+        self.tree_depth = torch.zeros(
+            self.max_num_reqs, self.tree_budget, dtype=torch.int64, device=device
+        )
+        self.tree_valid = torch.zeros(
+            self.max_num_reqs, self.tree_budget, dtype=torch.bool, device=device
+        )
+
+    def _generate_draft(
+        self,
+        num_reqs: int,
+        num_tokens_padded: int,
+        attn_metadata: dict[str, Any] | None,
+        slot_mappings: dict[str, torch.Tensor] | None,
+        num_tokens_across_dp: torch.Tensor | None,
+        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+    ) -> None:
+        last_hidden_states = self._run_model(
+            num_tokens_padded,
+            attn_metadata,
+            slot_mappings,
+            num_tokens_across_dp,
+            cudagraph_runtime_mode,
+        )
+        num_sample = num_reqs * self.draft_depth
+        sample_hidden_states = last_hidden_states[self.sample_indices[:num_sample]]
+        # Per-depth draft distributions q_d: [num_reqs, draft_depth, vocab].
+        draft_logits = self.model.compute_logits(sample_hidden_states)
+        # Ties at the vocabulary top-B boundary are left to torch.topk: any
+        # of the tied trees is optimal, and the exact pass costs a second
+        # sweep over the vocabulary.
+        tree = build_tree(
+            draft_logits.view(num_reqs, self.draft_depth, -1),
+            self.tree_budget,
+            exact_vocab_ties=False,
+        )
+        self.draft_tokens[:num_reqs] = tree.token_ids
+        self.tree_parent_idx[:num_reqs] = tree.parent_idx
+        self.tree_depth[:num_reqs] = tree.depth
+        self.tree_valid[:num_reqs] = tree.valid

@@ -1,0 +1,364 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""DDTree verification on the V2 model runner.
+
+Per step, around the target forward:
+
+1. ``prepare_verify`` (before the forward): every tree-verifying request has
+   ``1 + n`` query tokens laid out as [root, node 1 .. node n] at sequential
+   KV slots. Their positions become ``root position + depth`` (written in
+   place in the persistent positions buffer, so CUDA graphs replay them), and
+   the per-request ancestor bias is copied into the persistent buffer that the
+   Triton attention kernel reads (``tree_attn_bias``). M-RoPE / XD-RoPE
+   targets get the same shift in every section of their own positions
+   (``prepare_model_positions``, once the model state has written them).
+   Hybrid targets: the step's tree rows for the Gated DeltaNet layers
+   (`vllm.v1.spec_decode.ddtree.gdn_verify`).
+2. ``sample`` (instead of rejection sampling): the target draws a token at
+   every node with the request's own sampling parameters (argmax when
+   greedy), then the walk follows the draws from the root. Following the
+   draws is lossless for any temperature.
+3. ``compact`` (before the DFlash pass): the accepted path's KV moves to the
+   contiguous slots ``root .. root + n_accepted - 1``, its hidden states move
+   to the front of the request's rows (so the DFlash context is exactly the
+   accepted path), and the sequential positions come back. Hybrid targets:
+   every GDN layer's committed conv / recurrent state advances along the
+   accepted path.
+4. ``store_trees`` (after the DFlash pass): the new trees move from batch
+   order to per-request state for the next step.
+
+Everything is batched tensor work on the device; nothing here reads a device
+value on the host.
+"""
+
+from typing import Any
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.v1.worker.gpu.input_batch import (
+    InputBatch,
+    get_num_sampled_and_rejected,
+)
+from vllm.v1.worker.gpu.sample.output import SamplerOutput
+from vllm.v1.worker.gpu.sample.sampler import Sampler
+from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import (
+    KVCompactor,
+    ddtree_tree_bias,
+    ddtree_walk,
+)
+from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import (
+    TreePenaltiesState,
+    node_logprobs,
+    sample_nodes,
+)
+
+logger = init_logger(__name__)
+
+
+class DDTreeVerifier:
+    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+        spec = vllm_config.speculative_config
+        assert spec is not None and spec.use_ddtree()
+        assert spec.tree_budget is not None and spec.draft_depth is not None
+        self.tree_budget: int = spec.tree_budget
+        self.draft_depth: int = spec.draft_depth
+        self.device = device
+        self.vllm_config = vllm_config
+        max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        num_nodes = self.tree_budget + 1
+
+        # Per-request tree state (indexed by the request-state index), written
+        # by store_trees() after each DFlash pass. Node tokens live in the
+        # runner's req_states.draft_tokens.
+        self.req_parent_idx = torch.zeros(
+            max_num_reqs, self.tree_budget, dtype=torch.int64, device=device
+        )
+        # Column 0 is the root (depth 0).
+        self.req_depth = torch.zeros(
+            max_num_reqs, num_nodes, dtype=torch.int64, device=device
+        )
+        self.req_valid = torch.zeros(
+            max_num_reqs, self.tree_budget, dtype=torch.bool, device=device
+        )
+        # Batch-ordered bias read by the attention kernel. Persistent: the
+        # captured CUDA graphs hold its address.
+        self.attn_bias = torch.zeros(
+            max_num_reqs, num_nodes, num_nodes, dtype=torch.float32, device=device
+        )
+        self.saved_positions = torch.zeros(
+            max_num_tokens, dtype=torch.int64, device=device
+        )
+        self.node_range = torch.arange(num_nodes, dtype=torch.int64, device=device)
+
+        # Target attention layers whose KV the accepted path is compacted in.
+        self.target_kv_caches: dict[str, torch.Tensor] = {}
+        self.kv_compactor: KVCompactor | None = None
+        # (num_accepted, src_row, dst_row) of the current step's walk, kept
+        # from sample() for compact().
+        self._walk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._positions_overridden = 0
+        # Tree rows (logits indices) and their position shift (depth - local
+        # position) of the step, for the model's own M-RoPE positions.
+        self._tree_pos: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._model_positions: torch.Tensor | None = None
+        self._saved_model_positions: torch.Tensor | None = None
+
+        # Hybrid (Gated DeltaNet) targets: the GDN layers' tree path.
+        self.gdn = None
+        model_config = getattr(vllm_config, "model_config", None)
+        if model_config is not None and model_config.is_hybrid:
+            from vllm.v1.spec_decode.ddtree.gdn_verify import DDTreeGDN
+
+            # Bound to the target's GDN layers in bind(), once they exist.
+            self.gdn = DDTreeGDN.from_vllm_config(
+                vllm_config, self.req_parent_idx, self.draft_depth, device
+            )
+
+    # ------------------------------------------------------------------ setup
+    def bind_sampler(self, sampler: Sampler) -> None:
+        """Give the target's sampler tree-aware penalties (a
+        `TreePenaltiesState` in place of its `PenaltiesState`). Called once
+        the sampler exists, before any request is added to it."""
+        sampler.penalties_state = TreePenaltiesState(sampler.req_states)
+
+    def bind(
+        self,
+        model_state: Any,
+        kv_caches: dict[str, torch.Tensor],
+        draft_layer_names: set[str],
+    ) -> None:
+        """Hook into the target's attention metadata and KV caches."""
+        if not hasattr(model_state, "attn_metadata_hook"):
+            raise ValueError(
+                "DDTree supports dense decoder targets only; model state "
+                f"{type(model_state).__name__} has no attention metadata hook."
+            )
+        model_state.attn_metadata_hook = self.attach_bias
+        # Attention layers only: a hybrid's GDN layers hold [conv, ssm] state
+        # lists, advanced after the walk by the GDN path instead.
+        self.target_kv_caches = {
+            name: kv
+            for name, kv in kv_caches.items()
+            if name not in draft_layer_names and isinstance(kv, torch.Tensor)
+        }
+        if self.gdn is not None:
+            self.gdn.bind_layers(
+                self.vllm_config.compilation_config.static_forward_context
+            )
+        if not self.target_kv_caches:
+            raise ValueError("DDTree: no target KV caches found.")
+        for name, kv in self.target_kv_caches.items():
+            if kv.dim() != 4:
+                raise ValueError(
+                    f"DDTree: unexpected KV cache layout for {name}: "
+                    f"{tuple(kv.shape)} (expected the Triton backend's "
+                    "(num_blocks, num_kv_heads, block_size, 2 * head_size))."
+                )
+        # One launch for all layers when they share shape and strides (the
+        # dense targets DDTree supports); otherwise a torch copy per layer.
+        try:
+            self.kv_compactor = KVCompactor(list(self.target_kv_caches.values()))
+        except ValueError as e:
+            logger.warning("DDTree: per-layer KV compaction (%s)", e)
+            self.kv_compactor = None
+
+    def attach_bias(self, attn_metadata: dict[str, Any]) -> None:
+        """Point every target Triton attention metadata at the tree bias."""
+        attached = False
+        for metadata in _unique(attn_metadata.values()):
+            if hasattr(metadata, "tree_attn_bias"):
+                metadata.tree_attn_bias = self.attn_bias
+                attached = True
+        if attn_metadata and not attached:
+            raise ValueError(
+                "DDTree needs the TRITON_ATTN backend for the target model; got "
+                f"{sorted({type(m).__name__ for m in attn_metadata.values()})}."
+            )
+        if self.gdn is not None:
+            self.gdn.attach(attn_metadata)
+
+    # ------------------------------------------------------------ per step
+    def prepare_verify(self, input_batch: InputBatch) -> None:
+        """Tree positions and tree attention bias for this step's batch."""
+        num_reqs = input_batch.num_reqs
+        num_tokens = input_batch.num_tokens_after_padding
+        self._walk = None
+        self._positions_overridden = 0
+        self._tree_pos = None
+        if self.gdn is not None:
+            self.gdn.prepare_step(input_batch)
+        if input_batch.num_draft_tokens == 0:
+            # Prefill or plain decode only: no request sees a tree bias.
+            self.attn_bias[:num_reqs].zero_()
+            return
+        positions = input_batch.positions
+        self.saved_positions[:num_tokens].copy_(positions[:num_tokens])
+        self._positions_overridden = num_tokens
+        logits_indices = input_batch.logits_indices
+        local_pos = input_batch.expanded_local_pos.to(torch.int64)
+        depth = self.req_depth[input_batch.expanded_idx_mapping.long(), local_pos]
+        # Query token i of a request sits at root + i; its node is at depth[i].
+        shift = depth - local_pos
+        positions[logits_indices] += shift
+        self._tree_pos = (logits_indices, shift)
+        ddtree_tree_bias(
+            self.req_parent_idx,
+            input_batch.idx_mapping,
+            input_batch.cu_num_logits[: num_reqs + 1],
+            self.draft_depth,
+            self.attn_bias,
+        )
+
+    def prepare_model_positions(self, positions: torch.Tensor) -> None:
+        """The tree shift in a multi-dimensional RoPE target's own positions.
+
+        M-RoPE / XD-RoPE models read ``[num_dims, num_tokens]`` positions
+        that the model state writes after ``prepare_verify``; a text token's
+        sections are all ``position (+ delta)``, so each gets the same
+        ``depth - local position`` shift as the 1-D positions. Saved first
+        and restored in ``compact``. A no-op for 1-D positions (already
+        shifted: they are ``input_batch.positions``).
+        """
+        if self._tree_pos is None or positions.dim() != 2:
+            return
+        logits_indices, shift = self._tree_pos
+        n = positions.shape[1]
+        saved = self._saved_model_positions
+        if saved is None or saved.shape[0] != positions.shape[0] or saved.shape[1] < n:
+            saved = torch.empty(
+                positions.shape[0],
+                max(n, self.saved_positions.shape[0]),
+                dtype=positions.dtype,
+                device=positions.device,
+            )
+            self._saved_model_positions = saved
+        saved[:, :n].copy_(positions)
+        self._model_positions = positions
+        positions[:, logits_indices] += shift
+
+    def sample(
+        self,
+        sampler: Sampler,
+        logits: torch.Tensor,
+        input_batch: InputBatch,
+        draft_tokens: torch.Tensor,
+        prefill_len: torch.Tensor,
+    ) -> SamplerOutput:
+        """Draw the target's token at every node and walk the tree."""
+        # Target draw at every node (penalties on the node's ancestor path).
+        target_flat, row_logprobs = sample_nodes(
+            sampler,
+            logits,
+            input_batch,
+            self.req_parent_idx,
+            self.req_depth,
+            self.draft_depth,
+        )
+        num_reqs = input_batch.num_reqs
+        cu_num_logits = input_batch.cu_num_logits[: num_reqs + 1]
+        idx_mapping = input_batch.idx_mapping
+        # One launch: the walk over the scheduled nodes (a request may verify
+        # fewer than tree_budget nodes near max_model_len; parents precede
+        # children, so those form a prefix-closed subtree), the emitted tokens
+        # and the compaction rows.
+        output_token_ids, num_accepted, src_row, dst_row = ddtree_walk(
+            target_flat,
+            cu_num_logits,
+            idx_mapping,
+            input_batch.query_start_loc[: num_reqs + 1],
+            draft_tokens,
+            self.req_parent_idx,
+            self.req_depth,
+            self.req_valid,
+            self.draft_depth,
+        )
+        self._walk = (num_accepted, src_row, dst_row)
+        num_sampled, num_rejected = get_num_sampled_and_rejected(
+            num_accepted.clone(),
+            input_batch.seq_lens,
+            cu_num_logits,
+            idx_mapping,
+            prefill_len,
+        )
+        return SamplerOutput(
+            sampled_token_ids=output_token_ids,
+            logprobs_tensors=node_logprobs(
+                row_logprobs,
+                # Path entries as verify-layout node indices.
+                src_row - input_batch.query_start_loc[:num_reqs, None],
+                num_accepted,
+                cu_num_logits[:num_reqs],
+            ),
+            num_nans=None,
+            num_sampled=num_sampled,
+            num_rejected=num_rejected,
+        )
+
+    def compact(
+        self,
+        input_batch: InputBatch,
+        slot_mappings_by_layer: dict[str, torch.Tensor] | None,
+        aux_hidden_states: list[torch.Tensor] | None,
+    ) -> None:
+        """Move the accepted path to the front: KV, hidden states, positions."""
+        if self._positions_overridden:
+            n = self._positions_overridden
+            input_batch.positions[:n].copy_(self.saved_positions[:n])
+            self._positions_overridden = 0
+        if self._model_positions is not None:
+            assert self._saved_model_positions is not None
+            n = self._model_positions.shape[1]
+            self._model_positions.copy_(self._saved_model_positions[:, :n])
+            self._model_positions = None
+        if self._walk is None:
+            return
+        num_accepted, src_row, dst_row = self._walk
+        self._walk = None
+        if self.gdn is not None:
+            # Committed GDN states along the accepted path (before the
+            # DFlash pass, which does not read them; the next verify does).
+            self.gdn.commit(
+                num_accepted,
+                src_row,
+                input_batch.query_start_loc[: src_row.shape[0] + 1],
+            )
+        # Off-path entries are self-copies of the root: fixed shapes, no host
+        # sync. Torch indexing reads all sources before writing, and the real
+        # destinations are distinct.
+        src = src_row.view(-1)
+        dst = dst_row.view(-1)
+        if aux_hidden_states:
+            for hidden in aux_hidden_states:
+                hidden[dst] = hidden[src]
+        if slot_mappings_by_layer is None:
+            return
+        slot_mappings = {id(slot_mappings_by_layer[n]) for n in self.target_kv_caches}
+        if self.kv_compactor is not None and len(slot_mappings) == 1:
+            slots = slot_mappings_by_layer[next(iter(self.target_kv_caches))]
+            self.kv_compactor(slots, src_row, dst_row, num_accepted)
+            return
+        for name, kv_cache in self.target_kv_caches.items():
+            slots = slot_mappings_by_layer[name]
+            block_size = kv_cache.shape[2]
+            src_slot = slots[src].to(torch.int64)
+            dst_slot = slots[dst].to(torch.int64)
+            # kv_cache: (num_blocks, num_kv_heads, block_size, 2 * head_size)
+            kv_cache[dst_slot // block_size, :, dst_slot % block_size] = kv_cache[
+                src_slot // block_size, :, src_slot % block_size
+            ]
+
+    def store_trees(self, idx_mapping: torch.Tensor, speculator: Any) -> None:
+        num_reqs = idx_mapping.shape[0]
+        self.req_parent_idx[idx_mapping] = speculator.tree_parent_idx[:num_reqs]
+        self.req_depth[idx_mapping, 1:] = speculator.tree_depth[:num_reqs]
+        self.req_valid[idx_mapping] = speculator.tree_valid[:num_reqs]
+
+
+def _unique(items: Any) -> list[Any]:
+    seen: dict[int, Any] = {}
+    for item in items:
+        seen.setdefault(id(item), item)
+    return list(seen.values())
