@@ -16,7 +16,9 @@ import heapq
 import torch
 
 
-def chain_steps(draft: torch.Tensor, tokens: list[int], start: int, end: int) -> list[int]:
+def chain_steps(
+    draft: torch.Tensor, tokens: list[int], start: int, end: int
+) -> list[int]:
     """Accepted-plus-one per step of the chain. ``draft[p]`` [K] is the argmax draft
     after a bonus token at position p (predicting positions p+1..p+K); ``tokens``
     the target's greedy sequence; decoding starts with the bonus at ``start`` and
@@ -52,7 +54,12 @@ def best_prefixes(logp_topk: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
 
 
 def tree_steps(
-    vals: torch.Tensor, idx: torch.Tensor, tokens: list[int], start: int, end: int, budget: int
+    vals: torch.Tensor,
+    idx: torch.Tensor,
+    tokens: list[int],
+    start: int,
+    end: int,
+    budget: int,
 ) -> list[int]:
     """Accepted-plus-one per step of DDTree with ``budget`` nodes. ``vals[p]`` and
     ``idx[p]`` [K, R] (R >= budget) are the top-R draft log-probabilities and token
@@ -61,7 +68,10 @@ def tree_steps(
     k = vals.shape[1]
     while p < end:
         tree = best_prefixes(vals[p, :, :budget], budget)
-        rank_of = [{int(t): j for j, t in enumerate(idx[p, d, :budget].tolist())} for d in range(k)]
+        rank_of = [
+            {int(t): j for j, t in enumerate(idx[p, d, :budget].tolist())}
+            for d in range(k)
+        ]
         n, node = 0, ()
         while n < k and p + 1 + n <= end:
             j = rank_of[n].get(tokens[p + 1 + n])

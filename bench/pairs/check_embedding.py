@@ -26,10 +26,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import torch  # noqa: E402
-
 import embed  # noqa: E402
 import pair_configs as pc  # noqa: E402
+import torch  # noqa: E402
 from dflash_ref import DFlashDrafter, draft_logits, target_forward  # noqa: E402
 
 
@@ -55,7 +54,7 @@ def load_into(model, weights, prefix: str) -> int:
     params = dict(model.named_parameters())
     n = 0
     for name, t in weights:
-        key = "model." + name[len(prefix):] if name.startswith(prefix) else name
+        key = "model." + name[len(prefix) :] if name.startswith(prefix) else name
         if key not in params:
             if name in params:
                 key = name
@@ -69,6 +68,36 @@ def load_into(model, weights, prefix: str) -> int:
     return n
 
 
+def reduce_production(spec: dict, placed_only: bool, vocab_cap: int | None) -> dict:
+    """The production shape (hidden size, heads, MLP width as they are) without its
+    identity layers and/or with fewer padded vocabulary rows. Neither changes the
+    real tokens' logits: an identity layer adds exact zeros to the residual stream
+    (tests/test_pairs_embed.py checks it bit for bit), and lm_head rows are
+    independent of each other. It lets the check run in a CPU's memory."""
+    import copy
+
+    spec = copy.deepcopy(spec)
+    big, bigd = pc.text_config(spec["big_target"]), spec["big_drafter"]
+    if placed_only:
+        placement = spec["placement"]
+        ends = placement[1:] + [big["num_hidden_layers"]]
+        collapsed = [
+            next(i for i, (lo, hi) in enumerate(zip(placement, ends)) if lo <= L < hi)
+            for L in bigd["dflash_config"]["target_layer_ids"]
+        ]
+        if "layer_types" in big:
+            big["layer_types"] = [big["layer_types"][L] for L in placement]
+        big["num_hidden_layers"] = len(placement)
+        spec["placement"] = list(range(len(placement)))
+        bigd["dflash_config"] = dict(bigd["dflash_config"], target_layer_ids=collapsed)
+        bigd["num_target_layers"] = len(placement)
+        bigd["num_hidden_layers"] = spec["small_drafter"]["num_hidden_layers"]
+    if vocab_cap:
+        big["vocab_size"] = min(big["vocab_size"], vocab_cap)
+        bigd["vocab_size"] = big["vocab_size"]
+    return spec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=os.path.join(HERE, "models"))
@@ -76,11 +105,24 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--placed-layers-only",
+        action="store_true",
+        help="leave out the production model's identity layers (fits a CPU)",
+    )
+    ap.add_argument(
+        "--vocab-cap",
+        type=int,
+        default=None,
+        help="at most this many vocabulary rows in the production model",
+    )
     a = ap.parse_args()
     from safetensors.torch import load_file
 
     t0 = time.time()
     spec = pc.load_pair(a.models, a.pair)
+    if a.placed_layers_only or a.vocab_cap:
+        spec = reduce_production(spec, a.placed_layers_only, a.vocab_cap)
     pdir = os.path.join(a.models, a.pair)
     dev = torch.device(a.device)
     small_sd = load_file(os.path.join(pdir, "target", "model.safetensors"))
@@ -88,7 +130,9 @@ def main() -> None:
     small = hf_text_model(spec["small_target"], dev)
     load_into(small, ((k, v) for k, v in small_sd.items() if "visual" not in k), prefix)
     with open(os.path.join(a.models, "prompts", "heldout.jsonl")) as f:
-        prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()][: a.prompts]
+        prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()][
+            : a.prompts
+        ]
     layer_ids_s = spec["small_drafter"]["dflash_config"]["target_layer_ids"]
     layer_ids_b = spec["big_drafter"]["dflash_config"]["target_layer_ids"]
     res_small = []
@@ -98,8 +142,18 @@ def main() -> None:
             logits, feats = target_forward(small, x, layer_ids_s)
             res_small.append((logits.cpu(), feats))
     big = hf_text_model(spec["big_target"], dev)
-    load_into(big, embed.target_weights(spec["small_target"], spec["big_target"], spec["placement"],
-                                        small_sd, device=dev, dtype=torch.float32), prefix)
+    load_into(
+        big,
+        embed.target_weights(
+            spec["small_target"],
+            spec["big_target"],
+            spec["placement"],
+            small_sd,
+            device=dev,
+            dtype=torch.float32,
+        ),
+        prefix,
+    )
     v = pc.text_config(spec["small_target"])["vocab_size"]
     diff, margin, feats_b = 0.0, float("inf"), []
     with torch.no_grad():
@@ -109,23 +163,48 @@ def main() -> None:
             lb = lb.float()
             diff = max(diff, (lb[..., :v].cpu() - ls).abs().max().item())
             if lb.shape[-1] > v:
-                margin = min(margin, (lb[..., :v].min(-1).values - lb[..., v:].max(-1).values).min().item())
+                margin = min(
+                    margin,
+                    (lb[..., :v].min(-1).values - lb[..., v:].max(-1).values)
+                    .min()
+                    .item(),
+                )
             feats_b.append(fb)
     embed_s, lm_s = small.model.embed_tokens.weight, small.lm_head.weight
     embed_b, lm_b = big.model.embed_tokens.weight.clone(), big.lm_head.weight.clone()
     del big, lb
     torch.cuda.empty_cache() if dev.type == "cuda" else None
     d_small = DFlashDrafter(spec["small_drafter"]).to(dev).eval()
-    d_small.load_state_dict({k: t.float() for k, t in load_file(os.path.join(pdir, "drafter", "model.safetensors")).items()})
+    d_small.load_state_dict(
+        {
+            k: t.float()
+            for k, t in load_file(
+                os.path.join(pdir, "drafter", "model.safetensors")
+            ).items()
+        }
+    )
     d_big = DFlashDrafter(spec["big_drafter"]).to(dev).eval()
-    d_big.load_state_dict(dict(embed.drafter_weights(
-        spec["small_drafter"], spec["big_drafter"], spec["small_target"], spec["big_target"],
-        spec["placement"], d_small.state_dict(), device=dev, dtype=torch.float32)))
+    d_big.load_state_dict(
+        dict(
+            embed.drafter_weights(
+                spec["small_drafter"],
+                spec["big_drafter"],
+                spec["small_target"],
+                spec["big_target"],
+                spec["placement"],
+                d_small.state_dict(),
+                device=dev,
+                dtype=torch.float32,
+            )
+        )
+    )
     ddiff = 0.0
     with torch.no_grad():
         for p, (_, fs), fb in zip(prompts, res_small, feats_b):
             x = torch.tensor([p], device=dev)
-            anchors = torch.arange(8, len(p) - 1, max(1, (len(p) - 9) // 16), device=dev)[None]
+            anchors = torch.arange(
+                8, len(p) - 1, max(1, (len(p) - 9) // 16), device=dev
+            )[None]
             a_s = draft_logits(d_small, fs, x, anchors, embed_s, lm_s)
             a_b = draft_logits(d_big, fb, x, anchors, embed_b, lm_b)
             ddiff = max(ddiff, (a_b[..., :v] - a_s).abs().max().item())
@@ -136,6 +215,8 @@ def main() -> None:
         "pad_logit_margin": None if margin == float("inf") else round(margin, 1),
         "prompts": len(prompts),
         "dtype": "float32",
+        "production_layers": "placed layers only" if a.placed_layers_only else "all",
+        "production_vocab": pc.text_config(spec["big_target"])["vocab_size"],
         "seconds": round(time.time() - t0, 1),
     }
     print("EMBEDDING " + json.dumps(row), flush=True)

@@ -19,13 +19,17 @@ import torch.nn.functional as F
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    return (
+        xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    ).to(x.dtype)
 
 
 def rope_neox(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding, neox style (Qwen3): x [B, T, H, D], pos [B, T]."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    inv = 1.0 / (
+        theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    )
     f = pos.float()[..., None] * inv
     cos, sin = f.cos()[..., None, :], f.sin()[..., None, :]
     x1, x2 = x[..., : d // 2].float(), x[..., d // 2 :].float()
@@ -78,11 +82,17 @@ class DFlashDrafter(nn.Module):
         n_aux = len(cfg["dflash_config"]["target_layer_ids"])
         self.cfg = cfg
         self.nh, self.nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        self.hd, self.theta, self.eps = cfg["head_dim"], cfg["rope_theta"], cfg["rms_norm_eps"]
+        self.hd, self.theta, self.eps = (
+            cfg["head_dim"],
+            cfg["rope_theta"],
+            cfg["rms_norm_eps"],
+        )
         self.fc = nn.Linear(h * n_aux, h, bias=False)
         self.hidden_norm = _Norm(h)
         self.norm = _Norm(h)
-        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg["num_hidden_layers"]))
+        self.layers = nn.ModuleList(
+            _Layer(cfg) for _ in range(cfg["num_hidden_layers"])
+        )
 
     def forward(
         self,
@@ -103,21 +113,35 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             a = layer.self_attn
             x = rms_norm(h, layer.input_layernorm.weight, self.eps)
-            q = rms_norm(a.q_proj(x).view(b, q_len, self.nh, self.hd), a.q_norm.weight, self.eps)
-            kq = rms_norm(a.k_proj(x).view(b, q_len, self.nkv, self.hd), a.k_norm.weight, self.eps)
+            q = rms_norm(
+                a.q_proj(x).view(b, q_len, self.nh, self.hd), a.q_norm.weight, self.eps
+            )
+            kq = rms_norm(
+                a.k_proj(x).view(b, q_len, self.nkv, self.hd), a.k_norm.weight, self.eps
+            )
             vq = a.v_proj(x).view(b, q_len, self.nkv, self.hd)
-            kc = rms_norm(a.k_proj(ctx).view(b, t, self.nkv, self.hd), a.k_norm.weight, self.eps)
+            kc = rms_norm(
+                a.k_proj(ctx).view(b, t, self.nkv, self.hd), a.k_norm.weight, self.eps
+            )
             vc = a.v_proj(ctx).view(b, t, self.nkv, self.hd)
             q = rope_neox(q, q_pos, self.theta)
-            k = torch.cat([rope_neox(kc, ctx_pos, self.theta), rope_neox(kq, q_pos, self.theta)], 1)
+            k = torch.cat(
+                [rope_neox(kc, ctx_pos, self.theta), rope_neox(kq, q_pos, self.theta)],
+                1,
+            )
             v = torch.cat([vc, vq], 1)
             k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
             o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None]
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=mask[:, None],
             )
             h = h + a.o_proj(o.transpose(1, 2).reshape(b, q_len, -1))
             x = rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
-            h = h + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x))
+            h = h + layer.mlp.down_proj(
+                F.silu(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x)
+            )
         return rms_norm(h, self.norm.weight, self.eps)
 
 
@@ -160,7 +184,9 @@ def draft_logits(
     return hid @ lm_head.t().to(hid.dtype)
 
 
-def target_forward(model, input_ids: torch.Tensor, target_layer_ids) -> tuple[torch.Tensor, torch.Tensor]:
+def target_forward(
+    model, input_ids: torch.Tensor, target_layer_ids
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A Hugging Face target's logits and the concatenated features vLLM's DFlash
     reads: the residual stream after each listed layer, before any final norm
     (Hugging Face's last ``hidden_states`` entry is normed, so hooks are used)."""
@@ -168,7 +194,9 @@ def target_forward(model, input_ids: torch.Tensor, target_layer_ids) -> tuple[to
     outs: dict[int, torch.Tensor] = {}
     hooks = [
         layers[i].register_forward_hook(
-            lambda mod, inp, out, i=i: outs.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+            lambda mod, inp, out, i=i: outs.__setitem__(
+                i, out[0] if isinstance(out, tuple) else out
+            )
         )
         for i in target_layer_ids
     ]

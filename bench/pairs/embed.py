@@ -38,7 +38,6 @@ import math
 from collections.abc import Iterator
 
 import torch
-
 from pair_configs import text_config
 
 INIT_RANGE = 1e-3  # vLLM's dummy loader draws weights from U(-1e-3, 1e-3)
@@ -56,7 +55,9 @@ class Geometry:
         self.c = math.sqrt(self.H / self.h)
         self.const_unit = self.H - 1 if with_const_unit else None
 
-    def norm(self, w: torch.Tensor | None, *, one_plus: bool, final: bool) -> torch.Tensor:
+    def norm(
+        self, w: torch.Tensor | None, *, one_plus: bool, final: bool
+    ) -> torch.Tensor:
         """An RMSNorm weight over H for the small weight ``w`` over h."""
         pad = -1.0 if one_plus else 0.0
         out = torch.full((self.H,), pad, dtype=torch.float32, device=w.device)
@@ -69,24 +70,32 @@ class Geometry:
         return out
 
 
-def _q_head_index(j: int, small_heads: int, small_kv: int, big_heads: int, big_kv: int) -> int:
+def _q_head_index(
+    j: int, small_heads: int, small_kv: int, big_heads: int, big_kv: int
+) -> int:
     g_small, g_big = small_heads // small_kv, big_heads // big_kv
     k, r = divmod(j, g_small)
     return k * g_big + r
 
 
 def _head_rows(heads: list[int], per_head: int, device) -> torch.Tensor:
-    return torch.cat([torch.arange(b * per_head, (b + 1) * per_head, device=device) for b in heads])
+    return torch.cat(
+        [torch.arange(b * per_head, (b + 1) * per_head, device=device) for b in heads]
+    )
 
 
 def check_compatible(small: dict, big: dict) -> None:
     """Raise ValueError if the small text config cannot be embedded in the big one."""
+
     def need(ok: bool, what: str) -> None:
         if not ok:
             raise ValueError(f"cannot embed: {what}")
 
     need(small["head_dim"] == big["head_dim"], "head_dim differs")
-    need(small["num_key_value_heads"] <= big["num_key_value_heads"], "more KV heads than the target")
+    need(
+        small["num_key_value_heads"] <= big["num_key_value_heads"],
+        "more KV heads than the target",
+    )
     g_s = small["num_attention_heads"] // small["num_key_value_heads"]
     g_b = big["num_attention_heads"] // big["num_key_value_heads"]
     need(g_s <= g_b, f"query group {g_s} larger than {g_b}")
@@ -97,10 +106,20 @@ def check_compatible(small: dict, big: dict) -> None:
         rs = small["linear_num_value_heads"] // small["linear_num_key_heads"]
         rb = big["linear_num_value_heads"] // big["linear_num_key_heads"]
         need(rs == rb, f"GDN value/key head ratio {rs} != {rb}")
-        need(small["linear_num_key_heads"] <= big["linear_num_key_heads"], "GDN key heads")
-        for k in ("linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"):
+        need(
+            small["linear_num_key_heads"] <= big["linear_num_key_heads"],
+            "GDN key heads",
+        )
+        for k in (
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel_dim",
+        ):
             need(small[k] == big[k], k)
-        need(small.get("rope_parameters") == big.get("rope_parameters"), "rope parameters")
+        need(
+            small.get("rope_parameters") == big.get("rope_parameters"),
+            "rope parameters",
+        )
     else:
         need(small.get("rope_theta") == big.get("rope_theta"), "rope_theta")
 
@@ -118,7 +137,9 @@ class _Writer:
     def zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-    def put(self, big: torch.Tensor, rows, cols, small: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    def put(
+        self, big: torch.Tensor, rows, cols, small: torch.Tensor, scale: float = 1.0
+    ) -> torch.Tensor:
         small = small.to(device=self.device, dtype=torch.float32) * scale
         if cols is None:
             big[rows] = small.to(self.dtype)
@@ -141,8 +162,14 @@ def _attention(w: _Writer, small: dict, big: dict, s: dict | None, gated: bool):
     k, v = w.rand(nkv_b * hd, H), w.rand(nkv_b * hd, H)
     o = w.zeros(H, nq_b * hd)
     if s is None:
-        return [("q_proj.weight", q), ("k_proj.weight", k), ("v_proj.weight", v), ("o_proj.weight", o),
-                ("q_norm.weight", w.rand(hd)), ("k_norm.weight", w.rand(hd))]
+        return [
+            ("q_proj.weight", q),
+            ("k_proj.weight", k),
+            ("v_proj.weight", v),
+            ("o_proj.weight", o),
+            ("q_norm.weight", w.rand(hd)),
+            ("k_norm.weight", w.rand(hd)),
+        ]
     nq_s, nkv_s = small["num_attention_heads"], small["num_key_value_heads"]
     heads = [_q_head_index(j, nq_s, nkv_s, nq_b, nkv_b) for j in range(nq_s)]
     hs = torch.arange(geo.h, device=dev)
@@ -151,13 +178,23 @@ def _attention(w: _Writer, small: dict, big: dict, s: dict | None, gated: bool):
     w.put(k, kv_rows, hs, s["k_proj.weight"])
     w.put(v, kv_rows, hs, s["v_proj.weight"])
     w.put(o, hs, _head_rows(heads, hd, dev), s["o_proj.weight"], geo.c)
-    return [("q_proj.weight", q), ("k_proj.weight", k), ("v_proj.weight", v), ("o_proj.weight", o),
-            ("q_norm.weight", w.cast(s["q_norm.weight"])), ("k_norm.weight", w.cast(s["k_norm.weight"]))]
+    return [
+        ("q_proj.weight", q),
+        ("k_proj.weight", k),
+        ("v_proj.weight", v),
+        ("o_proj.weight", o),
+        ("q_norm.weight", w.cast(s["q_norm.weight"])),
+        ("k_norm.weight", w.cast(s["k_norm.weight"])),
+    ]
 
 
 def _gated_delta_net(w: _Writer, small: dict, big: dict, s: dict | None):
     geo, dev, H = w.geo, w.device, w.geo.H
-    dk, dv, kern = big["linear_key_head_dim"], big["linear_value_head_dim"], big["linear_conv_kernel_dim"]
+    dk, dv, kern = (
+        big["linear_key_head_dim"],
+        big["linear_value_head_dim"],
+        big["linear_conv_kernel_dim"],
+    )
     nk_b, nv_b = big["linear_num_key_heads"], big["linear_num_value_heads"]
     key_b, val_b = nk_b * dk, nv_b * dv
     conv_b = 2 * key_b + val_b
@@ -171,11 +208,13 @@ def _gated_delta_net(w: _Writer, small: dict, big: dict, s: dict | None):
     else:
         nk_s, nv_s = small["linear_num_key_heads"], small["linear_num_value_heads"]
         key_s, val_s = nk_s * dk, nv_s * dv
-        rows = torch.cat([
-            torch.arange(key_s, device=dev),
-            key_b + torch.arange(key_s, device=dev),
-            2 * key_b + torch.arange(val_s, device=dev),
-        ])
+        rows = torch.cat(
+            [
+                torch.arange(key_s, device=dev),
+                key_b + torch.arange(key_s, device=dev),
+                2 * key_b + torch.arange(val_s, device=dev),
+            ]
+        )
         hs = torch.arange(geo.h, device=dev)
         w.put(qkv, rows, hs, s["in_proj_qkv.weight"])
         w.put(conv, rows, None, s["conv1d.weight"])
@@ -188,9 +227,17 @@ def _gated_delta_net(w: _Writer, small: dict, big: dict, s: dict | None):
         w.put(a_log, heads, None, s["A_log"])
         w.put(out, hs, vs, s["out_proj.weight"], geo.c)
         norm = w.cast(s["norm.weight"])
-    return [("in_proj_qkv.weight", qkv), ("in_proj_z.weight", z), ("in_proj_b.weight", b_),
-            ("in_proj_a.weight", a_), ("conv1d.weight", conv), ("dt_bias", dt_bias), ("A_log", a_log),
-            ("norm.weight", norm), ("out_proj.weight", out)]
+    return [
+        ("in_proj_qkv.weight", qkv),
+        ("in_proj_z.weight", z),
+        ("in_proj_b.weight", b_),
+        ("in_proj_a.weight", a_),
+        ("conv1d.weight", conv),
+        ("dt_bias", dt_bias),
+        ("A_log", a_log),
+        ("norm.weight", norm),
+        ("out_proj.weight", out),
+    ]
 
 
 def _mlp(w: _Writer, small: dict, big: dict, s: dict | None):
@@ -203,25 +250,48 @@ def _mlp(w: _Writer, small: dict, big: dict, s: dict | None):
         w.put(gate, cols, hs, s["gate_proj.weight"])
         w.put(up, cols, hs, s["up_proj.weight"])
         w.put(down, hs, cols, s["down_proj.weight"], geo.c)
-    return [("gate_proj.weight", gate), ("up_proj.weight", up), ("down_proj.weight", down)]
+    return [
+        ("gate_proj.weight", gate),
+        ("up_proj.weight", up),
+        ("down_proj.weight", down),
+    ]
 
 
 def check_placement(small: dict, big: dict, placement: list[int]) -> None:
     """Raise ValueError unless ``placement`` puts each small layer, in order, on a
     production layer of the same type."""
-    if len(placement) != small["num_hidden_layers"] or sorted(set(placement)) != placement:
-        raise ValueError(f"placement {placement} is not increasing over {small['num_hidden_layers']} layers")
+    if (
+        len(placement) != small["num_hidden_layers"]
+        or sorted(set(placement)) != placement
+    ):
+        raise ValueError(
+            f"placement {placement} is not increasing over "
+            f"{small['num_hidden_layers']} layers"
+        )
     if placement[-1] >= big["num_hidden_layers"]:
-        raise ValueError(f"placement {placement} beyond {big['num_hidden_layers']} layers")
+        raise ValueError(
+            f"placement {placement} beyond {big['num_hidden_layers']} layers"
+        )
     types_b = big.get("layer_types") or ["full_attention"] * big["num_hidden_layers"]
-    types_s = small.get("layer_types") or ["full_attention"] * small["num_hidden_layers"]
+    types_s = (
+        small.get("layer_types") or ["full_attention"] * small["num_hidden_layers"]
+    )
     for i, li in enumerate(placement):
         if types_s[i] != types_b[li]:
-            raise ValueError(f"small layer {i} ({types_s[i]}) placed on a {types_b[li]} layer {li}")
+            raise ValueError(
+                f"small layer {i} ({types_s[i]}) placed on a {types_b[li]} layer {li}"
+            )
 
 
-def _layers(w: _Writer, small: dict, big: dict, small_sd: dict, prefix: str, placement: list[int],
-            one_plus: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _layers(
+    w: _Writer,
+    small: dict,
+    big: dict,
+    small_sd: dict,
+    prefix: str,
+    placement: list[int],
+    one_plus: bool,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every production layer; layer ``placement[i]`` is small layer i."""
     check_placement(small, big, placement)
     types_b = big.get("layer_types") or ["full_attention"] * big["num_hidden_layers"]
@@ -231,11 +301,11 @@ def _layers(w: _Writer, small: dict, big: dict, small_sd: dict, prefix: str, pla
         i = small_of.get(li)
         pre_s, pre_b = f"{prefix}layers.{i}.", f"{prefix}layers.{li}."
 
-        def sub(block: str):
+        def sub(block: str, i=i, pre_s=pre_s):
             if i is None:
                 return None
             p = pre_s + block + "."
-            return {k[len(p):]: v for k, v in small_sd.items() if k.startswith(p)}
+            return {k[len(p) :]: v for k, v in small_sd.items() if k.startswith(p)}
 
         if types_b[li] == "linear_attention":
             for n, t in _gated_delta_net(w, small, big, sub("linear_attn")):
@@ -249,7 +319,9 @@ def _layers(w: _Writer, small: dict, big: dict, small_sd: dict, prefix: str, pla
             if i is None:
                 yield pre_b + norm + ".weight", w.rand(w.geo.H)
             else:
-                t = w.geo.norm(small_sd[pre_s + norm + ".weight"], one_plus=one_plus, final=False)
+                t = w.geo.norm(
+                    small_sd[pre_s + norm + ".weight"], one_plus=one_plus, final=False
+                )
                 yield pre_b + norm + ".weight", w.cast(t)
 
 
@@ -273,7 +345,9 @@ def target_weights(
     check_compatible(small, big)
     check_placement(small, big, placement)
     if big.get("tie_word_embeddings"):
-        raise ValueError("the production config must not tie embeddings (its lm_head differs)")
+        raise ValueError(
+            "the production config must not tie embeddings (its lm_head differs)"
+        )
     one_plus = "text_config" in big_cfg  # Qwen3.5 norms are (1 + w)
     geo = Geometry(small, big, with_const_unit=big["vocab_size"] > small["vocab_size"])
     w = _Writer(geo, device, dtype, seed)
@@ -289,24 +363,35 @@ def target_weights(
     yield pre_b + "embed_tokens.weight", emb
     del emb
     for n, t in _layers(w, small, big, small_sd, pre, placement, one_plus):
-        yield pre_b + n[len(pre):], t
-    yield pre_b + "norm.weight", w.cast(geo.norm(small_sd[pre + "norm.weight"], one_plus=one_plus, final=True))
+        yield pre_b + n[len(pre) :], t
+    yield (
+        pre_b + "norm.weight",
+        w.cast(geo.norm(small_sd[pre + "norm.weight"], one_plus=one_plus, final=True)),
+    )
     lm = w.rand(v_b, geo.H)
-    w.put(lm, torch.arange(v_s, device=device), hs, small_sd.get("lm_head.weight", emb_s))
+    w.put(
+        lm, torch.arange(v_s, device=device), hs, small_sd.get("lm_head.weight", emb_s)
+    )
     if geo.const_unit is not None:
         lm[:v_s, geo.const_unit] = 0
         lm[v_s:, geo.const_unit] = PAD_LOGIT_WEIGHT
     yield "lm_head.weight", lm
 
 
-def aux_slot_map(placement: list[int], n_big_layers: int, small_ids: list[int], big_ids: list[int]) -> dict[int, int]:
+def aux_slot_map(
+    placement: list[int], n_big_layers: int, small_ids: list[int], big_ids: list[int]
+) -> dict[int, int]:
     """Small drafter aux slot -> production aux slot reading the same hidden state
     (the output of production layer L equals small layer i's for
     placement[i] <= L < placement[i + 1])."""
     ends = placement[1:] + [n_big_layers]
     out, used = {}, set()
     for s_slot, i in enumerate(small_ids):
-        match = [b for b, L in enumerate(big_ids) if placement[i] <= L < ends[i] and b not in used]
+        match = [
+            b
+            for b, L in enumerate(big_ids)
+            if placement[i] <= L < ends[i] and b not in used
+        ]
         if not match:
             raise ValueError(
                 f"no production target_layer_id reads small layer {i} (placed at "
@@ -337,7 +422,11 @@ def drafter_weights(
     if big_dcfg["hidden_size"] != text_config(big_target_cfg)["hidden_size"]:
         raise ValueError("the production drafter's width is not its target's")
     big_t, small_t = text_config(big_target_cfg), text_config(small_target_cfg)
-    geo = Geometry(small_dcfg, big_dcfg, with_const_unit=big_t["vocab_size"] > small_t["vocab_size"])
+    geo = Geometry(
+        small_dcfg,
+        big_dcfg,
+        with_const_unit=big_t["vocab_size"] > small_t["vocab_size"],
+    )
     w = _Writer(geo, device, dtype, seed)
     s_ids = small_dcfg["dflash_config"]["target_layer_ids"]
     b_ids = big_dcfg["dflash_config"]["target_layer_ids"]
@@ -346,9 +435,22 @@ def drafter_weights(
     fc = w.zeros(H, len(b_ids) * H)
     hs = torch.arange(h, device=device)
     for s_slot, b_slot in slots.items():
-        w.put(fc, hs, b_slot * H + hs, small_dsd["fc.weight"][:, s_slot * h : (s_slot + 1) * h])
+        w.put(
+            fc,
+            hs,
+            b_slot * H + hs,
+            small_dsd["fc.weight"][:, s_slot * h : (s_slot + 1) * h],
+        )
     yield "fc.weight", fc
-    yield "hidden_norm.weight", w.cast(geo.norm(small_dsd["hidden_norm.weight"], one_plus=False, final=False))
+    yield (
+        "hidden_norm.weight",
+        w.cast(geo.norm(small_dsd["hidden_norm.weight"], one_plus=False, final=False)),
+    )
     n_small = small_dcfg["num_hidden_layers"]
-    yield from _layers(w, small_dcfg, big_dcfg, small_dsd, "", list(range(n_small)), one_plus=False)
-    yield "norm.weight", w.cast(geo.norm(small_dsd["norm.weight"], one_plus=False, final=True))
+    yield from _layers(
+        w, small_dcfg, big_dcfg, small_dsd, "", list(range(n_small)), one_plus=False
+    )
+    yield (
+        "norm.weight",
+        w.cast(geo.norm(small_dsd["norm.weight"], one_plus=False, final=True)),
+    )

@@ -35,7 +35,7 @@ _QWEN35_ROPE = {
 # A one-block vision tower that only has to parse: the pairs are text-only and
 # vLLM runs them with limit_mm_per_prompt {"image": 0, "video": 0}.
 _VISION_STUB = {
-    "model_type": "qwen3_5",
+    "model_type": "qwen3_5_vision",
     "deepstack_visual_indexes": [],
     "depth": 1,
     "hidden_act": "gelu_pytorch_tanh",
@@ -78,7 +78,17 @@ def _qwen3_text(
 
 
 def _qwen35_text(
-    *, vocab, hidden, layers, heads, kv_heads, k_heads, v_heads, intermediate, tie, max_pos
+    *,
+    vocab,
+    hidden,
+    layers,
+    heads,
+    kv_heads,
+    k_heads,
+    v_heads,
+    intermediate,
+    tie,
+    max_pos,
 ) -> dict:
     return {
         "model_type": "qwen3_5_text",
@@ -134,18 +144,37 @@ def _qwen35_model(text: dict) -> dict:
 
 
 def _dflash(
-    *, vocab, hidden, layers, heads, kv_heads, intermediate, rope_theta, target_layers,
-    target_layer_ids, max_pos
+    *,
+    vocab,
+    hidden,
+    layers,
+    heads,
+    kv_heads,
+    intermediate,
+    rope_theta,
+    target_layers,
+    target_layer_ids,
+    max_pos,
 ) -> dict:
     cfg = _qwen3_text(
-        vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
-        intermediate=intermediate, rope_theta=rope_theta, tie=False, max_pos=max_pos,
+        vocab=vocab,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=intermediate,
+        rope_theta=rope_theta,
+        tie=False,
+        max_pos=max_pos,
     )
     cfg.update(
         architectures=["DFlashDraftModel"],
         block_size=BLOCK_SIZE,
         num_target_layers=target_layers,
-        dflash_config={"mask_token_id": MASK_ID, "target_layer_ids": list(target_layer_ids)},
+        dflash_config={
+            "mask_token_id": MASK_ID,
+            "target_layer_ids": list(target_layer_ids),
+        },
     )
     return cfg
 
@@ -158,25 +187,53 @@ PAIRS: dict[str, dict] = {
     "dense-8b": {
         "kind": "dense",
         "small_target": _qwen3_text(
-            vocab=SMALL_VOCAB, hidden=256, layers=4, heads=2, kv_heads=1,
-            intermediate=768, rope_theta=1000000, tie=True, max_pos=4096,
+            vocab=SMALL_VOCAB,
+            hidden=256,
+            layers=4,
+            heads=2,
+            kv_heads=1,
+            intermediate=768,
+            rope_theta=1000000,
+            tie=True,
+            max_pos=4096,
         ),
         "small_drafter": _dflash(
-            vocab=SMALL_VOCAB, hidden=256, layers=3, heads=2, kv_heads=1,
-            intermediate=768, rope_theta=1000000, target_layers=4,
-            target_layer_ids=[1, 2, 3], max_pos=4096,
+            vocab=SMALL_VOCAB,
+            hidden=256,
+            layers=3,
+            heads=2,
+            kv_heads=1,
+            intermediate=768,
+            rope_theta=1000000,
+            target_layers=4,
+            target_layer_ids=[1, 2, 3],
+            max_pos=4096,
         ),
         # Qwen3-8B (vocabulary included: the lm_head and the DDTree vocabulary
         # pass run at their real size).
         "big_target": _qwen3_text(
-            vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8,
-            intermediate=12288, rope_theta=1000000, tie=False, max_pos=40960,
+            vocab=151936,
+            hidden=4096,
+            layers=36,
+            heads=32,
+            kv_heads=8,
+            intermediate=12288,
+            rope_theta=1000000,
+            tie=False,
+            max_pos=40960,
         ),
         # As z-lab/Qwen3-8B-DFlash-b16: 5 layers, target_layer_ids [1, 9, 17, 25, 33].
         "big_drafter": _dflash(
-            vocab=151936, hidden=4096, layers=5, heads=32, kv_heads=8,
-            intermediate=12288, rope_theta=1000000, target_layers=36,
-            target_layer_ids=[1, 9, 17, 25, 33], max_pos=40960,
+            vocab=151936,
+            hidden=4096,
+            layers=5,
+            heads=32,
+            kv_heads=8,
+            intermediate=12288,
+            rope_theta=1000000,
+            target_layers=36,
+            target_layer_ids=[1, 9, 17, 25, 33],
+            max_pos=40960,
         ),
         "placement": [0, 8, 16, 24],
     },
@@ -184,27 +241,57 @@ PAIRS: dict[str, dict] = {
         "kind": "hybrid",
         "small_target": _qwen35_model(
             _qwen35_text(
-                vocab=SMALL_VOCAB, hidden=256, layers=4, heads=2, kv_heads=1,
-                k_heads=1, v_heads=3, intermediate=768, tie=True, max_pos=4096,
+                vocab=SMALL_VOCAB,
+                hidden=256,
+                layers=4,
+                heads=2,
+                kv_heads=1,
+                k_heads=1,
+                v_heads=3,
+                intermediate=768,
+                tie=True,
+                max_pos=4096,
             )
         ),
         "small_drafter": _dflash(
-            vocab=SMALL_VOCAB, hidden=256, layers=2, heads=2, kv_heads=1,
-            intermediate=768, rope_theta=10000000, target_layers=4,
-            target_layer_ids=[0, 1, 2], max_pos=4096,
+            vocab=SMALL_VOCAB,
+            hidden=256,
+            layers=2,
+            heads=2,
+            kv_heads=1,
+            intermediate=768,
+            rope_theta=10000000,
+            target_layers=4,
+            target_layer_ids=[0, 1, 2],
+            max_pos=4096,
         ),
         # Qwen3.6-27B: 64 layers (full attention every 4th), 24 query / 4 KV heads
         # of 256 with output gate, GDN 16 key / 48 value heads of 128.
         "big_target": _qwen35_model(
             _qwen35_text(
-                vocab=248320, hidden=5120, layers=64, heads=24, kv_heads=4,
-                k_heads=16, v_heads=48, intermediate=17408, tie=False, max_pos=262144,
+                vocab=248320,
+                hidden=5120,
+                layers=64,
+                heads=24,
+                kv_heads=4,
+                k_heads=16,
+                v_heads=48,
+                intermediate=17408,
+                tie=False,
+                max_pos=262144,
             )
         ),
         "big_drafter": _dflash(
-            vocab=248320, hidden=5120, layers=5, heads=32, kv_heads=8,
-            intermediate=17408, rope_theta=10000000, target_layers=64,
-            target_layer_ids=[1, 17, 33, 49, 61], max_pos=262144,
+            vocab=248320,
+            hidden=5120,
+            layers=5,
+            heads=32,
+            kv_heads=8,
+            intermediate=17408,
+            rope_theta=10000000,
+            target_layers=64,
+            target_layer_ids=[1, 17, 33, 49, 61],
+            max_pos=262144,
         ),
         # Small layer types [GDN, GDN, GDN, attention] land on production layers of
         # the same type (attention where index % 4 == 3).
@@ -226,8 +313,12 @@ def load_pair(models: str, name: str) -> dict:
     import os
 
     spec = pair(name)
-    for key, sub in (("small_target", "target"), ("small_drafter", "drafter"),
-                     ("big_target", "production-target"), ("big_drafter", "production-drafter")):
+    for key, sub in (
+        ("small_target", "target"),
+        ("small_drafter", "drafter"),
+        ("big_target", "production-target"),
+        ("big_drafter", "production-drafter"),
+    ):
         path = os.path.join(models, name, sub, "config.json")
         if os.path.exists(path):
             with open(path) as f:
@@ -248,7 +339,8 @@ def scaled(cfg: dict, **text_overrides) -> dict:
     if "layer_types" in text_config(out) and "num_hidden_layers" in text_overrides:
         n = text_overrides["num_hidden_layers"]
         text_config(out)["layer_types"] = [
-            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+            for i in range(n)
         ]
     if "text_config" in out and "hidden_size" in text_overrides:
         out["vision_config"]["out_hidden_size"] = text_overrides["hidden_size"]
@@ -264,7 +356,10 @@ def write_model_dirs(models: str, name: str) -> None:
 
     spec = pair(name)
     base = os.path.join(models, name)
-    for sub, cfg in (("production-target", spec["big_target"]), ("production-drafter", spec["big_drafter"])):
+    for sub, cfg in (
+        ("production-target", spec["big_target"]),
+        ("production-drafter", spec["big_drafter"]),
+    ):
         os.makedirs(os.path.join(base, sub), exist_ok=True)
         with open(os.path.join(base, sub, "config.json"), "w") as f:
             json.dump(cfg, f, indent=1)
@@ -285,7 +380,9 @@ def write_model_dirs(models: str, name: str) -> None:
 if __name__ == "__main__":
     import argparse
 
-    ap = argparse.ArgumentParser(description="write the production config folders of the pairs")
+    ap = argparse.ArgumentParser(
+        description="write the production config folders of the pairs"
+    )
     ap.add_argument("--models", required=True)
     for n in PAIRS:
         write_model_dirs(ap.parse_args().models, n)

@@ -18,10 +18,9 @@ from __future__ import annotations
 import os
 import time
 
-import torch
-
 import embed
 import pair_configs as pc
+import torch
 
 
 def _load_small(path: str) -> dict[str, torch.Tensor]:
@@ -41,7 +40,9 @@ def _drafter_model(runner):
 
 
 class EmbeddedPairWorker:
-    def load_embedded_pair(self, pair_dir: str, pair_name: str, with_drafter: bool = True) -> dict:
+    def load_embedded_pair(
+        self, pair_dir: str, pair_name: str, with_drafter: bool = True
+    ) -> dict:
         t0 = time.time()
         spec = pc.load_pair(os.path.dirname(pair_dir.rstrip("/")), pair_name)
         runner = self.model_runner
@@ -58,25 +59,48 @@ class EmbeddedPairWorker:
                 n_tensors += 1
                 yield name, t
 
-        target.load_weights(counted(embed.target_weights(
-            spec["small_target"], spec["big_target"], spec["placement"], small_t,
-            device=device, dtype=dtype,
-        )))
-        out = {"pair": pair_name, "target_tensors": n_tensors, "target_gib": round(n_bytes / 2**30, 2)}
+        target.load_weights(
+            counted(
+                embed.target_weights(
+                    spec["small_target"],
+                    spec["big_target"],
+                    spec["placement"],
+                    small_t,
+                    device=device,
+                    dtype=dtype,
+                )
+            )
+        )
+        out = {
+            "pair": pair_name,
+            "target_tensors": n_tensors,
+            "target_gib": round(n_bytes / 2**30, 2),
+        }
         drafter = _drafter_model(runner)
         if with_drafter and drafter is not None:
             n_bytes = n_tensors = 0
             small_d = _load_small(os.path.join(pair_dir, "drafter"))
-            drafter.load_weights(counted(embed.drafter_weights(
-                spec["small_drafter"], spec["big_drafter"], spec["small_target"],
-                spec["big_target"], spec["placement"], small_d, device=device, dtype=dtype,
-            )))
+            drafter.load_weights(
+                counted(
+                    embed.drafter_weights(
+                        spec["small_drafter"],
+                        spec["big_drafter"],
+                        spec["small_target"],
+                        spec["big_target"],
+                        spec["placement"],
+                        small_d,
+                        device=device,
+                        dtype=dtype,
+                    )
+                )
+            )
             out.update(drafter_tensors=n_tensors, drafter_gib=round(n_bytes / 2**30, 2))
             # The drafter must read the target's embedding and lm_head (DFlash
             # shares them at load time); a copy would still hold dummy values.
             lm_t = getattr(getattr(target, "language_model", target), "lm_head", None)
             out["drafter_shares_lm_head"] = bool(
-                lm_t is not None and getattr(drafter, "lm_head", None) is not None
+                lm_t is not None
+                and getattr(drafter, "lm_head", None) is not None
                 and drafter.lm_head.weight.data_ptr() == lm_t.weight.data_ptr()
             )
         torch.cuda.synchronize()

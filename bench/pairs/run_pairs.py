@@ -88,15 +88,21 @@ def run_engine(a) -> None:
         enable_prefix_caching=False,
     )
     if not small:
-        kw.update(load_format="dummy", worker_extension_cls="pair_worker.EmbeddedPairWorker")
+        kw.update(
+            load_format="dummy", worker_extension_cls="pair_worker.EmbeddedPairWorker"
+        )
     if spec["kind"] == "hybrid":
         kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
         kw["gdn_prefill_backend"] = "triton"
     drafter = os.path.join(pdir, "drafter" if small else "production-drafter")
     if a.method == "chain":
-        kw["speculative_config"] = dict(method="dflash", model=drafter, num_speculative_tokens=a.chain_k)
+        kw["speculative_config"] = dict(
+            method="dflash", model=drafter, num_speculative_tokens=a.chain_k
+        )
     elif a.method == "ddtree":
-        kw["speculative_config"] = dict(method="ddtree", model=drafter, **json.loads(a.ddtree))
+        kw["speculative_config"] = dict(
+            method="ddtree", model=drafter, **json.loads(a.ddtree)
+        )
     if a.llm_kwargs:
         kw.update(json.loads(a.llm_kwargs))
     t0 = time.time()
@@ -104,10 +110,14 @@ def run_engine(a) -> None:
     startup = time.time() - t0
     load = None
     if not small:
-        load = llm.collective_rpc("load_embedded_pair", args=(pdir, a.pair, a.method != "nospec"))[0]
+        load = llm.collective_rpc(
+            "load_embedded_pair", args=(pdir, a.pair, a.method != "nospec")
+        )[0]
         log(f"{a.pair} {a.dtype} {a.method}: embedded weights written {load}")
     prompts = load_prompts(a.prompts)
-    sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True, detokenize=False)
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True, detokenize=False
+    )
     warm = [TokensPrompt(prompt_token_ids=p) for p in prompts[:2]]
     llm.generate(warm, sp, use_tqdm=False)
     for conc in a.conc:
@@ -117,7 +127,9 @@ def run_engine(a) -> None:
         t = time.time()
         for i in range(0, len(batch), conc):
             outs = llm.generate(
-                [TokensPrompt(prompt_token_ids=p) for p in batch[i : i + conc]], sp, use_tqdm=False
+                [TokensPrompt(prompt_token_ids=p) for p in batch[i : i + conc]],
+                sp,
+                use_tqdm=False,
             )
             toks += [list(o.outputs[0].token_ids) for o in outs]
         dt = time.time() - t
@@ -142,43 +154,83 @@ def run_engine(a) -> None:
         if load:
             row["weights_written"] = load
         print("ROW " + json.dumps(row), flush=True)
-        with open(os.path.join(a.workdir, f"tokens_{a.pair}_{a.dtype}_{a.method}_c{conc}.json"), "w") as f:
+        with open(
+            os.path.join(
+                a.workdir, f"tokens_{a.pair}_{a.dtype}_{a.method}_c{conc}.json"
+            ),
+            "w",
+        ) as f:
             json.dump(toks, f)
-        log(f"{a.pair} {a.dtype} {a.method} c={conc}: {row['tok_s']} tok/s, tau {row['tau']}")
+        log(
+            f"{a.pair} {a.dtype} {a.method} c={conc}: "
+            f"{row['tok_s']} tok/s, tau {row['tau']}"
+        )
 
 
 # ---------------------------------------------------------------- orchestration
 
 
-def compare(workdir: str, pair: str, dtype: str, method: str, conc: int, ref_method: str) -> str | None:
-    paths = [os.path.join(workdir, f"tokens_{pair}_{dtype}_{m}_c{conc}.json") for m in (ref_method, method)]
+def compare(
+    workdir: str, pair: str, dtype: str, method: str, conc: int, ref_method: str
+) -> str | None:
+    paths = [
+        os.path.join(workdir, f"tokens_{pair}_{dtype}_{m}_c{conc}.json")
+        for m in (ref_method, method)
+    ]
     if not all(os.path.exists(p) for p in paths):
         return None
-    ref, got = (json.load(open(p)) for p in paths)
+    ref, got = [], []
+    for p, dest in zip(paths, (ref, got)):
+        with open(p) as f:
+            dest += json.load(f)
     same = sum(x == y for x, y in zip(ref, got))
     return f"{same}/{len(got)}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=os.path.join(HERE, "models"), help="trained pairs (train.py --out)")
-    ap.add_argument("--out", required=True, help="JSON rows (rewritten after every engine)")
+    ap.add_argument(
+        "--models",
+        default=os.path.join(HERE, "models"),
+        help="trained pairs (train.py --out)",
+    )
+    ap.add_argument(
+        "--out", required=True, help="JSON rows (rewritten after every engine)"
+    )
     ap.add_argument("--pairs", default=",".join(pc.PAIRS))
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--small", action="store_true", help="also run the small pair (float32, no speculation)")
+    ap.add_argument(
+        "--small",
+        action="store_true",
+        help="also run the small pair (float32, no speculation)",
+    )
     ap.add_argument("--conc", default="1,4,8,16,32")
-    ap.add_argument("--float32-conc", default="1,8", help="concurrencies of the float32 (exactness) engines")
-    ap.add_argument("--prompts", default=None, help="default: <models>/prompts/heldout.jsonl")
+    ap.add_argument(
+        "--float32-conc",
+        default="1,8",
+        help="concurrencies of the float32 (exactness) engines",
+    )
+    ap.add_argument(
+        "--prompts", default=None, help="default: <models>/prompts/heldout.jsonl"
+    )
     ap.add_argument("--c1-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--chain-k", type=int, default=15)
-    ap.add_argument("--ddtree", default="{}", help="DDTree speculative_config keys (JSON), e.g. '{\"tree_budget\": 64}'")
-    ap.add_argument("--llm-kwargs", default=None, help="extra LLM(...) keyword arguments (JSON)")
+    ap.add_argument(
+        "--ddtree",
+        default="{}",
+        help="DDTree speculative_config keys (JSON), e.g. '{\"tree_budget\": 64}'",
+    )
+    ap.add_argument(
+        "--llm-kwargs", default=None, help="extra LLM(...) keyword arguments (JSON)"
+    )
     ap.add_argument("--engine-timeout", type=int, default=900)
-    ap.add_argument("--workdir", default=None, help="token files (default: next to --out)")
+    ap.add_argument(
+        "--workdir", default=None, help="token files (default: next to --out)"
+    )
     # one engine (internal)
     ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--pair", help=argparse.SUPPRESS)
@@ -186,7 +238,9 @@ def main() -> None:
     ap.add_argument("--method", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.prompts = a.prompts or os.path.join(a.models, "prompts", "heldout.jsonl")
-    a.workdir = a.workdir or os.path.join(os.path.dirname(os.path.abspath(a.out)), "pairs-tokens")
+    a.workdir = a.workdir or os.path.join(
+        os.path.dirname(os.path.abspath(a.out)), "pairs-tokens"
+    )
     os.makedirs(a.workdir, exist_ok=True)
     if a.engine:
         a.conc = [int(c) for c in a.conc.split(",")]
@@ -206,31 +260,92 @@ def main() -> None:
             plan += [(pair, dtype, m, conc) for m in a.methods.split(",")]
     t_all = time.time()
     for k, (pair, dtype, method, conc) in enumerate(plan):
-        log(f"engine {k + 1}/{len(plan)}: {pair} {dtype} {method} at c={conc} ({time.time() - t_all:.0f} s so far)")
-        cmd = [sys.executable, __file__, "--engine", "--pair", pair, "--dtype", dtype, "--method", method,
-               "--conc", conc, "--models", a.models, "--out", a.out, "--prompts", a.prompts,
-               "--c1-prompts", str(a.c1_prompts), "--max-tokens", str(a.max_tokens),
-               "--max-model-len", str(a.max_model_len), "--gpu-memory-utilization", str(a.gpu_memory_utilization),
-               "--chain-k", str(a.chain_k), "--ddtree", a.ddtree, "--workdir", a.workdir]
+        log(
+            f"engine {k + 1}/{len(plan)}: {pair} {dtype} {method} at c={conc} "
+            f"({time.time() - t_all:.0f} s so far)"
+        )
+        cmd = [
+            sys.executable,
+            __file__,
+            "--engine",
+            "--pair",
+            pair,
+            "--dtype",
+            dtype,
+            "--method",
+            method,
+            "--conc",
+            conc,
+            "--models",
+            a.models,
+            "--out",
+            a.out,
+            "--prompts",
+            a.prompts,
+            "--c1-prompts",
+            str(a.c1_prompts),
+            "--max-tokens",
+            str(a.max_tokens),
+            "--max-model-len",
+            str(a.max_model_len),
+            "--gpu-memory-utilization",
+            str(a.gpu_memory_utilization),
+            "--chain-k",
+            str(a.chain_k),
+            "--ddtree",
+            a.ddtree,
+            "--workdir",
+            a.workdir,
+        ]
         if a.llm_kwargs:
             cmd += ["--llm-kwargs", a.llm_kwargs]
         t = time.time()
         try:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=a.engine_timeout)
+            proc = subprocess.run(
+                cmd, stdout=subprocess.PIPE, text=True, timeout=a.engine_timeout
+            )
             out, rc = proc.stdout, proc.returncode
         except subprocess.TimeoutExpired as e:
-            out, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
-        new = [json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW ")]
+            out, rc = (
+                (e.stdout or b"").decode()
+                if isinstance(e.stdout, bytes)
+                else (e.stdout or ""),
+                "timeout",
+            )
+        new = [
+            json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW ")
+        ]
         if rc != 0:
-            log(f"engine {pair} {dtype} {method} ended with {rc} after {time.time() - t:.0f} s")
+            log(
+                f"engine {pair} {dtype} {method} ended with {rc} "
+                f"after {time.time() - t:.0f} s"
+            )
             new.append(dict(pair=pair, dtype=dtype, method=method, error=str(rc)))
-        rows = [r for r in rows if (r.get("pair"), r.get("dtype"), r.get("method")) != (pair, dtype, method)]
+        rows = [
+            r
+            for r in rows
+            if (r.get("pair"), r.get("dtype"), r.get("method")) != (pair, dtype, method)
+        ]
         rows += new
         for r in rows:
             if "concurrency" in r and r["method"] not in ("nospec", "small"):
-                r["identical_to_nospec"] = compare(a.workdir, r["pair"], r["dtype"], r["method"], r["concurrency"], "nospec")
+                r["identical_to_nospec"] = compare(
+                    a.workdir,
+                    r["pair"],
+                    r["dtype"],
+                    r["method"],
+                    r["concurrency"],
+                    "nospec",
+                )
             if r.get("method") == "nospec" and "concurrency" in r:
-                r["identical_to_small"] = compare(a.workdir, r["pair"], r["dtype"], "nospec", r["concurrency"], "small")
+                r["identical_to_small"] = compare(
+                    a.workdir,
+                    r["pair"],
+                    r["dtype"],
+                    "nospec",
+                    r["concurrency"],
+                    "small",
+                )
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
     print(json.dumps(rows))

@@ -31,6 +31,7 @@ pipeline, not a model.
 from __future__ import annotations
 
 import argparse
+import copy
 import glob
 import json
 import math
@@ -103,7 +104,11 @@ def train_tokenizer(texts: list[str], out_dir: str):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(texts, trainer)
-    assert [tok.token_to_id(s) for s in pc.SPECIAL_TOKENS] == [pc.EOS_ID, pc.MASK_ID, pc.PAD_ID]
+    assert [tok.token_to_id(s) for s in pc.SPECIAL_TOKENS] == [
+        pc.EOS_ID,
+        pc.MASK_ID,
+        pc.PAD_ID,
+    ]
     os.makedirs(out_dir, exist_ok=True)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
@@ -146,16 +151,22 @@ def prepare(a) -> None:
     import torch
 
     t0 = time.time()
-    roots = a.roots.split(",") if a.roots else [
-        sysconfig.get_paths()["stdlib"],
-        sysconfig.get_paths()["purelib"],
-    ]
+    roots = (
+        a.roots.split(",")
+        if a.roots
+        else [
+            sysconfig.get_paths()["stdlib"],
+            sysconfig.get_paths()["purelib"],
+        ]
+    )
     roots = [r for r in roots if os.path.isdir(r)]
     heldout = {h for h in a.heldout.split(",") if h}
     max_bytes = (2 if a.smoke else a.corpus_mb) * 2**20
     train, held = gather_corpus(roots, max_bytes, heldout, a.seed)
     if not held:
-        sys.exit(f"no held-out files: none of the packages {sorted(heldout)} under {roots}")
+        sys.exit(
+            f"no held-out files: none of the packages {sorted(heldout)} under {roots}"
+        )
     log(
         f"corpus {sum(map(len, train)) / 2**20:.1f} MiB in {len(train)} files; "
         f"held-out {len(held)} files of {sorted(heldout)} ({time.time() - t0:.0f} s)"
@@ -166,7 +177,11 @@ def prepare(a) -> None:
         from tokenizers import Tokenizer
 
         for sub in ("tokenizer", "prompts"):
-            shutil.copytree(os.path.join(a.reuse_target, sub), os.path.join(a.out, sub), dirs_exist_ok=True)
+            shutil.copytree(
+                os.path.join(a.reuse_target, sub),
+                os.path.join(a.out, sub),
+                dirs_exist_ok=True,
+            )
         tok = Tokenizer.from_file(os.path.join(a.out, "tokenizer", "tokenizer.json"))
     else:
         sample, n = [], 0
@@ -181,12 +196,19 @@ def prepare(a) -> None:
 
     enc = tok.encode_batch(train)
     eos = np.array([pc.EOS_ID], dtype=np.int32)
-    ids = torch.from_numpy(np.concatenate([a for e in enc for a in (np.asarray(e.ids, dtype=np.int32), eos)]))
+    ids = torch.from_numpy(
+        np.concatenate(
+            [a for e in enc for a in (np.asarray(e.ids, dtype=np.int32), eos)]
+        )
+    )
     work = os.path.join(a.out, "_work")
     os.makedirs(work, exist_ok=True)
     torch.save(ids, os.path.join(work, "train_ids.pt"))
     if a.reuse_target:
-        log(f"{ids.numel() / 1e6:.1f}M training tokens, tokenizer and prompts of {a.reuse_target} ({time.time() - t0:.0f} s)")
+        log(
+            f"{ids.numel() / 1e6:.1f}M training tokens, tokenizer and prompts of "
+            f"{a.reuse_target} ({time.time() - t0:.0f} s)"
+        )
         return
     os.makedirs(os.path.join(a.out, "prompts"), exist_ok=True)
     write_prompts(
@@ -231,18 +253,25 @@ def save_target(name: str, model, out_dir: str, seed: int) -> None:
     from safetensors.torch import save_file
 
     cfg = pc.pair(name)["small_target"]
-    sd = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in model.state_dict().items()}
+    sd = {
+        k: v.detach().to(torch.bfloat16).cpu().contiguous()
+        for k, v in model.state_dict().items()
+    }
     if pc.text_config(cfg)["tie_word_embeddings"]:
         sd.pop("lm_head.weight", None)
     if "text_config" in cfg:
         from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
         sd = {
-            (k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
+            (
+                k.replace("model.", "model.language_model.", 1)
+                if k.startswith("model.")
+                else k
+            ): v
             for k, v in sd.items()
         }
         torch.manual_seed(seed)
-        stub = Qwen3_5ForConditionalGeneration(Qwen3_5Config(**cfg))
+        stub = Qwen3_5ForConditionalGeneration(Qwen3_5Config(**copy.deepcopy(cfg)))
         for k, v in stub.state_dict().items():
             if k.startswith("model.visual."):
                 sd[k] = v.detach().to(torch.bfloat16).contiguous()
@@ -266,10 +295,15 @@ def load_target(model, path: str) -> None:
         sd[k.replace("model.language_model.", "model.", 1)] = v.float()
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
-        raise RuntimeError(f"target weights do not fit: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(
+            f"target weights do not fit: missing {missing}, unexpected {unexpected}"
+        )
     model.tie_weights()
     with torch.no_grad():
-        assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight) or "lm_head.weight" in sd
+        assert (
+            torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+            or "lm_head.weight" in sd
+        )
 
 
 def save_drafter(name: str, drafter, out_dir: str) -> None:
@@ -277,7 +311,10 @@ def save_drafter(name: str, drafter, out_dir: str) -> None:
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
-    sd = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in drafter.state_dict().items()}
+    sd = {
+        k: v.detach().to(torch.bfloat16).cpu().contiguous()
+        for k, v in drafter.state_dict().items()
+    }
     save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(pc.pair(name)["small_drafter"], f, indent=1)
@@ -297,13 +334,19 @@ def round_to_bf16_(module) -> None:
 
 
 def lr_at(step: int, frac: float, peak: float, warmup: int, floor: float) -> float:
-    return peak * min(1.0, (step + 1) / warmup) * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+    return (
+        peak
+        * min(1.0, (step + 1) / warmup)
+        * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+    )
 
 
 def train_target(a, model, ids, device, deadline: float, rec: dict) -> None:
     import torch
 
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1
+    )
     gen = torch.Generator().manual_seed(a.seed)
     seq = 64 if a.smoke else 512
     bs = 4 if a.smoke else a.target_batch
@@ -326,8 +369,16 @@ def train_target(a, model, ids, device, deadline: float, rec: dict) -> None:
             losses.append([step, round(loss.item(), 4)])
         if step % 500 == 0:
             log(f"{a.pair}: target step {step} loss {loss.item():.3f}")
-    rec["target"] = {"steps": step, "batch": bs, "seq": seq, "seconds": round(time.time() - t1, 1), "loss_curve": losses}
-    log(f"{a.pair}: target done, {step} steps, loss {losses[-1][1] if losses else None}")
+    rec["target"] = {
+        "steps": step,
+        "batch": bs,
+        "seq": seq,
+        "seconds": round(time.time() - t1, 1),
+        "loss_curve": losses,
+    }
+    log(
+        f"{a.pair}: target done, {step} steps, loss {losses[-1][1] if losses else None}"
+    )
 
 
 def greedy_continue(model, prompts, new_tokens: int, amp: bool):
@@ -360,15 +411,23 @@ def make_continuations(a, model, ids, device, deadline: float, rec: dict):
         p = torch.stack([ids[s : s + plen] for s in st.tolist()]).long().to(device)
         seqs.append(greedy_continue(model, p, clen, device.type == "cuda").cpu())
     data = torch.cat(seqs)
-    rec["continuations"] = {"sequences": data.shape[0], "prompt_len": plen, "new_tokens": clen, "seconds": round(time.time() - t1, 1)}
-    log(f"{a.pair}: {data.shape[0]} greedy continuations of {clen} tokens ({time.time() - t1:.0f} s)")
+    rec["continuations"] = {
+        "sequences": data.shape[0],
+        "prompt_len": plen,
+        "new_tokens": clen,
+        "seconds": round(time.time() - t1, 1),
+    }
+    log(
+        f"{a.pair}: {data.shape[0]} greedy continuations of {clen} tokens "
+        f"({time.time() - t1:.0f} s)"
+    )
     return data, plen
 
 
-def train_drafter(a, model, drafter, data, plen, device, deadline: float, rec: dict) -> None:
+def train_drafter(
+    a, model, drafter, data, plen, device, deadline: float, rec: dict
+) -> None:
     import torch
-    import torch.nn.functional as F
-
     from dflash_ref import draft_logits, target_forward
 
     dcfg = drafter.cfg
@@ -378,7 +437,9 @@ def train_drafter(a, model, drafter, data, plen, device, deadline: float, rec: d
         p.requires_grad_(False)
     embed = model.model.embed_tokens.weight
     lm_head = model.lm_head.weight
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    opt = torch.optim.AdamW(
+        drafter.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01
+    )
     gen = torch.Generator().manual_seed(a.seed + 11)
     dbs = 2 if a.smoke else a.drafter_batch
     anchors_per_seq = 4 if a.smoke else 24
@@ -396,13 +457,19 @@ def train_drafter(a, model, drafter, data, plen, device, deadline: float, rec: d
             feats = feats.float()
             logp_t = logits_t.float().log_softmax(-1)
         anc = torch.stack(
-            [torch.randperm(s_len - block - lo, generator=gen)[:anchors_per_seq] + lo for _ in range(dbs)]
+            [
+                torch.randperm(s_len - block - lo, generator=gen)[:anchors_per_seq] + lo
+                for _ in range(dbs)
+            ]
         ).to(device)
         anc, _ = anc.sort(1)
         offs = torch.arange(1, block, device=device)
-        # slot k predicts position anchor + k, i.e. the target's distribution after anchor + k - 1
+        # slot k predicts position anchor + k: the target's distribution after
+        # position anchor + k - 1
         tgt_pos = (anc[:, :, None] + offs - 1).reshape(dbs, -1)
-        tgt_logp = torch.gather(logp_t, 1, tgt_pos[..., None].expand(-1, -1, logp_t.shape[-1]))
+        tgt_logp = torch.gather(
+            logp_t, 1, tgt_pos[..., None].expand(-1, -1, logp_t.shape[-1])
+        )
         hard = tgt_logp.argmax(-1)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, (time.time() - t1) / budget, 1e-3, 50, 0.05)
@@ -420,11 +487,27 @@ def train_drafter(a, model, drafter, data, plen, device, deadline: float, rec: d
         opt.zero_grad(set_to_none=True)
         step += 1
         if step % 100 == 0 or time.time() >= deadline:
-            acc = (logits.argmax(-1) == hard).float().view(dbs, anchors_per_seq, block - 1).mean((0, 1))
-            curve.append([step, round(loss.item(), 4), [round(v, 3) for v in acc.tolist()]])
+            acc = (
+                (logits.argmax(-1) == hard)
+                .float()
+                .view(dbs, anchors_per_seq, block - 1)
+                .mean((0, 1))
+            )
+            curve.append(
+                [step, round(loss.item(), 4), [round(v, 3) for v in acc.tolist()]]
+            )
         if step % 500 == 0:
-            log(f"{a.pair}: drafter step {step} loss {loss.item():.3f} acc@1..4 {curve[-1][2][:4]}")
-    rec["drafter"] = {"steps": step, "batch": dbs, "anchors_per_seq": anchors_per_seq, "seconds": round(time.time() - t1, 1), "curve": curve}
+            log(
+                f"{a.pair}: drafter step {step} loss {loss.item():.3f} "
+                f"acc@1..4 {curve[-1][2][:4]}"
+            )
+    rec["drafter"] = {
+        "steps": step,
+        "batch": dbs,
+        "anchors_per_seq": anchors_per_seq,
+        "seconds": round(time.time() - t1, 1),
+        "curve": curve,
+    }
     log(f"{a.pair}: drafter done, {step} steps")
 
 
@@ -432,9 +515,8 @@ def evaluate(a, model, drafter, prompts_path: str, device, n_prompts: int) -> di
     """Offline tau at temperature 0: the prompts of ``prompts_path`` with at least
     EVAL_PROMPT_LEN tokens, cut to their last EVAL_PROMPT_LEN (one batch, no
     padding), continued greedily by the target."""
-    import torch
-
     import acceptance
+    import torch
     from dflash_ref import draft_logits, target_forward
 
     dcfg = drafter.cfg
@@ -459,14 +541,26 @@ def evaluate(a, model, drafter, prompts_path: str, device, n_prompts: int) -> di
             vals, idx = [], []
             for chunk in anchors.split(64):
                 lg = draft_logits(
-                    drafter, feats, seq, chunk[None], model.model.embed_tokens.weight, model.lm_head.weight
+                    drafter,
+                    feats,
+                    seq,
+                    chunk[None],
+                    model.model.embed_tokens.weight,
+                    model.lm_head.weight,
                 )[0].float()
                 v, i = lg.log_softmax(-1).topk(min(r, lg.shape[-1]), dim=-1)
                 vals.append(v.cpu())
                 idx.append(i.cpu())
         # indexed by absolute anchor position
-        v_all = torch.cat([torch.zeros(plen, block - 1, vals[0].shape[-1]), torch.cat(vals)])
-        i_all = torch.cat([torch.zeros(plen, block - 1, vals[0].shape[-1], dtype=torch.long), torch.cat(idx)])
+        v_all = torch.cat(
+            [torch.zeros(plen, block - 1, vals[0].shape[-1]), torch.cat(vals)]
+        )
+        i_all = torch.cat(
+            [
+                torch.zeros(plen, block - 1, vals[0].shape[-1], dtype=torch.long),
+                torch.cat(idx),
+            ]
+        )
         chain.append(acceptance.chain_steps(i_all[..., 0], toks, plen, end))
         for b in EVAL_BUDGETS:
             trees[b].append(acceptance.tree_steps(v_all, i_all, toks, plen, end, b))
@@ -475,13 +569,14 @@ def evaluate(a, model, drafter, prompts_path: str, device, n_prompts: int) -> di
         "prompt_tokens": plen,
         "new_tokens": new,
         "chain_k15_tau": round(acceptance.tau(chain), 3),
-        "ddtree_tau": {str(b): round(acceptance.tau(trees[b]), 3) for b in EVAL_BUDGETS},
+        "ddtree_tau": {
+            str(b): round(acceptance.tau(trees[b]), 3) for b in EVAL_BUDGETS
+        },
     }
 
 
 def run_pair(a) -> None:
     import torch
-
     from dflash_ref import DFlashDrafter
 
     torch.manual_seed(a.seed)
@@ -502,7 +597,9 @@ def run_pair(a) -> None:
     rec: dict = {
         "pair": a.pair,
         "seed": a.seed,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else "cpu",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
@@ -513,8 +610,12 @@ def run_pair(a) -> None:
         rec["target"] = {"reused": os.path.join(a.reuse_target, a.pair, "target")}
         import shutil
 
-        shutil.copytree(os.path.join(a.reuse_target, a.pair, "target"), os.path.join(pdir, "target"),
-                        dirs_exist_ok=True, symlinks=True)
+        shutil.copytree(
+            os.path.join(a.reuse_target, a.pair, "target"),
+            os.path.join(pdir, "target"),
+            dirs_exist_ok=True,
+            symlinks=True,
+        )
         model.eval()
     else:
         model.train()
@@ -530,7 +631,12 @@ def run_pair(a) -> None:
     save_drafter(a.pair, drafter, os.path.join(pdir, "drafter"))
     n_eval = 8 if a.smoke else 48
     rec["offline_heldout"] = evaluate(
-        a, model, drafter, os.path.join(a.out, "prompts", "heldout.jsonl"), device, n_eval
+        a,
+        model,
+        drafter,
+        os.path.join(a.out, "prompts", "heldout.jsonl"),
+        device,
+        n_eval,
     )
     log(f"{a.pair}: offline held-out {rec['offline_heldout']}")
     with open(os.path.join(pdir, "train_log.json"), "w") as f:
@@ -541,9 +647,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--pairs", default=",".join(pc.PAIRS))
-    ap.add_argument("--seconds", type=float, default=560.0, help="wall-clock budget of the whole run")
-    ap.add_argument("--roots", default="", help="source trees (default: stdlib and site-packages)")
-    ap.add_argument("--heldout", default="jax,networkx", help="packages kept out of training")
+    ap.add_argument(
+        "--seconds",
+        type=float,
+        default=560.0,
+        help="wall-clock budget of the whole run",
+    )
+    ap.add_argument(
+        "--roots", default="", help="source trees (default: stdlib and site-packages)"
+    )
+    ap.add_argument(
+        "--heldout", default="jax,networkx", help="packages kept out of training"
+    )
     ap.add_argument("--corpus-mb", type=int, default=80)
     ap.add_argument("--tokenizer-mb", type=int, default=24)
     ap.add_argument("--target-batch", type=int, default=96)
@@ -551,9 +666,15 @@ def main() -> None:
     ap.add_argument("--max-sequences", type=int, default=8192)
     ap.add_argument("--drafter-batch", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reuse-target", metavar="DIR",
-                    help="keep the tokenizer, prompts and targets of this trained set; train drafters only")
-    ap.add_argument("--smoke", action="store_true", help="toy sizes, seconds: checks the pipeline")
+    ap.add_argument(
+        "--reuse-target",
+        metavar="DIR",
+        help="keep the tokenizer, prompts and targets of this trained set; "
+        "train drafters only",
+    )
+    ap.add_argument(
+        "--smoke", action="store_true", help="toy sizes, seconds: checks the pipeline"
+    )
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--pair", help=argparse.SUPPRESS)  # internal: one pair's subprocess
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
@@ -568,7 +689,15 @@ def main() -> None:
     procs = []
     for name in a.pairs.split(","):
         pc.pair(name)  # unknown names fail here
-        cmd = [sys.executable, __file__, "--pair", name, "--deadline", str(deadline), *sys.argv[1:]]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--pair",
+            name,
+            "--deadline",
+            str(deadline),
+            *sys.argv[1:],
+        ]
         procs.append((name, subprocess.Popen(cmd)))
     bad = [name for name, p in procs if p.wait() != 0]
     for name, _ in procs:
@@ -580,8 +709,12 @@ def main() -> None:
         if os.path.exists(path):
             with open(path) as f:
                 rec = json.load(f)
-            summary["pairs"][name] = {k: rec[k] for k in ("offline_heldout",) if k in rec}
-            summary["pairs"][name]["target_steps"] = rec["target"].get("steps", "reused")
+            summary["pairs"][name] = {
+                k: rec[k] for k in ("offline_heldout",) if k in rec
+            }
+            summary["pairs"][name]["target_steps"] = rec["target"].get(
+                "steps", "reused"
+            )
             summary["pairs"][name]["drafter_steps"] = rec["drafter"]["steps"]
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
