@@ -3,10 +3,11 @@
 """No speculation, the DFlash chain and DDTree on the benchmark pairs at their
 production shapes, side by side, on held-out prompts.
 
-    python3 bench/pairs/run_pairs.py --models bench/pairs/models \\
-        --out bench/results/pairs.json [--pairs dense-8b,hybrid-27b] \\
-        [--dtypes bfloat16,float32] [--methods nospec,chain,ddtree] \\
-        [--conc 1,4,8,16,32] [--max-tokens 256]
+    python3 bench/pairs/run_pairs.py --out bench/results/pairs.json \\
+        --plot bench/results/pairs.png [--models bench/pairs/models] \\
+        [--pairs dense-8b,hybrid-27b] [--dtypes bfloat16,float32] \\
+        [--methods nospec,chain,ddtree] [--conc 1,4,8,16,32] [--small] \\
+        [--embedding full|placed|none]
 
 Each (pair, dtype, method) runs in its own process: one vLLM engine started with
 ``load_format="dummy"`` at the production shape (bench/pairs/models/<pair>/
@@ -17,7 +18,8 @@ spec-decode counters), ms per engine step and whether each output equals the
 no-speculation output of the same pair, dtype and concurrency. ``--small``
 also runs the small pair itself (no speculation, float32): the production
 shape's greedy outputs must equal it. Progress goes to stderr; the JSON (a list
-of rows) is rewritten after every engine, so a cut run keeps what finished.
+of rows) is rewritten after every engine, so a cut run keeps what finished;
+then one embedding row per pair (check_embedding.py) and the plot.
 """
 
 from __future__ import annotations
@@ -208,9 +210,18 @@ def main() -> None:
     ap.add_argument("--conc", default="1,4,8,16,32")
     ap.add_argument(
         "--float32-conc",
-        default="1,8",
-        help="concurrencies of the float32 (exactness) engines",
+        default=None,
+        help="concurrencies of the float32 (exactness) engines (default: --conc)",
     )
+    ap.add_argument(
+        "--embedding",
+        choices=["full", "placed", "none"],
+        default="full",
+        help="also check each pair's embedding (check_embedding.py): 'full' at the "
+        "whole production shape (GPU memory: Qwen3.6-27B in float32), 'placed' "
+        "without the identity layers and with 16384 vocabulary rows",
+    )
+    ap.add_argument("--plot", default=None, help="PNG of tokens/s (plot_pairs.py)")
     ap.add_argument(
         "--prompts", default=None, help="default: <models>/prompts/heldout.jsonl"
     )
@@ -238,6 +249,7 @@ def main() -> None:
     ap.add_argument("--method", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.prompts = a.prompts or os.path.join(a.models, "prompts", "heldout.jsonl")
+    a.float32_conc = a.float32_conc or a.conc
     a.workdir = a.workdir or os.path.join(
         os.path.dirname(os.path.abspath(a.out)), "pairs-tokens"
     )
@@ -348,7 +360,63 @@ def main() -> None:
                 )
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
+    if a.embedding != "none":
+        for pair in a.pairs.split(","):
+            rows = [
+                r
+                for r in rows
+                if not (r.get("pair") == pair and "embedding_max_abs_logit_diff" in r)
+            ]
+            rows.append(check_embedding(a, pair))
+            with open(a.out, "w") as f:
+                json.dump(rows, f, indent=1)
+    if a.plot:
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.join(HERE, "plot_pairs.py"),
+                a.out,
+                "--out",
+                a.plot,
+            ],
+            check=False,
+        )
     print(json.dumps(rows))
+
+
+def check_embedding(a, pair: str) -> dict:
+    """One pair's embedding row (check_embedding.py in its own process)."""
+    log(f"embedding check of {pair} ({a.embedding})")
+    cmd = [
+        sys.executable,
+        os.path.join(HERE, "check_embedding.py"),
+        "--models",
+        a.models,
+        "--pair",
+        pair,
+    ]
+    if a.embedding == "placed":
+        cmd += ["--placed-layers-only", "--vocab-cap", "16384"]
+    try:
+        out = subprocess.run(
+            cmd, stdout=subprocess.PIPE, text=True, timeout=a.engine_timeout
+        ).stdout
+    except subprocess.TimeoutExpired:
+        out = ""
+    rows = [
+        json.loads(line[10:])
+        for line in out.splitlines()
+        if line.startswith("EMBEDDING ")
+    ]
+    return (
+        rows[0]
+        if rows
+        else {
+            "pair": pair,
+            "embedding_max_abs_logit_diff": None,
+            "error": "check failed",
+        }
+    )
 
 
 if __name__ == "__main__":
