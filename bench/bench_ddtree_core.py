@@ -56,8 +56,17 @@ from typing import Callable
 import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-ALL_COLUMNS = ("build", "build_fast", "vocab", "tree", "walk", "core", "mask",
-               "full", "step")
+ALL_COLUMNS = (
+    "build",
+    "build_fast",
+    "vocab",
+    "tree",
+    "walk",
+    "core",
+    "mask",
+    "full",
+    "step",
+)
 # Qwen3-8B's KV cache per layer: (num_blocks, num_kv_heads, block_size,
 # 2 * head_size), as the Triton backend lays it out.
 STEP_KV_LAYERS, STEP_KV_HEADS, STEP_HEAD_SIZE, STEP_BLOCK = 36, 8, 128, 16
@@ -70,32 +79,39 @@ def runner_kernels():
     except Exception:  # noqa: BLE001 - any import failure means "not here"
         return None
     return kernels
+
+
 TREE_RELPATH = "vllm/v1/spec_decode/ddtree/tree.py"
 
 
 def load_tree_module(src: str | None):
     """Load tree.py by path from --src / $VLLM_DDTREE_SRC / build/src."""
-    root = pathlib.Path(src or os.environ.get("VLLM_DDTREE_SRC",
-                                              REPO / "build" / "src"))
+    root = pathlib.Path(
+        src or os.environ.get("VLLM_DDTREE_SRC", REPO / "build" / "src")
+    )
     if not root.is_absolute():
         root = REPO / root
-    spec = importlib.util.spec_from_file_location("_ddtree_tree_bench",
-                                                  root / TREE_RELPATH)
+    spec = importlib.util.spec_from_file_location(
+        "_ddtree_tree_bench", root / TREE_RELPATH
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
 
-def time_eager(fn: Callable[[], object], device: torch.device, iters: int,
-               warmup: int) -> float:
+def time_eager(
+    fn: Callable[[], object], device: torch.device, iters: int, warmup: int
+) -> float:
     for _ in range(warmup):
         fn()
     samples = []
     if device.type == "cuda":
         torch.cuda.synchronize()
-        events = [(torch.cuda.Event(enable_timing=True),
-                   torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(iters)
+        ]
         for start, end in events:
             start.record()
             fn()
@@ -123,8 +139,10 @@ def time_graph(fn: Callable[[], object], iters: int, warmup: int) -> float:
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True),
-               torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(iters)
+    ]
     for start, end in events:
         start.record()
         graph.replay()
@@ -135,21 +153,32 @@ def time_graph(fn: Callable[[], object], iters: int, warmup: int) -> float:
     return statistics.median(samples)
 
 
-def bench_case(T, device: torch.device, dtype: torch.dtype, num_reqs: int,
-               depth: int, vocab: int, budget: int, iters: int, warmup: int,
-               use_graph: bool, backend: str = "auto",
-               columns: tuple[str, ...] = ()) -> dict:
+def bench_case(
+    T,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_reqs: int,
+    depth: int,
+    vocab: int,
+    budget: int,
+    iters: int,
+    warmup: int,
+    use_graph: bool,
+    backend: str = "auto",
+    columns: tuple[str, ...] = (),
+) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     # Peaked logits (like a trained drafter) in the requested dtype.
-    logits = (torch.randn(num_reqs, depth, vocab, device=device,
-                          generator=gen) * 4).to(dtype)
-    target = torch.randint(0, vocab, (num_reqs, budget + 1), device=device,
-                           generator=gen)
+    logits = (torch.randn(num_reqs, depth, vocab, device=device, generator=gen) * 4).to(
+        dtype
+    )
+    target = torch.randint(
+        0, vocab, (num_reqs, budget + 1), device=device, generator=gen
+    )
     # Let the target agree with the drafter's first choice at the root so
     # the walk is not trivially empty.
     target[:, 0] = logits[:, 0].float().argmax(-1)
-    root_positions = torch.randint(0, 4096, (num_reqs,), device=device,
-                                   generator=gen)
+    root_positions = torch.randint(0, 4096, (num_reqs,), device=device, generator=gen)
     query_start_loc = torch.arange(num_reqs + 1, device=device) * (budget + 1)
     kw = {"backend": backend} if hasattr(T, "vocab_stage") else {}
     tree = T.build_tree(logits, budget, **kw)
@@ -160,8 +189,11 @@ def bench_case(T, device: torch.device, dtype: torch.dtype, num_reqs: int,
     def build_fast():
         return T.build_tree(logits, budget, exact_vocab_ties=False, **kw)
 
-    stage_out = (T.vocab_stage(logits, budget, exact_vocab_ties=False, **kw)
-                 if hasattr(T, "vocab_stage") else None)
+    stage_out = (
+        T.vocab_stage(logits, budget, exact_vocab_ties=False, **kw)
+        if hasattr(T, "vocab_stage")
+        else None
+    )
 
     def vocab_only():
         return T.vocab_stage(logits, budget, exact_vocab_ties=False, **kw)
@@ -200,42 +232,77 @@ def bench_case(T, device: torch.device, dtype: torch.dtype, num_reqs: int,
         num_rows = num_reqs * (budget + 1)
         idx_mapping = torch.arange(num_reqs, dtype=torch.int32, device=device)
         cu_num_logits = query_start_loc.to(torch.int32)
-        depth_with_root = torch.zeros(num_reqs, budget + 1, dtype=torch.int64,
-                                      device=device)
-        attn_bias = torch.zeros(num_reqs, budget + 1, budget + 1,
-                                dtype=torch.float32, device=device)
+        depth_with_root = torch.zeros(
+            num_reqs, budget + 1, dtype=torch.int64, device=device
+        )
+        attn_bias = torch.zeros(
+            num_reqs, budget + 1, budget + 1, dtype=torch.float32, device=device
+        )
         # Each request's verify rows in their own KV blocks (fewer layers in
         # the interpreter: it copies element by element).
         layers = STEP_KV_LAYERS if device.type == "cuda" else 2
         blocks_per_req = -(-(4096 + budget + 1) // STEP_BLOCK)
-        kv = [torch.zeros(num_reqs * blocks_per_req, STEP_KV_HEADS, STEP_BLOCK,
-                          2 * STEP_HEAD_SIZE, dtype=torch.bfloat16, device=device)
-              for _ in range(layers)]
+        kv = [
+            torch.zeros(
+                num_reqs * blocks_per_req,
+                STEP_KV_HEADS,
+                STEP_BLOCK,
+                2 * STEP_HEAD_SIZE,
+                dtype=torch.bfloat16,
+                device=device,
+            )
+            for _ in range(layers)
+        ]
         compactor = K.KVCompactor(kv)
-        slots = (torch.arange(num_reqs, device=device)[:, None] * blocks_per_req
-                 * STEP_BLOCK + root_positions[:, None]
-                 + torch.arange(budget + 1, device=device)).view(-1)
+        slots = (
+            torch.arange(num_reqs, device=device)[:, None] * blocks_per_req * STEP_BLOCK
+            + root_positions[:, None]
+            + torch.arange(budget + 1, device=device)
+        ).view(-1)
         target_flat = target.reshape(-1)
         assert target_flat.numel() == num_rows
 
         def step():
             t = T.build_tree(logits, budget, exact_vocab_ties=False, **kw)
             depth_with_root[:, 1:] = t.depth
-            K.ddtree_tree_bias(t.parent_idx, idx_mapping, cu_num_logits, depth,
-                               attn_bias)
+            K.ddtree_tree_bias(
+                t.parent_idx, idx_mapping, cu_num_logits, depth, attn_bias
+            )
             out, num_accepted, src_row, dst_row = K.ddtree_walk(
-                target_flat, cu_num_logits, idx_mapping, cu_num_logits,
-                t.token_ids, t.parent_idx, depth_with_root, t.valid, depth)
+                target_flat,
+                cu_num_logits,
+                idx_mapping,
+                cu_num_logits,
+                t.token_ids,
+                t.parent_idx,
+                depth_with_root,
+                t.valid,
+                depth,
+            )
             compactor(slots, src_row, dst_row, num_accepted)
             return out
 
         return step
 
-    result = {"R": num_reqs, "D": depth, "V": vocab, "B": budget,
-              "dtype": str(dtype).removeprefix("torch."), "backend": backend}
-    fns = {"build": build, "build_fast": build_fast, "vocab": vocab_only,
-           "tree": tree_only, "walk": walk, "core": core, "mask": mask,
-           "full": full, "step": make_step() if "step" in columns else None}
+    result = {
+        "R": num_reqs,
+        "D": depth,
+        "V": vocab,
+        "B": budget,
+        "dtype": str(dtype).removeprefix("torch."),
+        "backend": backend,
+    }
+    fns = {
+        "build": build,
+        "build_fast": build_fast,
+        "vocab": vocab_only,
+        "tree": tree_only,
+        "walk": walk,
+        "core": core,
+        "mask": mask,
+        "full": full,
+        "step": make_step() if "step" in columns else None,
+    }
     for name in columns:
         fn = fns[name]
         if fn is None:  # "step" without vllm or CUDA
@@ -251,25 +318,32 @@ def bench_case(T, device: torch.device, dtype: torch.dtype, num_reqs: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda"
-                        if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--depth", type=int, default=15)
     parser.add_argument("--requests", default="1,8,64")
     parser.add_argument("--budgets", default="16,64,256")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"],
-                        default="bfloat16")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--no-graph", action="store_true")
-    parser.add_argument("--backend", default="auto",
-                        choices=["auto", "torch", "triton"])
-    parser.add_argument("--stages", default=",".join(ALL_COLUMNS),
-                        help="columns to time, from " + ",".join(ALL_COLUMNS)
-                        + " (e.g. 'vocab,tree' to split the build)")
-    parser.add_argument("--src", default=None,
-                        help="patched source root (default $VLLM_DDTREE_SRC "
-                        "or build/src)")
+    parser.add_argument(
+        "--backend", default="auto", choices=["auto", "torch", "triton"]
+    )
+    parser.add_argument(
+        "--stages",
+        default=",".join(ALL_COLUMNS),
+        help="columns to time, from "
+        + ",".join(ALL_COLUMNS)
+        + " (e.g. 'vocab,tree' to split the build)",
+    )
+    parser.add_argument(
+        "--src",
+        default=None,
+        help="patched source root (default $VLLM_DDTREE_SRC or build/src)",
+    )
     parser.add_argument("--out", default=None, help="write JSON here")
     args = parser.parse_args()
 
@@ -286,29 +360,52 @@ def main() -> None:
         parser.error(f"unknown stages {sorted(unknown)}")
     modes = ["eager", "graph"] if use_graph else ["eager"]
     header = f"{'R':>4} {'B':>4} " + " ".join(
-        f"{c + '_' + m:>16}" for c in columns for m in modes)
-    print(f"device={device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) "
-          f"D={args.depth} V={args.vocab} dtype={args.dtype} "
-          f"backend={args.backend} torch={torch.__version__}; median us over {args.iters} runs")
+        f"{c + '_' + m:>16}" for c in columns for m in modes
+    )
+    print(
+        f"device={device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) "
+        f"D={args.depth} V={args.vocab} dtype={args.dtype} "
+        f"backend={args.backend} torch={torch.__version__}; median us over {args.iters} runs"
+    )
     print(header)
     results = []
     for num_reqs in requests:
         for budget in budgets:
-            res = bench_case(T, device, dtype, num_reqs, args.depth,
-                             args.vocab, budget, args.iters, args.warmup,
-                             use_graph, args.backend, tuple(columns))
+            res = bench_case(
+                T,
+                device,
+                dtype,
+                num_reqs,
+                args.depth,
+                args.vocab,
+                budget,
+                args.iters,
+                args.warmup,
+                use_graph,
+                args.backend,
+                tuple(columns),
+            )
             results.append(res)
-            print(f"{num_reqs:>4} {budget:>4} " + " ".join(
-                f"{res[f'{c}_{m}_us']:>16.1f}" for c in columns
-                for m in modes), flush=True)
+            print(
+                f"{num_reqs:>4} {budget:>4} "
+                + " ".join(
+                    f"{res[f'{c}_{m}_us']:>16.1f}" for c in columns for m in modes
+                ),
+                flush=True,
+            )
     if args.out:
-        meta = {"device": str(device),
-                "device_name": torch.cuda.get_device_name(device)
-                if device.type == "cuda" else "cpu",
-                "torch": torch.__version__, "depth": args.depth,
-                "vocab": args.vocab, "dtype": args.dtype,
-                "backend": args.backend,
-                "iters": args.iters}
+        meta = {
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else "cpu",
+            "torch": torch.__version__,
+            "depth": args.depth,
+            "vocab": args.vocab,
+            "dtype": args.dtype,
+            "backend": args.backend,
+            "iters": args.iters,
+        }
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2)
         print(f"wrote {args.out}")
