@@ -5,7 +5,8 @@ tokens/s, the acceptance length tau, and exactness against a reference run.
 
 Run on a GPU host, one engine per invocation (one configuration per process):
 
-    python3 bench/ddtree_e2e.py --target T --drafter D --prompts P... --mode none --tag ref
+    python3 bench/ddtree_e2e.py --target T --drafter D --prompts P... \
+        --mode none --tag ref
     python3 bench/ddtree_e2e.py ... --mode dflash --k 15 --ref ref
     python3 bench/ddtree_e2e.py ... --mode ddtree --budget 64 --ref ref
 

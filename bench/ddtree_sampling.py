@@ -25,10 +25,11 @@ identical) and written out, so that two processes can be compared too
 (``--seeded-ref``). Prints one ``RESULT {json}`` line; the per-prompt counts
 go to ``<outdir>/sampling_<tag>.json``. Give the run compared by chi-square
 another engine ``--seed`` than the reference: unseeded requests draw their
-noise from it, and the test assumes independent samples. Defaults fit in about a minute of
-generation on one H200 with the tiny pair (plus engine startup). ``--prompts``
-defaults to ``$MODELS/prompts_heldout.jsonl`` (``MODELS``: the tinypair's
-directory, default ``../shared/models/tinypair`` beside the checkout).
+noise from it, and the test assumes independent samples. Defaults fit in about
+a minute of generation on one H200 with the tiny pair (plus engine startup).
+``--prompts`` defaults to ``$MODELS/prompts_heldout.jsonl`` (``MODELS``: the
+tinypair's directory, default ``../shared/models/tinypair`` beside the
+checkout).
 """
 
 import argparse

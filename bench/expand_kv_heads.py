@@ -74,7 +74,7 @@ def expand_kv_heads(src: str, dst: str, kv_heads: int) -> dict:
         tensors = {}
         with safe_open(path, "pt") as f:
             metadata = f.metadata()
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 tensor = f.get_tensor(key)
                 if key.endswith(KV_PROJ_SUFFIXES):
                     tensor = repeat_kv_heads(tensor, num_kv_heads, repeat)

@@ -25,10 +25,11 @@ was cancelled by us, no request failed or timed out, every compared output
 equals the reference (or, without ``--exact``, first differs from it at a
 token where the reference's top-2 logprobs are within ``--tie-tolerance``:
 float32 greedy output follows the batch shape there, as stock chain
-speculation's does; the reference run records those gaps), the server still answers /health and a final short
-request, it drains (``vllm:num_requests_running`` and ``_waiting`` back to 0:
-the cut requests were aborted and freed), and (with ``--expect-ddtree``) the
-DDTree counters moved.
+speculation's does; the reference run records those gaps), the server still
+answers /health and a final short request, it drains
+(``vllm:num_requests_running`` and ``_waiting`` back to 0: the cut requests
+were aborted and freed), and (with ``--expect-ddtree``) the DDTree counters
+moved.
 
 Needs aiohttp (a vLLM dependency; also on the GPU host).
 """
