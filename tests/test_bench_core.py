@@ -57,8 +57,11 @@ def test_command_line(tmp_path):
         argv += ["--stages", "build,walk", "--iters", "1", "--warmup", "0"]
         argv += ["--src", str(src)] if src else []
         r = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
-        assert r.returncode == 0, r.stderr
-        head, _, row = r.stdout.splitlines()[:3]
+        assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout}\n{r.stderr}"
+        # (vLLM, where installed, may log to stdout before the table)
+        lines = r.stdout.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("device="))
+        head, _, row = lines[at : at + 3]
         assert head.endswith(tree_rel)
         if root is not None:
             assert head.endswith(str(root / tree_rel))
