@@ -5,10 +5,9 @@ TOOL := $(PYTHON) apply_patches.py
 SRC ?= build/src
 PYTEST_ARGS ?=
 # Files and directories we own that ruff checks with vLLM's settings (add a path
-# to cover more). bench/pairs is not covered yet, so bench's scripts are listed
-# one by one: `apply_patches.py lint` takes paths only, and an exclude in
-# ruff.toml would not be upstream's setting.
-LINT_PATHS ?= overlay tests apply_patches.py $(wildcard bench/*.py)
+# to cover more). bench's scripts are listed by wildcard: `apply_patches.py lint`
+# takes paths only, and an exclude in ruff.toml would not be upstream's setting.
+LINT_PATHS ?= overlay tests apply_patches.py $(wildcard bench/*.py) $(wildcard bench/pairs/*.py)
 REPORT_DIR ?= docs/rebase
 
 # Python requirements. Every target runs apply_patches.py, which needs
