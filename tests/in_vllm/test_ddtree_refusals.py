@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the tree path would get wrong or crash on, refused at startup in one
-line: targets whose attention masks or biases are computed from KV slot
-offsets (sliding windows, chunked local attention, ALiBi), pipeline
-parallelism, KV-cache dtypes the tree kernels do not take, KV connectors and
-KV offloading, a bad VLLM_DDTREE_BACKEND. The real configs are built as
-`vllm serve` builds them (EngineArgs -> create_engine_config on vLLM's CPU
-platform, in a subprocess); test_ddtree_serving.py runs some of them through
-the CLI."""
+line (or per request): targets whose attention masks or biases are computed
+from KV slot offsets (sliding windows, chunked local attention, ALiBi),
+pipeline parallelism, KV-cache dtypes the tree kernels do not take, KV
+connectors and KV offloading, a bad VLLM_DDTREE_BACKEND, streaming-input
+requests. The real configs are built as `vllm serve` builds them
+(EngineArgs -> create_engine_config on vLLM's CPU platform, in a
+subprocess); test_ddtree_serving.py runs some of them through the CLI."""
 
 import json
 import os
@@ -361,3 +361,46 @@ def test_int4_kernel_takes_no_per_request_bias():
             qq_bias=torch.zeros(1, 4, 4),
             kv_quant_mode=KVQuantMode.INT4_PER_TOKEN_HEAD,
         )
+
+
+# ------------------------------------------------------- streaming input
+def test_streaming_input_requests_are_refused_under_ddtree():
+    """A resumable (streaming-input) request under DDTree: refused in
+    InputProcessor.process_inputs before anything else; ordinary requests
+    and other methods go on to the usual validation."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    class Validated(Exception):
+        pass
+
+    def processor(method):
+        spec = SimpleNamespace(use_ddtree=lambda: method == "ddtree")
+        stub = SimpleNamespace(speculative_config=spec)
+
+        def validate(params, supported_tasks):
+            raise Validated
+
+        stub._validate_params = validate
+        return stub
+
+    def run(stub, resumable):
+        return InputProcessor.process_inputs(
+            stub, "r", {"prompt_token_ids": [1]}, None, (), resumable=resumable
+        )
+
+    with pytest.raises(ValueError) as info:
+        run(processor("ddtree"), resumable=True)
+    assert str(info.value) == (
+        "DDTree does not support streaming input (resumable requests): a "
+        "session's next input can be scheduled with the previous turn's draft "
+        "tokens, which the tree verification cannot take; use method='dflash' "
+        "or no speculative decoding for streaming sessions."
+    )
+    with pytest.raises(Validated):
+        run(processor("ddtree"), resumable=False)
+    with pytest.raises(Validated):
+        run(processor("dflash"), resumable=True)
+    stub = processor("ddtree")
+    stub.speculative_config = None
+    with pytest.raises(Validated):
+        run(stub, resumable=True)

@@ -633,3 +633,23 @@ def verify_ddtree_sampling_params(params: object) -> None:
             "verified tokens as a chain, not along tree branches); use "
             "method='dflash'."
         )
+
+
+def verify_ddtree_streaming_input() -> None:
+    """Per-request check of a streaming-input (resumable) request, called
+    from ``InputProcessor.process_inputs``.
+
+    A session whose next input is prefilled in more than one chunk keeps the
+    previous turn's draft placeholders (async scheduling sets them when the
+    turn ends and only a finished prompt resets them), so the scheduler
+    gives a request draft tokens and a prefill chunk in one step. The tree
+    bias would then fall on the chunk's first rows instead of the tree (a
+    dense target verifies wrongly) and the Gated DeltaNet tree path of a
+    hybrid stops the engine. Refused per request instead.
+    """
+    raise ValueError(
+        "DDTree does not support streaming input (resumable requests): a "
+        "session's next input can be scheduled with the previous turn's "
+        "draft tokens, which the tree verification cannot take; use "
+        "method='dflash' or no speculative decoding for streaming sessions."
+    )
