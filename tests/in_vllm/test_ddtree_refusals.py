@@ -404,3 +404,61 @@ def test_streaming_input_requests_are_refused_under_ddtree():
     stub.speculative_config = None
     with pytest.raises(Validated):
         run(stub, resumable=True)
+
+
+# ------------------------------------------------------------------ README
+def _message(check, *args) -> str:
+    with pytest.raises(ValueError) as info:
+        check(*args)
+    return str(info.value)
+
+
+def test_readme_lists_every_refusal_with_its_message(monkeypatch):
+    """The README's startup-error examples are the code's messages."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    c = ddtree_config
+
+    def cfg(**kw):
+        return SimpleNamespace(**kw)
+
+    monkeypatch.setenv("VLLM_DDTREE_BACKEND", "cuda")
+    bad_backend = _message(c._verify_tree_build_backend)
+    monkeypatch.setenv("VLLM_DDTREE_BACKEND", "triton")
+    monkeypatch.setattr(c.importlib.util, "find_spec", lambda name: None)
+    no_triton = _message(c._verify_tree_build_backend)
+    startup = [
+        c.sliding_window_error(
+            "MistralForCausalLM", "sliding_window=4096", 4096, 32768
+        ),
+        c.chunked_attention_error(
+            "Llama4ForConditionalGeneration", "attention_chunk_size=8192"
+        ),
+        c.alibi_error("BloomForCausalLM"),
+        _message(c._verify_pipeline_parallel_size, 2),
+        _message(
+            c._verify_kv_cache_dtype,
+            cfg(cache_config=cfg(cache_dtype="int4_per_token_head")),
+        ),
+        _message(c._verify_kv_cache_dtype, cfg(cache_config=cfg(cache_dtype="nvfp4"))),
+        _message(
+            c._verify_kv_transfer,
+            cfg(kv_transfer_config=cfg(kv_connector="NixlConnector")),
+        ),
+        _message(
+            c._verify_kv_transfer,
+            cfg(
+                kv_transfer_config=None,
+                cache_config=cfg(
+                    kv_offloading_size=8.0, kv_offloading_backend="native"
+                ),
+            ),
+        ),
+        bad_backend,
+        no_triton,
+    ]
+    for message in startup:
+        assert f"    vllm serve: error: {message}\n" in readme, message
+    streaming = _message(c.verify_ddtree_streaming_input)
+    assert f"    {streaming}\n" in readme
