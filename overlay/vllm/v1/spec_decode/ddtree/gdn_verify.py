@@ -232,6 +232,9 @@ class DDTreeGDN:
         if drafts_np is not None and n != np.count_nonzero(drafts_np > 0):
             # Such a row would be verified as a tree by the attention layers
             # but run through the GDN layers as a chain (prefill kernels).
+            # The scheduler gives drafts with a prefill chunk only to a
+            # resumed streaming-input session (stale draft placeholders),
+            # refused per request (config.verify_ddtree_streaming_input).
             raise RuntimeError(
                 "DDTree: a request with draft tokens also has other tokens "
                 "scheduled; the Gated DeltaNet tree path cannot verify it."
@@ -370,6 +373,8 @@ class DDTreeGDN:
         for name, idx in self.layer_index.items():
             layer = self.layers[name]
             md = self.metadata.get(name)
+            # Invariant: the GDN builder counts the same rows as
+            # spec_decode_rows, from the same step's metadata.
             if md is None or md.num_spec_decodes != n:
                 raise RuntimeError(
                     f"DDTree: GDN layer {name} ran "
