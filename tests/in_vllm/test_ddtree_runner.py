@@ -170,6 +170,14 @@ def _store_one_tree(verifier, req_state=2):
     return store_trees(verifier, [req_state], [(PARENT, DEPTH, TOKENS)])
 
 
+def _masked_out(words, num_nodes):
+    """[N, ceil(N / 32)] int32 mask words -> [N, N] bool, True where bit
+    j % 32 of word j // 32 is set (node i may not see node j)."""
+    cols = torch.arange(num_nodes)
+    w = words.cpu().to(torch.int64) & 0xFFFFFFFF
+    return ((w[:, cols // 32] >> (cols % 32)) & 1).bool()
+
+
 def _batch():
     """Batch row 0: a prefill chunk of 3 tokens (request state 0); batch row 1:
     tree verification of request state 2 (root + 4 nodes) at positions 20..24."""
@@ -196,13 +204,15 @@ def test_prepare_verify_writes_tree_positions_and_bias():
     verifier = _verifier()
     _store_one_tree(verifier)
     batch = _batch()
-    verifier.attn_bias.fill_(7.0)  # stale values must not survive
+    # One int32 word of mask bits per node: 5 nodes.
+    assert verifier.attn_bias.dtype == torch.int32
+    assert verifier.attn_bias.shape == (4, B + 1, 1)
+    verifier.attn_bias.fill_(7)  # stale values must not survive
     verifier.prepare_verify(batch)
     # Root at 20, nodes at 20 + depth; the prefill rows are untouched.
     assert batch.positions.tolist() == [0, 1, 2, 20, 21, 21, 22, 22, 0, 0]
     assert torch.all(verifier.attn_bias[0] == 0)  # prefill request: no tree
-    bias = verifier.attn_bias[1]
-    visible = (bias == 0).int().tolist()
+    visible = (~_masked_out(verifier.attn_bias[1], B + 1)).int().tolist()
     assert visible == [
         [1, 0, 0, 0, 0],
         [1, 1, 0, 0, 0],
@@ -302,7 +312,7 @@ def test_resumed_request_never_reads_the_stale_tree_of_its_slot():
     stale_tokens = store_trees(verifier, [0], [(PARENT, DEPTH, TOKENS)])
     draft_tokens = _store_one_tree(verifier) + stale_tokens
     batch = _batch()
-    verifier.attn_bias.fill_(7.0)
+    verifier.attn_bias.fill_(7)
     verifier.prepare_verify(batch)
     assert batch.positions[:3].tolist() == [0, 1, 2]
     assert torch.all(verifier.attn_bias[0] == 0)

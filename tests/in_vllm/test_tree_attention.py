@@ -577,6 +577,64 @@ def test_bad_packed_shapes_rejected():
         )
 
 
+@needs_kernel
+def test_verifier_bias_kernel_feeds_the_attention_kernel():
+    """DDTree's writer (`ddtree_tree_bias`) into `tree_bias_buffer`, read by
+    the attention kernel: a prefill (no tree), a full tree of B nodes, a
+    request verifying only its first 5 of B nodes (the slot's other rows
+    hold the rest of its stored tree), a plain decode; the buffer has more
+    slots than the batch, with stale words."""
+    from vllm.v1.worker.gpu.spec_decode.ddtree import kernels
+
+    budget, depth, max_reqs = 40, 6, 6
+    gen = torch.Generator().manual_seed(21)
+    # Parents (verify index, 0 = root) of nodes 1..B, parents first, depth
+    # at most `depth`.
+    parent_idx = torch.zeros(max_reqs, budget, dtype=torch.int64)
+    for r in range(max_reqs):
+        node_depth = [0]
+        for i in range(1, budget + 1):
+            choices = [p for p in range(i) if node_depth[p] < depth]
+            p = choices[int(torch.randint(0, len(choices), (1,), generator=gen))]
+            parent_idx[r, i - 1] = p
+            node_depth.append(node_depth[p] + 1)
+    idx_mapping = torch.tensor([3, 0, 5, 1], dtype=torch.int32)
+    num_nodes = [1, 1 + budget, 1 + 5, 1]  # logit rows per batch row
+    query_lens = [2 * budget + 3, 1 + budget, 1 + 5, 1]
+    context = [17, 30, 9, 25]
+    cu = torch.tensor([0, *num_nodes], dtype=torch.int32).cumsum(0).to(torch.int32)
+    buf = kernels.tree_bias_buffer(max_reqs, budget + 1, torch.device(KERNEL_DEVICE))
+    assert buf.shape == (max_reqs, budget + 1, 2)
+    buf.fill_(-1)  # stale: every pair masked out
+    kernels.ddtree_tree_bias(
+        parent_idx.to(KERNEL_DEVICE),
+        idx_mapping.to(KERNEL_DEVICE),
+        cu.to(KERNEL_DEVICE),
+        depth,
+        buf,
+    )
+    ref_biases = []
+    for r, n in enumerate(num_nodes):
+        if n == 1:
+            ref_biases.append(None)
+            continue
+        parents = [-1] + parent_idx[int(idx_mapping[r]), : n - 1].tolist()
+        ref_biases.append(tree_bias(ancestor_mask_ref(parents)))
+    kv_lens = [c + q for c, q in zip(context, query_lens)]
+    case = case_inputs(
+        query_lens,
+        kv_lens,
+        dtype=torch.float32,
+        device=KERNEL_DEVICE,
+        gen=torch.Generator().manual_seed(22),
+        **SMALL,
+    )
+    case["ref_biases"] = ref_biases
+    out = run_kernel(case, buf)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float().cpu(), reference(case), atol=TOL, rtol=TOL)
+
+
 def test_cpu_interpreter():
     """CPU CI without a GPU: run this file under the Triton interpreter."""
     if INTERPRET or HAS_CUDA:

@@ -100,13 +100,21 @@ SCRIPT = textwrap.dedent(
     compile_kernel(kk._ddtree_walk_kernel, walk_sig,
                    {"DRAFT_DEPTH": 15, "NUM_JUMPS": 4, "BLOCK": 128,
                     "PATH_BLOCK": 16})
-    compile_kernel(
-        kk._ddtree_tree_bias_kernel,
-        {"parent_ptr": "*i64", "parent_stride": "i32", "idx_mapping_ptr": "*i32",
-         "cu_num_logits_ptr": "*i32", "out_ptr": "*fp32", "NUM_NODES": C,
-         "DRAFT_DEPTH": C, "ROWS": C, "COLS": C},
-        {"NUM_NODES": 65, "DRAFT_DEPTH": 15, "ROWS": 32, "COLS": 128},
-    )
+    for packed, num_nodes, out_cols, rows, cols in (
+        (False, 65, 65, 32, 128),
+        (True, 65, 3, 64, 4),
+        (True, 257, 9, 64, 16),
+        (True, 17, 1, 32, 1),
+    ):
+        compile_kernel(
+            kk._ddtree_tree_bias_kernel,
+            {"parent_ptr": "*i64", "parent_stride": "i32",
+             "idx_mapping_ptr": "*i32", "cu_num_logits_ptr": "*i32",
+             "out_ptr": "*i32" if packed else "*fp32", "NUM_NODES": C,
+             "DRAFT_DEPTH": C, "ROWS": C, "COLS": C, "PACKED": C, "OUT_COLS": C},
+            {"NUM_NODES": num_nodes, "DRAFT_DEPTH": 15, "ROWS": rows,
+             "COLS": cols, "PACKED": packed, "OUT_COLS": out_cols},
+        )
     # The patched unified attention kernel with a per-sequence bias, float
     # and packed bits (`load_qq_bias_tile`), at a Qwen3-8B-like shape.
     ua = tua.kernel_unified_attention

@@ -8,8 +8,9 @@ Per step, around the target forward:
    ``1 + n`` query tokens laid out as [root, node 1 .. node n] at sequential
    KV slots. Their positions become ``root position + depth`` (written in
    place in the persistent positions buffer, so CUDA graphs replay them), and
-   the per-request ancestor bias is copied into the persistent buffer that the
-   Triton attention kernel reads (``tree_attn_bias``). M-RoPE / XD-RoPE
+   the per-request ancestor masks are written into the persistent buffer that
+   the Triton attention kernel reads (``tree_attn_bias``: one bit per node
+   pair, `tree_bias_buffer`). M-RoPE / XD-RoPE
    targets get the same shift in every section of their own positions
    (``prepare_model_positions``, once the model state has written them).
    Hybrid targets: the step's tree rows for the Gated DeltaNet layers
@@ -47,6 +48,7 @@ from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import (
     KVCompactor,
     ddtree_tree_bias,
     ddtree_walk,
+    tree_bias_buffer,
 )
 from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import (
     TreePenaltiesState,
@@ -83,11 +85,10 @@ class DDTreeVerifier:
         self.req_valid = torch.zeros(
             max_num_reqs, self.tree_budget, dtype=torch.bool, device=device
         )
-        # Batch-ordered bias read by the attention kernel. Persistent: the
-        # captured CUDA graphs hold its address.
-        self.attn_bias = torch.zeros(
-            max_num_reqs, num_nodes, num_nodes, dtype=torch.float32, device=device
-        )
+        # Batch-ordered tree masks read by the attention kernel (int32
+        # [max_num_reqs, B + 1, ceil((B + 1) / 32)], one bit per node pair).
+        # Persistent: the captured CUDA graphs hold its address.
+        self.attn_bias = tree_bias_buffer(max_num_reqs, num_nodes, device)
         self.saved_positions = torch.zeros(
             max_num_tokens, dtype=torch.int64, device=device
         )
