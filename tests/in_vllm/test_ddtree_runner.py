@@ -368,6 +368,119 @@ def test_bind_refuses_model_states_without_the_hook():
     assert list(verifier.target_kv_caches) == ["t0"]
 
 
+# ------------------------------------------------------ startup memory line
+def persistent_buffers(*objects):
+    """Every tensor held by ``objects`` (attributes, and lists / tuples of
+    tensors in attributes), each counted once."""
+    found = {}
+    for obj in objects:
+        for value in vars(obj).values():
+            items = value if isinstance(value, (list, tuple)) else [value]
+            for item in items:
+                if isinstance(item, torch.Tensor):
+                    found[id(item)] = item
+    return list(found.values())
+
+
+class _LogRecorder:
+    def __init__(self):
+        self.lines = []
+
+    def info_once(self, msg, *args, **kwargs):
+        self.lines.append(msg % args)
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def _drafter_trees(max_reqs, budget):
+    """DDTreeSpeculator.tree_buffers() without a drafter: the speculator's
+    own method on the buffers its __init__ allocates."""
+    from vllm.v1.worker.gpu.spec_decode.ddtree.speculator import DDTreeSpeculator
+
+    speculator = object.__new__(DDTreeSpeculator)
+    speculator.tree_parent_idx = torch.zeros(max_reqs, budget, dtype=torch.int64)
+    speculator.tree_depth = torch.zeros(max_reqs, budget, dtype=torch.int64)
+    speculator.tree_valid = torch.zeros(max_reqs, budget, dtype=torch.bool)
+    assert speculator.tree_buffers() == (
+        speculator.tree_parent_idx,
+        speculator.tree_depth,
+        speculator.tree_valid,
+    )
+    return speculator
+
+
+def _memory_verifier(monkeypatch, max_reqs, budget, max_tokens, speculator):
+    import vllm.v1.worker.gpu.spec_decode.ddtree.verifier as verifier_module
+
+    recorder = _LogRecorder()
+    monkeypatch.setattr(verifier_module, "logger", recorder)
+    cfg = SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            use_ddtree=lambda: True, tree_budget=budget, draft_depth=15
+        ),
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=max_reqs, max_num_batched_tokens=max_tokens
+        ),
+    )
+    verifier = verifier_module.DDTreeVerifier(cfg, torch.device("cpu"), speculator)
+    return verifier, recorder.lines
+
+
+# (max_num_seqs, tree_budget) -> the line, at max_num_batched_tokens=8192.
+MEMORY_LINES = {
+    (1024, 64): (
+        "DDTree: extra GPU memory for max_num_seqs=1024, tree_budget=64: "
+        "3.0 MiB = tree attention bias 0.8 MiB (1024 x 65 nodes x 3 int32 "
+        "words, 1 bit per node pair) + tree/walk/compaction buffers 2.2 MiB "
+        "(parents, depths and valid flags of 1024 x 64 nodes per request and "
+        "per batch row; max_num_batched_tokens=8192 saved positions)."
+    ),
+    (1024, 256): (
+        "DDTree: extra GPU memory for max_num_seqs=1024, tree_budget=256: "
+        "17.6 MiB = tree attention bias 9.0 MiB (1024 x 257 nodes x 9 int32 "
+        "words, 1 bit per node pair) + tree/walk/compaction buffers 8.6 MiB "
+        "(parents, depths and valid flags of 1024 x 256 nodes per request and "
+        "per batch row; max_num_batched_tokens=8192 saved positions)."
+    ),
+}
+
+
+@pytest.mark.parametrize("max_reqs, budget", sorted(MEMORY_LINES))
+def test_startup_line_states_the_extra_memory(monkeypatch, max_reqs, budget):
+    speculator = _drafter_trees(max_reqs, budget)
+    verifier, lines = _memory_verifier(monkeypatch, max_reqs, budget, 8192, speculator)
+    words = (budget + 32) // 32
+    assert verifier.attn_bias.shape == (max_reqs, budget + 1, words)
+    assert verifier.attn_bias.dtype == torch.int32
+    # The counted bytes are the buffers' own: every tensor the verifier
+    # holds, plus the speculator's trees (its only tensors here).
+    buffers = persistent_buffers(verifier, speculator)
+    sizes = verifier.memory_bytes
+    assert sizes == verifier.buffer_bytes()
+    assert sizes["bias"] == verifier.attn_bias.nbytes
+    assert sizes["bias"] == max_reqs * (budget + 1) * words * 4
+    assert sizes["gdn"] == 0
+    assert sum(sizes.values()) == sum(t.nbytes for t in buffers)
+    assert sizes["tree"] == sum(
+        t.nbytes for t in buffers if t is not verifier.attn_bias
+    )
+    # One line, with those numbers.
+    assert lines == [MEMORY_LINES[max_reqs, budget]]
+    mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    total = sum(sizes.values())
+    assert f"{mib(total)} = tree attention bias {mib(sizes['bias'])}" in lines[0]
+    assert f"tree/walk/compaction buffers {mib(sizes['tree'])}" in lines[0]
+
+
+def test_startup_line_without_the_speculator(monkeypatch):
+    verifier, lines = _memory_verifier(monkeypatch, 4, B, 64, None)
+    assert sum(verifier.memory_bytes.values()) == sum(
+        t.nbytes for t in persistent_buffers(verifier)
+    )
+    assert len(lines) == 1 and "of 4 x 4 nodes per request;" in lines[0]
+
+
 # ------------------------------------------------------------ budget policy
 def test_budget_schedule_shrinks_with_batch_and_keeps_a_floor():
     from vllm.v1.spec_decode.ddtree.config import budget_schedule

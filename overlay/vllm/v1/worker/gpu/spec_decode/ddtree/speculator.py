@@ -82,6 +82,11 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.max_num_reqs, self.tree_budget, dtype=torch.bool, device=device
         )
 
+    def tree_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The persistent buffers DDTree adds to the DFlash drafter's (the
+        batch's trees); the verifier's startup memory line counts them."""
+        return (self.tree_parent_idx, self.tree_depth, self.tree_valid)
+
     def _generate_draft(
         self,
         num_reqs: int,
