@@ -166,19 +166,24 @@ class DDTreeGDN:
             dtype,
             device,
         )
-        nbytes = sum(
-            t.numel() * t.element_size()
-            for t in (context.x_buf, context.a_buf, context.b_buf)
-        )
-        logger.info(
-            "DDTree hybrid: verify-row buffers for %d Gated DeltaNet layers x "
-            "%d rows (conv dim %d): %.1f MiB.",
-            num_layers,
-            max_rows,
-            conv_dim,
-            nbytes / 2**20,
-        )
+        # Their size is in the verifier's startup memory line.
         return context
+
+    def buffer_bytes(self) -> int:
+        """Bytes of this object's persistent device buffers (the verify-row
+        inputs of every GDN layer and the step's spec-row tables; the parent
+        table is the verifier's)."""
+        return sum(
+            t.nbytes
+            for t in (
+                self.x_buf,
+                self.a_buf,
+                self.b_buf,
+                self.tree_rows,
+                self.spec_batch_rows,
+                self.spec_query_start,
+            )
+        )
 
     # ------------------------------------------------------------ binding
     def bind_layers(self, forward_context: dict[str, Any]) -> None:

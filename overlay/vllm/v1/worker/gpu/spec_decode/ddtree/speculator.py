@@ -90,6 +90,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         verify_ddtree_target_layers(self.vllm_config)
         super().load_model(target_model)
 
+    def tree_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The persistent buffers DDTree adds to the DFlash drafter's (the
+        batch's trees); the verifier's startup memory line counts them."""
+        return (self.tree_parent_idx, self.tree_depth, self.tree_valid)
+
     def _generate_draft(
         self,
         num_reqs: int,
