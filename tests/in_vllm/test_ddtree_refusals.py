@@ -335,12 +335,12 @@ def test_accepted_kv_cache_dtypes_are_triton_attn_dtypes_the_compactor_moves():
 
 def test_int4_kernel_takes_no_per_request_bias():
     """Why int4_per_token_head is refused: the packed INT4 path of
-    `unified_attention` asserts on a per-sequence qq_bias."""
+    `unified_attention` asserts on a per-sequence (or packed) qq_bias."""
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
     from vllm.v1.kv_cache_interface import KVQuantMode
 
     q = torch.zeros(4, 2, 32)
-    with pytest.raises(AssertionError, match="per-sequence qq_bias"):
+    with pytest.raises(AssertionError, match="only a shared float"):
         unified_attention(
             q=q,
             k=None,
