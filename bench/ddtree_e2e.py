@@ -389,9 +389,10 @@ def split_gpu_time(events, cuda_type) -> tuple[dict, dict, float, bool]:
     return us, top, draft_us, bool(spans)
 
 
-def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> None:
+def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> dict:
     """Decode ``prompts`` ``conc`` at a time under the torch profiler; print
-    the wall time and the GPU kernel time per engine step, by category."""
+    (and return) the wall time and the GPU kernel time per engine step, by
+    category."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -458,6 +459,7 @@ def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> None:
         },
     )
     print("PROFILE", json.dumps(res), flush=True)
+    return res
 
 
 def count_host_syncs(llm, a, tag, prompts, sp) -> None:
