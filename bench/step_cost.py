@@ -47,6 +47,18 @@ PAIRS = os.path.join(HERE, "pairs")
 sys.path.insert(0, HERE)
 
 SHAPES = ("dense-8b", "hybrid-27b")
+# Options the orchestrator passes on to each engine process.
+FORWARDED_OPTIONS = (
+    "models",
+    "out",
+    "chain_k",
+    "timed_batches",
+    "profile_batches",
+    "prompt_len",
+    "max_tokens",
+    "max_model_len",
+    "gpu_memory_utilization",
+)
 HYBRID_LLM_KWARGS = {
     "enable_prefix_caching": False,
     "limit_mm_per_prompt": {"image": 0, "video": 0},
@@ -277,25 +289,9 @@ def main(argv: list[str] | None = None) -> None:
             e["runner"],
             "--conc",
             ",".join(map(str, e["conc"])),
-            "--models",
-            a.models,
-            "--out",
-            a.out,
-            "--chain-k",
-            str(a.chain_k),
-            "--timed-batches",
-            str(a.timed_batches),
-            "--profile-batches",
-            str(a.profile_batches),
-            "--prompt-len",
-            str(a.prompt_len),
-            "--max-tokens",
-            str(a.max_tokens),
-            "--max-model-len",
-            str(a.max_model_len),
-            "--gpu-memory-utilization",
-            str(a.gpu_memory_utilization),
         ]
+        for name in FORWARDED_OPTIONS:
+            cmd += ["--" + name.replace("_", "-"), str(getattr(a, name))]
         if e.get("budget"):
             cmd += ["--budget", str(e["budget"])]
         try:
