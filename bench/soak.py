@@ -680,6 +680,10 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
             )
             return
         if plan.stream:
+            if "text/event-stream" not in resp.headers.get("content-type", ""):
+                out.status, out.error_kind = "bad_response", "not_an_event_stream"
+                out.error = resp.headers.get("content-type")
+                return
             await read_stream(resp, out, plan, t0)
             return
         payload = json.loads(await resp.read())
