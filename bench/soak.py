@@ -232,8 +232,9 @@ async def read_head(reader, writer) -> HttpResponse:
     return HttpResponse(int(parts[1]), headers, reader, writer)
 
 
-async def http_open(host, port, method, path, body=None, content_type="application/json",
-                    holder=None) -> HttpResponse:
+async def http_open(
+    host, port, method, path, body=None, content_type="application/json", holder=None
+) -> HttpResponse:
     reader, writer = await http_send(
         host, port, method, path, body, content_type, holder
     )
@@ -360,9 +361,19 @@ def bad_cases(ctx: Context) -> list[tuple[str, str, dict | bytes, str]]:
     over_text = text * (over // max(ntok, 1) + 2)
     j = "application/json"
     return [
-        ("malformed_json", "completion", b'{"model": "' + m.encode() + b'", "prompt', j),
+        (
+            "malformed_json",
+            "completion",
+            b'{"model": "' + m.encode() + b'", "prompt',
+            j,
+        ),
         ("body_not_json", "completion", b"prompt=hello&max_tokens=4", j),
-        ("content_type_not_json", "completion", json.dumps(base).encode(), "text/plain"),
+        (
+            "content_type_not_json",
+            "completion",
+            json.dumps(base).encode(),
+            "text/plain",
+        ),
         ("max_tokens_wrong_type", "completion", {**base, "max_tokens": "ten"}, j),
         ("prompt_wrong_type", "completion", {**base, "prompt": {"text": "x"}}, j),
         ("messages_wrong_type", "chat", {**chat, "messages": "hello"}, j),
@@ -664,9 +675,7 @@ async def read_stream(resp: HttpResponse, out: Outcome, plan: Plan, t0: float):
 
 
 async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
-    out = Outcome(
-        plan.id, plan.category, plan.name, plan.api, plan.stream, plan.greedy
-    )
+    out = Outcome(plan.id, plan.category, plan.name, plan.api, plan.stream, plan.greedy)
     out.t_start = clock()
     t0 = time.monotonic()
     holder: list = []
@@ -695,7 +704,12 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
 
     async def go() -> None:
         reader, writer = await http_send(
-            ep.host, ep.port, "POST", plan.path, plan.payload(), plan.content_type,
+            ep.host,
+            ep.port,
+            "POST",
+            plan.path,
+            plan.payload(),
+            plan.content_type,
             holder,
         )
         if plan.abort_s is None:
@@ -1069,11 +1083,14 @@ def check_metrics(
             dd = dl.get(str(k + 1), 0.0) - df.get(str(k + 1), 0.0)
             if abs(dd - v) > 0.5:
                 problems.append(
-                    f"epoch {e}: depth {k + 1} count {dd:g} != position {k} "
-                    f"count {v:g}"
+                    f"epoch {e}: depth {k + 1} count {dd:g} != position {k} count {v:g}"
                 )
-    return {"ok": not problems, "problems": problems[:30], "n_problems": len(problems),
-            "epochs": summary}
+    return {
+        "ok": not problems,
+        "problems": problems[:30],
+        "n_problems": len(problems),
+        "epochs": summary,
+    }
 
 
 def first_difference(text: str, ref: str) -> int | None:
@@ -1142,11 +1159,15 @@ class Soak:
         model = self.a.model or card["id"]
         max_model_len = int(self.a.max_model_len or card.get("max_model_len") or 0)
         if max_model_len <= 0:
-            raise RuntimeError("/v1/models gives no max_model_len; pass --max-model-len")
+            raise RuntimeError(
+                "/v1/models gives no max_model_len; pass --max-model-len"
+            )
         texts = load_prompts(self.a.prompts)[: self.a.num_prompts]
         comp, chat, long_tokens = [], [], []
         for text in texts:
-            t = await self.ep.json("POST", "/tokenize", {"model": model, "prompt": text})
+            t = await self.ep.json(
+                "POST", "/tokenize", {"model": model, "prompt": text}
+            )
             c = await self.ep.json(
                 "POST",
                 "/tokenize",
@@ -1369,13 +1390,17 @@ class Soak:
             for k in ("stream", "stream_options", "prompt_logprobs"):
                 body.pop(k, None)
             if plan.api == "chat":
-                body.update(logprobs=True, top_logprobs=max(2, body.get("top_logprobs", 0)))
+                body.update(
+                    logprobs=True, top_logprobs=max(2, body.get("top_logprobs", 0))
+                )
             else:
                 body["logprobs"] = max(2, body.get("logprobs") or 0)
             async with sem:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    res["reference_errors"].append({"id": o.id, "error": "no time left"})
+                    res["reference_errors"].append(
+                        {"id": o.id, "error": "no time left"}
+                    )
                     return
                 status, data = await self.ref.call(
                     "POST", plan.path, json.dumps(body).encode(), min(a.timeout, left)
@@ -1459,8 +1484,10 @@ class Soak:
         report.update(
             model=ctx.model,
             max_model_len=ctx.max_model_len,
-            prompts={"completion": len(ctx.completion_prompts),
-                     "chat": len(ctx.chat_prompts)},
+            prompts={
+                "completion": len(ctx.completion_prompts),
+                "chat": len(ctx.chat_prompts),
+            },
             stop_token_ids=ctx.stop_token_ids,
         )
         log(f"model {ctx.model}, max_model_len {ctx.max_model_len}; bad inputs")
@@ -1472,8 +1499,12 @@ class Soak:
         await self.scrape()
         monitors = [
             asyncio.create_task(f())
-            for f in (self.health_poller, self.metrics_scraper, self.memory_sampler,
-                      self.progress)
+            for f in (
+                self.health_poller,
+                self.metrics_scraper,
+                self.memory_sampler,
+                self.progress,
+            )
         ]
         restart = None
         if a.restart_at and self.server is not None:
@@ -1494,9 +1525,18 @@ class Soak:
         drained = await self.drain()
         probe = await run_plan(
             self.ep,
-            Plan(-10_000, "load", "probe", "completion",
-                 {"model": ctx.model, "prompt": ctx.completion_prompts[0][0],
-                  "max_tokens": 4, "temperature": 0.0}),
+            Plan(
+                -10_000,
+                "load",
+                "probe",
+                "completion",
+                {
+                    "model": ctx.model,
+                    "prompt": ctx.completion_prompts[0][0],
+                    "max_tokens": 4,
+                    "temperature": 0.0,
+                },
+            ),
             a.timeout,
             self.clock,
         )
@@ -1510,9 +1550,7 @@ class Soak:
         if self.ref is not None:
             log("comparing greedy outputs with the reference server")
             greedy = await self.compare_reference()
-        report.update(
-            self.evaluate(bad_rows, drained, probe, final_health, greedy)
-        )
+        report.update(self.evaluate(bad_rows, drained, probe, final_health, greedy))
         return report
 
     # --------------------------------------------------------- evaluate
@@ -1526,8 +1564,11 @@ class Soak:
                 return False
             return not (o.status in FAULT_ONLY and o.in_fault)
 
-        for cat, name in (("load", "requests"), ("refuse", "refusals"),
-                          ("bad", "bad_input")):
+        for cat, name in (
+            ("load", "requests"),
+            ("refuse", "refusals"),
+            ("bad", "bad_input"),
+        ):
             mine = [o for o in outs if o.category == cat]
             bad = [o for o in mine if failing(o)]
             crit[name] = {
@@ -1554,13 +1595,14 @@ class Soak:
             "detail": f"{self.issued} requests in {self.load_end:.0f}s "
             f"(asked: {a.requests} in {a.duration:g}s)",
         }
-        bad_h = [(t, s) for t, s, f in self.health if s != 200 and not
-                 self.in_window(t, t)]
+        bad_h = [
+            (t, s) for t, s, f in self.health if s != 200 and not self.in_window(t, t)
+        ]
         crit["health"] = {
             "ok": bool(self.health) and not bad_h,
             "detail": f"{len(self.health)} polls, {len(bad_h)} not 200 outside "
-            "fault windows" + (f" (first at {bad_h[0][0]:.1f}s: {bad_h[0][1]})"
-                               if bad_h else ""),
+            "fault windows"
+            + (f" (first at {bad_h[0][0]:.1f}s: {bad_h[0][1]})" if bad_h else ""),
         }
         crit["final"] = {
             "ok": drained and probe.status == "completed" and final_health == 200,
@@ -1574,7 +1616,9 @@ class Soak:
         for e in sorted({x[1] for x in self.rss}):
             per_epoch_rss[e] = flatness(
                 [(t, v) for t, ep, v in self.rss if ep == e],
-                self.epoch_start.get(e, 0.0), warm, a.rss_growth_mib,
+                self.epoch_start.get(e, 0.0),
+                warm,
+                a.rss_growth_mib,
             )
         memory["rss"] = {"pid": self.server_pid, "epochs": per_epoch_rss}
         crit["server_rss"] = self._mem_criterion(
@@ -1588,7 +1632,9 @@ class Soak:
             for idx in sorted({k for _, ep, m in self.gpu if ep == e for k in m}):
                 per_gpu[f"gpu{idx}/epoch{e}"] = flatness(
                     [(t, m[idx]) for t, ep, m in self.gpu if ep == e and idx in m],
-                    self.epoch_start.get(e, 0.0), warm, a.gpu_growth_mib,
+                    self.epoch_start.get(e, 0.0),
+                    warm,
+                    a.gpu_growth_mib,
                 )
         memory["gpu"] = {"series": per_gpu, "unavailable": self.gpu_reason or None}
         crit["gpu_memory"] = self._mem_criterion(
@@ -1597,20 +1643,23 @@ class Soak:
 
         client_tokens: dict[int, int] = defaultdict(int)
         last_epoch = max(self.epoch_start)
-        t_first = next(
-            (t for t, e, _ in self.scrapes if e == last_epoch), math.inf
-        )
+        t_first = next((t for t, e, _ in self.scrapes if e == last_epoch), math.inf)
         for o in outs:
-            if (o.status == "completed" and o.epoch == last_epoch
-                    and o.t_start >= t_first and o.completion_tokens):
+            if (
+                o.status == "completed"
+                and o.epoch == last_epoch
+                and o.t_start >= t_first
+                and o.completion_tokens
+            ):
                 client_tokens[last_epoch] += o.completion_tokens
-        metrics = check_metrics(self.scrapes, self.types, a.expect_ddtree,
-                                client_tokens)
-        crit["metrics"] = {
-            "ok": metrics["ok"],
-            "detail": "consistent" if metrics["ok"] else
-            f"{metrics.get('n_problems', 1)} problems, first: {metrics['problems'][0]}",
-        }
+        metrics = check_metrics(
+            self.scrapes, self.types, a.expect_ddtree, client_tokens
+        )
+        detail = "consistent"
+        if not metrics["ok"]:
+            n = metrics.get("n_problems", 1)
+            detail = f"{n} problems, first: {metrics['problems'][0]}"
+        crit["metrics"] = {"ok": metrics["ok"], "detail": detail}
         preempt = sum(ep["preemptions"] for ep in metrics["epochs"])
         crit["preemption"] = {
             "ok": preempt > 0 if a.expect_preemption else None,
@@ -1618,8 +1667,10 @@ class Soak:
             + ("" if a.expect_preemption else " (not required)"),
         }
         if greedy is None:
-            crit["greedy_reference"] = {"ok": None,
-                                        "detail": "skipped: no --reference-url"}
+            crit["greedy_reference"] = {
+                "ok": None,
+                "detail": "skipped: no --reference-url",
+            }
         else:
             crit["greedy_reference"] = {
                 "ok": greedy["ok"],
@@ -1654,12 +1705,15 @@ class Soak:
                 "completed_stream_ttft": percentiles(
                     [o.ttft for o in completed if o.stream and o.ttft is not None]
                 ),
-                "aborted": percentiles([o.latency for o in outs
-                                        if o.status == "aborted"]),
-                "refused": percentiles([o.latency for o in outs
-                                        if o.status == "refused"]),
-                "rejected": percentiles([o.latency for o in outs
-                                         if o.status == "rejected"]),
+                "aborted": percentiles(
+                    [o.latency for o in outs if o.status == "aborted"]
+                ),
+                "refused": percentiles(
+                    [o.latency for o in outs if o.status == "refused"]
+                ),
+                "rejected": percentiles(
+                    [o.latency for o in outs if o.status == "rejected"]
+                ),
             },
             "health": {
                 "polls": len(self.health),
@@ -1671,8 +1725,9 @@ class Soak:
             "greedy_reference": greedy,
             "bad_input": bad_rows,
             "faults": {
-                "windows": [[round(w0, 2), round(w1 or 0, 2)] for w0, w1 in
-                            self.windows],
+                "windows": [
+                    [round(w0, 2), round(w1 or 0, 2)] for w0, w1 in self.windows
+                ],
                 "restarts": self.restarts,
                 "grace_s": a.fault_grace,
             },
@@ -1704,36 +1759,69 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("server")
     g.add_argument("--base-url", default="http://127.0.0.1:8000")
     g.add_argument("--model", default=None, help="default: the server's first model")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="default: from /v1/models")
-    g.add_argument("--launch", default=None,
-                   help="start this server command (split like a shell line) and "
-                   "stop it at the end")
-    g.add_argument("--after-start", default=None,
-                   help="command run after every start of --launch once /health "
-                   "answers (e.g. a POST that loads weights); must exit 0")
+    g.add_argument(
+        "--max-model-len", type=int, default=None, help="default: from /v1/models"
+    )
+    g.add_argument(
+        "--launch",
+        default=None,
+        help="start this server command (split like a shell line) and "
+        "stop it at the end",
+    )
+    g.add_argument(
+        "--after-start",
+        default=None,
+        help="command run after every start of --launch once /health "
+        "answers (e.g. a POST that loads weights); must exit 0",
+    )
     g.add_argument("--server-log", default="/tmp/soak-server.log")
     g.add_argument("--start-timeout", type=float, default=900.0)
-    g.add_argument("--stop-grace", type=float, default=30.0,
-                   help="seconds between SIGTERM and SIGKILL")
-    g.add_argument("--restart-at", type=float, default=0.0,
-                   help="with --launch: restart the server this many seconds "
-                   "into the load (0: never)")
-    g.add_argument("--fault-grace", type=float, default=5.0,
-                   help="seconds after a restart still inside its fault window")
-    g.add_argument("--server-pid", type=int, default=None,
-                   help="pid whose RSS (with its descendants) is sampled, when the "
-                   "server was not launched here")
-    g.add_argument("--expect-ddtree", action=argparse.BooleanOptionalAction,
-                   default=True,
-                   help="DDTree server: send the refused kinds, check its series")
-    g.add_argument("--expect-preemption", action="store_true",
-                   help="fail unless vllm:num_preemptions moved")
+    g.add_argument(
+        "--stop-grace",
+        type=float,
+        default=30.0,
+        help="seconds between SIGTERM and SIGKILL",
+    )
+    g.add_argument(
+        "--restart-at",
+        type=float,
+        default=0.0,
+        help="with --launch: restart the server this many seconds "
+        "into the load (0: never)",
+    )
+    g.add_argument(
+        "--fault-grace",
+        type=float,
+        default=5.0,
+        help="seconds after a restart still inside its fault window",
+    )
+    g.add_argument(
+        "--server-pid",
+        type=int,
+        default=None,
+        help="pid whose RSS (with its descendants) is sampled, when the "
+        "server was not launched here",
+    )
+    g.add_argument(
+        "--expect-ddtree",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="DDTree server: send the refused kinds, check its series",
+    )
+    g.add_argument(
+        "--expect-preemption",
+        action="store_true",
+        help="fail unless vllm:num_preemptions moved",
+    )
     g = ap.add_argument_group("load")
     g.add_argument("--duration", type=float, default=600.0, help="seconds, at least")
     g.add_argument("--requests", type=int, default=2000, help="requests, at least")
-    g.add_argument("--max-duration", type=float, default=1800.0,
-                   help="the load stops here whatever was sent")
+    g.add_argument(
+        "--max-duration",
+        type=float,
+        default=1800.0,
+        help="the load stops here whatever was sent",
+    )
     g.add_argument("--concurrency", type=int, default=96)
     g.add_argument("--prompts", default=None, help="JSONL with a 'prompt' field")
     g.add_argument("--num-prompts", type=int, default=64)
@@ -1742,45 +1830,76 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat-fraction", type=float, default=0.4)
     g.add_argument("--stream-fraction", type=float, default=0.5)
     g.add_argument("--greedy-fraction", type=float, default=0.5)
-    g.add_argument("--n-fraction", type=float, default=0.15,
-                   help="of the sampled requests, n in 2..4")
-    g.add_argument("--long-fraction", type=float, default=0.05,
-                   help="prompts of token ids within 80 tokens of max_model_len")
+    g.add_argument(
+        "--n-fraction",
+        type=float,
+        default=0.15,
+        help="of the sampled requests, n in 2..4",
+    )
+    g.add_argument(
+        "--long-fraction",
+        type=float,
+        default=0.05,
+        help="prompts of token ids within 80 tokens of max_model_len",
+    )
     g.add_argument("--abort-fraction", type=float, default=0.2)
-    g.add_argument("--abort-max-s", type=float, default=3.0,
-                   help="aborts after a delay: uniform in [0, this]")
+    g.add_argument(
+        "--abort-max-s",
+        type=float,
+        default=3.0,
+        help="aborts after a delay: uniform in [0, this]",
+    )
     g.add_argument("--refuse-fraction", type=float, default=0.05)
     g.add_argument("--bad-fraction", type=float, default=0.02)
-    g.add_argument("--timeout", type=float, default=300.0,
-                   help="client-side limit per request, s (past it: hang)")
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="client-side limit per request, s (past it: hang)",
+    )
     g = ap.add_argument_group("monitoring and criteria")
     g.add_argument("--health-interval", type=float, default=2.0)
     g.add_argument("--health-timeout", type=float, default=5.0)
     g.add_argument("--metrics-interval", type=float, default=10.0)
     g.add_argument("--memory-interval", type=float, default=5.0)
     g.add_argument("--progress-interval", type=float, default=15.0)
-    g.add_argument("--warmup", type=float, default=None,
-                   help="seconds of each server lifetime before memory must be "
-                   "flat (default: 20%% of --duration)")
+    g.add_argument(
+        "--warmup",
+        type=float,
+        default=None,
+        help="seconds of each server lifetime before memory must be "
+        "flat (default: 20%% of --duration)",
+    )
     g.add_argument("--rss-growth-mib", type=float, default=256.0)
     g.add_argument("--gpu-growth-mib", type=float, default=128.0)
     g.add_argument("--nvidia-smi", default="nvidia-smi")
     g.add_argument("--gpus", default=None, help="nvidia-smi -i, e.g. 0 or 0,1")
     g.add_argument("--drain-timeout", type=float, default=120.0)
-    g.add_argument("--reference-url", default=None,
-                   help="a no-spec server of the same model (loopback)")
+    g.add_argument(
+        "--reference-url",
+        default=None,
+        help="a no-spec server of the same model (loopback)",
+    )
     g.add_argument("--reference-concurrency", type=int, default=32)
     g.add_argument("--reference-max-s", type=float, default=1200.0)
-    g.add_argument("--float32", action="store_true",
-                   help="both servers run float32: near-ties are reported, not "
-                   "failed")
-    g.add_argument("--tie-tolerance", type=float, default=0.01,
-                   help="with --float32: reference top-2 logprob gap of a near-tie")
+    g.add_argument(
+        "--float32",
+        action="store_true",
+        help="both servers run float32: near-ties are reported, not failed",
+    )
+    g.add_argument(
+        "--tie-tolerance",
+        type=float,
+        default=0.01,
+        help="with --float32: reference top-2 logprob gap of a near-tie",
+    )
     g = ap.add_argument_group("output")
-    g.add_argument("--pair", default=None, help="name in the output file (default: "
-                   "the model name)")
-    g.add_argument("--out", default=None,
-                   help="default: bench/results/<date>-soak-<pair>.json")
+    g.add_argument(
+        "--pair", default=None, help="name in the output file (default: the model name)"
+    )
+    g.add_argument(
+        "--out", default=None, help="default: bench/results/<date>-soak-<pair>.json"
+    )
     return ap
 
 
@@ -1789,8 +1908,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.restart_at and not a.launch:
         raise SystemExit("soak: --restart-at needs --launch")
     result = asyncio.run(Soak(a).run())
-    pair = a.pair or re.sub(r"[^A-Za-z0-9_.-]+", "_",
-                            os.path.basename(str(result.get("model") or "server")))
+    pair = a.pair or re.sub(
+        r"[^A-Za-z0-9_.-]+", "_", os.path.basename(str(result.get("model") or "server"))
+    )
     out = a.out or os.path.join(
         ROOT, "bench", "results", f"{datetime.date.today():%Y-%m-%d}-soak-{pair}.json"
     )

@@ -248,7 +248,10 @@ def parse_request(cfg: FakeConfig, chat: bool, body: dict) -> dict:
     stop_ids = body.get("stop_token_ids") or []
     checks = [
         (max_tokens < 1, f"max_tokens must be at least 1, got {max_tokens}."),
-        (not 0 <= temperature <= 2, f"temperature must be in [0, 2], got {temperature}."),
+        (
+            not 0 <= temperature <= 2,
+            f"temperature must be in [0, 2], got {temperature}.",
+        ),
         (not 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}."),
         (top_k < -1, f"top_k must be 0 (disable), or at least 1, got {top_k}."),
         (not 0 <= min_p <= 1, f"min_p must be in [0, 1], got {min_p}."),
@@ -257,8 +260,10 @@ def parse_request(cfg: FakeConfig, chat: bool, body: dict) -> dict:
         (repetition <= 0, "repetition_penalty must be greater than zero"),
         (n < 1, f"n must be at least 1, got {n}."),
         (temperature == 0 and n > 1, "n must be 1 when using greedy sampling"),
-        (logprobs is not None and logprobs > 20, "Requested sample logprobs of more "
-         "than 20"),
+        (
+            logprobs is not None and logprobs > 20,
+            "Requested sample logprobs of more than 20",
+        ),
         (any(not s for s in stop), "stop cannot contain an empty string."),
         (
             len(prompt) + max_tokens > cfg.max_model_len,
@@ -372,8 +377,17 @@ class Handler(BaseHTTPRequestHandler):
         self.close_connection = True
 
     def _error(self, code: int, msg: str) -> None:
-        self._send(code, {"error": {"message": msg, "type": "BadRequestError",
-                                    "param": None, "code": code}})
+        self._send(
+            code,
+            {
+                "error": {
+                    "message": msg,
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": code,
+                }
+            },
+        )
 
     def do_GET(self):
         st = self.st
@@ -386,16 +400,28 @@ class Handler(BaseHTTPRequestHandler):
         elif self.path == "/metrics":
             self._send(200, st.metrics().encode(), "text/plain; version=0.0.4")
         elif self.path == "/v1/models":
-            self._send(200, {"object": "list", "data": [
-                {"id": st.cfg.model, "object": "model",
-                 "max_model_len": st.cfg.max_model_len}]})
+            self._send(
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": st.cfg.model,
+                            "object": "model",
+                            "max_model_len": st.cfg.max_model_len,
+                        }
+                    ],
+                },
+            )
         else:
             self._error(404, f"no route {self.path}")
 
     def _body(self):
         raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         if self.headers.get("Content-Type", "").split(";")[0] != "application/json":
-            raise BadRequest("Unsupported Media Type: Only 'application/json' is allowed")
+            raise BadRequest(
+                "Unsupported Media Type: Only 'application/json' is allowed"
+            )
         try:
             return json.loads(raw)
         except ValueError as e:
@@ -410,8 +436,14 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 p = body["prompt"]
                 toks = p if isinstance(p, list) else tokenize(p)
-            self._send(200, {"count": len(toks), "max_model_len": cfg.max_model_len,
-                             "tokens": toks})
+            self._send(
+                200,
+                {
+                    "count": len(toks),
+                    "max_model_len": cfg.max_model_len,
+                    "tokens": toks,
+                },
+            )
             return
         chat = self.path == "/v1/chat/completions"
         if not chat and self.path != "/v1/completions":
@@ -424,17 +456,34 @@ class Handler(BaseHTTPRequestHandler):
             if cfg.validate:
                 self._error(e.code, str(e))
             else:  # the misbehaving fake: anything goes
-                self._send(200, {"choices": [{"index": 0, "text": "ok",
-                                              "message": {"content": "ok"},
-                                              "finish_reason": "length"}],
-                                 "usage": {"completion_tokens": 1}})
+                self._send(
+                    200,
+                    {
+                        "choices": [
+                            {
+                                "index": 0,
+                                "text": "ok",
+                                "message": {"content": "ok"},
+                                "finish_reason": "length",
+                            }
+                        ],
+                        "usage": {"completion_tokens": 1},
+                    },
+                )
             return
         stream = body.get("stream") is True
         if req["refusal"] and cfg.refuse:
             if stream:
                 self._start_stream()
-                self._event({"error": {"message": req["refusal"], "code": 400,
-                                       "type": "BadRequestError"}})
+                self._event(
+                    {
+                        "error": {
+                            "message": req["refusal"],
+                            "code": 400,
+                            "type": "BadRequestError",
+                        }
+                    }
+                )
                 self._event_raw(b"[DONE]")
                 self._end_stream()
             else:
@@ -480,19 +529,27 @@ class Handler(BaseHTTPRequestHandler):
             c: dict = {"index": i, "finish_reason": finish}
             if chat:
                 c["message"] = {"role": "assistant", "content": text}
-                c["logprobs"] = (chat_logprobs(pieces, gap)
-                                 if req["logprobs"] is not None else None)
+                c["logprobs"] = (
+                    chat_logprobs(pieces, gap) if req["logprobs"] is not None else None
+                )
             else:
                 c["text"] = text
-                c["logprobs"] = (completion_logprobs(pieces, gap)
-                                 if req["logprobs"] is not None else None)
+                c["logprobs"] = (
+                    completion_logprobs(pieces, gap)
+                    if req["logprobs"] is not None
+                    else None
+                )
             if req["prompt_logprobs"] is not None:
                 c["prompt_logprobs"] = [None] + [
                     {str(t): {"logprob": -1.0}} for t in req["prompt"][1:]
                 ]
             choices.append(c)
-        return {"id": "cmpl-fake", "object": "text_completion", "choices": choices,
-                "usage": usage}
+        return {
+            "id": "cmpl-fake",
+            "object": "text_completion",
+            "choices": choices,
+            "usage": usage,
+        }
 
     def _start_stream(self) -> None:
         self.send_response(200)
@@ -519,8 +576,13 @@ class Handler(BaseHTTPRequestHandler):
         self._start_stream()
         for i, (text, finish, _) in enumerate(outs):
             if chat:
-                self._event({"choices": [{"index": i, "delta": {"role": "assistant",
-                                                                "content": ""}}]})
+                self._event(
+                    {
+                        "choices": [
+                            {"index": i, "delta": {"role": "assistant", "content": ""}}
+                        ]
+                    }
+                )
             for piece in text:
                 if chat:
                     c = {"index": i, "delta": {"content": piece}, "finish_reason": None}
@@ -557,8 +619,9 @@ class FakeHTTPServer(ThreadingHTTPServer):
 
 def start(cfg: FakeConfig, port: int = 0) -> tuple[FakeHTTPServer, threading.Thread]:
     srv = FakeHTTPServer(cfg, port)
-    th = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05},
-                          daemon=True)
+    th = threading.Thread(
+        target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    )
     th.start()
     return srv, th
 

@@ -16,6 +16,7 @@ import socket
 import sys
 
 import pytest
+
 import soak_fake
 from soak_fake import FakeConfig
 
@@ -25,8 +26,17 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import soak  # noqa: E402
 
 CRITERIA = {
-    "requests", "refusals", "bad_input", "load", "health", "final", "server_rss",
-    "gpu_memory", "metrics", "preemption", "greedy_reference",
+    "requests",
+    "refusals",
+    "bad_input",
+    "load",
+    "health",
+    "final",
+    "server_rss",
+    "gpu_memory",
+    "metrics",
+    "preemption",
+    "greedy_reference",
 }
 
 
@@ -57,8 +67,13 @@ def small_args(out: str, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def run_soak(tmp_path, cfg: FakeConfig, ref_cfg: FakeConfig | None = None,
-             gpu_step: int = 0, extra: tuple[str, ...] = ()) -> tuple[int, dict]:
+def run_soak(
+    tmp_path,
+    cfg: FakeConfig,
+    ref_cfg: FakeConfig | None = None,
+    gpu_step: int = 0,
+    extra: tuple[str, ...] = (),
+) -> tuple[int, dict]:
     srv, th = soak_fake.start(cfg)
     ref, ref_th = soak_fake.start(ref_cfg or FakeConfig())
     out = str(tmp_path / "soak.json")
@@ -96,8 +111,11 @@ def test_good_fake_passes_every_criterion(tmp_path):
         f"refuse:{k}" for k in soak.REFUSALS
     }
     # Streamed refusals come as the stream's first event, the others as a 400.
-    assert r["requests"]["errors_by_kind"].keys() <= {"http_400", "http_404",
-                                                      "stream_error_400"}
+    assert r["requests"]["errors_by_kind"].keys() <= {
+        "http_400",
+        "http_404",
+        "stream_error_400",
+    }
     assert r["requests"]["errors_by_kind"]["stream_error_400"] > 0
     lat = r["latency_s"]["completed"]
     assert lat["n"] == by["completed"] and lat["p50"] <= lat["p99"] <= lat["max"]
@@ -121,8 +139,14 @@ def test_good_fake_passes_every_criterion(tmp_path):
 
 
 def _ctx(max_model_len: int = 256) -> soak.Context:
-    return soak.Context("m", max_model_len, [("def f(x):", 9)], [("def f(x):", 14)],
-                        list(range(3, 40)), [10, 41])
+    return soak.Context(
+        "m",
+        max_model_len,
+        [("def f(x):", 9)],
+        [("def f(x):", 14)],
+        list(range(3, 40)),
+        [10, 41],
+    )
 
 
 def test_server_errors_non_greedy_rss_metrics_and_nothing_refused_fail(tmp_path):
@@ -135,15 +159,22 @@ def test_server_errors_non_greedy_rss_metrics_and_nothing_refused_fail(tmp_path)
     )
     rc, r = run_soak(tmp_path, cfg, extra=("--abort-fraction", "0"))
     assert rc == 1 and not r["ok"]
-    assert failed(r) == {"requests", "greedy_reference", "server_rss", "metrics",
-                         "refusals"}, r["criteria"]
+    assert failed(r) == {
+        "requests",
+        "greedy_reference",
+        "server_rss",
+        "metrics",
+        "refusals",
+    }, r["criteria"]
     assert r["requests"]["by_outcome"]["server_error"] == 2
     assert r["requests"]["errors_by_kind"]["http_500"] == 2
     assert r["requests"]["by_outcome"]["not_refused"] > 0
     g = r["greedy_reference"]
     assert g["mismatches"] and not g["near_ties"]
-    assert all(m["first_diff_char"] == 3 and m["first_diff_token"] == 3
-               for m in g["mismatches"])
+    assert all(
+        m["first_diff_char"] == 3 and m["first_diff_token"] == 3
+        for m in g["mismatches"]
+    )
     assert r["memory"]["rss"]["epochs"]["0"]["growth_mib"] > 32
     assert any("emitted tokens" in p for p in r["metrics"]["problems"])
 
@@ -164,8 +195,16 @@ def test_hang_bad_input_health_gpu_drain_preemption_and_load_fail(tmp_path):
                "--requests", "100000", "--abort-fraction", "0"),
     )  # fmt: skip
     assert rc == 1
-    assert failed(r) == {"requests", "bad_input", "health", "gpu_memory", "final",
-                         "preemption", "metrics", "load"}, r["criteria"]
+    assert failed(r) == {
+        "requests",
+        "bad_input",
+        "health",
+        "gpu_memory",
+        "final",
+        "preemption",
+        "metrics",
+        "load",
+    }, r["criteria"]
     assert r["requests"]["by_outcome"]["hang"] == 1
     assert r["requests"]["errors_by_kind"]["client_timeout"] == 1
     assert not any(x["ok"] for x in r["bad_input"])
@@ -181,9 +220,11 @@ def test_near_ties_are_allowed_only_in_float32(tmp_path, float32):
     # Every reference token's top-2 logprobs are 1e-4 apart: a divergence
     # there is a near-tie.
     extra = ("--duration", "0.3", "--requests", "20") + (
-        ("--float32",) if float32 else ())
-    rc, r = run_soak(tmp_path, FakeConfig(perturb_greedy=True),
-                     FakeConfig(tie_gap=1e-4), extra=extra)
+        ("--float32",) if float32 else ()
+    )
+    rc, r = run_soak(
+        tmp_path, FakeConfig(perturb_greedy=True), FakeConfig(tie_gap=1e-4), extra=extra
+    )
     g = r["greedy_reference"]
     differ = g["compared"] - g["identical"]  # outputs of 3 characters or fewer match
     assert differ > 10
@@ -204,7 +245,9 @@ def _free_port() -> int:
 def test_launched_server_restarted_mid_run(tmp_path):
     port = _free_port()
     out = str(tmp_path / "soak.json")
-    cmd = f"{sys.executable} {os.path.join(ROOT, 'tests', 'soak_fake.py')} --port {port}"
+    cmd = (
+        f"{sys.executable} {os.path.join(ROOT, 'tests', 'soak_fake.py')} --port {port}"
+    )
     argv = small_args(
         out, "--base-url", f"http://127.0.0.1:{port}", "--launch", cmd,
         "--server-log", str(tmp_path / "server.log"), "--restart-at", "0.4",
@@ -216,7 +259,7 @@ def test_launched_server_restarted_mid_run(tmp_path):
     with open(out) as f:
         r = json.load(f)
     assert r["ok"], r["criteria"]
-    (w0, w1), = r["faults"]["windows"]
+    ((w0, w1),) = r["faults"]["windows"]
     assert 0.4 <= w0 < w1 and r["faults"]["restarts"][0]["error"] is None
     # Two server lifetimes, each consistent on its own (counters restart at 0).
     assert [e["epoch"] for e in r["metrics"]["epochs"]] == [0, 1]
@@ -246,21 +289,38 @@ def test_plans_mix_every_kind_and_depend_on_seed_and_index_only():
     assert {p.api for p in load} == {"chat", "completion"}
     assert {p.stream for p in load} == {True, False}
     assert 0.4 < sum(p.greedy for p in load) / len(load) < 0.6
-    assert 0.15 < sum(p.abort_s is not None or p.abort_chunks is not None
-                      for p in load) / len(load) < 0.25
+    assert (
+        0.15
+        < sum(p.abort_s is not None or p.abort_chunks is not None for p in load)
+        / len(load)
+        < 0.25
+    )
     assert any(p.abort_s == 0.0 for p in load) and any(p.abort_chunks for p in load)
     assert any(b.get("n", 1) > 1 for b in bodies)
     assert all(b.get("n", 1) == 1 for p, b in zip(load, bodies) if p.greedy)
-    for key in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                "repetition_penalty", "seed", "stop", "stop_token_ids", "logprobs",
-                "top_logprobs", "prompt_logprobs"):
+    for key in (
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+    ):
         assert any(key in b for b in bodies), key
     mt = [b["max_tokens"] for b in bodies]
     assert min(mt) == 1 and 900 < max(mt) <= args.max_tokens_max == 1024
     longs = [p for p in load if p.name == "long"]
     assert longs and all(
-        ctx.max_model_len - 80 <= len(p.body["prompt"]) + p.body["max_tokens"]
-        <= ctx.max_model_len for p in longs
+        ctx.max_model_len - 80
+        <= len(p.body["prompt"]) + p.body["max_tokens"]
+        <= ctx.max_model_len
+        for p in longs
     )
     assert {p.name for p in plans if p.category == "refuse"} == set(soak.REFUSALS)
     # The bad-input phase sends every case; the load mixes some in at random.
