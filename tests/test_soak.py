@@ -81,6 +81,7 @@ def run_soak(
         out,
         "--base-url", srv.url, "--reference-url", ref.url,
         "--server-pid", str(os.getpid()), "--expect-preemption",
+        "--tree-budget", str(soak_fake.BUDGET),
         "--nvidia-smi", fake_nvidia_smi(tmp_path, gpu_step), *extra,
     )  # fmt: skip
     try:
@@ -355,3 +356,68 @@ def test_only_loopback_servers():
         soak.Endpoint("http://10.0.0.1:8000")
     with pytest.raises(SystemExit, match="needs --launch"):
         soak.main(["--restart-at", "5"])
+
+
+def _scrape(**over) -> dict[str, float]:
+    pp = soak.PER_POS
+    s = {
+        soak.DRAFTS: 10, soak.ACCEPTED: 15, soak.DRAFT_TOKENS: 40,
+        f'{pp}{{position="0"}}': 8, f'{pp}{{position="1"}}': 5,
+        f'{pp}{{position="2"}}': 2,
+        f"{soak.AL}_count": 10, f"{soak.AL}_sum": 25,
+        f'{soak.AL}_bucket{{le="1.0"}}': 2, f'{soak.AL}_bucket{{le="2.0"}}': 5,
+        f'{soak.AL}_bucket{{le="3.0"}}': 8, f'{soak.AL}_bucket{{le="4.0"}}': 10,
+        f'{soak.AL}_bucket{{le="+Inf"}}': 10,
+        f'{soak.PER_DEPTH}{{depth="1"}}': 8, f'{soak.PER_DEPTH}{{depth="2"}}': 5,
+        f'{soak.PER_DEPTH}{{depth="3"}}': 2,
+        soak.BUDGET: 4, soak.DEPTH: 3, soak.GEN_TOKENS: 30,
+    }  # fmt: skip
+    s.update(over)
+    return s
+
+
+@pytest.mark.parametrize(
+    "over,client,problem",
+    [
+        ({}, 30, None),
+        ({soak.ACCEPTED: 41}, 30, "accepted 41 > draft tokens 40"),
+        ({soak.DRAFT_TOKENS: 41}, 30, "x tree_budget 4"),
+        ({soak.DRAFT_TOKENS: 9}, 30, "draft tokens 9 < drafts 10"),
+        ({soak.ACCEPTED: 31, soak.DRAFT_TOKENS: 40}, 30, "x depth 3"),
+        ({f'{soak.PER_POS}{{position="2"}}': 6}, 30, "per-position accepted counts"),
+        ({f'{soak.PER_POS}{{position="0"}}': 9}, 30, "sum to 16"),
+        ({f"{soak.AL}_count": 9}, 30, "_count moved 9, drafts 10"),
+        ({f"{soak.AL}_sum": 26}, 30, "emitted tokens"),
+        ({f'{soak.AL}_bucket{{le="2.0"}}': 1}, 30, "buckets not cumulative"),
+        ({f'{soak.AL}_bucket{{le="+Inf"}}': 11}, 30, "+Inf bucket 11"),
+        ({f'{soak.PER_DEPTH}{{depth="2"}}': 4}, 30, "depth 2 count 4"),
+        ({soak.BUDGET: 8}, 30, "reached 8 > tree_budget 4"),
+        ({}, 31, "less than the 31 completion tokens"),
+    ],
+)
+def test_check_metrics_names_each_broken_identity(over, client, problem):
+    first = {k: 0.0 for k in _scrape()} | {soak.BUDGET: 4, soak.DEPTH: 3}
+    scrapes = [(0.0, 0, first), (1.0, 0, _scrape(**over))]
+    r = soak.check_metrics(scrapes, {}, True, {0: client}, tree_budget=4)
+    if problem is None:
+        assert r["ok"] and r["epochs"][0]["tau"] == 2.5, r["problems"]
+    else:
+        assert not r["ok"] and any(problem in p for p in r["problems"]), r["problems"]
+
+
+def test_check_metrics_monotone_per_lifetime_and_ddtree_series_required():
+    a, b = _scrape(), _scrape(**{soak.DRAFTS: 9})
+    r = soak.check_metrics([(0, 0, a), (1, 0, b)], {}, True, {})
+    assert any(
+        "spec_decode_num_drafts_total fell from 10 to 9" in p for p in r["problems"]
+    )
+    # A restart starts a new lifetime: counters back at 0 are no fall.
+    zero = {k: 0.0 for k in a}
+    r = soak.check_metrics(
+        [(0, 0, zero), (1, 0, a), (2, 1, zero), (3, 1, a)], {}, True, {}
+    )
+    assert r["ok"] and len(r["epochs"]) == 2, r["problems"]
+    plain = {soak.GEN_TOKENS: 5.0}
+    r = soak.check_metrics([(0, 0, plain), (1, 0, plain)], {}, True, {})
+    assert any("series missing" in p for p in r["problems"])
+    assert soak.check_metrics([(0, 0, plain), (1, 0, plain)], {}, False, {})["ok"]
