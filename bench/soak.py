@@ -280,6 +280,8 @@ class Endpoint:
     async def json(self, method: str, path: str, payload=None, timeout=10.0):
         body = None if payload is None else json.dumps(payload).encode()
         status, data = await self.call(method, path, body, timeout)
+        if status == 0:
+            raise RuntimeError(f"{method} {self.base_url}{path}: no answer")
         if status != 200:
             raise RuntimeError(f"{method} {path}: HTTP {status}: {data[:200]!r}")
         return json.loads(data)
@@ -529,7 +531,8 @@ def make_plan(i: int, seed: int, ctx: Context, a: argparse.Namespace) -> Plan:
             body.update(logprobs=True, top_logprobs=k)
         else:
             body["logprobs"] = k
-    if rng.random() < 0.1:
+    if not long_prompt and rng.random() < 0.1:
+        # Not on the long prompts: a full-vocabulary row per prompt token.
         body["prompt_logprobs"] = rng.randint(0, 3)
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
@@ -1144,6 +1147,7 @@ class Soak:
         self.issued = 0
         self.in_flight = 0
         self.server: LaunchedServer | None = None
+        self.restart_begun = False
         self.load_end = 0.0
 
     def clock(self) -> float:
@@ -1177,17 +1181,21 @@ class Soak:
             t = await self.ep.json(
                 "POST", "/tokenize", {"model": model, "prompt": text}
             )
+            # Room for at least 16 new tokens.
+            if t["count"] <= max_model_len - 16:
+                comp.append((text, int(t["count"])))
+                long_tokens += t["tokens"]
+            if self.a.chat_fraction == 0:
+                continue  # a server without a chat template
             c = await self.ep.json(
                 "POST",
                 "/tokenize",
                 {"model": model, "messages": [{"role": "user", "content": text}]},
             )
-            # Room for at least 16 new tokens.
-            if t["count"] <= max_model_len - 16:
-                comp.append((text, int(t["count"])))
-                long_tokens += t["tokens"]
             if c["count"] <= max_model_len - 16:
                 chat.append((text, int(c["count"])))
+        if self.a.chat_fraction == 0:
+            chat = comp  # only the chat bad inputs use them
         if not comp or not chat:
             raise RuntimeError(
                 f"no prompt leaves 16 tokens of max_model_len={max_model_len}"
@@ -1228,8 +1236,9 @@ class Soak:
     async def client(self, ctx: Context) -> None:
         a = self.a
         while not self.stop_load.is_set():
-            if not self.up.is_set():
-                await self.up.wait()
+            if not self.up.is_set():  # the server restarts
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.up.wait(), 0.5)
                 continue
             i = self.issued
             self.issued += 1
@@ -1333,6 +1342,7 @@ class Soak:
         await asyncio.sleep(max(0.0, a.restart_at - self.clock()))
         if self.stop_load.is_set() or self.server is None:
             return
+        self.restart_begun = True  # from here on it runs to its end
         await self.scrape()  # the last of this lifetime
         t_stop = self.clock()
         self.windows.append([t_stop, None])
@@ -1523,12 +1533,10 @@ class Soak:
         await timer
         await asyncio.gather(*clients)
         if restart is not None:
-            if not restart.done():
+            if not self.restart_begun:
                 restart.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await restart
-            if self.windows and self.windows[-1][1] is None:
-                self.windows[-1][1] = self.clock()
+                await restart  # bounded by --stop-grace and --start-timeout
         self.load_end = self.clock()
         log(f"load done after {self.load_end:.0f}s, {self.issued} requests; drain")
         drained = await self.drain()
@@ -1780,8 +1788,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--after-start",
         default=None,
-        help="command run after every start of --launch once /health "
-        "answers (e.g. a POST that loads weights); must exit 0",
+        help="command (split like a shell line) run after every start of "
+        "--launch once /health answers, before any request, e.g. "
+        "bench/pairs/load_served_pair.py; must exit 0",
     )
     g.add_argument("--server-log", default="/tmp/soak-server.log")
     g.add_argument("--start-timeout", type=float, default=900.0)

@@ -58,6 +58,7 @@ class FakeConfig:
     metrics_backwards: bool = False  # every other scrape halves the counters
     metrics_inconsistent: bool = False  # emitted tokens != accepted + drafts
     stuck_running: bool = False  # num_requests_running never returns to 0
+    needs_rpc: bool = False  # 503 until /collective_rpc load_embedded_pair
 
 
 class BadRequest(Exception):
@@ -75,6 +76,7 @@ class FakeState:
         self.health_polls = 0
         self.scrapes = 0
         self.running = 0
+        self.loaded_pair: str | None = None
         self.leak: list[bytes] = []
         self.c = dict(
             drafts=0,
@@ -445,9 +447,20 @@ class Handler(BaseHTTPRequestHandler):
                 },
             )
             return
+        if self.path == "/collective_rpc":
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if body.get("method") != "load_embedded_pair":
+                self._error(400, f"no method {body.get('method')}")
+                return
+            st.loaded_pair = body["args"][1]
+            self._send(200, {"results": [{"pair": st.loaded_pair}]})
+            return
         chat = self.path == "/v1/chat/completions"
         if not chat and self.path != "/v1/completions":
             self._error(404, f"no route {self.path}")
+            return
+        if cfg.needs_rpc and st.loaded_pair is None:
+            self._error(503, "the pair's weights are not loaded")
             return
         try:
             body = self._body()
@@ -637,8 +650,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="fake OpenAI server for test_soak.py")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--max-model-len", type=int, default=256)
+    ap.add_argument(
+        "--needs-rpc",
+        action="store_true",
+        help="answer generation requests only after load_embedded_pair",
+    )
     a = ap.parse_args()
-    srv = FakeHTTPServer(FakeConfig(max_model_len=a.max_model_len), a.port)
+    cfg = FakeConfig(max_model_len=a.max_model_len, needs_rpc=a.needs_rpc)
+    srv = FakeHTTPServer(cfg, a.port)
     srv.serve_forever(poll_interval=0.05)
 
 

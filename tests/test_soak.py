@@ -244,17 +244,20 @@ def _free_port() -> int:
 
 
 def test_launched_server_restarted_mid_run(tmp_path):
+    # The fake answers generation requests only once --after-start has loaded
+    # the pair into it (bench/pairs/load_served_pair.py), after each start.
     port = _free_port()
     out = str(tmp_path / "soak.json")
-    cmd = (
-        f"{sys.executable} {os.path.join(ROOT, 'tests', 'soak_fake.py')} --port {port}"
-    )
+    fake = os.path.join(ROOT, "tests", "soak_fake.py")
+    cmd = f"{sys.executable} {fake} --port {port} --needs-rpc"
+    load = os.path.join(ROOT, "bench", "pairs", "load_served_pair.py")
+    after = f"{sys.executable} {load} http://127.0.0.1:{port} {tmp_path}/dense-8b"
     argv = small_args(
         out, "--base-url", f"http://127.0.0.1:{port}", "--launch", cmd,
         "--server-log", str(tmp_path / "server.log"), "--restart-at", "0.4",
         "--duration", "1.2", "--fault-grace", "0.2", "--stop-grace", "2",
         "--start-timeout", "20", "--nvidia-smi", str(tmp_path / "no-nvidia-smi"),
-        "--abort-fraction", "0",
+        "--abort-fraction", "0", "--after-start", after,
     )  # fmt: skip
     assert soak.main(argv) == 0
     with open(out) as f:
