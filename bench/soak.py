@@ -1137,12 +1137,14 @@ class Soak:
         self.stop_monitors = asyncio.Event()
         self.outcomes: list[Outcome] = []
         self.plans: dict[int, Plan] = {}
-        self.health: list[tuple[float, int, bool]] = []
+        # (sent, answered, status): a poll cut by a restart falls in its window.
+        self.health: list[tuple[float, float, int]] = []
         self.rss: list[tuple[float, int, float]] = []
         self.gpu: list[tuple[float, int, dict[str, float]]] = []
         self.gpu_reason = ""
         self.scrapes: list[tuple[float, int, dict[str, float]]] = []
         self.types: dict[str, str] = {}
+        self.scrape_lock = asyncio.Lock()
         self.epoch_start: dict[int, float] = {0: 0.0}
         self.issued = 0
         self.in_flight = 0
@@ -1270,7 +1272,7 @@ class Soak:
             status, _ = await self.ep.call(
                 "GET", "/health", timeout=self.a.health_timeout
             )
-            self.health.append((t, status, not self.up.is_set()))
+            self.health.append((t, self.clock(), status))
             await self._sleep(self.a.health_interval)
 
     async def _sleep(self, s: float) -> None:
@@ -1278,15 +1280,20 @@ class Soak:
             await asyncio.wait_for(self.stop_monitors.wait(), s)
 
     async def scrape(self) -> dict[str, float] | None:
-        status, body = await self.ep.call("GET", "/metrics", timeout=15)
-        if status != 200:
-            return None
-        text = body.decode("utf-8", "replace")
-        if not self.types:
-            self.types = parse_types(text)
-        s = parse_prometheus(text, ("vllm:",))
-        self.scrapes.append((self.clock(), self.epoch, s))
-        return s
+        # One at a time, so that the list is in the server's order; the
+        # lifetime is the one asked (an old server's last answer can be read
+        # after the restart has begun).
+        async with self.scrape_lock:
+            t, epoch = self.clock(), self.epoch
+            status, body = await self.ep.call("GET", "/metrics", timeout=15)
+            if status != 200:
+                return None
+            text = body.decode("utf-8", "replace")
+            if not self.types:
+                self.types = parse_types(text)
+            s = parse_prometheus(text, ("vllm:",))
+            self.scrapes.append((t, epoch, s))
+            return s
 
     async def metrics_scraper(self) -> None:
         while not self.stop_monitors.is_set():
@@ -1298,27 +1305,26 @@ class Soak:
         a = self.a
         gpu_on = True
         while not self.stop_monitors.is_set():
-            t = self.clock()
-            pid = self.server_pid
+            t, epoch, pid = self.clock(), self.epoch, self.server_pid
             if pid is not None:
                 rss = await asyncio.to_thread(process_tree_rss_mib, pid)
                 if rss is not None:
-                    self.rss.append((t, self.epoch, rss))
+                    self.rss.append((t, epoch, rss))
             if gpu_on:
                 mem, why = await asyncio.to_thread(gpu_memory_mib, a.nvidia_smi, a.gpus)
                 if mem is None:
                     gpu_on = not why.endswith("not found")
                     self.gpu_reason = why
                 else:
-                    self.gpu.append((t, self.epoch, mem))
+                    self.gpu.append((t, epoch, mem))
             await self._sleep(a.memory_interval)
 
     async def progress(self) -> None:
         while not self.stop_monitors.is_set():
             await self._sleep(self.a.progress_interval)
             c = Counter(o.status for o in self.outcomes)
-            h = self.health[-1][1] if self.health else None
-            bad_h = sum(1 for _, s, f in self.health if s != 200 and not f)
+            h = self.health[-1][2] if self.health else None
+            bad_h = sum(1 for _, _, s in self.health if s != 200)
             s = self.scrapes[-1][2] if self.scrapes else {}
             s0 = next((x[2] for x in self.scrapes if x[1] == self.epoch), {})
             dr = s.get(DRAFTS, 0) - s0.get(DRAFTS, 0)
@@ -1332,7 +1338,7 @@ class Soak:
             log(
                 f"{self.clock():6.0f}s issued {self.issued} in flight "
                 f"{self.in_flight} | {dict(sorted(c.items()))} | health {h} "
-                f"({bad_h} bad of {len(self.health)}) | rss {rss} gpu {gpu} | "
+                f"({bad_h} not 200 of {len(self.health)}) | rss {rss} gpu {gpu} | "
                 f"preemptions {s.get(PREEMPTIONS, 0) - s0.get(PREEMPTIONS, 0):g} "
                 f"tau {tau and round(tau, 2)}"
             )
@@ -1613,7 +1619,9 @@ class Soak:
             f"(asked: {a.requests} in {a.duration:g}s)",
         }
         bad_h = [
-            (t, s) for t, s, f in self.health if s != 200 and not self.in_window(t, t)
+            (t0, s)
+            for t0, t1, s in self.health
+            if s != 200 and not self.in_window(t0, t1)
         ]
         crit["health"] = {
             "ok": bool(self.health) and not bad_h,
@@ -1734,7 +1742,7 @@ class Soak:
             },
             "health": {
                 "polls": len(self.health),
-                "by_status": dict(Counter(str(s) for _, s, _ in self.health)),
+                "by_status": dict(Counter(str(s) for _, _, s in self.health)),
                 "interval_s": a.health_interval,
             },
             "memory": memory,

@@ -462,6 +462,7 @@ class Handler(BaseHTTPRequestHandler):
         if cfg.needs_rpc and st.loaded_pair is None:
             self._error(503, "the pair's weights are not loaded")
             return
+        body = None
         try:
             body = self._body()
             req = parse_request(cfg, chat, body)
@@ -469,20 +470,17 @@ class Handler(BaseHTTPRequestHandler):
             if cfg.validate:
                 self._error(e.code, str(e))
             else:  # the misbehaving fake: anything goes
-                self._send(
-                    200,
-                    {
-                        "choices": [
-                            {
-                                "index": 0,
-                                "text": "ok",
-                                "message": {"content": "ok"},
-                                "finish_reason": "length",
-                            }
-                        ],
-                        "usage": {"completion_tokens": 1},
-                    },
+                choice = {"index": 0, "finish_reason": "length"}
+                choice.update(
+                    {"message": {"content": "ok"}} if chat else {"text": "ok"}
                 )
+                if isinstance(body, dict) and body.get("stream") is True:
+                    self._start_stream()
+                    self._event({"choices": [choice]})
+                    self._event_raw(b"[DONE]")
+                    self._end_stream()
+                else:
+                    self._send(200, {"choices": [choice], "usage": {}})
             return
         stream = body.get("stream") is True
         if req["refusal"] and cfg.refuse:

@@ -208,8 +208,7 @@ def test_hang_bad_input_health_gpu_drain_preemption_and_load_fail(tmp_path):
     }, r["criteria"]
     assert r["requests"]["by_outcome"]["hang"] == 1
     assert r["requests"]["errors_by_kind"]["client_timeout"] == 1
-    assert not any(x["ok"] for x in r["bad_input"])
-    assert r["requests"]["by_outcome"]["accepted_bad"] > 0
+    assert all(x["outcome"] == "accepted_bad" for x in r["bad_input"])
     assert r["health"]["by_status"]["503"] == 3
     assert "drained False" in r["criteria"]["final"]["detail"]
     assert r["memory"]["gpu"]["series"]["gpu0/epoch0"]["growth_mib"] > 16
@@ -220,7 +219,7 @@ def test_hang_bad_input_health_gpu_drain_preemption_and_load_fail(tmp_path):
 def test_near_ties_are_allowed_only_in_float32(tmp_path, float32):
     # Every reference token's top-2 logprobs are 1e-4 apart: a divergence
     # there is a near-tie.
-    extra = ("--duration", "0.3", "--requests", "20") + (
+    extra = ("--duration", "0.3", "--requests", "40", "--abort-fraction", "0") + (
         ("--float32",) if float32 else ()
     )
     rc, r = run_soak(
@@ -228,7 +227,7 @@ def test_near_ties_are_allowed_only_in_float32(tmp_path, float32):
     )
     g = r["greedy_reference"]
     differ = g["compared"] - g["identical"]  # outputs of 3 characters or fewer match
-    assert differ > 10
+    assert differ >= 5
     if float32:
         assert rc == 0 and g["ok"] and len(g["near_ties"]) == differ
         assert g["near_ties"][0]["ref_top2_gap"] == pytest.approx(1e-4)
