@@ -48,7 +48,10 @@ TREE_BUILD_KERNELS = re.compile(
     r"|_vocab_stats_kernel|_vocab_threshold_kernel|_vocab_filter_kernel"
     r"|_fallback_chunk_kernel|_fallback_merge_kernel"
 )
-BOOKKEEPING_KERNELS = re.compile(r"_ddtree_walk_kernel|_ddtree_tree_bias_kernel|_ddtree_compact_kv_kernel")
+BOOKKEEPING_KERNELS = re.compile(
+    r"_ddtree_walk_kernel|_ddtree_tree_bias_kernel|_ddtree_compact_kv_kernel"
+    r"|_ddtree_compact_rows_kernel"
+)
 
 
 def load_prompts(paths: list[str], n: int) -> list[str]:

@@ -41,7 +41,11 @@ PER_STEP = {
         "_copy_from_host",
     },
     "vllm/v1/worker/gpu/spec_decode/ddtree/speculator.py": {"_generate_draft"},
-    "vllm/v1/worker/gpu/spec_decode/ddtree/kernels.py": {"ddtree_walk", "__call__"},
+    "vllm/v1/worker/gpu/spec_decode/ddtree/kernels.py": {
+        "ddtree_walk",
+        "__call__",
+        "compact_rows",
+    },
     "vllm/v1/spec_decode/ddtree/sampling.py": None,
     "vllm/v1/worker/gpu/spec_decode/ddtree/sampling.py": {
         "apply_penalties",

@@ -17,11 +17,14 @@ launch here:
   -inf elsewhere), built from the parent indices straight into the buffer
   the attention kernel reads. Only the parents are kept per request, not a
   [B + 1, B + 1] bias per request.
-- ``ddtree_compact_kv``: per (request, layer), copy the accepted path's KV
-  entries to the contiguous slots after the root. Entries are copied in
+- ``KVCompactor``: per (request, layer), copy the accepted path's KV
+  entries to the contiguous slots after the root, for all layers of one
+  KV-cache group (one slot mapping) in one launch. Entries are copied in
   path order: entry k reads node a_k >= k and writes slot k, and every later
   entry reads a node a_k' > a_k >= k, so no entry reads a slot an earlier
   entry wrote.
+- ``compact_rows``: the same move for the rows of up to 8 tensors (the aux
+  hidden states the DFlash pass reads) in one launch.
 """
 
 import torch
@@ -242,6 +245,7 @@ def _ddtree_compact_kv_kernel(
     stride_block,
     stride_head,
     stride_slot,
+    stride_elem,
     block_size,
     NUM_HEADS: tl.constexpr,
     ROW_SIZE: tl.constexpr,
@@ -257,7 +261,7 @@ def _ddtree_compact_kv_kernel(
     h = tl.arange(0, HEAD_BLOCK)
     c = tl.arange(0, ROW_BLOCK)
     mask = (h[:, None] < NUM_HEADS) & (c[None, :] < ROW_SIZE)
-    offs = h[:, None] * stride_head + c[None, :]
+    offs = h[:, None] * stride_head + c[None, :] * stride_elem
     # Sequential in path order (see the module docstring).
     for k in range(1, num_accepted):
         src_row = tl.load(src_row_ptr + r * (DRAFT_DEPTH + 1) + k)
@@ -275,40 +279,46 @@ def _ddtree_compact_kv_kernel(
             tl.store(base + dst + offs, values, mask=mask)
 
 
-_TL_TYPES = {
-    torch.float32: tl.float32,
-    torch.float16: tl.float16,
-    torch.bfloat16: tl.bfloat16,
-    torch.uint8: tl.uint8,
-    torch.int8: tl.int8,
-}
+# Entries are moved as raw bits: an integer type of the element's width
+# (any KV dtype, fp8 and packed quantized caches included).
+_BITS_TYPES = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _bits_type(t: torch.Tensor):
+    size = t.element_size()
+    if size not in _BITS_TYPES:
+        raise ValueError(f"unsupported element size {size} ({t.dtype})")
+    return getattr(tl, _BITS_TYPES[size])
 
 
 class KVCompactor:
-    """Moves the accepted path's KV in all target layers with one launch."""
+    """Moves the accepted path's KV in the given target layers with one
+    launch. The layers must share one slot mapping (one KV-cache group) and
+    one layout: shape, strides and element size; the layout is the Triton
+    backend's ``(num_blocks, num_kv_heads, block_size, 2 * head_size)``."""
 
     def __init__(self, kv_caches: list[torch.Tensor]):
         first = kv_caches[0]
         for kv in kv_caches:
+            if kv.dim() != 4:
+                raise ValueError(
+                    f"KV cache layout {tuple(kv.shape)} is not (num_blocks, "
+                    "num_kv_heads, block_size, 2 * head_size)"
+                )
             if (
                 kv.shape != first.shape
                 or kv.stride() != first.stride()
-                or kv.dtype != first.dtype
+                or kv.element_size() != first.element_size()
             ):
                 raise ValueError(
-                    "DDTree: target KV caches differ in shape, stride or dtype; "
-                    f"{tuple(kv.shape)}/{kv.stride()} vs "
-                    f"{tuple(first.shape)}/{first.stride()}"
+                    "target KV caches of one group differ in shape, stride or "
+                    f"dtype: {tuple(kv.shape)}/{kv.stride()}/{kv.dtype} vs "
+                    f"{tuple(first.shape)}/{first.stride()}/{first.dtype}"
                 )
-        if first.dtype not in _TL_TYPES:
-            raise ValueError(f"DDTree: unsupported KV cache dtype {first.dtype}")
-        # (num_blocks, num_kv_heads, block_size, row): the row is contiguous.
-        if first.stride(3) != 1:
-            raise ValueError("DDTree: KV cache rows must be contiguous")
         self.num_layers = len(kv_caches)
         self.shape = tuple(first.shape)
         self.strides = first.stride()
-        self.elem_type = _TL_TYPES[first.dtype]
+        self.elem_type = _bits_type(first)
         self.layer_base = torch.tensor(
             [kv.data_ptr() for kv in kv_caches], dtype=torch.int64, device=first.device
         )
@@ -331,6 +341,7 @@ class KVCompactor:
             self.strides[0],
             self.strides[1],
             self.strides[2],
+            self.strides[3],
             block_size,
             NUM_HEADS=num_heads,
             ROW_SIZE=row_size,
@@ -340,3 +351,120 @@ class KVCompactor:
             ELEM_TYPE=self.elem_type,
             num_warps=4,
         )
+
+
+@triton.jit
+def _move_path_rows(
+    base,
+    row_stride,
+    cols,
+    mask,
+    src_row_ptr,
+    dst_row_ptr,
+    r,
+    num_accepted,
+    DRAFT_DEPTH: tl.constexpr,
+):
+    # Sequential in path order, as the KV entries.
+    for k in range(1, num_accepted):
+        src = tl.load(src_row_ptr + r * (DRAFT_DEPTH + 1) + k).to(tl.int64)
+        dst = tl.load(dst_row_ptr + r * (DRAFT_DEPTH + 1) + k).to(tl.int64)
+        if src != dst:
+            values = tl.load(base + src * row_stride + cols, mask=mask)
+            tl.store(base + dst * row_stride + cols, values, mask=mask)
+
+
+@triton.jit
+def _ddtree_compact_rows_kernel(
+    t0,
+    t1,
+    t2,
+    t3,
+    t4,
+    t5,
+    t6,
+    t7,
+    row_stride,
+    num_cols,
+    src_row_ptr,  # [num_reqs, D + 1]
+    dst_row_ptr,  # [num_reqs, D + 1]
+    num_accepted_ptr,  # [num_reqs]
+    NUM_TENSORS: tl.constexpr,
+    DRAFT_DEPTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    n = tl.load(num_accepted_ptr + r)
+    _move_path_rows(
+        t0, row_stride, cols, mask, src_row_ptr, dst_row_ptr, r, n, DRAFT_DEPTH
+    )
+    if NUM_TENSORS > 1:
+        _move_path_rows(
+            t1, row_stride, cols, mask, src_row_ptr, dst_row_ptr, r, n, DRAFT_DEPTH
+        )
+    if NUM_TENSORS > 2:
+        _move_path_rows(
+            t2, row_stride, cols, mask, src_row_ptr, dst_row_ptr, r, n, DRAFT_DEPTH
+        )
+    if NUM_TENSORS > 3:
+        _move_path_rows(
+            t3, row_stride, cols, mask, src_row_ptr, dst_row_ptr, r, n, DRAFT_DEPTH
+        )
+    if NUM_TENSORS > 4:
+        _move_path_rows(
+            t4, row_stride, cols, mask, src_row_ptr, dst_row_ptr, r, n, DRAFT_DEPTH
+        )
+    if NUM_TENSORS > 5:
+        _move_path_rows(
+            t5, row_stride, cols, mask, src_row_ptr, dst_row_ptr, r, n, DRAFT_DEPTH
+        )
+    if NUM_TENSORS > 6:
+        _move_path_rows(
+            t6, row_stride, cols, mask, src_row_ptr, dst_row_ptr, r, n, DRAFT_DEPTH
+        )
+    if NUM_TENSORS > 7:
+        _move_path_rows(
+            t7, row_stride, cols, mask, src_row_ptr, dst_row_ptr, r, n, DRAFT_DEPTH
+        )
+
+
+_ROWS_PER_LAUNCH = 8
+
+
+def compact_rows(
+    tensors: list[torch.Tensor],
+    src_row: torch.Tensor,
+    dst_row: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """Move the accepted path's rows of every ``[num_tokens, cols]`` tensor
+    (``tensor[dst_row] = tensor[src_row]`` for the path entries), all in one
+    launch when they share shape, row stride and dtype and are at most 8
+    (the target's aux hidden states: one per drafter context layer), else
+    one launch per such set of 8."""
+    if not tensors:
+        return
+    num_reqs, path_len = src_row.shape
+    sets: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        assert t.dim() == 2 and t.stride(1) == 1
+        sets.setdefault((t.shape[1], t.stride(0), t.dtype), []).append(t)
+    for (num_cols, row_stride, _), same in sets.items():
+        block = min(1024, triton.next_power_of_2(num_cols))
+        for i in range(0, len(same), _ROWS_PER_LAUNCH):
+            chunk = same[i : i + _ROWS_PER_LAUNCH]
+            padded = chunk + [chunk[0]] * (_ROWS_PER_LAUNCH - len(chunk))
+            _ddtree_compact_rows_kernel[(num_reqs, triton.cdiv(num_cols, block))](
+                *padded,
+                row_stride,
+                num_cols,
+                src_row,
+                dst_row,
+                num_accepted,
+                NUM_TENSORS=len(chunk),
+                DRAFT_DEPTH=path_len - 1,
+                BLOCK=block,
+                num_warps=4,
+            )

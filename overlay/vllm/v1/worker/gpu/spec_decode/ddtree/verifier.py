@@ -31,6 +31,7 @@ Everything is batched tensor work on the device; nothing here reads a device
 value on the host.
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import (
     KVCompactor,
+    compact_rows,
     ddtree_tree_bias,
     ddtree_walk,
 )
@@ -93,9 +95,11 @@ class DDTreeVerifier:
         )
         self.node_range = torch.arange(num_nodes, dtype=torch.int64, device=device)
 
-        # Target attention layers whose KV the accepted path is compacted in.
+        # Target attention layers whose KV the accepted path is compacted in,
+        # and one compactor per KV-cache group (a layer of the group, whose
+        # slot mapping the group shares; the compactor of all its layers).
         self.target_kv_caches: dict[str, torch.Tensor] = {}
-        self.kv_compactor: KVCompactor | None = None
+        self.kv_compactors: list[tuple[str, KVCompactor]] = []
         # (num_accepted, src_row, dst_row) of the current step's walk, kept
         # from sample() for compact().
         self._walk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -129,14 +133,34 @@ class DDTreeVerifier:
         model_state: Any,
         kv_caches: dict[str, torch.Tensor],
         draft_layer_names: set[str],
+        kv_cache_groups: Sequence[Sequence[str]] | None = None,
     ) -> None:
-        """Hook into the target's attention metadata and KV caches."""
+        """Hook into the target's attention metadata and KV caches.
+
+        ``kv_cache_groups``: the layer names of each KV-cache group (the
+        runner's ``kv_cache_config.kv_cache_groups``); layers of one group
+        share a slot mapping. None: one group."""
         if not hasattr(model_state, "attn_metadata_hook"):
             raise ValueError(
                 "DDTree supports dense decoder targets only; model state "
                 f"{type(model_state).__name__} has no attention metadata hook."
             )
         model_state.attn_metadata_hook = self.attach_bias
+        if self.gdn is not None:
+            self.gdn.bind_layers(
+                self.vllm_config.compilation_config.static_forward_context
+            )
+        self.bind_kv_caches(kv_caches, draft_layer_names, kv_cache_groups)
+
+    def bind_kv_caches(
+        self,
+        kv_caches: dict[str, Any],
+        draft_layer_names: set[str],
+        kv_cache_groups: Sequence[Sequence[str]] | None = None,
+    ) -> None:
+        """One KV compactor per KV-cache group of the target's attention
+        layers (one launch each per step). A layout the compactor cannot
+        move is refused here, at startup."""
         # Attention layers only: a hybrid's GDN layers hold [conv, ssm] state
         # lists, advanced after the walk by the GDN path instead.
         self.target_kv_caches = {
@@ -144,26 +168,40 @@ class DDTreeVerifier:
             for name, kv in kv_caches.items()
             if name not in draft_layer_names and isinstance(kv, torch.Tensor)
         }
-        if self.gdn is not None:
-            self.gdn.bind_layers(
-                self.vllm_config.compilation_config.static_forward_context
-            )
         if not self.target_kv_caches:
             raise ValueError("DDTree: no target KV caches found.")
-        for name, kv in self.target_kv_caches.items():
-            if kv.dim() != 4:
+        if kv_cache_groups is None:
+            kv_cache_groups = [list(self.target_kv_caches)]
+        self.kv_compactors = []
+        covered: dict[int, str] = {}  # data pointer -> a layer that moves it
+        for g, group in enumerate(kv_cache_groups):
+            layers: dict[int, tuple[str, torch.Tensor]] = {}
+            for name in group:
+                kv = self.target_kv_caches.get(name)
+                if kv is not None:
+                    # A layer sharing another's KV cache is moved once.
+                    layers.setdefault(kv.data_ptr(), (name, kv))
+            if not layers:
+                continue
+            try:
+                compactor = KVCompactor([kv for _, kv in layers.values()])
+            except ValueError as e:
                 raise ValueError(
-                    f"DDTree: unexpected KV cache layout for {name}: "
-                    f"{tuple(kv.shape)} (expected the Triton backend's "
-                    "(num_blocks, num_kv_heads, block_size, 2 * head_size))."
+                    f"DDTree cannot compact the target KV cache of KV-cache "
+                    f"group {g}: {e}."
+                ) from None
+            first = next(iter(layers.values()))[0]
+            self.kv_compactors.append((first, compactor))
+            for ptr, (name, _) in layers.items():
+                covered.setdefault(ptr, name)
+        for name, kv in self.target_kv_caches.items():
+            if not any(name in group for group in kv_cache_groups) and (
+                kv.data_ptr() not in covered
+            ):
+                raise ValueError(
+                    f"DDTree: target attention layer {name} is in no KV-cache "
+                    "group and shares no other layer's KV cache."
                 )
-        # One launch for all layers when they share shape and strides (the
-        # dense targets DDTree supports); otherwise a torch copy per layer.
-        try:
-            self.kv_compactor = KVCompactor(list(self.target_kv_caches.values()))
-        except ValueError as e:
-            logger.warning("DDTree: per-layer KV compaction (%s)", e)
-            self.kv_compactor = None
 
     def attach_bias(self, attn_metadata: dict[str, Any]) -> None:
         """Point every target Triton attention metadata at the tree bias."""
@@ -325,30 +363,15 @@ class DDTreeVerifier:
                 src_row,
                 input_batch.query_start_loc[: src_row.shape[0] + 1],
             )
-        # Off-path entries are self-copies of the root: fixed shapes, no host
-        # sync. Torch indexing reads all sources before writing, and the real
-        # destinations are distinct.
-        src = src_row.view(-1)
-        dst = dst_row.view(-1)
+        # One launch for the aux hidden states (the DFlash context), one per
+        # KV-cache group for the KV; paths are read on the device (entries
+        # past num_accepted are never touched): no host sync.
         if aux_hidden_states:
-            for hidden in aux_hidden_states:
-                hidden[dst] = hidden[src]
+            compact_rows(aux_hidden_states, src_row, dst_row, num_accepted)
         if slot_mappings_by_layer is None:
             return
-        slot_mappings = {id(slot_mappings_by_layer[n]) for n in self.target_kv_caches}
-        if self.kv_compactor is not None and len(slot_mappings) == 1:
-            slots = slot_mappings_by_layer[next(iter(self.target_kv_caches))]
-            self.kv_compactor(slots, src_row, dst_row, num_accepted)
-            return
-        for name, kv_cache in self.target_kv_caches.items():
-            slots = slot_mappings_by_layer[name]
-            block_size = kv_cache.shape[2]
-            src_slot = slots[src].to(torch.int64)
-            dst_slot = slots[dst].to(torch.int64)
-            # kv_cache: (num_blocks, num_kv_heads, block_size, 2 * head_size)
-            kv_cache[dst_slot // block_size, :, dst_slot % block_size] = kv_cache[
-                src_slot // block_size, :, src_slot % block_size
-            ]
+        for name, compactor in self.kv_compactors:
+            compactor(slot_mappings_by_layer[name], src_row, dst_row, num_accepted)
 
     def store_trees(self, idx_mapping: torch.Tensor, speculator: Any) -> None:
         num_reqs = idx_mapping.shape[0]
