@@ -41,6 +41,8 @@ PER_STEP = {
         "_copy_from_host",
     },
     "vllm/v1/worker/gpu/spec_decode/ddtree/speculator.py": {"_generate_draft"},
+    # The one-launch GDN commit after the walk (its tables are built at bind).
+    "vllm/v1/spec_decode/ddtree/gdn_commit.py": {"commit_accepted_paths"},
     "vllm/v1/worker/gpu/spec_decode/ddtree/kernels.py": {
         "ddtree_walk",
         "__call__",

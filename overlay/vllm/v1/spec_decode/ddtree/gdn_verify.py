@@ -21,16 +21,17 @@ Per step:
    copy their verify-row inputs into the layer's persistent buffers (the
    pre-conv ``mixed_qkv`` rows, ``a`` and ``b``), with fixed shapes and no
    host synchronisation, so the copies are captured in CUDA graphs too.
-2. After the walk (`DDTreeGDN.commit`, from the verifier's ``compact``): per
-   layer, the post-conv rows are recomputed from the saved pre-conv rows
-   (the forward's kernel on the forward's inputs: the same values), the
-   recurrent state after the accepted path is written into the committed
-   slot (`tree_gated_delta_rule` with the accepted leaf as target), then the
-   conv window (`tree_conv_state_update`).
+2. After the walk (`DDTreeGDN.commit`, from the verifier's ``compact``): for
+   all GDN layers at once (`gdn_commit.commit_accepted_paths`, two
+   launches), the accepted path's post-conv rows are recomputed from the
+   saved pre-conv rows (the forward's arithmetic on the forward's inputs:
+   the same values), the recurrent state after the path is written into the
+   committed slot, and so is the conv window. Only the path's rows (at most
+   ``draft_depth + 1`` per request) are recomputed, not the whole tree's.
 
 The post-conv q / k / v are recomputed rather than saved: saving them would
 double the buffers (a ``conv_dim`` row per verify token and layer) for a
-recomputation that costs one small conv launch per layer after the walk.
+recomputation of at most ``draft_depth + 1`` rows per request and layer.
 
 The verifier binds this object to each GDN layer of a hybrid target
 (`DDTreeGDN.bind_layers` sets the layer's ``ddtree_verifier``); the upstream
@@ -40,16 +41,18 @@ layer only gains that attribute and two branches that call `conv` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from vllm.logger import init_logger
-from vllm.v1.spec_decode.ddtree.tree_conv import (
-    tree_causal_conv1d,
-    tree_conv_state_update,
+from vllm.v1.spec_decode.ddtree.gdn_commit import (
+    GDNCommitTables,
+    commit_accepted_paths,
 )
+from vllm.v1.spec_decode.ddtree.tree_conv import tree_causal_conv1d
 from vllm.v1.spec_decode.ddtree.tree_gdn import tree_gated_delta_rule
 
 logger = init_logger(__name__)
@@ -97,6 +100,7 @@ class DDTreeGDN:
         # state (the verifier's persistent table; captured graphs read it).
         self.parent_idx = parent_idx
         self.draft_depth = draft_depth
+        self.max_num_reqs = max_num_reqs
         self.max_rows = max_rows
         self.num_layers = num_layers
         self.conv_dim = conv_dim
@@ -122,9 +126,18 @@ class DDTreeGDN:
         )
         self.num_spec = 0
         self.num_spec_tokens = 0
+        self.device = device
         self.layer_index: dict[str, int] = {}
         self.layers: dict[str, Any] = {}
-        self.metadata: dict[str, Any] = {}
+        # Set by bind_layers: the per-layer tables of the one-launch commit,
+        # one GDN layer per KV-cache group (whose metadata holds that group's
+        # state slots), and room for every group's slots of a step.
+        self.tables: GDNCommitTables | None = None
+        self.group_layers: list[str] = []
+        self.slot_buf = torch.zeros(0, dtype=torch.int32, device=device)
+        # The step's GDN metadata, one per KV-cache group (attach).
+        self.group_metadata: list[Any] = []
+        self._groups_checked = False
 
     @classmethod
     def from_vllm_config(
@@ -181,10 +194,19 @@ class DDTreeGDN:
         return context
 
     # ------------------------------------------------------------ binding
-    def bind_layers(self, forward_context: dict[str, Any]) -> None:
-        """Find the target's GDN layers (once the model is loaded) and make
-        this object their tree verifier: from now on each layer's
-        spec-decode rows go through `conv` and `recurrent`."""
+    def bind_layers(
+        self,
+        forward_context: dict[str, Any],
+        kv_cache_groups: Sequence[Sequence[str]] | None = None,
+    ) -> None:
+        """Find the target's GDN layers (once the model and its KV caches
+        exist) and make this object their tree verifier: from now on each
+        layer's spec-decode rows go through `conv` and `recurrent`.
+
+        ``kv_cache_groups``: the layer names of each KV-cache group (the
+        runner's ``kv_cache_config.kv_cache_groups``); GDN layers of
+        different groups read their state slots from different metadata.
+        None: all GDN layers in one group."""
         from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
             QwenGatedDeltaNetAttention,
         )
@@ -210,16 +232,47 @@ class DDTreeGDN:
                 )
             self.layer_index[name] = i
             self.layers[name] = layer
+        group_of = _group_index(list(layers), kv_cache_groups)
+        self.group_layers = [
+            next(name for name in layers if group_of[name] == g)
+            for g in range(max(group_of.values()) + 1)
+        ]
+        states = [gdn_layer_states(layer) for layer in layers.values()]
+        self.tables = GDNCommitTables(
+            list(layers.values()),
+            [conv for conv, _ in states],
+            [ssm for _, ssm in states],
+            [group_of[name] for name in layers],
+            self.device,
+        )
+        self.slot_buf = torch.zeros(
+            len(self.group_layers) * self.max_num_reqs,
+            dtype=torch.int32,
+            device=self.device,
+        )
+        self.group_metadata = []
+        self._groups_checked = False
         for layer in layers.values():
             layer.ddtree_verifier = self
 
     def attach(self, attn_metadata: dict[str, Any]) -> None:
-        """Keep the step's GDN metadata per layer (state slots, per KV group)."""
-        metadata = {
-            name: md for name, md in attn_metadata.items() if name in self.layer_index
-        }
-        if metadata:
-            self.metadata = metadata
+        """Keep the step's GDN metadata (state slots), one per KV-cache
+        group."""
+        if not self.group_layers or self.group_layers[0] not in attn_metadata:
+            return
+        self.group_metadata = [attn_metadata.get(name) for name in self.group_layers]
+        if not self._groups_checked:
+            # Once: every GDN layer shares its group's metadata object (the
+            # groups given at bind are the ones the runner builds).
+            for name, idx in self.layer_index.items():
+                group = self.tables.layer_group_list[idx] if self.tables else 0
+                if attn_metadata.get(name) is not self.group_metadata[group]:
+                    raise RuntimeError(
+                        f"DDTree: GDN layer {name} does not share the attention "
+                        f"metadata of {self.group_layers[group]}, its KV-cache "
+                        "group's first layer."
+                    )
+            self._groups_checked = True
 
     # ----------------------------------------------------- per step (host)
     def prepare_step(self, input_batch: Any) -> None:
@@ -342,7 +395,7 @@ class DDTreeGDN:
         assert o is not None
         return o.unsqueeze(0)
 
-    # ------------------------------------------------ after the walk (eager)
+    # ------------------------------------------------------ after the walk
     def commit(
         self,
         num_accepted: torch.Tensor,
@@ -353,76 +406,63 @@ class DDTreeGDN:
 
         ``num_accepted [R]`` (root included) and ``src_row [R, D + 1]`` (flat
         verify rows of the accepted path, root first) are the walk's, per
-        batch row; ``query_start_loc`` the batch's.
+        batch row; ``query_start_loc`` the batch's. Two launches for all
+        layers (three with several KV-cache groups: their slots are gathered
+        into one table first); no host synchronisation, no allocation.
         """
         n = self.num_spec
         if n == 0:
             return
-        num_reqs = src_row.shape[0]
-        rows = self.spec_batch_rows[:n]
-        # Accepted verify indices (node numbers), root first, per spec row.
-        nodes = (src_row - query_start_loc[:num_reqs, None].to(torch.int64))[rows]
-        counts = num_accepted[rows].to(torch.int32)
-        leaf = nodes.gather(1, (counts.to(torch.int64) - 1).clamp(min=0)[:, None])
-        query_start = self.spec_query_start[: n + 1]
-        tree_rows = self.tree_rows[:n]
-        num_tokens = self.num_spec_tokens
-        for name, idx in self.layer_index.items():
-            layer = self.layers[name]
-            md = self.metadata.get(name)
+        assert self.tables is not None
+        if len(self.group_metadata) != len(self.group_layers):
+            raise RuntimeError("DDTree: no GDN metadata attached for this step.")
+        slot_cols = []
+        for name, md in zip(self.group_layers, self.group_metadata):
             if md is None or md.num_spec_decodes != n:
                 raise RuntimeError(
                     f"DDTree: GDN layer {name} ran "
                     f"{getattr(md, 'num_spec_decodes', None)} spec rows, the "
                     f"verifier expected {n}."
                 )
-            slots = md.spec_state_indices_tensor[:n, 0].contiguous()
-            conv_state, ssm_state = gdn_layer_states(layer)
-            weight = layer.conv1d.weight
-            weight = weight.view(weight.size(0), weight.size(-1))
-            x = self.x_buf[idx, :num_tokens]
-            # The forward's post-conv rows, from the same inputs.
-            post_conv = tree_causal_conv1d(
-                x,
-                conv_state,
-                weight,
-                layer.conv1d.bias,
-                layer.activation,
-                slots,
-                query_start,
-                self.parent_idx,
-                tree_rows,
-            )
-            q, k, v = layer.rearrange_mixed_qkv(post_conv)
-            tree_gated_delta_rule(
-                layer.A_log,
-                self.a_buf[idx, :num_tokens],
-                self.b_buf[idx, :num_tokens],
-                layer.dt_bias,
-                q[0],
-                k[0],
-                v[0],
-                ssm_state,
-                slots,
-                query_start,
-                self.parent_idx,
-                tree_rows,
-                self.draft_depth,
-                targets=leaf,
-                final_state_idx=slots,
-                use_qk_l2norm_in_kernel=True,
-            )
-            # Last: the recomputation above reads the committed window.
-            tree_conv_state_update(
-                x,
-                conv_state,
-                weight.shape[1],
-                slots,
-                slots,
-                query_start,
-                nodes,
-                counts,
-            )
+            slot_cols.append(md.spec_state_indices_tensor[:n, 0])
+        if len(slot_cols) == 1:
+            slots = slot_cols[0]
+        else:
+            flat = self.slot_buf[: len(slot_cols) * n]
+            torch.cat(slot_cols, out=flat)
+            slots = flat.view(len(slot_cols), n)
+        commit_accepted_paths(
+            self.tables,
+            self.x_buf,
+            self.a_buf,
+            self.b_buf,
+            slots,
+            self.spec_batch_rows[:n],
+            self.spec_query_start[: n + 1],
+            num_accepted,
+            src_row,
+            query_start_loc,
+            self.draft_depth,
+        )
+
+
+def _group_index(
+    names: list[str], kv_cache_groups: Sequence[Sequence[str]] | None
+) -> dict[str, int]:
+    """Each GDN layer's KV-cache group, numbered 0.. among the groups that
+    hold GDN layers."""
+    if kv_cache_groups is None:
+        return dict.fromkeys(names, 0)
+    found: dict[str, int] = {}
+    renumber: dict[int, int] = {}
+    for g, group in enumerate(kv_cache_groups):
+        for name in group:
+            if name in names:
+                found[name] = renumber.setdefault(g, len(renumber))
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise ValueError(f"DDTree: GDN layers {missing} are in no KV-cache group.")
+    return found
 
 
 def gdn_layer_states(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -148,7 +148,8 @@ class DDTreeVerifier:
         model_state.attn_metadata_hook = self.attach_bias
         if self.gdn is not None:
             self.gdn.bind_layers(
-                self.vllm_config.compilation_config.static_forward_context
+                self.vllm_config.compilation_config.static_forward_context,
+                kv_cache_groups,
             )
         self.bind_kv_caches(kv_caches, draft_layer_names, kv_cache_groups)
 
