@@ -85,7 +85,7 @@ want() { [[ $RUNS == *"+$1+"* ]]; }
 if want kernel; then
 echo "=== kernel tests $(date +%T)"
 (cd tests/in_vllm && env TINYPAIR_DIR="$MODELS" \
-  timeout 120 "$PYTHON" -m pytest -q \
+  timeout 240 "$PYTHON" -m pytest -q \
   -p no:cacheprovider -c pytest.ini test_ddtree_gdn.py test_ddtree_gdn_builder.py \
   test_ddtree_gdn_hybrid.py test_ddtree_gdn_commit.py test_ddtree_hybrid_runner.py \
   test_ddtree_tree_conv.py test_ddtree_kernels.py \
