@@ -22,28 +22,34 @@ Times, per (R, B) at draft depth D and vocabulary V:
               each; ``vllm/v1/worker/gpu/spec_decode/ddtree/kernels.py``),
               compaction over a Qwen3-8B-shaped KV cache (36 layers, 8 KV
               heads of 128, bf16, block 16). Needs ``vllm`` importable (our
-              wheel installed); skipped
-              otherwise. ``core`` uses the core's torch walk and compaction
-              instead.
+              wheel installed); skipped otherwise.
+
+The build is ``vllm.v1.spec_decode.ddtree.tree``: the installed vLLM's (our
+wheel), else this checkout's ``overlay/`` (see `load_tree_module`; ``--src``
+swaps in a variant of its files). walk, core, mask and full time the torch
+reference of the verification, ``tests/ddtree_reference.py`` (the runtime runs
+the kernels of ``step`` instead), so they need a checkout.
 
 ``--backend torch|triton|auto`` picks the build backend (default auto:
 Triton on CUDA when importable); ``--stages vocab,tree`` times only those
 columns (e.g. to see where the build's time goes).
 
-each eagerly and (on CUDA) captured in a CUDA graph whose replay is timed
-with CUDA events; the median over ``--iters`` runs is reported in
-microseconds.  Prints a table and writes JSON with ``--out``.
+Each column is timed eagerly and (on CUDA) captured in a CUDA graph whose
+replay is timed with CUDA events; the median over ``--iters`` runs is
+reported in microseconds.  Prints a table and writes JSON with ``--out``.
 
 GPU:  python bench/bench_ddtree_core.py --out ddtree_core.json
 CPU:  python bench/bench_ddtree_core.py --device cpu --vocab 64 \
-          --requests 1,8 --budgets 16,64
-      (``step`` on CPU: TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= and the
-      patched vllm on PYTHONPATH; a smoke test, not a timing)
+          --requests 1,8 --budgets 16,64 --stages build,walk,core
+      (``--backend triton`` or ``step`` on CPU: TRITON_INTERPRET=1
+      CUDA_VISIBLE_DEVICES= , ``step`` with our wheel installed; a smoke
+      test, not a timing)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import os
@@ -51,51 +57,103 @@ import pathlib
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-ALL_COLUMNS = ("build", "build_fast", "vocab", "tree", "walk", "core", "mask",
-               "full", "step")
+ALL_COLUMNS = (
+    "build",
+    "build_fast",
+    "vocab",
+    "tree",
+    "walk",
+    "core",
+    "mask",
+    "full",
+    "step",
+)
+# The columns that time the torch reference's verification
+# (tests/ddtree_reference.py: walk, compaction, ancestor mask, positions).
+REFERENCE_COLUMNS = ("walk", "core", "mask", "full")
 # Qwen3-8B's KV cache per layer: (num_blocks, num_kv_heads, block_size,
 # 2 * head_size), as the Triton backend lays it out.
 STEP_KV_LAYERS, STEP_KV_HEADS, STEP_HEAD_SIZE, STEP_BLOCK = 36, 8, 128, 16
+DDTREE_PACKAGE = "vllm.v1.spec_decode.ddtree"
 
 
 def runner_kernels():
     """The V2 runner's DDTree kernels, or None when vllm is not importable."""
     try:
         from vllm.v1.worker.gpu.spec_decode.ddtree import kernels
-    except Exception:  # noqa: BLE001 - any import failure means "not here"
+    except Exception:  # any import failure means "not here"
         return None
     return kernels
-TREE_RELPATH = "vllm/v1/spec_decode/ddtree/tree.py"
 
 
-def load_tree_module(src: str | None):
-    """Load tree.py by path from --src / $VLLM_DDTREE_SRC / build/src."""
-    root = pathlib.Path(src or os.environ.get("VLLM_DDTREE_SRC",
-                                              REPO / "build" / "src"))
-    if not root.is_absolute():
-        root = REPO / root
-    spec = importlib.util.spec_from_file_location("_ddtree_tree_bench",
-                                                  root / TREE_RELPATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def load_tree_module(src: str | None) -> ModuleType:
+    """DDTree's tree build: ``vllm.v1.spec_decode.ddtree.tree``.
+
+    Imported normally: from the installed vLLM (our wheel) where it has
+    DDTree, else from this checkout's ``overlay/`` (torch and Triton suffice
+    there, ``vllm`` being a namespace package of our modules, as in the
+    tests). The fallback is automatic rather than a required argument so
+    that one command runs on a GPU host with the wheel and in a checkout;
+    an installed vLLM without DDTree (a regular package, which a directory on
+    sys.path cannot extend) is an error.
+
+    ``src`` (optional) is a directory holding
+    ``vllm/v1/spec_decode/ddtree/`` with variants of some of its files (a
+    candidate change of tree.py / tree_triton.py): it goes first on the
+    package's ``__path__``, so its files replace the imported package's
+    (tree.py imports tree_triton through the package, so loading a single
+    file by path would not pick up a variant of both).
+    """
+    try:
+        package = importlib.import_module(DDTREE_PACKAGE)
+    except ModuleNotFoundError:
+        installed = importlib.util.find_spec("vllm")
+        if installed is not None and installed.origin:  # a vLLM without DDTree
+            raise SystemExit(
+                f"{installed.origin}: this vLLM has no {DDTREE_PACKAGE}; "
+                "install our wheel (or run where no vLLM is installed)"
+            ) from None
+        sys.path.insert(0, str(REPO / "overlay"))
+        package = importlib.import_module(DDTREE_PACKAGE)
+    if src:
+        variant = pathlib.Path(src).resolve() / DDTREE_PACKAGE.replace(".", "/")
+        if not variant.is_dir():
+            raise SystemExit(f"--src {src}: no {variant}")
+        package.__path__.insert(0, str(variant))
+    return importlib.import_module(DDTREE_PACKAGE + ".tree")
 
 
-def time_eager(fn: Callable[[], object], device: torch.device, iters: int,
-               warmup: int) -> float:
+def load_reference() -> ModuleType:
+    """The torch reference verification (``tests/ddtree_reference.py``, not
+    in the wheel: the reference columns need this checkout's tests/)."""
+    tests = REPO / "tests"
+    if not (tests / "ddtree_reference.py").is_file():
+        raise SystemExit(
+            f"{tests / 'ddtree_reference.py'} missing: the columns "
+            f"{','.join(REFERENCE_COLUMNS)} time the torch reference of a checkout"
+        )
+    sys.path.insert(0, str(tests))
+    return importlib.import_module("ddtree_reference")
+
+
+def time_eager(
+    fn: Callable[[], object], device: torch.device, iters: int, warmup: int
+) -> float:
     for _ in range(warmup):
         fn()
     samples = []
     if device.type == "cuda":
         torch.cuda.synchronize()
-        events = [(torch.cuda.Event(enable_timing=True),
-                   torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(iters)
+        ]
         for start, end in events:
             start.record()
             fn()
@@ -123,8 +181,10 @@ def time_graph(fn: Callable[[], object], iters: int, warmup: int) -> float:
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True),
-               torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(iters)
+    ]
     for start, end in events:
         start.record()
         graph.replay()
@@ -135,21 +195,33 @@ def time_graph(fn: Callable[[], object], iters: int, warmup: int) -> float:
     return statistics.median(samples)
 
 
-def bench_case(T, device: torch.device, dtype: torch.dtype, num_reqs: int,
-               depth: int, vocab: int, budget: int, iters: int, warmup: int,
-               use_graph: bool, backend: str = "auto",
-               columns: tuple[str, ...] = ()) -> dict:
+def bench_case(
+    T,
+    ref,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_reqs: int,
+    depth: int,
+    vocab: int,
+    budget: int,
+    iters: int,
+    warmup: int,
+    use_graph: bool,
+    backend: str = "auto",
+    columns: tuple[str, ...] = (),
+) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     # Peaked logits (like a trained drafter) in the requested dtype.
-    logits = (torch.randn(num_reqs, depth, vocab, device=device,
-                          generator=gen) * 4).to(dtype)
-    target = torch.randint(0, vocab, (num_reqs, budget + 1), device=device,
-                           generator=gen)
+    logits = (torch.randn(num_reqs, depth, vocab, device=device, generator=gen) * 4).to(
+        dtype
+    )
+    target = torch.randint(
+        0, vocab, (num_reqs, budget + 1), device=device, generator=gen
+    )
     # Let the target agree with the drafter's first choice at the root so
     # the walk is not trivially empty.
     target[:, 0] = logits[:, 0].float().argmax(-1)
-    root_positions = torch.randint(0, 4096, (num_reqs,), device=device,
-                                   generator=gen)
+    root_positions = torch.randint(0, 4096, (num_reqs,), device=device, generator=gen)
     query_start_loc = torch.arange(num_reqs + 1, device=device) * (budget + 1)
     kw = {"backend": backend} if hasattr(T, "vocab_stage") else {}
     tree = T.build_tree(logits, budget, **kw)
@@ -160,8 +232,11 @@ def bench_case(T, device: torch.device, dtype: torch.dtype, num_reqs: int,
     def build_fast():
         return T.build_tree(logits, budget, exact_vocab_ties=False, **kw)
 
-    stage_out = (T.vocab_stage(logits, budget, exact_vocab_ties=False, **kw)
-                 if hasattr(T, "vocab_stage") else None)
+    stage_out = (
+        T.vocab_stage(logits, budget, exact_vocab_ties=False, **kw)
+        if hasattr(T, "vocab_stage")
+        else None
+    )
 
     def vocab_only():
         return T.vocab_stage(logits, budget, exact_vocab_ties=False, **kw)
@@ -169,27 +244,29 @@ def bench_case(T, device: torch.device, dtype: torch.dtype, num_reqs: int,
     def tree_only():
         return T.tree_stage(*stage_out, budget, **kw)
 
+    # walk / core / mask / full: the build against the torch reference's
+    # verification (`ref`, tests/ddtree_reference.py).
     def walk():
-        w = T.walk_tree(tree, target)
-        return T.compaction_indices(w, query_start_loc)
+        w = ref.walk_tree(tree, target)
+        return ref.compaction_indices(w, query_start_loc)
 
     def core():
         t = T.build_tree(logits, budget, exact_vocab_ties=False, **kw)
-        w = T.walk_tree(t, target)
-        return T.compaction_indices(w, query_start_loc)
+        w = ref.walk_tree(t, target)
+        return ref.compaction_indices(w, query_start_loc)
 
     def mask():
-        pos = T.tree_positions(root_positions, tree.depth)
-        m = T.ancestor_mask(tree.parent_idx, depth)
-        return pos, T.pack_ancestor_bits(m)
+        pos = ref.tree_positions(root_positions, tree.depth)
+        m = ref.ancestor_mask(tree.parent_idx, depth)
+        return pos, ref.pack_ancestor_bits(m)
 
     def full():
         t = T.build_tree(logits, budget, exact_vocab_ties=False, **kw)
-        pos = T.tree_positions(root_positions, t.depth)
-        m = T.ancestor_mask(t.parent_idx, depth)
-        bits = T.pack_ancestor_bits(m)
-        w = T.walk_tree(t, target, ancestors=m)
-        return pos, bits, T.compaction_indices(w, query_start_loc)
+        pos = ref.tree_positions(root_positions, t.depth)
+        m = ref.ancestor_mask(t.parent_idx, depth)
+        bits = ref.pack_ancestor_bits(m)
+        w = ref.walk_tree(t, target, ancestors=m)
+        return pos, bits, ref.compaction_indices(w, query_start_loc)
 
     def make_step():
         K = runner_kernels()
@@ -200,42 +277,77 @@ def bench_case(T, device: torch.device, dtype: torch.dtype, num_reqs: int,
         num_rows = num_reqs * (budget + 1)
         idx_mapping = torch.arange(num_reqs, dtype=torch.int32, device=device)
         cu_num_logits = query_start_loc.to(torch.int32)
-        depth_with_root = torch.zeros(num_reqs, budget + 1, dtype=torch.int64,
-                                      device=device)
-        attn_bias = torch.zeros(num_reqs, budget + 1, budget + 1,
-                                dtype=torch.float32, device=device)
+        depth_with_root = torch.zeros(
+            num_reqs, budget + 1, dtype=torch.int64, device=device
+        )
+        attn_bias = torch.zeros(
+            num_reqs, budget + 1, budget + 1, dtype=torch.float32, device=device
+        )
         # Each request's verify rows in their own KV blocks (fewer layers in
         # the interpreter: it copies element by element).
         layers = STEP_KV_LAYERS if device.type == "cuda" else 2
         blocks_per_req = -(-(4096 + budget + 1) // STEP_BLOCK)
-        kv = [torch.zeros(num_reqs * blocks_per_req, STEP_KV_HEADS, STEP_BLOCK,
-                          2 * STEP_HEAD_SIZE, dtype=torch.bfloat16, device=device)
-              for _ in range(layers)]
+        kv = [
+            torch.zeros(
+                num_reqs * blocks_per_req,
+                STEP_KV_HEADS,
+                STEP_BLOCK,
+                2 * STEP_HEAD_SIZE,
+                dtype=torch.bfloat16,
+                device=device,
+            )
+            for _ in range(layers)
+        ]
         compactor = K.KVCompactor(kv)
-        slots = (torch.arange(num_reqs, device=device)[:, None] * blocks_per_req
-                 * STEP_BLOCK + root_positions[:, None]
-                 + torch.arange(budget + 1, device=device)).view(-1)
+        slots = (
+            torch.arange(num_reqs, device=device)[:, None] * blocks_per_req * STEP_BLOCK
+            + root_positions[:, None]
+            + torch.arange(budget + 1, device=device)
+        ).view(-1)
         target_flat = target.reshape(-1)
         assert target_flat.numel() == num_rows
 
         def step():
             t = T.build_tree(logits, budget, exact_vocab_ties=False, **kw)
             depth_with_root[:, 1:] = t.depth
-            K.ddtree_tree_bias(t.parent_idx, idx_mapping, cu_num_logits, depth,
-                               attn_bias)
+            K.ddtree_tree_bias(
+                t.parent_idx, idx_mapping, cu_num_logits, depth, attn_bias
+            )
             out, num_accepted, src_row, dst_row = K.ddtree_walk(
-                target_flat, cu_num_logits, idx_mapping, cu_num_logits,
-                t.token_ids, t.parent_idx, depth_with_root, t.valid, depth)
+                target_flat,
+                cu_num_logits,
+                idx_mapping,
+                cu_num_logits,
+                t.token_ids,
+                t.parent_idx,
+                depth_with_root,
+                t.valid,
+                depth,
+            )
             compactor(slots, src_row, dst_row, num_accepted)
             return out
 
         return step
 
-    result = {"R": num_reqs, "D": depth, "V": vocab, "B": budget,
-              "dtype": str(dtype).removeprefix("torch."), "backend": backend}
-    fns = {"build": build, "build_fast": build_fast, "vocab": vocab_only,
-           "tree": tree_only, "walk": walk, "core": core, "mask": mask,
-           "full": full, "step": make_step() if "step" in columns else None}
+    result = {
+        "R": num_reqs,
+        "D": depth,
+        "V": vocab,
+        "B": budget,
+        "dtype": str(dtype).removeprefix("torch."),
+        "backend": backend,
+    }
+    fns = {
+        "build": build,
+        "build_fast": build_fast,
+        "vocab": vocab_only,
+        "tree": tree_only,
+        "walk": walk,
+        "core": core,
+        "mask": mask,
+        "full": full,
+        "step": make_step() if "step" in columns else None,
+    }
     for name in columns:
         fn = fns[name]
         if fn is None:  # "step" without vllm or CUDA
@@ -251,25 +363,34 @@ def bench_case(T, device: torch.device, dtype: torch.dtype, num_reqs: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda"
-                        if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--depth", type=int, default=15)
     parser.add_argument("--requests", default="1,8,64")
     parser.add_argument("--budgets", default="16,64,256")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"],
-                        default="bfloat16")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--no-graph", action="store_true")
-    parser.add_argument("--backend", default="auto",
-                        choices=["auto", "torch", "triton"])
-    parser.add_argument("--stages", default=",".join(ALL_COLUMNS),
-                        help="columns to time, from " + ",".join(ALL_COLUMNS)
-                        + " (e.g. 'vocab,tree' to split the build)")
-    parser.add_argument("--src", default=None,
-                        help="patched source root (default $VLLM_DDTREE_SRC "
-                        "or build/src)")
+    parser.add_argument(
+        "--backend", default="auto", choices=["auto", "torch", "triton"]
+    )
+    parser.add_argument(
+        "--stages",
+        default=",".join(ALL_COLUMNS),
+        help="columns to time, from "
+        + ",".join(ALL_COLUMNS)
+        + " (e.g. 'vocab,tree' to split the build)",
+    )
+    parser.add_argument(
+        "--src",
+        default=None,
+        help="a directory holding vllm/v1/spec_decode/ddtree/ "
+        "whose files replace those of the imported vLLM (a "
+        "candidate variant); default: none",
+    )
     parser.add_argument("--out", default=None, help="write JSON here")
     args = parser.parse_args()
 
@@ -284,31 +405,56 @@ def main() -> None:
     unknown = set(columns) - set(ALL_COLUMNS)
     if unknown:
         parser.error(f"unknown stages {sorted(unknown)}")
+    ref = load_reference() if set(columns) & set(REFERENCE_COLUMNS) else None
     modes = ["eager", "graph"] if use_graph else ["eager"]
     header = f"{'R':>4} {'B':>4} " + " ".join(
-        f"{c + '_' + m:>16}" for c in columns for m in modes)
-    print(f"device={device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) "
-          f"D={args.depth} V={args.vocab} dtype={args.dtype} "
-          f"backend={args.backend} torch={torch.__version__}; median us over {args.iters} runs")
+        f"{c + '_' + m:>16}" for c in columns for m in modes
+    )
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(
+        f"device={device} ({device_name}) D={args.depth} V={args.vocab} "
+        f"dtype={args.dtype} backend={args.backend} torch={torch.__version__}; "
+        f"median us over {args.iters} runs; {T.__file__}"
+    )
     print(header)
     results = []
     for num_reqs in requests:
         for budget in budgets:
-            res = bench_case(T, device, dtype, num_reqs, args.depth,
-                             args.vocab, budget, args.iters, args.warmup,
-                             use_graph, args.backend, tuple(columns))
+            res = bench_case(
+                T,
+                ref,
+                device,
+                dtype,
+                num_reqs,
+                args.depth,
+                args.vocab,
+                budget,
+                args.iters,
+                args.warmup,
+                use_graph,
+                args.backend,
+                tuple(columns),
+            )
             results.append(res)
-            print(f"{num_reqs:>4} {budget:>4} " + " ".join(
-                f"{res[f'{c}_{m}_us']:>16.1f}" for c in columns
-                for m in modes), flush=True)
+            print(
+                f"{num_reqs:>4} {budget:>4} "
+                + " ".join(
+                    f"{res[f'{c}_{m}_us']:>16.1f}" for c in columns for m in modes
+                ),
+                flush=True,
+            )
     if args.out:
-        meta = {"device": str(device),
-                "device_name": torch.cuda.get_device_name(device)
-                if device.type == "cuda" else "cpu",
-                "torch": torch.__version__, "depth": args.depth,
-                "vocab": args.vocab, "dtype": args.dtype,
-                "backend": args.backend,
-                "iters": args.iters}
+        meta = {
+            "device": str(device),
+            "device_name": device_name,
+            "torch": torch.__version__,
+            "depth": args.depth,
+            "vocab": args.vocab,
+            "dtype": args.dtype,
+            "backend": args.backend,
+            "iters": args.iters,
+            "tree": T.__file__,
+        }
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2)
         print(f"wrote {args.out}")

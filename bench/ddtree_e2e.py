@@ -5,7 +5,8 @@ tokens/s, the acceptance length tau, and exactness against a reference run.
 
 Run on a GPU host, one engine per invocation (one configuration per process):
 
-    python3 bench/ddtree_e2e.py --target T --drafter D --prompts P... --mode none --tag ref
+    python3 bench/ddtree_e2e.py --target T --drafter D --prompts P... \
+        --mode none --tag ref
     python3 bench/ddtree_e2e.py ... --mode dflash --k 15 --ref ref
     python3 bench/ddtree_e2e.py ... --mode ddtree --budget 64 --ref ref
 
@@ -92,7 +93,10 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=64, help="DDTree tree_budget")
     ap.add_argument("--depth", type=int, default=None, help="DDTree draft_depth")
     ap.add_argument(
-        "--policy", choices=["batch", "fixed"], default=None, help="DDTree budget_policy"
+        "--policy",
+        choices=["batch", "fixed"],
+        default=None,
+        help="DDTree budget_policy",
     )
     ap.add_argument("--prompts", nargs="+", required=True)
     ap.add_argument("--n", type=int, default=32, help="prompts per file (0 = all)")
@@ -152,7 +156,9 @@ def main() -> None:
         # reference would otherwise leave the RESULT rows without "identical".
         missing = [
             p
-            for p in (os.path.join(a.outdir, f"tokens_{a.ref}_c{c}.json") for c in a.conc)
+            for p in (
+                os.path.join(a.outdir, f"tokens_{a.ref}_c{c}.json") for c in a.conc
+            )
             if not os.path.exists(p)
         ]
         if missing:
@@ -193,7 +199,9 @@ def main() -> None:
     startup_s = time.time() - t0
     prompts = load_prompts(a.prompts, a.n)
     prompts_c1 = load_prompts(a.prompts, a.c1_n) if a.c1_n else prompts
-    sp = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=True)
+    sp = SamplingParams(
+        temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=True
+    )
     sp_gaps = SamplingParams(
         temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=True, logprobs=2
     )
@@ -216,7 +224,9 @@ def main() -> None:
         gaps: list[list[float]] = []
         for i in range(0, len(phase_prompts), conc):
             outs = llm.generate(
-                phase_prompts[i : i + conc], sp_gaps if a.save_gaps else sp, use_tqdm=False
+                phase_prompts[i : i + conc],
+                sp_gaps if a.save_gaps else sp,
+                use_tqdm=False,
             )
             toks += [list(o.outputs[0].token_ids) for o in outs]
             if a.save_gaps:
@@ -253,7 +263,9 @@ def main() -> None:
             startup_s=round(startup_s, 1),
             preemptions=num_preemptions(llm) - preempted0,
         )
-        ref_path = os.path.join(a.outdir, f"tokens_{a.ref}_c{conc}.json") if a.ref else None
+        ref_path = (
+            os.path.join(a.outdir, f"tokens_{a.ref}_c{conc}.json") if a.ref else None
+        )
         if ref_path:
             with open(ref_path) as f:
                 ref = json.load(f)
@@ -262,7 +274,11 @@ def main() -> None:
             if not all(same):
                 first = same.index(False)
                 diff_at = next(
-                    (j for j, (x, y) in enumerate(zip(ref[first], toks[first])) if x != y),
+                    (
+                        j
+                        for j, (x, y) in enumerate(zip(ref[first], toks[first]))
+                        if x != y
+                    ),
                     None,
                 )
                 res["first_mismatch"] = dict(prompt=first, token=diff_at)
@@ -355,7 +371,11 @@ def split_gpu_time(events, cuda_type) -> tuple[dict, dict, float, bool]:
     for ev in events:
         if ev.device_type != cuda_type or ev.name == DRAFT_RANGE:
             continue
-        dur = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        dur = (
+            ev.device_time_total
+            if hasattr(ev, "device_time_total")
+            else ev.cuda_time_total
+        )
         name = ev.name
         if TREE_BUILD_KERNELS.search(name):
             us["tree_build"] += dur
@@ -402,7 +422,9 @@ def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> None:
         conc=conc,
         prompts=len(prompts),
         steps=round(steps, 1),
-        tau=round(1 + (acc1 - acc0) / (drafts1 - drafts0), 3) if drafts1 > drafts0 else None,
+        tau=round(1 + (acc1 - acc0) / (drafts1 - drafts0), 3)
+        if drafts1 > drafts0
+        else None,
         wall_us_per_step=round(wall_us, 1),
         gpu_us_per_step={k: round(v / steps, 1) for k, v in us.items()},
         # The same GPU time by phase (None without a draft pass, i.e. no
@@ -421,16 +443,19 @@ def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> None:
         else None,
         # Below 1: the GPU idles inside the step (host-bound or waiting).
         gpu_busy_share=round(sum(us.values()) / steps / wall_us, 3),
-        ddtree_share_of_step=round((us["tree_build"] + us["bookkeeping"]) / steps / wall_us, 4),
+        ddtree_share_of_step=round(
+            (us["tree_build"] + us["bookkeeping"]) / steps / wall_us, 4
+        ),
         top_kernels_us_per_step={
-            k: round(v / steps, 1) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]
+            k: round(v / steps, 1)
+            for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]
         },
         # Host side: where the step's CPU time goes (self time per op).
         top_cpu_ops_us_per_step={
             e.key[:60]: round(e.self_cpu_time_total / steps, 1)
-            for e in sorted(
-                prof.key_averages(), key=lambda e: -e.self_cpu_time_total
-            )[:15]
+            for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[
+                :15
+            ]
         },
     )
     print("PROFILE", json.dumps(res), flush=True)

@@ -25,10 +25,11 @@ identical) and written out, so that two processes can be compared too
 (``--seeded-ref``). Prints one ``RESULT {json}`` line; the per-prompt counts
 go to ``<outdir>/sampling_<tag>.json``. Give the run compared by chi-square
 another engine ``--seed`` than the reference: unseeded requests draw their
-noise from it, and the test assumes independent samples. Defaults fit in about a minute of
-generation on one H200 with the tiny pair (plus engine startup). ``--prompts``
-defaults to ``$MODELS/prompts_heldout.jsonl`` (``MODELS``: the tinypair's
-directory, default ``../shared/models/tinypair`` beside the checkout).
+noise from it, and the test assumes independent samples. Defaults fit in about
+a minute of generation on one H200 with the tiny pair (plus engine startup).
+``--prompts`` defaults to ``$MODELS/prompts_heldout.jsonl`` (``MODELS``: the
+tinypair's directory, default ``../shared/models/tinypair`` beside the
+checkout).
 """
 
 import argparse
@@ -40,7 +41,14 @@ from collections import Counter
 
 DEFAULT_PROMPTS = os.path.join(
     os.environ.get("MODELS")
-    or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "models", "tinypair"),
+    or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)),
+        "..",
+        "..",
+        "shared",
+        "models",
+        "tinypair",
+    ),
     "prompts_heldout.jsonl",
 )
 
@@ -69,8 +77,9 @@ def two_sample_p(a: Counter, b: Counter, min_expected: float = 5.0) -> float:
     from scipy.stats import chi2_contingency
 
     keys = sorted(set(a) | set(b), key=str)
-    table = np.array([[a.get(k, 0) for k in keys], [b.get(k, 0) for k in keys]],
-                     dtype=np.float64)
+    table = np.array(
+        [[a.get(k, 0) for k in keys], [b.get(k, 0) for k in keys]], dtype=np.float64
+    )
     total = table.sum()
     expected = table.sum(0)[None, :] * table.sum(1)[:, None] / total
     rare = (expected < min_expected).any(0)
@@ -111,8 +120,11 @@ def main() -> None:
     )
     ap.add_argument("--tag", default=None)
     ap.add_argument("--ref", default=None, help="tag of the no-spec run")
-    ap.add_argument("--seeded-ref", default=None,
-                    help="tag of a run whose seeded outputs must be equal")
+    ap.add_argument(
+        "--seeded-ref",
+        default=None,
+        help="tag of a run whose seeded outputs must be equal",
+    )
     ap.add_argument("--outdir", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -154,12 +166,14 @@ def main() -> None:
         outs = llm.generate([prompt] * a.samples, sp3, use_tqdm=False)
         seqs = [tuple(o.outputs[0].token_ids) for o in outs]
         assert all(len(s) == 3 for s in seqs)
-        counts.append(dict(
-            first=Counter(s[0] for s in seqs),
-            second=Counter(s[1] for s in seqs),
-            third=Counter(s[2] for s in seqs),
-            seq3=Counter(seqs),
-        ))
+        counts.append(
+            dict(
+                first=Counter(s[0] for s in seqs),
+                second=Counter(s[1] for s in seqs),
+                third=Counter(s[2] for s in seqs),
+                seq3=Counter(seqs),
+            )
+        )
     dist_s = time.time() - t
 
     # (2) tau and tokens/s at the same settings.
@@ -167,7 +181,8 @@ def main() -> None:
     t = time.time()
     tau_prompts = (prompts * a.tau_requests)[: a.tau_requests]
     outs = llm.generate(
-        tau_prompts, SamplingParams(max_tokens=a.tau_tokens, **params),
+        tau_prompts,
+        SamplingParams(max_tokens=a.tau_tokens, **params),
         use_tqdm=False,
     )
     tau_s = time.time() - t
@@ -182,8 +197,10 @@ def main() -> None:
         for i in range(a.seeded)
     ]
     runs = [
-        [list(o.outputs[0].token_ids)
-         for o in llm.generate(seeded_prompts, seeded_params, use_tqdm=False)]
+        [
+            list(o.outputs[0].token_ids)
+            for o in llm.generate(seeded_prompts, seeded_params, use_tqdm=False)
+        ]
         for _ in range(2)
     ]
     same_run = sum(x == y for x, y in zip(*runs))
@@ -206,9 +223,16 @@ def main() -> None:
         startup_s=round(startup_s, 1),
     )
     out = dict(
-        counts=[{k: [[list(key) if isinstance(key, tuple) else key, v]
-                     for key, v in c.items()] for k, c in pc.items()}
-                for pc in counts],
+        counts=[
+            {
+                k: [
+                    [list(key) if isinstance(key, tuple) else key, v]
+                    for key, v in c.items()
+                ]
+                for k, c in pc.items()
+            }
+            for pc in counts
+        ],
         seeded=runs[0],
     )
     with open(os.path.join(a.outdir, f"sampling_{tag}.json"), "w") as f:
@@ -226,12 +250,10 @@ def main() -> None:
         p_values: dict[str, list[float]] = {}
         for mine, theirs in zip(counts, ref["counts"]):
             for key, c in mine.items():
-                other = Counter({
-                    tuple(k) if isinstance(k, list) else k: v
-                    for k, v in theirs[key]
-                })
-                p_values.setdefault(key, []).append(
-                    round(two_sample_p(c, other), 4))
+                other = Counter(
+                    {tuple(k) if isinstance(k, list) else k: v for k, v in theirs[key]}
+                )
+                p_values.setdefault(key, []).append(round(two_sample_p(c, other), 4))
         res["p_values_vs_ref"] = p_values
         res["min_p"] = min(min(v) for v in p_values.values())
         # Several tests per run: report a Bonferroni-corrected verdict too.

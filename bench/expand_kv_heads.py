@@ -36,12 +36,18 @@ KV_PROJ_SUFFIXES = (
 )
 
 
-def repeat_kv_heads(tensor: torch.Tensor, num_kv_heads: int, repeat: int) -> torch.Tensor:
+def repeat_kv_heads(
+    tensor: torch.Tensor, num_kv_heads: int, repeat: int
+) -> torch.Tensor:
     """Rows of a k/v projection (``[num_kv_heads * head_dim, ...]``) with
     each head's block of rows repeated ``repeat`` times in place (head ``j``
     of the result is head ``j // repeat`` of the input)."""
     heads = tensor.reshape(num_kv_heads, -1, *tensor.shape[1:])
-    return heads.repeat_interleave(repeat, dim=0).reshape(-1, *tensor.shape[1:]).contiguous()
+    return (
+        heads.repeat_interleave(repeat, dim=0)
+        .reshape(-1, *tensor.shape[1:])
+        .contiguous()
+    )
 
 
 def expand_kv_heads(src: str, dst: str, kv_heads: int) -> dict:
@@ -68,7 +74,7 @@ def expand_kv_heads(src: str, dst: str, kv_heads: int) -> dict:
         tensors = {}
         with safe_open(path, "pt") as f:
             metadata = f.metadata()
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 tensor = f.get_tensor(key)
                 if key.endswith(KV_PROJ_SUFFIXES):
                     tensor = repeat_kv_heads(tensor, num_kv_heads, repeat)

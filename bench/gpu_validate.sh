@@ -7,13 +7,15 @@
 #
 #   bash bench/gpu_validate.sh STAGE          # or: STAGE=... bash bench/gpu_validate.sh
 #
-#   core      SRC=DIR: core bench torch vs triton, -m gpu core tests (torch +
-#             Triton only; DIR holds vllm/v1/spec_decode/ddtree/, e.g. build/src)
-#   corestep  core bench incl. the runner's per-step kernels (SRC: default the
-#             installed vllm's site directory)
-#   corevocab TREES=DIR: the same for several tree variants DIR/<name>/vllm/...
-#             (SRCS="base vocab": their names; CANDIDATE=vocab: the one whose
-#             GPU tests run; CORE_TESTS=0: none; CORE_STAGES: the bench's stages)
+#   core      core bench torch vs triton, -m gpu core tests (torch + Triton
+#             suffice: the installed vLLM's DDTree, else the checkout's overlay/;
+#             SRC=DIR: DIR/vllm/v1/spec_decode/ddtree/ files replace its files)
+#   corestep  core bench incl. the runner's per-step kernels (vLLM installed;
+#             SRC as for core)
+#   corevocab TREES=DIR: the core bench for several tree variants
+#             DIR/<name>/vllm/... (SRCS="base vocab": their names), then the GPU
+#             core tests on the imported modules (CORE_TESTS=0: none;
+#             CORE_STAGES: the bench's stages)
 #   matrix    PART=a|b|8b|t1|t1b|t1c: the benchmark matrix (a, b: tinypair;
 #             8b: 8B-shaped dummy; t1, t1b, t1c: T=1 rows), one part per run
 #   speed     chain K=15 vs DDTree (batch policy), train prompts, c=1/8/32, fp32
@@ -86,35 +88,34 @@ finish() {
 trap finish EXIT
 case "${STAGE:-}" in
 core)
-  S=${SRC:?set SRC to a directory holding vllm/v1/spec_decode/ddtree/ (e.g. build/src)}
   nvidia-smi --query-gpu=name --format=csv,noheader
   for b in triton torch; do
-    timeout 120 "$PYTHON" bench/bench_ddtree_core.py --src "$S" --backend $b --requests 1,8,64 \
+    timeout 120 "$PYTHON" bench/bench_ddtree_core.py ${SRC:+--src "$SRC"} --backend $b --requests 1,8,64 \
       --budgets 16,64,256 --stages vocab,tree,core,full --iters 50 --out "$OUT/core_$b.json" 2>&1 | tail -11
   done
-  timeout 40 "$PYTHON" bench/bench_ddtree_core.py --src "$S" --backend triton --vocab 8192 --requests 1,32 \
+  timeout 40 "$PYTHON" bench/bench_ddtree_core.py ${SRC:+--src "$SRC"} --backend triton --vocab 8192 --requests 1,32 \
     --budgets 64,256 --stages vocab,tree,core,full --iters 50 --out "$OUT/core_triton_v8k.json" 2>&1 | tail -5
-  VLLM_DDTREE_SRC=$S timeout 100 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -rxXs \
+  timeout 100 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -rxXs \
     tests/test_ddtree_core.py 2>&1 | tail -8 ;;
 corestep)
-  # DDTree core of the installed vLLM (SRC: another tree): build stages plus
-  # the runner's own per-step kernels (tree bias, walk, KV compaction over
-  # 8B-shaped KV).
-  S=${SRC:-$("$PYTHON" -c 'import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))')}
-  timeout 200 "$PYTHON" bench/bench_ddtree_core.py --src "$S" --backend triton \
+  # DDTree core of the installed vLLM (SRC: variants of its files): build
+  # stages plus the runner's own per-step kernels (tree bias, walk, KV
+  # compaction over 8B-shaped KV).
+  timeout 200 "$PYTHON" bench/bench_ddtree_core.py ${SRC:+--src "$SRC"} --backend triton \
     --requests 1,8,32 --budgets 16,64 --stages vocab,tree,core,step --iters 50 \
     --out "$OUT/core_step.json" 2>&1 | tail -8
-  timeout 100 "$PYTHON" bench/bench_ddtree_core.py --src "$S" --backend triton --vocab 8192 \
+  timeout 100 "$PYTHON" bench/bench_ddtree_core.py ${SRC:+--src "$SRC"} --backend triton --vocab 8192 \
     --requests 1,32 --budgets 64 --stages vocab,tree,step --iters 50 \
     --out "$OUT/core_step_v8k.json" 2>&1 | tail -4 ;;
 corevocab)
   # A candidate change of the core's tree files against the current ones
-  # (each tree in $TREES/<name>/vllm/v1/spec_decode/ddtree/): build stages
-  # and the runner's step kernels, R = 1/8/64, B = 16/64/256, V = 151936;
-  # then the core and vocabulary-pass GPU tests on the candidate
-  # (CORE_TESTS=0: not). Without vLLM importable (torch + Triton only) the
-  # step column is left empty. CORE_STAGES: the bench's stages, ',' or '+'
-  # between them.
+  # (each tree in $TREES/<name>/vllm/v1/spec_decode/ddtree/, holding the
+  # files that replace the imported vLLM's): build stages and the runner's
+  # step kernels, R = 1/8/64, B = 16/64/256, V = 151936; then the core and
+  # vocabulary-pass GPU tests on the imported modules (the installed vLLM's,
+  # else overlay/: put the candidate there to test it; CORE_TESTS=0: not).
+  # Without vLLM importable (torch + Triton only) the step column is left
+  # empty. CORE_STAGES: the bench's stages, ',' or '+' between them.
   T=${TREES:?set TREES to a directory with one tree per name in SRCS}
   SRCS=${SRCS:-base vocab}
   for s in ${SRCS//+/ }; do  # '+' or ' ' between names (gpu_pair.sh specs have no spaces)
@@ -124,7 +125,7 @@ corevocab)
       --iters 50 --out "$OUT/core_$s.json" 2>&1 | tail -11
   done
   [ "${CORE_TESTS:-1}" = 1 ] || exit 0
-  VLLM_DDTREE_SRC=$T/${CANDIDATE:-vocab} timeout 200 "$PYTHON" -m pytest -q -p no:cacheprovider \
+  timeout 200 "$PYTHON" -m pytest -q -p no:cacheprovider \
     -m gpu -rxXs tests/test_ddtree_core.py tests/test_ddtree_vocab_threshold.py \
     2>&1 | tail -8 ;;
 matrix)

@@ -20,8 +20,9 @@ def main() -> None:
     ap.add_argument("results")
     ap.add_argument("--call", type=int, nargs="*", default=None)
     ap.add_argument("--out", required=True, help="PNG path prefix")
-    ap.add_argument("--title",
-                    default="tinypair on one H200, float32, greedy, 256 new tokens")
+    ap.add_argument(
+        "--title", default="tinypair on one H200, float32, greedy, 256 new tokens"
+    )
     a = ap.parse_args()
 
     import matplotlib
@@ -35,8 +36,11 @@ def main() -> None:
         rows = [r for r in rows if r.get("call") in a.call]
     # PROFILE rows (run_matrix --breakdown, ddtree_e2e --profile) carry the
     # step-time breakdown; RESULT rows the throughput.
-    profiles = [r for r in rows if r.get("line") == "PROFILE"
-                and r.get("gpu_us_per_step_by_phase")]
+    profiles = [
+        r
+        for r in rows
+        if r.get("line") == "PROFILE" and r.get("gpu_us_per_step_by_phase")
+    ]
     rows = [r for r in rows if r.get("line", "RESULT") == "RESULT" and "tok_s" in r]
     by_conc: dict[int, list[dict]] = defaultdict(list)
     for r in rows:
@@ -60,9 +64,13 @@ def main() -> None:
     order = [n + (f" T={t:g}" if t else "") for t in temps for n in greedy]
     # A file of PROFILE rows only (stage breakdown) has no throughput plots.
     for metric, ylabel, fname in (
-        ("tok_s", "tokens/s", "tok_s"),
-        ("tau", "acceptance length tau", "tau"),
-    ) if rows else ():
+        (
+            ("tok_s", "tokens/s", "tok_s"),
+            ("tau", "acceptance length tau", "tau"),
+        )
+        if rows
+        else ()
+    ):
         fig, axes = plt.subplots(1, len(concs), figsize=(5 * len(concs), 3.6))
         if len(concs) == 1:
             axes = [axes]
@@ -71,7 +79,9 @@ def main() -> None:
             names = [n for n in order if n in vals]
             ax.bar(names, [vals[n] for n in names], color="#4a7ab5")
             for i, n in enumerate(names):
-                ax.annotate(f"{vals[n]:g}", (i, vals[n]), ha="center", va="bottom", fontsize=8)
+                ax.annotate(
+                    f"{vals[n]:g}", (i, vals[n]), ha="center", va="bottom", fontsize=8
+                )
             ax.set_title(f"concurrency {conc}")
             ax.set_ylabel(ylabel)
             ax.tick_params(axis="x", rotation=30, labelsize=8)
@@ -90,9 +100,10 @@ def main() -> None:
         if len(spec_concs) == 1:
             axes = [axes]
         for ax, conc in zip(axes, spec_concs):
-            for r in sorted((r for r in spec_rows if r["conc"] == conc),
-                            key=lambda r: order.index(label(r))
-                            if label(r) in order else 99):
+            for r in sorted(
+                (r for r in spec_rows if r["conc"] == conc),
+                key=lambda r: order.index(label(r)) if label(r) in order else 99,
+            ):
                 acc = r["per_depth_acceptance"]
                 ax.plot(range(1, len(acc) + 1), acc, marker=".", label=label(r))
             ax.set_title(f"concurrency {conc}")
@@ -117,16 +128,19 @@ def main() -> None:
             names = [label(r) for r in these]
             bottom = [0.0] * len(these)
             for phase in phases:
-                vals = [max(0.0, r["gpu_us_per_step_by_phase"].get(phase, 0.0))
-                        for r in these]
+                vals = [
+                    max(0.0, r["gpu_us_per_step_by_phase"].get(phase, 0.0))
+                    for r in these
+                ]
                 ax.bar(names, vals, bottom=bottom, label=phase)
                 bottom = [b + v for b, v in zip(bottom, vals)]
             ax.set_title(f"concurrency {conc}")
             ax.set_ylabel("GPU us per step")
             ax.tick_params(axis="x", rotation=30, labelsize=8)
             ax.legend(fontsize=7)
-        fig.suptitle(a.title + " (GPU kernel time; the step's wall time is longer)",
-                     fontsize=9)
+        fig.suptitle(
+            a.title + " (GPU kernel time; the step's wall time is longer)", fontsize=9
+        )
         fig.tight_layout()
         path = f"{a.out}-breakdown.png"
         fig.savefig(path, dpi=110)

@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _rows(stdout: str, prefix: str) -> list[dict]:
     """The JSON rows of ddtree_e2e.py's ``<prefix> {json}`` lines."""
     return [
-        json.loads(line[len(prefix) + 1:])
+        json.loads(line[len(prefix) + 1 :])
         for line in stdout.splitlines()
         if line.startswith(prefix + " ")
     ]
@@ -56,7 +56,10 @@ def configs(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
         out.append((f"dflash_k{k}", ["--mode", "dflash", "--k", str(k)]))
     for b in a.budgets:
         out.append(
-            (f"ddtree_b{b}", ["--mode", "ddtree", "--budget", str(b), "--policy", a.policy])
+            (
+                f"ddtree_b{b}",
+                ["--mode", "ddtree", "--budget", str(b), "--policy", a.policy],
+            )
         )
     # Sampled rows (temperature > 0): the same configurations again, tagged
     # _t<T>; speed and tau only (outputs are not comparable).
@@ -90,7 +93,9 @@ def main() -> None:
         default=[0.0],
         help="0 = greedy (compared with no spec); e.g. 0 1 adds sampled rows",
     )
-    ap.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
+    ap.add_argument(
+        "--timeout", type=int, default=900, help="seconds per configuration"
+    )
     ap.add_argument("--out", required=True, help="path prefix for .json and .png")
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
     ap.add_argument(
@@ -111,12 +116,29 @@ def main() -> None:
     rows: list[dict] = []
     for i, (tag, extra) in enumerate(todo, 1):
         cmd = [
-            sys.executable, os.path.join(HERE, "ddtree_e2e.py"),
-            "--target", a.target, "--drafter", a.drafter,
-            "--prompts", *a.prompts, "--n", str(a.n),
-            "--max-tokens", str(a.max_tokens), "--dtype", a.dtype,
-            "--load-format", a.load_format, "--conc", *map(str, a.conc),
-            "--tag", tag, "--outdir", tokens_dir, *extra,
+            sys.executable,
+            os.path.join(HERE, "ddtree_e2e.py"),
+            "--target",
+            a.target,
+            "--drafter",
+            a.drafter,
+            "--prompts",
+            *a.prompts,
+            "--n",
+            str(a.n),
+            "--max-tokens",
+            str(a.max_tokens),
+            "--dtype",
+            a.dtype,
+            "--load-format",
+            a.load_format,
+            "--conc",
+            *map(str, a.conc),
+            "--tag",
+            tag,
+            "--outdir",
+            tokens_dir,
+            *extra,
         ]
         if tag != "none" and not a.skip_none and "--temperature" not in extra:
             cmd += ["--ref", "none"]
@@ -142,8 +164,11 @@ def main() -> None:
             print("\n".join((proc.stdout + proc.stderr).splitlines()[-15:]), flush=True)
         if a.breakdown is not None and (not a.breakdown or tag in a.breakdown):
             prof = subprocess.run(
-                [*cmd, "--profile", "2"], capture_output=True, text=True,
-                timeout=a.timeout, check=False,
+                [*cmd, "--profile", "2"],
+                capture_output=True,
+                text=True,
+                timeout=a.timeout,
+                check=False,
             )
             for row in _rows(prof.stdout, "PROFILE"):
                 row.update(call=0, line="PROFILE")
@@ -161,8 +186,13 @@ def main() -> None:
     if a.dry_run or not rows:
         return
     subprocess.run(
-        [sys.executable, os.path.join(HERE, "plot_results.py"), a.out + ".json",
-         "--out", a.out],
+        [
+            sys.executable,
+            os.path.join(HERE, "plot_results.py"),
+            a.out + ".json",
+            "--out",
+            a.out,
+        ],
         check=False,
     )
     print(f"wrote {a.out}.json", flush=True)

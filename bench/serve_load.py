@@ -25,10 +25,11 @@ was cancelled by us, no request failed or timed out, every compared output
 equals the reference (or, without ``--exact``, first differs from it at a
 token where the reference's top-2 logprobs are within ``--tie-tolerance``:
 float32 greedy output follows the batch shape there, as stock chain
-speculation's does; the reference run records those gaps), the server still answers /health and a final short
-request, it drains (``vllm:num_requests_running`` and ``_waiting`` back to 0:
-the cut requests were aborted and freed), and (with ``--expect-ddtree``) the
-DDTree counters moved.
+speculation's does; the reference run records those gaps), the server still
+answers /health and a final short request, it drains
+(``vllm:num_requests_running`` and ``_waiting`` back to 0: the cut requests
+were aborted and freed), and (with ``--expect-ddtree``) the DDTree counters
+moved.
 
 Needs aiohttp (a vLLM dependency; also on the GPU host).
 """
@@ -109,7 +110,10 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict:
     tau = 1.0 + accepted / drafts if drafts else None
     per_depth = {}
     for key, d in deltas.items():
-        m = re.match(r'vllm:spec_decode_num_accepted_tokens_per_pos_total\{position="(\d+)"\}', key)
+        m = re.match(
+            r'vllm:spec_decode_num_accepted_tokens_per_pos_total\{position="(\d+)"\}',
+            key,
+        )
         if m and drafts:
             per_depth[int(m.group(1)) + 1] = round(d / drafts, 4)
     ddtree_moved = any(
@@ -151,9 +155,14 @@ class Plan:
     disconnect_after: int | None = None
 
 
-def make_plans(prompts: list[str], n: int, chat_fraction: float,
-               disconnect_fraction: float, max_chunks_before_disconnect: int,
-               seed: int) -> list[Plan]:
+def make_plans(
+    prompts: list[str],
+    n: int,
+    chat_fraction: float,
+    disconnect_fraction: float,
+    max_chunks_before_disconnect: int,
+    seed: int,
+) -> list[Plan]:
     kinds = random.Random(seed)
     cuts = random.Random(seed + 1)
     plans = []
@@ -190,7 +199,10 @@ def _chunk_logprobs(kind: str, payload: dict) -> list[tuple[str, float]]:
     lp = (choices[0].get("logprobs") if choices else None) or {}
     if kind == "chat":
         return [
-            (e.get("token", ""), _top2_gap([t["logprob"] for t in e.get("top_logprobs") or []]))
+            (
+                e.get("token", ""),
+                _top2_gap([t["logprob"] for t in e.get("top_logprobs") or []]),
+            )
             for e in lp.get("content") or []
         ]
     return [
@@ -199,12 +211,15 @@ def _chunk_logprobs(kind: str, payload: dict) -> list[tuple[str, float]]:
     ]
 
 
-def divergence_gap(text: str, ref_text: str, ref_tokens: list[str],
-                   ref_gaps: list[float]) -> float | None:
+def divergence_gap(
+    text: str, ref_text: str, ref_tokens: list[str], ref_gaps: list[float]
+) -> float | None:
     """The reference's top-1 minus top-2 logprob at the token where ``text``
     first differs from ``ref_text`` (None when that token is unknown)."""
-    i = next((k for k, (a, b) in enumerate(zip(text, ref_text)) if a != b),
-             min(len(text), len(ref_text)))
+    i = next(
+        (k for k, (a, b) in enumerate(zip(text, ref_text)) if a != b),
+        min(len(text), len(ref_text)),
+    )
     pos = 0
     for tok, gap in zip(ref_tokens, ref_gaps):
         pos += len(tok)
@@ -213,9 +228,15 @@ def divergence_gap(text: str, ref_text: str, ref_tokens: list[str],
     return None
 
 
-async def one_request(session, base_url: str, model: str, plan: Plan,
-                      max_tokens: int, timeout_s: float,
-                      logprobs: bool = False) -> Outcome:
+async def one_request(
+    session,
+    base_url: str,
+    model: str,
+    plan: Plan,
+    max_tokens: int,
+    timeout_s: float,
+    logprobs: bool = False,
+) -> Outcome:
     out = Outcome(plan.key, plan.kind, disconnect_after=plan.disconnect_after)
     if plan.kind == "chat":
         url = f"{base_url}/v1/chat/completions"
@@ -264,8 +285,10 @@ async def one_request(session, base_url: str, model: str, plan: Plan,
                     out.chunks += 1
                     if finish:
                         out.finish_reason = finish
-                    if (plan.disconnect_after is not None
-                            and out.chunks >= plan.disconnect_after):
+                    if (
+                        plan.disconnect_after is not None
+                        and out.chunks >= plan.disconnect_after
+                    ):
                         # Drop the connection mid-stream: the server must
                         # abort the request and free its resources.
                         resp.close()
@@ -321,7 +344,11 @@ async def scrape(session, base_url: str) -> dict[str, float]:
         status, text = await _get(session, f"{base_url}/metrics")
     except Exception:
         return {}
-    return parse_prometheus(text, METRIC_PREFIXES + ("vllm:num_requests",)) if status == 200 else {}
+    return (
+        parse_prometheus(text, METRIC_PREFIXES + ("vllm:num_requests",))
+        if status == 200
+        else {}
+    )
 
 
 async def wait_drained(session, base_url: str, timeout_s: float) -> bool:
@@ -345,8 +372,14 @@ async def run(args: argparse.Namespace) -> dict:
     import aiohttp
 
     prompts = load_prompts(args.prompts)
-    plans = make_plans(prompts, args.n, args.chat_fraction, args.disconnect_fraction,
-                       args.max_chunks_before_disconnect, args.seed)
+    plans = make_plans(
+        prompts,
+        args.n,
+        args.chat_fraction,
+        args.disconnect_fraction,
+        args.max_chunks_before_disconnect,
+        args.seed,
+    )
     reference = None
     ref_logprobs: dict = {}
     if args.reference:
@@ -363,17 +396,28 @@ async def run(args: argparse.Namespace) -> dict:
                 _, text = await _get(session, f"{base_url}/v1/models")
                 model = json.loads(text)["data"][0]["id"]
             except Exception as e:
-                return {"ok": False, "n": len(plans), "health": 0,
-                        "first_errors": [f"{base_url}/v1/models: "
-                                         f"{type(e).__name__}: {e}"[:300]]}
+                return {
+                    "ok": False,
+                    "n": len(plans),
+                    "health": 0,
+                    "first_errors": [
+                        f"{base_url}/v1/models: {type(e).__name__}: {e}"[:300]
+                    ],
+                }
         before = await scrape(session, base_url)
         sem = asyncio.Semaphore(args.concurrency)
 
         async def limited(plan: Plan) -> Outcome:
             async with sem:
-                return await one_request(session, base_url, model, plan,
-                                         args.max_tokens, args.timeout,
-                                         logprobs=bool(args.save))
+                return await one_request(
+                    session,
+                    base_url,
+                    model,
+                    plan,
+                    args.max_tokens,
+                    args.timeout,
+                    logprobs=bool(args.save),
+                )
 
         t0 = time.monotonic()
         outcomes = await asyncio.gather(*(limited(p) for p in plans))
@@ -382,8 +426,12 @@ async def run(args: argparse.Namespace) -> dict:
         # and its last step publishes fresh scheduler gauges (an abort alone
         # sends no stats, so the gauges could still show the cut requests).
         probe = await one_request(
-            session, base_url, model, Plan("probe", "completion", "def f():"),
-            2, args.timeout,
+            session,
+            base_url,
+            model,
+            Plan("probe", "completion", "def f():"),
+            2,
+            args.timeout,
         )
         drained = await wait_drained(session, base_url, args.drain_timeout)
         after = await scrape(session, base_url)
@@ -392,8 +440,10 @@ async def run(args: argparse.Namespace) -> dict:
         except Exception:
             health_status = 0
 
-    counts = {s: sum(o.status == s for o in outcomes)
-              for s in ("completed", "cancelled", "error", "timeout")}
+    counts = {
+        s: sum(o.status == s for o in outcomes)
+        for s in ("completed", "cancelled", "error", "timeout")
+    }
     completed = {o.key: o.text for o in outcomes if o.status == "completed"}
     mismatches = []
     near_ties: dict[str, float] = {}
@@ -456,11 +506,21 @@ async def run(args: argparse.Namespace) -> dict:
     }
     if args.save:
         with open(args.save, "w") as f:
-            json.dump({"model": model, "max_tokens": args.max_tokens,
-                       "outputs": completed,
-                       "logprobs": {o.key: [o.tokens, o.gaps] for o in outcomes
-                                    if o.status == "completed" and o.tokens is not None}},
-                      f, indent=1, sort_keys=True)
+            json.dump(
+                {
+                    "model": model,
+                    "max_tokens": args.max_tokens,
+                    "outputs": completed,
+                    "logprobs": {
+                        o.key: [o.tokens, o.gaps]
+                        for o in outcomes
+                        if o.status == "completed" and o.tokens is not None
+                    },
+                },
+                f,
+                indent=1,
+                sort_keys=True,
+            )
     return result
 
 
@@ -480,13 +540,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reference", default=None, help="JSON written by --save")
     ap.add_argument("--save", default=None, help="write completed outputs here")
-    ap.add_argument("--tie-tolerance", type=float, default=1e-3,
-                    help="a divergence where the reference's top-2 logprobs "
-                    "are closer than this is a near-tie, not a failure")
-    ap.add_argument("--exact", action="store_true",
-                    help="fail on near-tie divergences too")
-    ap.add_argument("--expect-ddtree", action="store_true",
-                    help="fail unless the vllm:ddtree_* series moved")
+    ap.add_argument(
+        "--tie-tolerance",
+        type=float,
+        default=1e-3,
+        help="a divergence where the reference's top-2 logprobs "
+        "are closer than this is a near-tie, not a failure",
+    )
+    ap.add_argument(
+        "--exact", action="store_true", help="fail on near-tie divergences too"
+    )
+    ap.add_argument(
+        "--expect-ddtree",
+        action="store_true",
+        help="fail unless the vllm:ddtree_* series moved",
+    )
     return ap
 
 

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,33 +54,32 @@ TEST_TOOLS = ["pytest>=8", "hypothesis>=6"]
 
 
 def ensure_venv(wheel: Path, python: str | None = None) -> Path:
-    """Return a venv with `wheel` installed, building it if needed.
+    """Return a venv whose vLLM is `wheel`, building what is missing.
 
-    The venv is keyed by the wheel's dependencies (not by its bytes): it is
-    created once with `pip install <wheel>` *with* its dependencies (torch
-    and the CUDA libraries: several GB, minutes), and a later build of our
-    wheel is installed over it with `--no-deps --force-reinstall`, the same
-    step the Dockerfile runs. A fresh machine therefore always gets the full
-    install.
+    Two layers. The base venv is keyed by the wheel's dependencies (not by its
+    bytes): it is created once with `pip install <wheel>` *with* its
+    dependencies (torch and the CUDA libraries: several GB, minutes). Each
+    build of our wheel then gets a small venv of its own, keyed by the
+    wheel's sha256: the wheel installed with `--no-deps` (the Dockerfile's
+    step) into its site-packages, which come before the base venv's (added by
+    a .pth file). Checkouts that test different builds at the same time
+    therefore never install over each other's vLLM.
     """
     python = python or os.environ.get("VLLM_DDTREE_VENV_PYTHON") or sys.executable
     key = hashlib.sha256(
         (_requires(wheel) + "\n" + "\n".join(TEST_TOOLS) + "\n" + python).encode()
     ).hexdigest()[:16]
-    venv = cache_dir() / f"venv-{key}"
-    marker = venv / ".ddtree-complete"
-    installed = venv / ".ddtree-wheel-sha256"
-    wheel_sha = sha256_file(wheel)
-    if not marker.exists():
-        for old in cache_dir().glob("venv-*"):  # one venv at a time: each is ~8 GB
+    base = cache_dir() / f"venv-{key}"
+    if not (base / ".ddtree-complete").exists():
+        for old in cache_dir().glob("venv-*"):  # one base venv at a time: ~8 GB
             shutil.rmtree(old, ignore_errors=True)
         t0 = time.monotonic()
-        _log(f"creating venv {venv} with {python}")
-        subprocess.run([python, "-m", "venv", str(venv)], check=True)
+        _log(f"creating venv {base} with {python}")
+        subprocess.run([python, "-m", "venv", str(base)], check=True)
         _log(f"pip install {wheel.name} with dependencies (several GB) ...")
         subprocess.run(
             [
-                str(venv_python(venv)),
+                str(venv_python(base)),
                 "-m",
                 "pip",
                 "install",
@@ -92,28 +92,69 @@ def ensure_venv(wheel: Path, python: str | None = None) -> Path:
             check=True,
             stdout=sys.stderr,
         )
-        installed.write_text(wheel_sha + "\n")
-        marker.write_text(str(wheel) + "\n")
+        (base / ".ddtree-complete").write_text(str(wheel) + "\n")
         _log(f"venv ready in {time.monotonic() - t0:.0f}s")
-    elif installed.read_text().strip() != wheel_sha:
-        _log(f"installing {wheel.name} over {venv} (--no-deps --force-reinstall)")
+    wheel_sha = sha256_file(wheel)[:16]
+    layer = cache_dir() / f"wheel-{key}-{wheel_sha}"
+    if not (layer / ".ddtree-complete").exists():
+        t0 = time.monotonic()
+        tmp = Path(tempfile.mkdtemp(prefix=f"{layer.name}.", dir=cache_dir()))
+        _log(f"installing {wheel.name} into {layer} (--no-deps, over {base.name})")
+        subprocess.run([python, "-m", "venv", "--without-pip", str(tmp)], check=True)
+        site = _site_packages(tmp)
         subprocess.run(
             [
-                str(venv_python(venv)),
+                str(venv_python(base)),
                 "-m",
                 "pip",
                 "install",
                 "-q",
                 "--no-deps",
-                "--force-reinstall",
                 "--disable-pip-version-check",
+                "--target",
+                str(site),
                 str(wheel),
             ],
             check=True,
             stdout=sys.stderr,
         )
-        installed.write_text(wheel_sha + "\n")
-    return venv
+        # After the layer's own site-packages: the base venv's, with its .pth.
+        (site / "zz-ddtree-base.pth").write_text(
+            f"import site; site.addsitedir({str(_site_packages(base))!r})\n"
+        )
+        (tmp / ".ddtree-complete").write_text(str(wheel) + "\n")
+        # Built aside and renamed: a concurrent build of the same wheel cannot
+        # leave a half-installed layer (bin/python finds its venv from its
+        # own location, so the rename is safe).
+        try:
+            tmp.rename(layer)
+        except OSError:  # another process finished it first
+            shutil.rmtree(tmp, ignore_errors=True)
+        _prune_layers(keep=layer)
+        _log(f"wheel layer ready in {time.monotonic() - t0:.0f}s")
+    return layer
+
+
+def _site_packages(venv: Path) -> Path:
+    found = sorted((venv / "lib").glob("python3*/site-packages"))
+    if not found:
+        raise RuntimeError(f"no site-packages under {venv}")
+    return found[0]
+
+
+def _prune_layers(keep: Path, count: int = 4) -> None:
+    """Keep the newest few wheel layers (each about 1 GB)."""
+    layers = sorted(
+        (
+            p
+            for p in cache_dir().glob("wheel-*")
+            if p.is_dir() and "." not in p.name and p != keep
+        ),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    for old in layers[count - 1 :]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ PER_STEP = {
     "vllm/v1/spec_decode/ddtree/gdn_commit.py": {"commit_accepted_paths"},
     "vllm/v1/worker/gpu/spec_decode/ddtree/kernels.py": {
         "ddtree_walk",
+        "ddtree_tree_bias",
         "__call__",
         "compact_rows",
     },

@@ -13,7 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 
-LABELS = {"nospec": "no speculation", "chain": "DFlash chain K=15", "ddtree": "DDTree"}
+LABELS = {
+    "nospec": "no speculation",
+    "chain": "DFlash chain K=15",
+    "chain_v2": "DFlash chain K=15 (V2 runner)",
+    "ddtree": "DDTree",
+}
 
 
 def main() -> None:

@@ -37,6 +37,8 @@ sys.path.insert(0, HERE)
 import pair_configs as pc  # noqa: E402
 
 METHODS = ("nospec", "chain", "ddtree")
+# Also accepted: "chain_v2", the chain on the V2 model runner (hybrid targets
+# run the chain on the V1 runner by default; DDTree always runs on V2).
 
 
 def log(msg: str) -> None:
@@ -97,7 +99,9 @@ def run_engine(a) -> None:
         kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
         kw["gdn_prefill_backend"] = "triton"
     drafter = os.path.join(pdir, "drafter" if small else "production-drafter")
-    if a.method == "chain":
+    if a.method == "chain_v2":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    if a.method in ("chain", "chain_v2"):
         kw["speculative_config"] = dict(
             method="dflash", model=drafter, num_speculative_tokens=a.chain_k
         )
@@ -151,7 +155,7 @@ def run_engine(a) -> None:
         )
         if a.method == "ddtree":
             row["speculative_config"] = kw["speculative_config"]
-        elif a.method == "chain":
+        elif a.method in ("chain", "chain_v2"):
             row["k"] = a.chain_k
         if load:
             row["weights_written"] = load

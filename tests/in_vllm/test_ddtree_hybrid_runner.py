@@ -403,9 +403,19 @@ def test_one_verifier_step_advances_the_gdn_states_along_the_walk(monkeypatch):
 
 
 @needs_models
-def test_verifier_sizes_the_gdn_buffers_from_the_hybrid_config(hybrid_model_config):
+def test_verifier_sizes_the_gdn_buffers_from_the_hybrid_config(
+    hybrid_model_config, monkeypatch
+):
+    import vllm.v1.worker.gpu.spec_decode.ddtree.verifier as verifier_module
     from vllm.config import ParallelConfig
     from vllm.v1.worker.gpu.spec_decode.ddtree.verifier import DDTreeVerifier
+
+    lines = []
+    monkeypatch.setattr(
+        verifier_module,
+        "logger",
+        SimpleNamespace(info_once=lambda msg, *args: lines.append(msg % args)),
+    )
 
     spec = _spec(hybrid_model_config, method="ddtree", tree_budget=16)
     cfg = SimpleNamespace(
@@ -423,5 +433,27 @@ def test_verifier_sizes_the_gdn_buffers_from_the_hybrid_config(hybrid_model_conf
     assert gdn.a_buf.shape == gdn.b_buf.shape == (6, 68, 4)
     assert gdn.x_buf.dtype == torch.float32
     assert gdn.parent_idx is verifier.req_parent_idx
+    # The startup line counts the GDN buffers: all of the GDN object's
+    # tensors but the verifier's parent table.
+    gdn_bytes = sum(
+        t.nbytes
+        for t in vars(gdn).values()
+        if isinstance(t, torch.Tensor) and t is not gdn.parent_idx
+    )
+    # x, a, b: 6 layers x 68 rows; tree_rows, spec_query_start (int32) and
+    # spec_batch_rows (int64) per request.
+    assert gdn_bytes == (6 * 68 * (256 + 2 * 4) + 4 + 5) * 4 + 4 * 8
+    assert verifier.memory_bytes["gdn"] == gdn_bytes
+    sizes = verifier.memory_bytes
+    assert len(lines) == 1
+    assert lines[0].startswith(
+        "DDTree: extra GPU memory for max_num_seqs=4, tree_budget=16: "
+        f"{sum(sizes.values()) / 2**20:.1f} MiB = tree attention bias "
+    )
+    assert lines[0].endswith(
+        f" + Gated DeltaNet verify buffers {gdn_bytes / 2**20:.1f} MiB (6 layers "
+        "x 68 rows x (conv dim 256 + 2 x 4 value heads) float32; rows = "
+        "min(max_num_batched_tokens, max_num_seqs x (1 + tree_budget)))."
+    )
     cfg.scheduler_config.max_num_batched_tokens = 32
     assert DDTreeVerifier(cfg, torch.device(DEVICE)).gdn.x_buf.shape[1] == 32

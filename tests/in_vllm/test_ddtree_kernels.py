@@ -11,6 +11,7 @@ kernels = pytest.importorskip("vllm.v1.worker.gpu.spec_decode.ddtree.kernels")
 from ddtree_reference import (  # noqa: E402
     ancestor_mask,
     compaction_indices,
+    pack_ancestor_bits,
     tree_attention_bias,
     walk_tree,
 )
@@ -112,23 +113,42 @@ def test_walk_kernel_prefill_rows_emit_one_token():
     assert src[0].cpu().tolist() == [7] * (depth + 1) == dst[0].cpu().tolist()
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["bits", "float"])
 @pytest.mark.parametrize(
     "num_reqs, budget, depth, vocab",
-    [(1, 1, 1, 5), (3, 8, 3, 4), (2, 33, 15, 3), (3, 64, 15, 8), (1, 100, 7, 40)],
+    [
+        (1, 1, 1, 5),
+        (3, 8, 3, 4),
+        (2, 30, 15, 3),  # 31 nodes: one word, its top bit unused
+        (2, 31, 15, 3),  # 32 nodes: one full word (bit 31 = the sign bit)
+        (2, 33, 15, 3),
+        (3, 64, 15, 8),
+        (1, 100, 7, 40),
+    ],
 )
-def test_tree_bias_kernel_matches_the_ancestor_mask(num_reqs, budget, depth, vocab):
+def test_tree_bias_kernel_matches_the_ancestor_mask(
+    num_reqs, budget, depth, vocab, packed
+):
     tree, target, _ = _case(num_reqs, budget, depth, vocab, seed=budget)
     # Batch row 0 has no tree this step (prefill or plain decode).
     scheduled = [0] + [budget] * (num_reqs - 1)
     max_reqs = num_reqs + 2
     idx, _, par, _, _, cu, _, _ = _flatten(tree, target, scheduled, max_reqs, 0)
-    out = torch.full((max_reqs, budget + 1, budget + 1), 7.0, device=DEVICE)
+    mask = ancestor_mask(tree.parent_idx, depth)
+    if packed:
+        out = kernels.tree_bias_buffer(max_reqs, budget + 1, torch.device(DEVICE))
+        assert out.shape == (max_reqs, budget + 1, (budget + 32) // 32)
+        out.fill_(7)
+        # Set bits: the pairs masked out; none past the last node.
+        ref = pack_ancestor_bits(~mask)
+    else:
+        out = torch.full((max_reqs, budget + 1, budget + 1), 7.0, device=DEVICE)
+        ref = tree_attention_bias(mask, torch.float32)
     kernels.ddtree_tree_bias(par.to(DEVICE), idx.to(DEVICE), cu.to(DEVICE), depth, out)
-    ref = tree_attention_bias(ancestor_mask(tree.parent_idx, depth), torch.float32)
-    ref[0] = 0.0
+    ref[0] = 0
     assert torch.equal(out[:num_reqs].cpu(), ref)
     # Rows past the batch are not written.
-    assert torch.all(out[num_reqs:] == 7.0)
+    assert torch.all(out[num_reqs:] == 7)
 
 
 @pytest.mark.parametrize("num_layers", [1, 3])

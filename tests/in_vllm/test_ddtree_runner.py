@@ -170,6 +170,14 @@ def _store_one_tree(verifier, req_state=2):
     return store_trees(verifier, [req_state], [(PARENT, DEPTH, TOKENS)])
 
 
+def _masked_out(words, num_nodes):
+    """[N, ceil(N / 32)] int32 mask words -> [N, N] bool, True where bit
+    j % 32 of word j // 32 is set (node i may not see node j)."""
+    cols = torch.arange(num_nodes)
+    w = words.cpu().to(torch.int64) & 0xFFFFFFFF
+    return ((w[:, cols // 32] >> (cols % 32)) & 1).bool()
+
+
 def _batch():
     """Batch row 0: a prefill chunk of 3 tokens (request state 0); batch row 1:
     tree verification of request state 2 (root + 4 nodes) at positions 20..24."""
@@ -196,13 +204,15 @@ def test_prepare_verify_writes_tree_positions_and_bias():
     verifier = _verifier()
     _store_one_tree(verifier)
     batch = _batch()
-    verifier.attn_bias.fill_(7.0)  # stale values must not survive
+    # One int32 word of mask bits per node: 5 nodes.
+    assert verifier.attn_bias.dtype == torch.int32
+    assert verifier.attn_bias.shape == (4, B + 1, 1)
+    verifier.attn_bias.fill_(7)  # stale values must not survive
     verifier.prepare_verify(batch)
     # Root at 20, nodes at 20 + depth; the prefill rows are untouched.
     assert batch.positions.tolist() == [0, 1, 2, 20, 21, 21, 22, 22, 0, 0]
     assert torch.all(verifier.attn_bias[0] == 0)  # prefill request: no tree
-    bias = verifier.attn_bias[1]
-    visible = (bias == 0).int().tolist()
+    visible = (~_masked_out(verifier.attn_bias[1], B + 1)).int().tolist()
     assert visible == [
         [1, 0, 0, 0, 0],
         [1, 1, 0, 0, 0],
@@ -426,7 +436,7 @@ def test_resumed_request_never_reads_the_stale_tree_of_its_slot():
     stale_tokens = store_trees(verifier, [0], [(PARENT, DEPTH, TOKENS)])
     draft_tokens = _store_one_tree(verifier) + stale_tokens
     batch = _batch()
-    verifier.attn_bias.fill_(7.0)
+    verifier.attn_bias.fill_(7)
     verifier.prepare_verify(batch)
     assert batch.positions[:3].tolist() == [0, 1, 2]
     assert torch.all(verifier.attn_bias[0] == 0)
@@ -480,6 +490,119 @@ def test_bind_refuses_model_states_without_the_hook():
     verifier.bind(state, kv, {"d0"})
     assert state.attn_metadata_hook == verifier.attach_bias
     assert list(verifier.target_kv_caches) == ["t0"]
+
+
+# ------------------------------------------------------ startup memory line
+def persistent_buffers(*objects):
+    """Every tensor held by ``objects`` (attributes, and lists / tuples of
+    tensors in attributes), each counted once."""
+    found = {}
+    for obj in objects:
+        for value in vars(obj).values():
+            items = value if isinstance(value, (list, tuple)) else [value]
+            for item in items:
+                if isinstance(item, torch.Tensor):
+                    found[id(item)] = item
+    return list(found.values())
+
+
+class _LogRecorder:
+    def __init__(self):
+        self.lines = []
+
+    def info_once(self, msg, *args, **kwargs):
+        self.lines.append(msg % args)
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def _drafter_trees(max_reqs, budget):
+    """DDTreeSpeculator.tree_buffers() without a drafter: the speculator's
+    own method on the buffers its __init__ allocates."""
+    from vllm.v1.worker.gpu.spec_decode.ddtree.speculator import DDTreeSpeculator
+
+    speculator = object.__new__(DDTreeSpeculator)
+    speculator.tree_parent_idx = torch.zeros(max_reqs, budget, dtype=torch.int64)
+    speculator.tree_depth = torch.zeros(max_reqs, budget, dtype=torch.int64)
+    speculator.tree_valid = torch.zeros(max_reqs, budget, dtype=torch.bool)
+    assert speculator.tree_buffers() == (
+        speculator.tree_parent_idx,
+        speculator.tree_depth,
+        speculator.tree_valid,
+    )
+    return speculator
+
+
+def _memory_verifier(monkeypatch, max_reqs, budget, max_tokens, speculator):
+    import vllm.v1.worker.gpu.spec_decode.ddtree.verifier as verifier_module
+
+    recorder = _LogRecorder()
+    monkeypatch.setattr(verifier_module, "logger", recorder)
+    cfg = SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            use_ddtree=lambda: True, tree_budget=budget, draft_depth=15
+        ),
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=max_reqs, max_num_batched_tokens=max_tokens
+        ),
+    )
+    verifier = verifier_module.DDTreeVerifier(cfg, torch.device("cpu"), speculator)
+    return verifier, recorder.lines
+
+
+# (max_num_seqs, tree_budget) -> the line, at max_num_batched_tokens=8192.
+MEMORY_LINES = {
+    (1024, 64): (
+        "DDTree: extra GPU memory for max_num_seqs=1024, tree_budget=64: "
+        "3.0 MiB = tree attention bias 0.8 MiB (1024 x 65 nodes x 3 int32 "
+        "words, 1 bit per node pair) + tree/walk/compaction buffers 2.2 MiB "
+        "(parents, depths and valid flags of 1024 x 64 nodes per request and "
+        "per batch row; max_num_batched_tokens=8192 saved positions)."
+    ),
+    (1024, 256): (
+        "DDTree: extra GPU memory for max_num_seqs=1024, tree_budget=256: "
+        "17.6 MiB = tree attention bias 9.0 MiB (1024 x 257 nodes x 9 int32 "
+        "words, 1 bit per node pair) + tree/walk/compaction buffers 8.6 MiB "
+        "(parents, depths and valid flags of 1024 x 256 nodes per request and "
+        "per batch row; max_num_batched_tokens=8192 saved positions)."
+    ),
+}
+
+
+@pytest.mark.parametrize("max_reqs, budget", sorted(MEMORY_LINES))
+def test_startup_line_states_the_extra_memory(monkeypatch, max_reqs, budget):
+    speculator = _drafter_trees(max_reqs, budget)
+    verifier, lines = _memory_verifier(monkeypatch, max_reqs, budget, 8192, speculator)
+    words = (budget + 32) // 32
+    assert verifier.attn_bias.shape == (max_reqs, budget + 1, words)
+    assert verifier.attn_bias.dtype == torch.int32
+    # The counted bytes are the buffers' own: every tensor the verifier
+    # holds, plus the speculator's trees (its only tensors here).
+    buffers = persistent_buffers(verifier, speculator)
+    sizes = verifier.memory_bytes
+    assert sizes == verifier.buffer_bytes()
+    assert sizes["bias"] == verifier.attn_bias.nbytes
+    assert sizes["bias"] == max_reqs * (budget + 1) * words * 4
+    assert sizes["gdn"] == 0
+    assert sum(sizes.values()) == sum(t.nbytes for t in buffers)
+    assert sizes["tree"] == sum(
+        t.nbytes for t in buffers if t is not verifier.attn_bias
+    )
+    # One line, with those numbers.
+    assert lines == [MEMORY_LINES[max_reqs, budget]]
+    mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    total = sum(sizes.values())
+    assert f"{mib(total)} = tree attention bias {mib(sizes['bias'])}" in lines[0]
+    assert f"tree/walk/compaction buffers {mib(sizes['tree'])}" in lines[0]
+
+
+def test_startup_line_without_the_speculator(monkeypatch):
+    verifier, lines = _memory_verifier(monkeypatch, 4, B, 64, None)
+    assert sum(verifier.memory_bytes.values()) == sum(
+        t.nbytes for t in persistent_buffers(verifier)
+    )
+    assert len(lines) == 1 and "of 4 x 4 nodes per request;" in lines[0]
 
 
 # ------------------------------------------------------------ budget policy

@@ -332,6 +332,22 @@ BAD_CONFIGS = [
         "DDTree: tree_budget and draft_depth are only valid with method='ddtree', "
         "got method='dflash'.",
     ),
+    # What the tree path cannot do, through the VllmConfig hook and through
+    # SpeculativeConfig (pipeline parallelism); test_ddtree_refusals.py builds
+    # every refusal's engine config.
+    (
+        "sliding_window",
+        '{"method":"ddtree","model":"%s"}',
+        ["--hf-overrides", '{"sliding_window": 256}'],
+        "DDTree cannot verify trees on Qwen3ForCausalLM: its sliding-window "
+        "attention (sliding_window=256) is shorter than max_model_len=512",
+    ),
+    (
+        "pipeline_parallel",
+        '{"method":"ddtree","model":"%s"}',
+        ["--pipeline-parallel-size", "2"],
+        "DDTree does not support pipeline parallelism (pipeline_parallel_size=2)",
+    ),
 ]
 
 

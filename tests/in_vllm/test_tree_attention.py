@@ -16,6 +16,10 @@ patched files are in place).  Two modes:
 
 * GPU (``-m gpu``): the same small cases plus bf16 / fp32 cases with
   T = 65 / 257 and contexts of 1000+ tokens, and a CUDA-graph replay case.
+
+Both bias layouts: float (``[T, T]`` / ``[num_seqs, T, T]``, additive) and
+packed (int32 ``[..., T, ceil(T / 32)]``, one bit per query/key pair, set =
+-inf: what DDTree's verifier hands the kernel).
 """
 
 import os
@@ -79,6 +83,24 @@ def tree_bias(mask: torch.Tensor) -> torch.Tensor:
     bias = torch.zeros(mask.shape, dtype=torch.float32)
     bias.masked_fill_(~mask, NEG_INF)
     return bias
+
+
+def pack_bits(masked_out: torch.Tensor, pad_bit: int = 1) -> torch.Tensor:
+    """``[..., T, T]`` bool (True = -inf) -> the packed layout, int32
+    ``[..., T, ceil(T / 32)]``: bit ``k % 32`` of word ``k // 32``. The bits
+    past key ``T - 1`` are ``pad_bit`` (the kernel must never read them)."""
+    t = masked_out.shape[-1]
+    words = (t + 31) // 32
+    lead = masked_out.shape[:-1]
+    bits = torch.full((*lead, words * 32), pad_bit, dtype=torch.int64)
+    bits[..., :t] = masked_out.to(torch.int64)
+    packed = (bits.view(*lead, words, 32) << torch.arange(32)).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def garbage_bias(shape, gen: torch.Generator) -> torch.Tensor:
+    """Random 0 / -inf entries: what a slot holds where nothing reads it."""
+    return tree_bias(torch.rand(shape, generator=gen) < 0.5)
 
 
 def make_paged_kv(kv_lens, num_kv_heads, head_size, block_size, dtype, device, gen):
@@ -151,10 +173,15 @@ def build_case(
     device,
     seed,
     extra_slots=2,
+    layout="float",
 ):
-    """``specs``: list of (kind, context_len); kind in tree / plain / prefill /
-    short.  Returns the inputs, the per-seq bias buffer (NaN in unused slots
-    so that stray reads show up) and the per-seq reference biases."""
+    """``specs``: list of (kind, context_len); kind in tree / subtree / plain
+    / prefill / short (``subtree``: a tree of fewer than T nodes, as a request
+    verifying a smaller budget, whose slot's other rows and columns hold
+    garbage). Returns the inputs, the per-seq bias buffer and the per-seq
+    reference biases. ``layout``: ``float`` (NaN in unused slots so that
+    stray reads show up) or ``bits`` (packed; random words in unused slots,
+    set bits past T)."""
     gen = torch.Generator().manual_seed(seed)
     t = tree_size
     query_lens, kv_lens, ref_biases = [], [], []
@@ -165,12 +192,57 @@ def build_case(
             bias = tree_bias(ancestor_mask_ref(random_parents(t, gen)))
             buf[s] = bias
             ref_biases.append(bias)
+        elif kind == "subtree":
+            qlen = max(2, t - 2)
+            bias = tree_bias(ancestor_mask_ref(random_parents(qlen, gen)))
+            buf[s] = garbage_bias((t, t), gen)
+            buf[s, :qlen, :qlen] = bias
+            ref_biases.append(bias)
         else:
             qlen = {"plain": 1, "short": max(2, t // 2), "prefill": 2 * t + 3}[kind]
             buf[s] = 0.0
             ref_biases.append(None)
         query_lens.append(qlen)
         kv_lens.append(ctx + qlen)
+    if layout == "bits":
+        slots = len(specs)
+        packed = pack_bits(torch.isneginf(buf))
+        packed[slots:] = torch.randint(
+            -(2**31), 2**31, packed[slots:].shape, generator=gen, dtype=torch.int64
+        ).to(torch.int32)
+        buf = packed
+    else:
+        assert layout == "float", layout
+    return dict(
+        **case_inputs(
+            query_lens,
+            kv_lens,
+            num_q_heads,
+            num_kv_heads,
+            head_size,
+            block_size,
+            dtype,
+            device,
+            gen,
+        ),
+        bias_buf=buf.to(device),
+        ref_biases=ref_biases,
+    )
+
+
+def case_inputs(
+    query_lens,
+    kv_lens,
+    num_q_heads,
+    num_kv_heads,
+    head_size,
+    block_size,
+    dtype,
+    device,
+    gen,
+):
+    """Random queries and a paged KV cache for sequences of ``query_lens``
+    query tokens and ``kv_lens`` keys."""
     query = torch.randn(sum(query_lens), num_q_heads, head_size, generator=gen)
     query = query.to(device=device, dtype=dtype)
     key_cache, value_cache, block_table = make_paged_kv(
@@ -186,8 +258,6 @@ def build_case(
         seqused_k=torch.tensor(kv_lens, dtype=torch.int32, device=device),
         query_lens=query_lens,
         kv_lens=kv_lens,
-        bias_buf=buf.to(device),
-        ref_biases=ref_biases,
     )
 
 
@@ -253,7 +323,8 @@ def reference(case):
 
 # Mixed batch: trees with different masks and contexts, a plain decode, a
 # prefill longer than T (chunked: with context), a short spec-decode-like
-# request (query shorter than T), a tree with an empty context.
+# request (query shorter than T), a tree with an empty context, a tree
+# smaller than T.
 MIXED_SPECS = [
     ("tree", 20),
     ("plain", 33),
@@ -262,6 +333,7 @@ MIXED_SPECS = [
     ("tree", 40),
     ("short", 5),
     ("tree", 0),
+    ("subtree", 12),
 ]
 
 SMALL = dict(num_q_heads=4, num_kv_heads=2, head_size=32, block_size=16)
@@ -373,6 +445,196 @@ def test_bad_bias_shapes_rejected():
         run_kernel(case, case["bias_buf"][:, :, :4])  # not square
 
 
+# ---------------------------------------------------------------------------
+# Packed bits: int32 [..., T, ceil(T / 32)], one bit per query/key pair
+# ---------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("tree_size", [5, 9, 32, 33])
+def test_packed_tree_bias_2d(tree_size):
+    """32: one full word (bit 31 is the sign bit); 33: a key tile spans two
+    words."""
+    case = build_case(
+        tree_size,
+        MIXED_SPECS,
+        dtype=torch.float32,
+        device=KERNEL_DEVICE,
+        seed=200 + tree_size,
+        layout="bits",
+        **SMALL,
+    )
+    assert case["bias_buf"].dtype == torch.int32
+    assert case["bias_buf"].shape[-1] == (tree_size + 31) // 32
+    out = run_kernel(case, case["bias_buf"])
+    ref = reference(case)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float().cpu(), ref, atol=TOL, rtol=TOL)
+    case["ref_biases"] = [None] * len(MIXED_SPECS)
+    assert (out.float().cpu() - reference(case)).abs().max() > 0.1
+
+
+@needs_kernel
+@pytest.mark.parametrize("tree_size", [9])
+def test_packed_tree_bias_3d(tree_size):
+    case = build_case(
+        tree_size,
+        MIXED_SPECS,
+        dtype=torch.float32,
+        device=KERNEL_DEVICE,
+        seed=300 + tree_size,
+        layout="bits",
+        **SMALL,
+    )
+    out = run_kernel(case, case["bias_buf"], force_3d=True)
+    torch.testing.assert_close(out.float().cpu(), reference(case), atol=TOL, rtol=TOL)
+
+
+@needs_kernel
+@pytest.mark.parametrize("force_3d", [False, True])
+def test_packed_equals_float_bias(force_3d):
+    """The same masks as bits and as a float bias: the same scores, so the
+    same outputs (0 and -inf are exact in either)."""
+    # 3D: split-KV segments, slower in the interpreter; 2D covers two words.
+    t = 9 if force_3d else 33
+    case = build_case(
+        t, MIXED_SPECS, dtype=torch.float32, device=KERNEL_DEVICE, seed=17, **SMALL
+    )
+    bits = pack_bits(torch.isneginf(case["bias_buf"].cpu())).to(KERNEL_DEVICE)
+    out_float = run_kernel(case, case["bias_buf"], force_3d=force_3d)
+    out_bits = run_kernel(case, bits, force_3d=force_3d)
+    torch.testing.assert_close(out_bits, out_float, atol=EXACT_TOL, rtol=EXACT_TOL)
+
+
+@needs_kernel
+def test_packed_shared_bias_equals_per_seq():
+    t = 33
+    case = build_case(
+        t, MIXED_SPECS, dtype=torch.float32, device=KERNEL_DEVICE, seed=13, **SMALL
+    )
+    gen = torch.Generator().manual_seed(4)
+    mask = ancestor_mask_ref(random_parents(t, gen))
+    shared = pack_bits(~mask).to(KERNEL_DEVICE)
+    per_seq = shared.expand(len(MIXED_SPECS), *shared.shape).contiguous()
+    out_shared = run_kernel(case, shared)
+    out_per_seq = run_kernel(case, per_seq)
+    torch.testing.assert_close(out_per_seq, out_shared, atol=EXACT_TOL, rtol=EXACT_TOL)
+    case["ref_biases"] = [tree_bias(mask)] * len(MIXED_SPECS)
+    torch.testing.assert_close(
+        out_shared.float().cpu(), reference(case), atol=TOL, rtol=TOL
+    )
+
+
+@needs_kernel
+def test_packed_zero_words_match_no_bias():
+    case = build_case(
+        9, MIXED_SPECS, dtype=torch.float32, device=KERNEL_DEVICE, seed=6, **SMALL
+    )
+    zeros = torch.zeros(len(MIXED_SPECS), 9, 1, dtype=torch.int32, device=KERNEL_DEVICE)
+    out_zero = run_kernel(case, zeros)
+    out_none = run_kernel(case, None)
+    torch.testing.assert_close(out_zero, out_none, atol=EXACT_TOL, rtol=EXACT_TOL)
+
+
+@needs_kernel
+def test_bad_packed_shapes_rejected():
+    case = build_case(
+        33,
+        MIXED_SPECS[:2],
+        dtype=torch.float32,
+        device=KERNEL_DEVICE,
+        seed=1,
+        extra_slots=0,
+        layout="bits",
+        **SMALL,
+    )
+    bits = case["bias_buf"]
+    with pytest.raises(AssertionError):
+        run_kernel(case, bits[:1])  # fewer slots than seqs
+    with pytest.raises(AssertionError):
+        run_kernel(case, bits[:, :, :1])  # 33 keys need 2 words
+    with pytest.raises(AssertionError):
+        # The INT4 path keeps a shared float bias only.
+        tua.unified_attention(
+            q=case["query"],
+            k=case["key_cache"],
+            v=case["value_cache"],
+            out=torch.empty_like(case["query"]),
+            cu_seqlens_q=case["cu_seqlens_q"],
+            max_seqlen_q=max(case["query_lens"]),
+            seqused_k=case["seqused_k"],
+            max_seqlen_k=max(case["kv_lens"]),
+            softmax_scale=1.0,
+            causal=True,
+            window_size=(-1, -1),
+            block_table=case["block_table"],
+            softcap=0,
+            q_descale=None,
+            k_descale=None,
+            v_descale=None,
+            qq_bias=bits[0],
+            kv_quant_mode=KVQuantMode.INT4_PER_TOKEN_HEAD,
+        )
+
+
+@needs_kernel
+def test_verifier_bias_kernel_feeds_the_attention_kernel():
+    """DDTree's writer (`ddtree_tree_bias`) into `tree_bias_buffer`, read by
+    the attention kernel: a prefill (no tree), a full tree of B nodes, a
+    request verifying only its first 5 of B nodes (the slot's other rows
+    hold the rest of its stored tree), a plain decode; the buffer has more
+    slots than the batch, with stale words."""
+    from vllm.v1.worker.gpu.spec_decode.ddtree import kernels
+
+    budget, depth, max_reqs = 40, 6, 6
+    gen = torch.Generator().manual_seed(21)
+    # Parents (verify index, 0 = root) of nodes 1..B, parents first, depth
+    # at most `depth`.
+    parent_idx = torch.zeros(max_reqs, budget, dtype=torch.int64)
+    for r in range(max_reqs):
+        node_depth = [0]
+        for i in range(1, budget + 1):
+            choices = [p for p in range(i) if node_depth[p] < depth]
+            p = choices[int(torch.randint(0, len(choices), (1,), generator=gen))]
+            parent_idx[r, i - 1] = p
+            node_depth.append(node_depth[p] + 1)
+    idx_mapping = torch.tensor([3, 0, 5, 1], dtype=torch.int32)
+    num_nodes = [1, 1 + budget, 1 + 5, 1]  # logit rows per batch row
+    query_lens = [2 * budget + 3, 1 + budget, 1 + 5, 1]
+    context = [17, 30, 9, 25]
+    cu = torch.tensor([0, *num_nodes], dtype=torch.int32).cumsum(0).to(torch.int32)
+    buf = kernels.tree_bias_buffer(max_reqs, budget + 1, torch.device(KERNEL_DEVICE))
+    assert buf.shape == (max_reqs, budget + 1, 2)
+    buf.fill_(-1)  # stale: every pair masked out
+    kernels.ddtree_tree_bias(
+        parent_idx.to(KERNEL_DEVICE),
+        idx_mapping.to(KERNEL_DEVICE),
+        cu.to(KERNEL_DEVICE),
+        depth,
+        buf,
+    )
+    ref_biases = []
+    for r, n in enumerate(num_nodes):
+        if n == 1:
+            ref_biases.append(None)
+            continue
+        parents = [-1] + parent_idx[int(idx_mapping[r]), : n - 1].tolist()
+        ref_biases.append(tree_bias(ancestor_mask_ref(parents)))
+    kv_lens = [c + q for c, q in zip(context, query_lens)]
+    case = case_inputs(
+        query_lens,
+        kv_lens,
+        dtype=torch.float32,
+        device=KERNEL_DEVICE,
+        gen=torch.Generator().manual_seed(22),
+        **SMALL,
+    )
+    case["ref_biases"] = ref_biases
+    out = run_kernel(case, buf)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float().cpu(), reference(case), atol=TOL, rtol=TOL)
+
+
 def test_cpu_interpreter():
     """CPU CI without a GPU: run this file under the Triton interpreter."""
     if INTERPRET or HAS_CUDA:
@@ -410,6 +672,7 @@ GPU_SPECS = [
     ("short", 1024),
     ("tree", 2049),
     ("tree", 0),
+    ("subtree", 1300),
 ]
 
 
@@ -418,7 +681,8 @@ GPU_SPECS = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tree_size", [65, 257])
 @pytest.mark.parametrize("force_3d", [False, True])
-def test_gpu_tree_attention_large(dtype, tree_size, force_3d):
+@pytest.mark.parametrize("layout", ["float", "bits"])
+def test_gpu_tree_attention_large(dtype, tree_size, force_3d, layout):
     case = build_case(
         tree_size,
         GPU_SPECS,
@@ -429,6 +693,7 @@ def test_gpu_tree_attention_large(dtype, tree_size, force_3d):
         dtype=dtype,
         device="cuda",
         seed=tree_size,
+        layout=layout,
     )
     out = run_kernel(case, case["bias_buf"], force_3d=force_3d)
     torch.cuda.synchronize()
@@ -441,7 +706,8 @@ def test_gpu_tree_attention_large(dtype, tree_size, force_3d):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_cuda_graph_refill():
+@pytest.mark.parametrize("layout", ["float", "bits"])
+def test_gpu_cuda_graph_refill(layout):
     """Capture once, refill the persistent bias buffer, replay: the graph
     must pick up the new trees (stable buffer address)."""
     from ddtree_reference import ancestor_mask, tree_attention_bias
@@ -460,7 +726,10 @@ def test_gpu_cuda_graph_refill():
         seed=0,
     )
     is_tree = torch.tensor([k == "tree" for k, _ in specs], device="cuda")
-    buf = torch.zeros(8, t, t, device="cuda")
+    if layout == "bits":
+        buf = torch.zeros(8, t, (t + 31) // 32, dtype=torch.int32, device="cuda")
+    else:
+        buf = torch.zeros(8, t, t, device="cuda")
     out = torch.empty_like(case["query"])
     gen = torch.Generator().manual_seed(1)
 
@@ -468,8 +737,11 @@ def test_gpu_cuda_graph_refill():
         parents = torch.tensor([random_parents(t, gen) for _ in specs])
         # The DDTree core's layout: parent_idx of nodes 1..T-1, 0 = root.
         mask = ancestor_mask(parents[:, 1:].cuda(), t)
-        bias = tree_attention_bias(mask, torch.float32)
-        buf[: len(specs)] = torch.where(is_tree[:, None, None], bias, 0.0)
+        mask = mask | ~is_tree[:, None, None]  # no tree: nothing masked out
+        if layout == "bits":
+            buf[: len(specs)] = pack_bits(~mask.cpu()).cuda()
+        else:
+            buf[: len(specs)] = tree_attention_bias(mask, torch.float32)
         return [
             tree_bias(ancestor_mask_ref(p.tolist())) if k == "tree" else None
             for p, (k, _) in zip(parents, specs)

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Compile DDTree's Triton kernels for Hopper (sm_90) without a GPU.
+"""Compile DDTree's Triton kernels, and the patched unified attention
+kernel with a per-sequence tree bias, for Hopper (sm_90) without a GPU.
 
 The Triton interpreter, which runs the kernels on CPU in the other tests,
 accepts code the GPU compiler refuses (a plain Python global read inside a
@@ -25,6 +26,7 @@ SCRIPT = textwrap.dedent(
     import vllm.v1.spec_decode.ddtree.tree_conv as tc
     import vllm.v1.spec_decode.ddtree.tree_gdn as tg
     import vllm.v1.spec_decode.ddtree.tree_triton as tt
+    import vllm.v1.attention.ops.triton_unified_attention as tua
     import vllm.v1.worker.gpu.spec_decode.ddtree.kernels as kk
 
     target = GPUTarget("cuda", 90, 32)
@@ -98,13 +100,62 @@ SCRIPT = textwrap.dedent(
     compile_kernel(kk._ddtree_walk_kernel, walk_sig,
                    {"DRAFT_DEPTH": 15, "NUM_JUMPS": 4, "BLOCK": 128,
                     "PATH_BLOCK": 16})
-    compile_kernel(
-        kk._ddtree_tree_bias_kernel,
-        {"parent_ptr": "*i64", "parent_stride": "i32", "idx_mapping_ptr": "*i32",
-         "cu_num_logits_ptr": "*i32", "out_ptr": "*fp32", "NUM_NODES": C,
-         "DRAFT_DEPTH": C, "ROWS": C, "COLS": C},
-        {"NUM_NODES": 65, "DRAFT_DEPTH": 15, "ROWS": 32, "COLS": 128},
-    )
+    for packed, num_nodes, out_cols, rows, cols in (
+        (False, 65, 65, 32, 128),
+        (True, 65, 3, 64, 4),
+        (True, 257, 9, 64, 16),
+        (True, 17, 1, 32, 1),
+    ):
+        compile_kernel(
+            kk._ddtree_tree_bias_kernel,
+            {"parent_ptr": "*i64", "parent_stride": "i32",
+             "idx_mapping_ptr": "*i32", "cu_num_logits_ptr": "*i32",
+             "out_ptr": "*i32" if packed else "*fp32", "NUM_NODES": C,
+             "DRAFT_DEPTH": C, "ROWS": C, "COLS": C, "PACKED": C, "OUT_COLS": C},
+            {"NUM_NODES": num_nodes, "DRAFT_DEPTH": 15, "ROWS": rows,
+             "COLS": cols, "PACKED": packed, "OUT_COLS": out_cols},
+        )
+    # The patched unified attention kernel with a per-sequence bias, float
+    # and packed bits (`load_qq_bias_tile`), at a Qwen3-8B-like shape.
+    ua = tua.kernel_unified_attention
+    ua_ptrs = {"output_ptr": "*bf16", "query_ptr": "*bf16",
+               "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",
+               "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+               "query_start_len_ptr": "*i32"}
+    ua_consts = dict(
+        num_query_heads=32, num_queries_per_kv=4, BLOCK_SIZE=16, TILE_SIZE=32,
+        HEAD_SIZE=128, HEAD_SIZE_PADDED=128, USE_ALIBI_SLOPES=False,
+        USE_ALIBI_SQRT=False, USE_QQ_BIAS=True, USE_SOFTCAP=False,
+        USE_SINKS=False, SLIDING_WINDOW=0, USE_CAUSAL=True,
+        USE_PER_SEQ_CAUSAL=False, USE_MM_PREFIX=False, MAX_MM_RANGES=0,
+        R_SWA_WINDOW=0, USE_R_SWA=False, stride_k_cache_3=1, stride_v_cache_3=1,
+        BLOCK_Q=4, BLOCK_M=16, NUM_SEGMENTS_PER_SEQ=1, USE_FP8=False,
+        IS_3D=False)
+    for packed in (False, True):
+        sig, consts = {}, dict(ua_consts, QQ_BIAS_PACKED=packed)
+        for p in ua.params:
+            name = p.name
+            if name in consts:
+                sig[name] = C
+            elif name in ua_ptrs:
+                sig[name] = ua_ptrs[name]
+            elif name == "qq_bias_ptr":
+                sig[name] = "*i32" if packed else "*fp32"
+            elif p.is_constexpr or p.default is None:
+                # constexpr defaults, and the optional pointers / strides
+                # the wrapper passes as None when their branch is dead.
+                sig[name] = C
+                consts[name] = p.default
+            elif name in ("scale", "softcap"):
+                sig[name] = "fp32"
+            elif name in ("num_seqs", "qq_bias_len"):
+                sig[name] = "i32"
+            elif name in ("q_scale", "k_scale", "v_scale", "out_scale"):
+                sig[name] = C
+                consts[name] = None
+            else:
+                sig[name] = "i64"
+        compile_kernel(ua, sig, consts)
     gdn_sig = {name: "*bf16" for name in ("a", "b", "q", "k", "v", "o")}
     gdn_sig.update({"A_log": "*fp32", "dt_bias": "*fp32", "state": "*fp32",
                     "state_stride": "i64", "state_idx_ptr": "*i32",

@@ -15,7 +15,9 @@ Every check here raises ``ValueError`` with one readable line, so that a bad
 configuration stops ``LLM(...)`` or ``vllm serve`` at startup.
 """
 
-from typing import TYPE_CHECKING
+import importlib.util
+import os
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
@@ -38,6 +40,28 @@ DDTREE_HYBRID_ARCHITECTURES = (
     "Qwen3_5MoeForConditionalGeneration",
     "Qwen3NextForCausalLM",
 )
+# KV-cache dtypes the tree verification takes. The target's KV goes through
+# TRITON_ATTN's core unified kernel, which adds the per-request tree bias
+# for unquantised, FP8 per-tensor and INT8 / FP8 per-token-head caches; the
+# compaction copies whole (block, head, slot) rows, inline per-token-head
+# scales included (per-tensor scales do not move). INT4 per-token-head runs
+# a packed kernel that takes no per-request bias; the other vLLM dtypes are
+# not TRITON_ATTN's.
+DDTREE_KV_CACHE_DTYPES = (
+    "auto",
+    "float16",
+    "bfloat16",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "int8_per_token_head",
+    "fp8_per_token_head",
+)
+# Targets whose ALiBi bias is set in the model code, not in the HF config
+# (``ModelConfig.uses_alibi`` covers Bloom, Falcon, MPT and the config flag).
+DDTREE_ALIBI_ARCHITECTURES = ("Step1ForCausalLM",)
+# ``VLLM_DDTREE_BACKEND``: the tree-build implementation (tree.py).
+DDTREE_BUILD_BACKENDS = ("auto", "torch", "triton")
 
 
 def _check_positive_int(name: str, value: object) -> int:
@@ -70,6 +94,12 @@ def resolve_ddtree_method(spec: "SpeculativeConfig") -> None:
             "DDTree: speculative_config needs 'model', the path of a DFlash "
             "draft checkpoint."
         )
+    # Here, not only in the engine-level checks: the drafter's own parallel
+    # config fails upstream's validation of a pipeline-parallel speculative
+    # config (a DFlash model is not pipeline-parallel) before those run.
+    _verify_pipeline_parallel_size(
+        getattr(spec.target_parallel_config, "pipeline_parallel_size", 1)
+    )
     if spec.num_speculative_tokens is not None:
         raise ValueError(
             "DDTree: do not set num_speculative_tokens; set tree_budget (tokens "
@@ -229,7 +259,10 @@ def _draft_block_size(hf_config: object) -> int | None:
 
 
 def verify_ddtree_vllm_config(vllm_config: "VllmConfig") -> None:
-    """Engine-level checks: V2 model runner and the Triton target backend."""
+    """Engine-level checks: the V2 model runner, the Triton target backend,
+    and what the tree verification cannot do (pipeline stages, KV-cache
+    dtypes other than the kernels', KV connectors, windowed or ALiBi target
+    attention, Gated DeltaNet hybrids only)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     if not vllm_config.use_v2_model_runner:
@@ -250,8 +283,13 @@ def verify_ddtree_vllm_config(vllm_config: "VllmConfig") -> None:
             "DDTree needs the TRITON_ATTN attention backend for the target "
             f"(per-request tree attention), got {attention_config.backend.name}."
         )
+    _verify_tree_build_backend()
+    _verify_pipeline_parallel(vllm_config)
+    _verify_kv_cache_dtype(vllm_config)
+    _verify_kv_transfer(vllm_config)
     _verify_drafting_slots(vllm_config)
     if vllm_config.model_config is not None:
+        _verify_target_attention(vllm_config)
         _verify_ddtree_target(vllm_config)
 
 
@@ -286,10 +324,230 @@ def _verify_drafting_slots(vllm_config: "VllmConfig") -> None:
     )
 
 
+def _verify_tree_build_backend() -> None:
+    """``VLLM_DDTREE_BACKEND`` is read when the first tree is built, inside
+    the engine (tree.py); a bad value would stop it there, mid-start or at
+    the first decode step. Checked here instead."""
+    backend = os.environ.get("VLLM_DDTREE_BACKEND", "auto")
+    if backend not in DDTREE_BUILD_BACKENDS:
+        raise ValueError(
+            f"DDTree: VLLM_DDTREE_BACKEND={backend!r} is not a tree-build "
+            "backend; set it to 'auto', 'torch' or 'triton', or unset it."
+        )
+    if backend == "triton" and importlib.util.find_spec("triton") is None:
+        raise ValueError(
+            "DDTree: VLLM_DDTREE_BACKEND='triton' but Triton is not "
+            "importable here; unset it (the torch backend builds the same "
+            "tree)."
+        )
+
+
+def _verify_pipeline_parallel(vllm_config: "VllmConfig") -> None:
+    parallel_config = getattr(vllm_config, "parallel_config", None)
+    _verify_pipeline_parallel_size(
+        getattr(parallel_config, "pipeline_parallel_size", 1)
+    )
+
+
+def _verify_pipeline_parallel_size(pp: int) -> None:
+    """Only the last pipeline stage has the verifier (tree positions, tree
+    attention bias, compaction); the earlier stages would run the tree's
+    nodes as a chain of consecutive tokens."""
+    if pp > 1:
+        raise ValueError(
+            f"DDTree does not support pipeline parallelism (pipeline_parallel_"
+            f"size={pp}): only the last stage verifies the tree, the others "
+            "would attend over its nodes as a chain; use --tensor-parallel-size "
+            "instead of --pipeline-parallel-size."
+        )
+
+
+def _verify_kv_cache_dtype(vllm_config: "VllmConfig") -> None:
+    cache_config = getattr(vllm_config, "cache_config", None)
+    dtype = getattr(cache_config, "cache_dtype", "auto")
+    if dtype in DDTREE_KV_CACHE_DTYPES:
+        return
+    if dtype == "int4_per_token_head":
+        reason = "its packed INT4 attention kernel takes no per-request tree bias"
+    else:
+        reason = "the TRITON_ATTN backend that verifies the tree does not take it"
+    raise ValueError(
+        f"DDTree does not support kv_cache_dtype={dtype!r} ({reason}); pass "
+        "--kv-cache-dtype auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2, "
+        "int8_per_token_head or fp8_per_token_head, or use method='dflash'."
+    )
+
+
+def _verify_kv_transfer(vllm_config: "VllmConfig") -> None:
+    """A verify step writes the whole tree at consecutive KV slots, rejected
+    nodes included; the accepted path is compacted after sampling, outside
+    the forward. A connector that saves layer by layer (``save_kv_layer``,
+    inside the forward) sends the tree before that. Connectors that store
+    later (the native offloading connector defers its stores to the next
+    step's start and counts only computed tokens) may be safe, but none has
+    been run against the compaction: all are refused. ``--kv-offloading-size``
+    becomes a connector later in ``VllmConfig.__post_init__``, after this
+    hook: refused here too."""
+    kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+    if kv_transfer_config is not None:
+        connector = getattr(kv_transfer_config, "kv_connector", None)
+        raise ValueError(
+            f"DDTree does not support KV connectors (kv_transfer_config with "
+            f"kv_connector={connector!r}): none has been checked against the "
+            "tree's KV compaction (a per-layer saver sends a verify step's KV, "
+            "the whole tree, before the accepted path is compacted); remove "
+            "--kv-transfer-config, or use method='dflash'."
+        )
+    cache_config = getattr(vllm_config, "cache_config", None)
+    offloading_size = getattr(cache_config, "kv_offloading_size", None)
+    if offloading_size is not None:
+        backend = getattr(cache_config, "kv_offloading_backend", None)
+        raise ValueError(
+            f"DDTree does not support KV offloading (kv_offloading_size="
+            f"{offloading_size}, backend {backend!r}): it runs as a KV "
+            "connector, and none has been checked against the tree's KV "
+            "compaction; remove --kv-offloading-size, or use method='dflash'."
+        )
+
+
+def _windows(value: Any) -> list[int]:
+    """The window sizes in a config value: an int or a per-layer list."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [int(v) for v in values if isinstance(v, int) and v > 0]
+
+
+def sliding_window_error(
+    architecture: object, what: str, window: int, max_model_len: int
+) -> str:
+    return (
+        f"DDTree cannot verify trees on {architecture}: its sliding-window "
+        f"attention ({what}) is shorter than max_model_len={max_model_len}, "
+        "and the window is measured in KV slots, where tree nodes do not sit "
+        f"at their positions; pass --max-model-len {window} (or less), or use "
+        "method='dflash'."
+    )
+
+
+def chunked_attention_error(architecture: object, what: str) -> str:
+    return (
+        f"DDTree cannot verify trees on {architecture}: its chunked local "
+        f"attention ({what}) splits the sequence by KV slot, where tree nodes "
+        "do not sit at their positions; use method='dflash' (or no "
+        "speculative decoding)."
+    )
+
+
+def alibi_error(architecture: object) -> str:
+    return (
+        f"DDTree cannot verify trees on {architecture}: its ALiBi position "
+        "bias is computed from KV slot distances, where tree nodes do not sit "
+        "at their positions; use method='dflash' (or no speculative decoding)."
+    )
+
+
+def _verify_target_attention(vllm_config: "VllmConfig") -> None:
+    """Masks and biases computed from KV slot offsets: a tree node at slot
+    ``root + i`` has position ``root + depth``, and ``i >= depth``.
+
+    - sliding windows (``sliding_window``, per-layer
+      ``interleaved_sliding_window``, the R-SWA ``rswa_window``): a node
+      would lose the ``i - depth`` oldest keys of its window. A window at
+      least ``max_model_len`` never binds (a query's slot distance to any key
+      is below ``max_model_len``), so it is allowed;
+    - chunked local attention (``attention_chunk_size``, ``chunked_attention``
+      layer types): chunk boundaries by slot, always refused;
+    - ALiBi: a bias by slot distance, always refused.
+
+    Only the target: a DFlash drafter's sliding-window layers keep full KV
+    (patch ``dflash-swa-draft-layers-keep-full-kv``). The layers themselves
+    are checked again once built (`verify_ddtree_target_layers`), for what
+    a model sets in code rather than in its config.
+    """
+    model_config = vllm_config.model_config
+    architecture = getattr(model_config, "architecture", None)
+    hf_text = getattr(model_config, "hf_text_config", None)
+    max_model_len = getattr(model_config, "max_model_len", None)
+    layer_types = list(getattr(hf_text, "layer_types", None) or [])
+
+    chunk = getattr(model_config, "attention_chunk_size", None)
+    if chunk is None:
+        chunk = getattr(hf_text, "attention_chunk_size", None)
+    if chunk:
+        raise ValueError(
+            chunked_attention_error(architecture, f"attention_chunk_size={chunk}")
+        )
+    if "chunked_attention" in layer_types:
+        raise ValueError(
+            chunked_attention_error(architecture, "layer_types 'chunked_attention'")
+        )
+
+    if bool(getattr(model_config, "uses_alibi", False)) or (
+        architecture in DDTREE_ALIBI_ARCHITECTURES
+    ):
+        raise ValueError(alibi_error(architecture))
+
+    if not isinstance(max_model_len, int):
+        return
+    for name, value in (
+        ("sliding_window", getattr(hf_text, "sliding_window", None)),
+        (
+            "interleaved_sliding_window",
+            getattr(hf_text, "interleaved_sliding_window", None),
+        ),
+        ("rswa_window", getattr(model_config, "rswa_window", None)),
+    ):
+        windows = _windows(value)
+        if windows and min(windows) < max_model_len:
+            window = min(windows)
+            raise ValueError(
+                sliding_window_error(
+                    architecture, f"{name}={window}", window, max_model_len
+                )
+            )
+
+
+def verify_ddtree_target_layers(vllm_config: "VllmConfig") -> None:
+    """The config check (`_verify_target_attention`) again, on the target's
+    attention layers once they are built and before the drafter loads
+    (called from the DDTree speculator's ``load_model``): a window, a chunk
+    or an ALiBi bias that a model sets in its code, not in its config,
+    stops the engine here instead of verifying trees wrongly."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    model_config = vllm_config.model_config
+    architecture = getattr(model_config, "architecture", None)
+    max_model_len = model_config.max_model_len
+    forward_context = vllm_config.compilation_config.static_forward_context
+    for name, layer in forward_context.items():
+        # Decoder self-attention only (an encoder's windows see no tree).
+        if not isinstance(layer, Attention):
+            continue
+        if getattr(layer, "attn_type", "decoder") != "decoder":
+            continue
+        impl = getattr(layer, "impl", None)
+        chunk = getattr(layer, "attention_chunk_size", None)
+        if chunk or getattr(impl, "chunk_lookback", -1) >= 0:
+            what = f"layer {name}" + (f", chunk {chunk}" if chunk else "")
+            raise ValueError(chunked_attention_error(architecture, what))
+        if getattr(impl, "alibi_slopes", None) is not None:
+            raise ValueError(alibi_error(architecture))
+        window = getattr(layer, "sliding_window", None)
+        if isinstance(window, int) and 0 < window < max_model_len:
+            raise ValueError(
+                sliding_window_error(
+                    architecture,
+                    f"layer {name}: sliding_window={window}",
+                    window,
+                    max_model_len,
+                )
+            )
+
+
 def _verify_ddtree_target(vllm_config: "VllmConfig") -> None:
     """Hybrid (linear-attention) and M-RoPE / XD-RoPE targets: only Gated
     DeltaNet hybrids, and without what the tree path cannot keep (prefix
-    caching of the recurrent state, pipeline stages)."""
+    caching of the recurrent state; pipeline stages are refused for every
+    target by `_verify_pipeline_parallel`)."""
     model_config = vllm_config.model_config
     hybrid = bool(getattr(model_config, "is_hybrid", False))
     multi_rope = bool(getattr(model_config, "uses_mrope", False)) or (
@@ -315,12 +573,6 @@ def _verify_ddtree_target(vllm_config: "VllmConfig") -> None:
             "prefix caching must be off (the tree path keeps one committed "
             f"recurrent state per request; got mamba_cache_mode="
             f"{mamba_cache_mode!r}): pass --no-enable-prefix-caching"
-        )
-    parallel_config = getattr(vllm_config, "parallel_config", None)
-    if hybrid and getattr(parallel_config, "pipeline_parallel_size", 1) > 1:
-        problems.append(
-            "pipeline parallelism is not supported (the recurrent states are "
-            "updated after the tree walk, on the last stage only)"
         )
     if problems:
         raise ValueError(
@@ -381,3 +633,23 @@ def verify_ddtree_sampling_params(params: object) -> None:
             "verified tokens as a chain, not along tree branches); use "
             "method='dflash'."
         )
+
+
+def verify_ddtree_streaming_input() -> None:
+    """Per-request check of a streaming-input (resumable) request, called
+    from ``InputProcessor.process_inputs``.
+
+    A session whose next input is prefilled in more than one chunk keeps the
+    previous turn's draft placeholders (async scheduling sets them when the
+    turn ends and only a finished prompt resets them), so the scheduler
+    gives a request draft tokens and a prefill chunk in one step. The tree
+    bias would then fall on the chunk's first rows instead of the tree (a
+    dense target verifies wrongly) and the Gated DeltaNet tree path of a
+    hybrid stops the engine. Refused per request instead.
+    """
+    raise ValueError(
+        "DDTree does not support streaming input (resumable requests): a "
+        "session's next input can be scheduled with the previous turn's "
+        "draft tokens, which the tree verification cannot take; use "
+        "method='dflash' or no speculative decoding for streaming sessions."
+    )

@@ -179,19 +179,24 @@ class DDTreeGDN:
             dtype,
             device,
         )
-        nbytes = sum(
-            t.numel() * t.element_size()
-            for t in (context.x_buf, context.a_buf, context.b_buf)
-        )
-        logger.info(
-            "DDTree hybrid: verify-row buffers for %d Gated DeltaNet layers x "
-            "%d rows (conv dim %d): %.1f MiB.",
-            num_layers,
-            max_rows,
-            conv_dim,
-            nbytes / 2**20,
-        )
+        # Their size is in the verifier's startup memory line.
         return context
+
+    def buffer_bytes(self) -> int:
+        """Bytes of this object's persistent device buffers (the verify-row
+        inputs of every GDN layer and the step's spec-row tables; the parent
+        table is the verifier's)."""
+        return sum(
+            t.nbytes
+            for t in (
+                self.x_buf,
+                self.a_buf,
+                self.b_buf,
+                self.tree_rows,
+                self.spec_batch_rows,
+                self.spec_query_start,
+            )
+        )
 
     # ------------------------------------------------------------ binding
     def bind_layers(
@@ -285,6 +290,9 @@ class DDTreeGDN:
         if drafts_np is not None and n != np.count_nonzero(drafts_np > 0):
             # Such a row would be verified as a tree by the attention layers
             # but run through the GDN layers as a chain (prefill kernels).
+            # The scheduler gives drafts with a prefill chunk only to a
+            # resumed streaming-input session (stale draft placeholders),
+            # refused per request (config.verify_ddtree_streaming_input).
             raise RuntimeError(
                 "DDTree: a request with draft tokens also has other tokens "
                 "scheduled; the Gated DeltaNet tree path cannot verify it."
@@ -418,6 +426,8 @@ class DDTreeGDN:
             raise RuntimeError("DDTree: no GDN metadata attached for this step.")
         slot_cols = []
         for name, md in zip(self.group_layers, self.group_metadata):
+            # Invariant: the GDN builder counts the same rows as
+            # spec_decode_rows, from the same step's metadata.
             if md is None or md.num_spec_decodes != n:
                 raise RuntimeError(
                     f"DDTree: GDN layer {name} ran "

@@ -288,6 +288,8 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
         if device.type == "cuda" and triton_available():
             return "triton"
         return "torch"
+    # VLLM_DDTREE_BACKEND is checked at startup too
+    # (config._verify_tree_build_backend); these guard direct callers.
     if backend not in ("torch", "triton"):
         raise ValueError(f"unknown DDTree build backend {backend!r}")
     if backend == "triton" and not triton_available():

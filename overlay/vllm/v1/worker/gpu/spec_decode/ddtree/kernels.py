@@ -12,11 +12,12 @@ launch here:
   matches (pointer jumping), and write the emitted tokens, the number
   accepted and the compaction indices (source and destination rows of the
   accepted path; off-path entries are self-copies of the root).
-- ``ddtree_tree_bias``: per request, the additive ancestor bias of its
-  tree (0 where query node i may see node j: j is i or an ancestor of i,
-  -inf elsewhere), built from the parent indices straight into the buffer
-  the attention kernel reads. Only the parents are kept per request, not a
-  [B + 1, B + 1] bias per request.
+- ``ddtree_tree_bias``: per request, the ancestor mask of its tree (query
+  node i may see node j iff j is i or an ancestor of i), built from the
+  parent indices straight into the buffer the attention kernel reads: one
+  bit per (i, j) pair, set where i may not see j (`tree_bias_buffer`, the
+  attention kernel's packed int32 ``qq_bias``), or the additive float
+  bias (0 / -inf). Only the parents are kept per request, not a mask.
 - ``KVCompactor``: per (request, layer), copy the accepted path's KV
   entries to the contiguous slots after the root, for all layers of one
   KV-cache group (one slot mapping) in one launch. Entries are copied in
@@ -171,35 +172,77 @@ def _ddtree_tree_bias_kernel(
     parent_stride,
     idx_mapping_ptr,  # [num_reqs] batch row -> request state
     cu_num_logits_ptr,  # [num_reqs + 1]
-    out_ptr,  # [>= num_reqs, B + 1, B + 1] float32
+    out_ptr,  # [>= num_reqs, B + 1, OUT_COLS]: float32 bias or int32 words
     NUM_NODES: tl.constexpr,  # B + 1
     DRAFT_DEPTH: tl.constexpr,
     ROWS: tl.constexpr,
-    COLS: tl.constexpr,  # power of 2 >= NUM_NODES
+    COLS: tl.constexpr,  # power of 2 >= OUT_COLS
+    PACKED: tl.constexpr,  # int32 words of 32 key bits (set = masked out)
+    OUT_COLS: tl.constexpr,  # NUM_NODES, or ceil(NUM_NODES / 32) if PACKED
 ):
     r = tl.program_id(0)
     i = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # query nodes
-    j = tl.arange(0, COLS)  # key nodes
+    j = tl.arange(0, COLS)  # key nodes, or words of 32 key nodes if PACKED
     req = tl.load(idx_mapping_ptr + r).to(tl.int64)
     num_logits = tl.load(cu_num_logits_ptr + r + 1) - tl.load(cu_num_logits_ptr + r)
     # Self and the root, then one ancestor per round: a node's depth is at
     # most DRAFT_DEPTH. Padding nodes hang off the root (depth 1).
-    visible = (j[None, :] == i[:, None]) | (j[None, :] == 0)
     cur = tl.where(i < NUM_NODES, i, 0).to(tl.int64)
+    if PACKED:
+        # Bit k % 32 of word k // 32 stands for key node k.
+        word = j.to(tl.int64)[None, :]
+        visible = tl.where(word == cur[:, None] // 32, 1 << (cur[:, None] % 32), 0)
+        visible = visible | tl.where(word == 0, 1, 0)
+    else:
+        visible = (j[None, :] == i[:, None]) | (j[None, :] == 0)
     for _ in range(DRAFT_DEPTH):
         parent = tl.load(
             parent_ptr + req * parent_stride + cur - 1, mask=cur > 0, other=0
         )
         cur = tl.where(cur > 0, parent, 0)
-        visible = visible | (j[None, :] == cur[:, None])
-    # A request that verifies no tree (prefill, plain decode) sees no bias.
-    visible = visible | (num_logits <= 1)
-    bias = tl.where(visible, 0.0, float("-inf"))
-    out = out_ptr + r.to(tl.int64) * NUM_NODES * NUM_NODES
+        if PACKED:
+            visible = visible | tl.where(
+                word == cur[:, None] // 32, 1 << (cur[:, None] % 32), 0
+            )
+        else:
+            visible = visible | (j[None, :] == cur[:, None])
+    if PACKED:
+        # Set bits: the tree's keys i may not see; none past the last node,
+        # none for a request that verifies no tree (prefill, plain decode).
+        keys_in_word = tl.minimum(tl.maximum(NUM_NODES - 32 * word, 0), 32)
+        masked_out = ((1 << keys_in_word) - 1) & ~visible
+        out = tl.where(num_logits <= 1, 0, masked_out).to(tl.int32)
+    else:
+        # A request that verifies no tree (prefill, plain decode) sees no bias.
+        visible = visible | (num_logits <= 1)
+        out = tl.where(visible, 0.0, float("-inf"))
+    base = out_ptr + r.to(tl.int64) * NUM_NODES * OUT_COLS
     tl.store(
-        out + i[:, None] * NUM_NODES + j[None, :],
-        bias,
-        mask=(i[:, None] < NUM_NODES) & (j[None, :] < NUM_NODES),
+        base + i[:, None] * OUT_COLS + j[None, :],
+        out,
+        mask=(i[:, None] < NUM_NODES) & (j[None, :] < OUT_COLS),
+    )
+
+
+def tree_bias_words(num_nodes: int) -> int:
+    """int32 words per row of a packed tree mask of ``num_nodes`` nodes."""
+    return triton.cdiv(num_nodes, 32)
+
+
+def tree_bias_buffer(
+    max_num_reqs: int, num_nodes: int, device: torch.device
+) -> torch.Tensor:
+    """The persistent per-request tree mask that `ddtree_tree_bias` writes
+    and the Triton attention kernel reads as its packed ``qq_bias``: int32
+    ``[max_num_reqs, num_nodes, ceil(num_nodes / 32)]``, bit ``j % 32`` of
+    word ``j // 32`` of row ``i`` set where node ``i`` may not see node
+    ``j``. All zeros: no request is masked."""
+    return torch.zeros(
+        max_num_reqs,
+        num_nodes,
+        tree_bias_words(num_nodes),
+        dtype=torch.int32,
+        device=device,
     )
 
 
@@ -210,17 +253,23 @@ def ddtree_tree_bias(
     draft_depth: int,
     out: torch.Tensor,
 ) -> None:
-    """Write the batch's tree attention bias into ``out[:num_reqs]`` in one
-    launch (the torch reference, `ancestor_mask`, is in the tests:
-    tests/ddtree_reference.py)."""
+    """Write the batch's tree masks into ``out[:num_reqs]`` in one launch:
+    packed bits if ``out`` is int32 (`tree_bias_buffer`), the additive 0 /
+    -inf bias if it is float32 ``[R, B + 1, B + 1]`` (the torch reference,
+    `ancestor_mask`, is in the tests: tests/ddtree_reference.py)."""
     num_reqs = idx_mapping.shape[0]
     num_nodes = parent_idx.shape[1] + 1
-    assert out.dtype == torch.float32 and out.is_contiguous()
-    assert out.shape[1:] == (num_nodes, num_nodes)
+    packed = out.dtype == torch.int32
+    out_cols = tree_bias_words(num_nodes) if packed else num_nodes
+    assert packed or out.dtype == torch.float32
+    assert out.is_contiguous() and out.shape[1:] == (num_nodes, out_cols)
     if num_reqs == 0:
         return
-    cols = triton.next_power_of_2(num_nodes)
-    rows = max(1, min(cols, 4096 // cols))
+    cols = triton.next_power_of_2(out_cols)
+    if packed:
+        rows = min(triton.next_power_of_2(num_nodes), 64)
+    else:
+        rows = max(1, min(cols, 4096 // cols))
     _ddtree_tree_bias_kernel[(num_reqs, triton.cdiv(num_nodes, rows))](
         parent_idx,
         parent_idx.stride(0),
@@ -231,6 +280,8 @@ def ddtree_tree_bias(
         DRAFT_DEPTH=draft_depth,
         ROWS=rows,
         COLS=cols,
+        PACKED=packed,
+        OUT_COLS=out_cols,
         num_warps=4,
     )
 

@@ -148,6 +148,7 @@ def sample_nodes(
         )
 
     penalties = sampler.penalties_state
+    # Invariant: bound once when the runner creates its sampler.
     if not isinstance(penalties, TreePenaltiesState):
         raise RuntimeError(
             "DDTree: the sampler's penalties state is not tree-aware; "

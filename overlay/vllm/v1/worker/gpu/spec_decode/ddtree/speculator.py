@@ -13,9 +13,11 @@ import copy
 from typing import Any
 
 import torch
+from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.spec_decode.ddtree.config import verify_ddtree_target_layers
 from vllm.v1.spec_decode.ddtree.tree import build_tree
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
@@ -81,6 +83,17 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.tree_valid = torch.zeros(
             self.max_num_reqs, self.tree_budget, dtype=torch.bool, device=device
         )
+
+    def load_model(self, target_model: nn.Module) -> None:
+        # The target's attention layers are built (the drafter's not yet):
+        # refuse a window, chunk or ALiBi bias its config did not show.
+        verify_ddtree_target_layers(self.vllm_config)
+        super().load_model(target_model)
+
+    def tree_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The persistent buffers DDTree adds to the DFlash drafter's (the
+        batch's trees); the verifier's startup memory line counts them."""
+        return (self.tree_parent_idx, self.tree_depth, self.tree_valid)
 
     def _generate_draft(
         self,

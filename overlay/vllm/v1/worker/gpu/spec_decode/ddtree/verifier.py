@@ -8,8 +8,9 @@ Per step, around the target forward:
    ``1 + n`` query tokens laid out as [root, node 1 .. node n] at sequential
    KV slots. Their positions become ``root position + depth`` (written in
    place in the persistent positions buffer, so CUDA graphs replay them), and
-   the per-request ancestor bias is copied into the persistent buffer that the
-   Triton attention kernel reads (``tree_attn_bias``). M-RoPE / XD-RoPE
+   the per-request ancestor masks are written into the persistent buffer that
+   the Triton attention kernel reads (``tree_attn_bias``: one bit per node
+   pair, `tree_bias_buffer`). M-RoPE / XD-RoPE
    targets get the same shift in every section of their own positions
    (``prepare_model_positions``, once the model state has written them).
    Hybrid targets: the step's tree rows for the Gated DeltaNet layers
@@ -49,6 +50,7 @@ from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import (
     compact_rows,
     ddtree_tree_bias,
     ddtree_walk,
+    tree_bias_buffer,
 )
 from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import (
     TreePenaltiesState,
@@ -60,7 +62,12 @@ logger = init_logger(__name__)
 
 
 class DDTreeVerifier:
-    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        speculator: Any | None = None,
+    ):
         spec = vllm_config.speculative_config
         assert spec is not None and spec.use_ddtree()
         assert spec.tree_budget is not None and spec.draft_depth is not None
@@ -85,11 +92,10 @@ class DDTreeVerifier:
         self.req_valid = torch.zeros(
             max_num_reqs, self.tree_budget, dtype=torch.bool, device=device
         )
-        # Batch-ordered bias read by the attention kernel. Persistent: the
-        # captured CUDA graphs hold its address.
-        self.attn_bias = torch.zeros(
-            max_num_reqs, num_nodes, num_nodes, dtype=torch.float32, device=device
-        )
+        # Batch-ordered tree masks read by the attention kernel (int32
+        # [max_num_reqs, B + 1, ceil((B + 1) / 32)], one bit per node pair).
+        # Persistent: the captured CUDA graphs hold its address.
+        self.attn_bias = tree_bias_buffer(max_num_reqs, num_nodes, device)
         self.saved_positions = torch.zeros(
             max_num_tokens, dtype=torch.int64, device=device
         )
@@ -120,6 +126,80 @@ class DDTreeVerifier:
             self.gdn = DDTreeGDN.from_vllm_config(
                 vllm_config, self.req_parent_idx, self.draft_depth, device
             )
+
+        # The drafter's batch-ordered trees (DDTreeSpeculator), moved here
+        # after each DFlash pass: counted with the verifier's own buffers.
+        self._drafter_tree_buffers: list[torch.Tensor] = (
+            list(speculator.tree_buffers())
+            if speculator is not None and hasattr(speculator, "tree_buffers")
+            else []
+        )
+        self.memory_bytes = self.buffer_bytes()
+        self._log_memory(max_num_reqs, max_num_tokens)
+
+    # ----------------------------------------------------------- memory
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of DDTree's persistent device buffers for the target, by
+        kind: ``bias`` (the tree attention masks), ``tree`` (per-request and
+        per-batch-row trees, the saved positions the compaction restores,
+        the node index), ``gdn`` (hybrid targets: the Gated DeltaNet verify
+        rows; 0 otherwise). Allocated at startup, before memory profiling;
+        the walk's per-step outputs come from the caching allocator."""
+        tree = [
+            self.req_parent_idx,
+            self.req_depth,
+            self.req_valid,
+            self.saved_positions,
+            self.node_range,
+            *self._drafter_tree_buffers,
+        ]
+        return {
+            "bias": self.attn_bias.nbytes,
+            "tree": sum(t.nbytes for t in tree),
+            "gdn": self.gdn.buffer_bytes() if self.gdn is not None else 0,
+        }
+
+    def _log_memory(self, max_num_reqs: int, max_num_tokens: int) -> None:
+        """One startup line: the buffers of `buffer_bytes` in MiB and the
+        sizes they come from."""
+        sizes = self.memory_bytes
+        msg = (
+            "DDTree: extra GPU memory for max_num_seqs=%d, tree_budget=%d: "
+            "%.1f MiB = tree attention bias %.1f MiB (%d x %d nodes x %d int32 "
+            "words, 1 bit per node pair) + tree/walk/compaction buffers %.1f "
+            "MiB (parents, depths and valid flags of %d x %d nodes %s; "
+            "max_num_batched_tokens=%d saved positions)"
+        )
+        args: list[Any] = [
+            max_num_reqs,
+            self.tree_budget,
+            sum(sizes.values()) / 2**20,
+            sizes["bias"] / 2**20,
+            *self.attn_bias.shape,
+            sizes["tree"] / 2**20,
+            max_num_reqs,
+            self.tree_budget,
+            "per request and per batch row"
+            if self._drafter_tree_buffers
+            else "per request",
+            max_num_tokens,
+        ]
+        if self.gdn is not None:
+            gdn = self.gdn
+            msg += (
+                " + Gated DeltaNet verify buffers %.1f MiB (%d layers x %d rows "
+                "x (conv dim %d + 2 x %d value heads) %s; rows = "
+                "min(max_num_batched_tokens, max_num_seqs x (1 + tree_budget)))"
+            )
+            args += [
+                sizes["gdn"] / 2**20,
+                gdn.num_layers,
+                gdn.max_rows,
+                gdn.conv_dim,
+                gdn.num_v_heads,
+                str(gdn.dtype).removeprefix("torch."),
+            ]
+        logger.info_once(msg + ".", *args)
 
     # ------------------------------------------------------------------ setup
     def bind_sampler(self, sampler: Sampler) -> None:

@@ -1,0 +1,464 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the tree path would get wrong or crash on, refused at startup in one
+line (or per request): targets whose attention masks or biases are computed
+from KV slot offsets (sliding windows, chunked local attention, ALiBi),
+pipeline parallelism, KV-cache dtypes the tree kernels do not take, KV
+connectors and KV offloading, a bad VLLM_DDTREE_BACKEND, streaming-input
+requests. The real configs are built as `vllm serve` builds them
+(EngineArgs -> create_engine_config on vLLM's CPU platform, in a
+subprocess); test_ddtree_serving.py runs some of them through the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+vllm = pytest.importorskip("vllm")
+
+from verifier_fakes import DRAFTER, TARGET, needs_models  # noqa: E402
+
+from vllm.v1.spec_decode.ddtree import config as ddtree_config  # noqa: E402
+
+ENGINE_CONFIGS_ON_CPU = """
+import json, os, sys
+from vllm import platforms
+from vllm.platforms.cpu import CpuPlatform
+if platforms.current_platform.is_unspecified():
+    platforms.current_platform = CpuPlatform()
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.spec_decode.ddtree.startup import ddtree_config_error_line
+
+target, drafter, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+out = {}
+for name, case in cases.items():
+    env = case.pop("env", {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    kw = dict(model=target, dtype="float32", max_model_len=512,
+              speculative_config={"method": "ddtree", "model": drafter})
+    kw.update(case)
+    try:
+        config = EngineArgs(**kw).create_engine_config()
+        out[name] = ["ok", config.cache_config.cache_dtype]
+    except Exception as e:
+        out[name] = ["error", ddtree_config_error_line(e) or repr(e)[:500]]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+print("RESULT " + json.dumps(out))
+"""
+
+# name -> (EngineArgs keywords, expected: "ok" or the exact one-line error)
+SWA_256 = (
+    "DDTree cannot verify trees on Qwen3ForCausalLM: its sliding-window "
+    "attention (sliding_window=256) is shorter than max_model_len=512, and the "
+    "window is measured in KV slots, where tree nodes do not sit at their "
+    "positions; pass --max-model-len 256 (or less), or use method='dflash'."
+)
+CHUNKED = (
+    "DDTree cannot verify trees on Qwen3ForCausalLM: its chunked local "
+    "attention ({}) splits the sequence by KV slot, where tree nodes do not "
+    "sit at their positions; use method='dflash' (or no speculative decoding)."
+)
+ALIBI = (
+    "DDTree cannot verify trees on Qwen3ForCausalLM: its ALiBi position bias "
+    "is computed from KV slot distances, where tree nodes do not sit at their "
+    "positions; use method='dflash' (or no speculative decoding)."
+)
+KV_DTYPE = (
+    "DDTree does not support kv_cache_dtype={!r} ({}); pass --kv-cache-dtype "
+    "auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2, int8_per_token_head or "
+    "fp8_per_token_head, or use method='dflash'."
+)
+PP = (
+    "DDTree does not support pipeline parallelism (pipeline_parallel_size=2): "
+    "only the last stage verifies the tree, the others would attend over its "
+    "nodes as a chain; use --tensor-parallel-size instead of "
+    "--pipeline-parallel-size."
+)
+KV_CONNECTOR = (
+    "DDTree does not support KV connectors (kv_transfer_config with "
+    "kv_connector='ExampleConnector'): none has been checked against the "
+    "tree's KV compaction (a per-layer saver sends a verify step's KV, the "
+    "whole tree, before the accepted path is compacted); remove "
+    "--kv-transfer-config, or use method='dflash'."
+)
+KV_OFFLOADING = (
+    "DDTree does not support KV offloading (kv_offloading_size=1.0, backend "
+    "'native'): it runs as a KV connector, and none has been checked against "
+    "the tree's KV compaction; remove --kv-offloading-size, or use "
+    "method='dflash'."
+)
+BAD_BACKEND = (
+    "DDTree: VLLM_DDTREE_BACKEND='cuda' is not a tree-build backend; set it to "
+    "'auto', 'torch' or 'triton', or unset it."
+)
+
+ENGINE_CASES = {
+    "plain": ({}, "ok"),
+    "swa": ({"hf_overrides": {"sliding_window": 256}}, SWA_256),
+    # A window at least max_model_len never binds: allowed.
+    "swa_at_max_len": ({"hf_overrides": {"sliding_window": 512}}, "ok"),
+    "swa_per_layer": (
+        {"hf_overrides": {"interleaved_sliding_window": [128, None]}},
+        SWA_256.replace("sliding_window=256", "interleaved_sliding_window=128").replace(
+            "--max-model-len 256", "--max-model-len 128"
+        ),
+    ),
+    "chunk_size": (
+        {"hf_overrides": {"attention_chunk_size": 128}},
+        CHUNKED.format("attention_chunk_size=128"),
+    ),
+    "chunk_layers": (
+        {"hf_overrides": {"layer_types": ["chunked_attention"] * 6}},
+        CHUNKED.format("layer_types 'chunked_attention'"),
+    ),
+    "alibi": ({"hf_overrides": {"position_encoding_type": "alibi"}}, ALIBI),
+    "int4": (
+        {"kv_cache_dtype": "int4_per_token_head"},
+        KV_DTYPE.format(
+            "int4_per_token_head",
+            "its packed INT4 attention kernel takes no per-request tree bias",
+        ),
+    ),
+    "nvfp4": (
+        {"kv_cache_dtype": "nvfp4"},
+        KV_DTYPE.format(
+            "nvfp4", "the TRITON_ATTN backend that verifies the tree does not take it"
+        ),
+    ),
+    "fp8": ({"kv_cache_dtype": "fp8"}, "ok"),
+    "int8_pth": ({"kv_cache_dtype": "int8_per_token_head"}, "ok"),
+    "fp8_pth": ({"kv_cache_dtype": "fp8_per_token_head"}, "ok"),
+    "pp2": ({"pipeline_parallel_size": 2}, PP),
+    "kv_connector": (
+        {
+            "kv_transfer_config": {
+                "kv_connector": "ExampleConnector",
+                "kv_role": "kv_both",
+            }
+        },
+        KV_CONNECTOR,
+    ),
+    "kv_offloading": ({"kv_offloading_size": 1.0}, KV_OFFLOADING),
+    "bad_backend": ({"env": {"VLLM_DDTREE_BACKEND": "cuda"}}, BAD_BACKEND),
+    "torch_backend": ({"env": {"VLLM_DDTREE_BACKEND": "torch"}}, "ok"),
+}
+
+
+@pytest.fixture(scope="module")
+def engine_configs(tinypair):
+    """Every case's engine config, built in one subprocess (one vLLM import)."""
+    cases = {name: kw for name, (kw, _) in ENGINE_CASES.items()}
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="ERROR")
+    env.pop("VLLM_DDTREE_BACKEND", None)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            ENGINE_CONFIGS_ON_CPU,
+            TARGET,
+            DRAFTER,
+            json.dumps(cases),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
+    return json.loads(line[len("RESULT ") :])
+
+
+@needs_models
+@pytest.mark.parametrize("name", list(ENGINE_CASES))
+def test_engine_config_refusals(engine_configs, name):
+    status, detail = engine_configs[name]
+    expected = ENGINE_CASES[name][1]
+    if expected == "ok":
+        assert status == "ok", detail
+    else:
+        assert status == "error" and detail == expected, detail
+        assert "\n" not in detail and len(detail) < 380
+
+
+# ------------------------------------------------ target layers, once built
+def _attention_layer(
+    sliding_window=None, alibi=False, chunk_lookback=-1, chunk=None, kind="decoder"
+):
+    from torch import nn
+
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    layer = object.__new__(Attention)
+    nn.Module.__init__(layer)
+    layer.sliding_window = sliding_window
+    layer.attn_type = kind
+    layer.impl = SimpleNamespace(
+        alibi_slopes=torch.ones(2) if alibi else None, chunk_lookback=chunk_lookback
+    )
+    if chunk is not None:
+        layer.attention_chunk_size = chunk
+    return layer
+
+
+def _built(layers, max_model_len=512):
+    return SimpleNamespace(
+        model_config=SimpleNamespace(
+            architecture="SomeForCausalLM", max_model_len=max_model_len
+        ),
+        compilation_config=SimpleNamespace(static_forward_context=layers),
+    )
+
+
+def test_built_target_layers_are_checked_again():
+    """What a model sets in its code, not in its config: refused when the
+    target's layers exist, before the drafter loads."""
+    check = ddtree_config.verify_ddtree_target_layers
+    full = {"model.layers.0.self_attn.attn": _attention_layer()}
+    check(_built(full))
+    # A window that never binds, a non-attention module, an encoder's window.
+    check(
+        _built(
+            {
+                **full,
+                "model.layers.1.self_attn.attn": _attention_layer(sliding_window=512),
+                "model.layers.2.linear_attn": torch.nn.Linear(2, 2),
+                "vision.blocks.0.attn": _attention_layer(
+                    sliding_window=64, kind="encoder"
+                ),
+            }
+        )
+    )
+    with pytest.raises(ValueError) as info:
+        check(_built({**full, "l.1.attn": _attention_layer(sliding_window=128)}))
+    assert str(info.value) == (
+        "DDTree cannot verify trees on SomeForCausalLM: its sliding-window "
+        "attention (layer l.1.attn: sliding_window=128) is shorter than "
+        "max_model_len=512, and the window is measured in KV slots, where tree "
+        "nodes do not sit at their positions; pass --max-model-len 128 (or "
+        "less), or use method='dflash'."
+    )
+    with pytest.raises(ValueError, match="its ALiBi position bias"):
+        check(_built({"l.0.attn": _attention_layer(alibi=True)}))
+    with pytest.raises(ValueError, match=r"chunked local attention \(layer l.0.attn\)"):
+        check(_built({"l.0.attn": _attention_layer(chunk_lookback=1)}))
+    with pytest.raises(ValueError, match=r"\(layer l.0.attn, chunk 8192\)"):
+        check(_built({"l.0.attn": _attention_layer(chunk=8192)}))
+
+
+def test_ddtree_speculator_checks_the_target_before_loading_the_drafter(
+    monkeypatch,
+):
+    from vllm.v1.worker.gpu.spec_decode.ddtree.speculator import DDTreeSpeculator
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    loaded = []
+    monkeypatch.setattr(
+        DFlashSpeculator, "load_model", lambda self, target: loaded.append(target)
+    )
+    speculator = object.__new__(DDTreeSpeculator)
+    speculator.vllm_config = _built({"l.0.attn": _attention_layer(sliding_window=64)})
+    with pytest.raises(ValueError, match="sliding_window=64"):
+        speculator.load_model("target")
+    assert loaded == []
+    speculator.vllm_config = _built({"l.0.attn": _attention_layer()})
+    speculator.load_model("target")
+    assert loaded == ["target"]
+
+
+# ------------------------------------------------------ tree-build backend
+def test_triton_backend_without_triton_is_refused_at_startup(monkeypatch):
+    import importlib.util
+
+    check = ddtree_config._verify_tree_build_backend
+    monkeypatch.delenv("VLLM_DDTREE_BACKEND", raising=False)
+    check()
+    monkeypatch.setenv("VLLM_DDTREE_BACKEND", "triton")
+    check()  # Triton is installed here.
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "triton" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ValueError) as info:
+        check()
+    assert str(info.value) == (
+        "DDTree: VLLM_DDTREE_BACKEND='triton' but Triton is not importable "
+        "here; unset it (the torch backend builds the same tree)."
+    )
+    monkeypatch.setenv("VLLM_DDTREE_BACKEND", "torch")
+    check()
+
+
+# ------------------------------------------------------- KV-cache dtypes
+def test_accepted_kv_cache_dtypes_are_triton_attn_dtypes_the_compactor_moves():
+    """Every accepted dtype is one TRITON_ATTN takes, and the compaction
+    copies its whole (block, head, slot) row: for the per-token-head dtypes
+    the row holds the inline float32 scales after the quantised data."""
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+    from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import KVCompactor
+
+    supported = TritonAttentionBackend.supported_kv_cache_dtypes
+    accepted = ddtree_config.DDTREE_KV_CACHE_DTYPES
+    assert set(accepted) <= set(supported)
+    assert set(supported) - set(accepted) == {"int4_per_token_head"}
+    blocks, block_size, heads, head_size = 4, 16, 2, 32
+    slots = torch.arange(2 * block_size)
+    # One request, root at slot 3, accepted nodes at verify rows 2 and 5.
+    src = torch.tensor([[3, 5, 8]])
+    dst = torch.tensor([[3, 4, 5]])
+    for name in accepted:
+        shape = TritonAttentionBackend.get_kv_cache_shape(
+            blocks, block_size, heads, head_size, name
+        )
+        dtype = torch.float32 if name == "auto" else STR_DTYPE_TO_TORCH_DTYPE[name]
+        if name.endswith("_per_token_head"):
+            assert shape[-1] > 2 * head_size  # inline scales
+        kv = (torch.arange(torch.Size(shape).numel()) % 97).to(dtype).view(shape)
+        expected = kv.clone()
+        expected[0, :, 4] = kv[0, :, 5]
+        expected[0, :, 5] = kv[0, :, 8]
+        KVCompactor([kv])(slots, src, dst, torch.tensor([3], dtype=torch.int32))
+        assert torch.equal(kv, expected), name
+
+
+def test_int4_kernel_takes_no_per_request_bias():
+    """Why int4_per_token_head is refused: the packed INT4 path of
+    `unified_attention` asserts on a per-sequence (or packed) qq_bias."""
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    q = torch.zeros(4, 2, 32)
+    with pytest.raises(AssertionError, match="only a shared float"):
+        unified_attention(
+            q=q,
+            k=None,
+            v=None,
+            out=torch.zeros_like(q),
+            cu_seqlens_q=None,
+            max_seqlen_q=4,
+            seqused_k=None,
+            max_seqlen_k=4,
+            softmax_scale=1.0,
+            causal=True,
+            window_size=(-1, -1),
+            block_table=None,
+            softcap=0,
+            q_descale=None,
+            k_descale=None,
+            v_descale=None,
+            qq_bias=torch.zeros(1, 4, 4),
+            kv_quant_mode=KVQuantMode.INT4_PER_TOKEN_HEAD,
+        )
+
+
+# ------------------------------------------------------- streaming input
+def test_streaming_input_requests_are_refused_under_ddtree():
+    """A resumable (streaming-input) request under DDTree: refused in
+    InputProcessor.process_inputs before anything else; ordinary requests
+    and other methods go on to the usual validation."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    class Validated(Exception):
+        pass
+
+    def processor(method):
+        spec = SimpleNamespace(use_ddtree=lambda: method == "ddtree")
+        stub = SimpleNamespace(speculative_config=spec)
+
+        def validate(params, supported_tasks):
+            raise Validated
+
+        stub._validate_params = validate
+        return stub
+
+    def run(stub, resumable):
+        return InputProcessor.process_inputs(
+            stub, "r", {"prompt_token_ids": [1]}, None, (), resumable=resumable
+        )
+
+    with pytest.raises(ValueError) as info:
+        run(processor("ddtree"), resumable=True)
+    assert str(info.value) == (
+        "DDTree does not support streaming input (resumable requests): a "
+        "session's next input can be scheduled with the previous turn's draft "
+        "tokens, which the tree verification cannot take; use method='dflash' "
+        "or no speculative decoding for streaming sessions."
+    )
+    with pytest.raises(Validated):
+        run(processor("ddtree"), resumable=False)
+    with pytest.raises(Validated):
+        run(processor("dflash"), resumable=True)
+    stub = processor("ddtree")
+    stub.speculative_config = None
+    with pytest.raises(Validated):
+        run(stub, resumable=True)
+
+
+# ------------------------------------------------------------------ README
+def _message(check, *args) -> str:
+    with pytest.raises(ValueError) as info:
+        check(*args)
+    return str(info.value)
+
+
+def test_readme_lists_every_refusal_with_its_message(monkeypatch):
+    """The README's startup-error examples are the code's messages."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    c = ddtree_config
+
+    def cfg(**kw):
+        return SimpleNamespace(**kw)
+
+    monkeypatch.setenv("VLLM_DDTREE_BACKEND", "cuda")
+    bad_backend = _message(c._verify_tree_build_backend)
+    monkeypatch.setenv("VLLM_DDTREE_BACKEND", "triton")
+    monkeypatch.setattr(c.importlib.util, "find_spec", lambda name: None)
+    no_triton = _message(c._verify_tree_build_backend)
+    startup = [
+        c.sliding_window_error(
+            "MistralForCausalLM", "sliding_window=4096", 4096, 32768
+        ),
+        c.chunked_attention_error(
+            "Llama4ForConditionalGeneration", "attention_chunk_size=8192"
+        ),
+        c.alibi_error("BloomForCausalLM"),
+        _message(c._verify_pipeline_parallel_size, 2),
+        _message(
+            c._verify_kv_cache_dtype,
+            cfg(cache_config=cfg(cache_dtype="int4_per_token_head")),
+        ),
+        _message(c._verify_kv_cache_dtype, cfg(cache_config=cfg(cache_dtype="nvfp4"))),
+        _message(
+            c._verify_kv_transfer,
+            cfg(kv_transfer_config=cfg(kv_connector="NixlConnector")),
+        ),
+        _message(
+            c._verify_kv_transfer,
+            cfg(
+                kv_transfer_config=None,
+                cache_config=cfg(
+                    kv_offloading_size=8.0, kv_offloading_backend="native"
+                ),
+            ),
+        ),
+        bad_backend,
+        no_triton,
+    ]
+    for message in startup:
+        assert f"    vllm serve: error: {message}\n" in readme, message
+    streaming = _message(c.verify_ddtree_streaming_input)
+    assert f"    {streaming}\n" in readme
