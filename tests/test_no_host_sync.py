@@ -46,6 +46,8 @@ PER_STEP = {
     "vllm/v1/worker/gpu/spec_decode/ddtree/kernels.py": {
         "ddtree_walk",
         "ddtree_tree_bias",
+        "ddtree_tree_positions",
+        "ddtree_restore_positions",
         "__call__",
         "compact_rows",
     },

@@ -265,6 +265,7 @@ def _prefill_and_tree_batch():
             num_tokens_after_padding=10,
             num_draft_tokens=B,
             positions=positions,
+            input_ids=torch.arange(10, dtype=torch.int32),
             logits_indices=torch.tensor([2, 3, 4, 5, 6, 7]),
             expanded_idx_mapping=torch.tensor([0, 2, 2, 2, 2, 2], dtype=torch.int32),
             expanded_local_pos=torch.tensor([0, 0, 1, 2, 3, 4], dtype=torch.int32),

@@ -555,17 +555,19 @@ def _memory_verifier(monkeypatch, max_reqs, budget, max_tokens, speculator):
 MEMORY_LINES = {
     (1024, 64): (
         "DDTree: extra GPU memory for max_num_seqs=1024, tree_budget=64: "
-        "3.0 MiB = tree attention bias 0.8 MiB (1024 x 65 nodes x 3 int32 "
-        "words, 1 bit per node pair) + tree/walk/compaction buffers 2.2 MiB "
+        "3.1 MiB = tree attention bias 0.8 MiB (1024 x 65 nodes x 3 int32 "
+        "words, 1 bit per node pair) + tree/walk/compaction buffers 2.3 MiB "
         "(parents, depths and valid flags of 1024 x 64 nodes per request and "
-        "per batch row; max_num_batched_tokens=8192 saved positions)."
+        "per batch row; tree positions of max_num_batched_tokens=8192 logits "
+        "rows)."
     ),
     (1024, 256): (
         "DDTree: extra GPU memory for max_num_seqs=1024, tree_budget=256: "
-        "17.6 MiB = tree attention bias 9.0 MiB (1024 x 257 nodes x 9 int32 "
-        "words, 1 bit per node pair) + tree/walk/compaction buffers 8.6 MiB "
+        "17.7 MiB = tree attention bias 9.0 MiB (1024 x 257 nodes x 9 int32 "
+        "words, 1 bit per node pair) + tree/walk/compaction buffers 8.7 MiB "
         "(parents, depths and valid flags of 1024 x 256 nodes per request and "
-        "per batch row; max_num_batched_tokens=8192 saved positions)."
+        "per batch row; tree positions of max_num_batched_tokens=8192 logits "
+        "rows)."
     ),
 }
 

@@ -18,6 +18,10 @@ launch here:
   bit per (i, j) pair, set where i may not see j (`tree_bias_buffer`, the
   attention kernel's packed int32 ``qq_bias``), or the additive float
   bias (0 / -inf). Only the parents are kept per request, not a mask.
+- ``ddtree_tree_positions`` / ``ddtree_restore_positions``: every logits
+  row's position shifted to its tree position (root + depth) in place, and
+  back after the walk; the shifted rows' positions and input ids are kept
+  for the sampler.
 - ``KVCompactor``: per (request, layer), copy the accepted path's KV
   entries to the contiguous slots after the root, for all layers of one
   KV-cache group (one slot mapping) in one launch. Entries are copied in
@@ -282,6 +286,115 @@ def ddtree_tree_bias(
         COLS=cols,
         PACKED=packed,
         OUT_COLS=out_cols,
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _ddtree_tree_positions_kernel(
+    positions_ptr,  # [num_tokens] int64, shifted (restored) in place
+    logits_indices_ptr,  # [num_logits] token of each logits row
+    expanded_idx_mapping_ptr,  # [num_logits] request state of each row
+    expanded_local_pos_ptr,  # [num_logits] row's index in its request's query
+    depth_ptr,  # [max_num_reqs, B + 1] node depths, root (0) first
+    depth_stride,
+    input_ids_ptr,  # [num_tokens]
+    shift_ptr,  # [num_logits] depth - local position (out; in if RESTORE)
+    logits_pos_ptr,  # [num_logits] the rows' tree positions (out)
+    logits_input_ids_ptr,  # [num_logits] the rows' input ids (out)
+    num_logits,
+    RESTORE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < num_logits
+    tok = tl.load(logits_indices_ptr + i, mask=mask, other=0).to(tl.int64)
+    pos = tl.load(positions_ptr + tok, mask=mask, other=0)
+    if RESTORE:
+        shift = tl.load(shift_ptr + i, mask=mask, other=0)
+        tl.store(positions_ptr + tok, pos - shift, mask=mask)
+    else:
+        req = tl.load(expanded_idx_mapping_ptr + i, mask=mask, other=0).to(tl.int64)
+        local = tl.load(expanded_local_pos_ptr + i, mask=mask, other=0).to(tl.int64)
+        depth = tl.load(depth_ptr + req * depth_stride + local, mask=mask, other=0)
+        # Query row k of a request sits at root + k; its node at root + depth.
+        shift = depth - local
+        tree_pos = pos + shift
+        tl.store(positions_ptr + tok, tree_pos, mask=mask)
+        tl.store(shift_ptr + i, shift, mask=mask)
+        tl.store(logits_pos_ptr + i, tree_pos, mask=mask)
+        ids = tl.load(input_ids_ptr + tok, mask=mask, other=0)
+        tl.store(logits_input_ids_ptr + i, ids, mask=mask)
+
+
+_POSITIONS_BLOCK = 1024
+
+
+def ddtree_tree_positions(
+    positions: torch.Tensor,
+    logits_indices: torch.Tensor,
+    expanded_idx_mapping: torch.Tensor,
+    expanded_local_pos: torch.Tensor,
+    depth: torch.Tensor,
+    input_ids: torch.Tensor,
+    shift: torch.Tensor,
+    logits_pos: torch.Tensor,
+    logits_input_ids: torch.Tensor,
+) -> None:
+    """Shift every logits row's position to its tree position in place
+    (``positions[logits_indices] += depth - local position``), in one
+    launch; write the shifts (for `ddtree_restore_positions` and M-RoPE
+    targets), the rows' tree positions and input ids (what the sampler
+    reads) into ``shift``, ``logits_pos``, ``logits_input_ids`` (views of
+    ``num_logits`` rows). Rows of requests without a tree have depth 0 at
+    local position 0: shift 0."""
+    num_logits = logits_indices.shape[0]
+    assert shift.shape[0] == logits_pos.shape[0] == num_logits
+    assert logits_input_ids.shape[0] == num_logits
+    assert depth.stride(1) == 1 and positions.dtype == shift.dtype == torch.int64
+    if num_logits == 0:
+        return
+    _ddtree_tree_positions_kernel[(triton.cdiv(num_logits, _POSITIONS_BLOCK),)](
+        positions,
+        logits_indices,
+        expanded_idx_mapping,
+        expanded_local_pos,
+        depth,
+        depth.stride(0),
+        input_ids,
+        shift,
+        logits_pos,
+        logits_input_ids,
+        num_logits,
+        RESTORE=False,
+        BLOCK=_POSITIONS_BLOCK,
+        num_warps=4,
+    )
+
+
+def ddtree_restore_positions(
+    positions: torch.Tensor, logits_indices: torch.Tensor, shift: torch.Tensor
+) -> None:
+    """Undo `ddtree_tree_positions` (``positions[logits_indices] -= shift``)
+    in one launch."""
+    num_logits = logits_indices.shape[0]
+    assert shift.shape[0] == num_logits
+    if num_logits == 0:
+        return
+    _ddtree_tree_positions_kernel[(triton.cdiv(num_logits, _POSITIONS_BLOCK),)](
+        positions,
+        logits_indices,
+        logits_indices,
+        logits_indices,
+        shift,
+        0,
+        positions,
+        shift,
+        shift,
+        shift,
+        num_logits,
+        RESTORE=True,
+        BLOCK=_POSITIONS_BLOCK,
         num_warps=4,
     )
 

@@ -48,7 +48,9 @@ from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import (
     KVCompactor,
     compact_rows,
+    ddtree_restore_positions,
     ddtree_tree_bias,
+    ddtree_tree_positions,
     ddtree_walk,
     tree_bias_buffer,
 )
@@ -96,8 +98,13 @@ class DDTreeVerifier:
         # [max_num_reqs, B + 1, ceil((B + 1) / 32)], one bit per node pair).
         # Persistent: the captured CUDA graphs hold its address.
         self.attn_bias = tree_bias_buffer(max_num_reqs, num_nodes, device)
-        self.saved_positions = torch.zeros(
-            max_num_tokens, dtype=torch.int64, device=device
+        # Per logits row of the step (at most one per token): its tree
+        # position shift (depth - local position, undone in compact), its
+        # tree position and input id (the sampler's inputs).
+        self.tree_shift = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+        self.logits_pos = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+        self.logits_input_ids = torch.zeros(
+            max_num_tokens, dtype=torch.int32, device=device
         )
         self.node_range = torch.arange(num_nodes, dtype=torch.int64, device=device)
 
@@ -109,9 +116,9 @@ class DDTreeVerifier:
         # (num_accepted, src_row, dst_row) of the current step's walk, kept
         # from sample() for compact().
         self._walk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._positions_overridden = 0
         # Tree rows (logits indices) and their position shift (depth - local
-        # position) of the step, for the model's own M-RoPE positions.
+        # position) of the step: undone in compact, and applied to the
+        # model's own M-RoPE positions.
         self._tree_pos: tuple[torch.Tensor, torch.Tensor] | None = None
         self._model_positions: torch.Tensor | None = None
         self._saved_model_positions: torch.Tensor | None = None
@@ -141,15 +148,18 @@ class DDTreeVerifier:
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes of DDTree's persistent device buffers for the target, by
         kind: ``bias`` (the tree attention masks), ``tree`` (per-request and
-        per-batch-row trees, the saved positions the compaction restores,
-        the node index), ``gdn`` (hybrid targets: the Gated DeltaNet verify
-        rows; 0 otherwise). Allocated at startup, before memory profiling;
-        the walk's per-step outputs come from the caching allocator."""
+        per-batch-row trees, the logits rows' position shifts, tree positions
+        and input ids, the node index), ``gdn`` (hybrid targets: the Gated
+        DeltaNet verify rows; 0 otherwise). Allocated at startup, before
+        memory profiling; the walk's per-step outputs come from the caching
+        allocator."""
         tree = [
             self.req_parent_idx,
             self.req_depth,
             self.req_valid,
-            self.saved_positions,
+            self.tree_shift,
+            self.logits_pos,
+            self.logits_input_ids,
             self.node_range,
             *self._drafter_tree_buffers,
         ]
@@ -168,7 +178,7 @@ class DDTreeVerifier:
             "%.1f MiB = tree attention bias %.1f MiB (%d x %d nodes x %d int32 "
             "words, 1 bit per node pair) + tree/walk/compaction buffers %.1f "
             "MiB (parents, depths and valid flags of %d x %d nodes %s; "
-            "max_num_batched_tokens=%d saved positions)"
+            "tree positions of max_num_batched_tokens=%d logits rows)"
         )
         args: list[Any] = [
             max_num_reqs,
@@ -303,9 +313,7 @@ class DDTreeVerifier:
     def prepare_verify(self, input_batch: InputBatch) -> None:
         """Tree positions and tree attention bias for this step's batch."""
         num_reqs = input_batch.num_reqs
-        num_tokens = input_batch.num_tokens_after_padding
         self._walk = None
-        self._positions_overridden = 0
         self._tree_pos = None
         if self.gdn is not None:
             self.gdn.prepare_step(input_batch)
@@ -313,15 +321,22 @@ class DDTreeVerifier:
             # Prefill or plain decode only: no request sees a tree bias.
             self.attn_bias[:num_reqs].zero_()
             return
-        positions = input_batch.positions
-        self.saved_positions[:num_tokens].copy_(positions[:num_tokens])
-        self._positions_overridden = num_tokens
         logits_indices = input_batch.logits_indices
-        local_pos = input_batch.expanded_local_pos.to(torch.int64)
-        depth = self.req_depth[input_batch.expanded_idx_mapping.long(), local_pos]
-        # Query token i of a request sits at root + i; its node is at depth[i].
-        shift = depth - local_pos
-        positions[logits_indices] += shift
+        num_logits = logits_indices.shape[0]
+        shift = self.tree_shift[:num_logits]
+        # One launch: the tree positions in place, their shifts, and the
+        # rows' positions and input ids for sample().
+        ddtree_tree_positions(
+            input_batch.positions,
+            logits_indices,
+            input_batch.expanded_idx_mapping,
+            input_batch.expanded_local_pos,
+            self.req_depth,
+            input_batch.input_ids,
+            shift,
+            self.logits_pos[:num_logits],
+            self.logits_input_ids[:num_logits],
+        )
         self._tree_pos = (logits_indices, shift)
         ddtree_tree_bias(
             self.req_parent_idx,
@@ -349,7 +364,7 @@ class DDTreeVerifier:
         if saved is None or saved.shape[0] != positions.shape[0] or saved.shape[1] < n:
             saved = torch.empty(
                 positions.shape[0],
-                max(n, self.saved_positions.shape[0]),
+                max(n, self.tree_shift.shape[0]),
                 dtype=positions.dtype,
                 device=positions.device,
             )
@@ -368,6 +383,8 @@ class DDTreeVerifier:
     ) -> SamplerOutput:
         """Draw the target's token at every node and walk the tree."""
         # Target draw at every node (penalties on the node's ancestor path).
+        num_logits = logits.shape[0]
+        assert self._tree_pos is not None, "prepare_verify did not run"
         target_flat, row_logprobs = sample_nodes(
             sampler,
             logits,
@@ -375,6 +392,8 @@ class DDTreeVerifier:
             self.req_parent_idx,
             self.req_depth,
             self.draft_depth,
+            self.logits_pos[:num_logits],
+            self.logits_input_ids[:num_logits],
         )
         num_reqs = input_batch.num_reqs
         cu_num_logits = input_batch.cu_num_logits[: num_reqs + 1]
@@ -423,10 +442,10 @@ class DDTreeVerifier:
         aux_hidden_states: list[torch.Tensor] | None,
     ) -> None:
         """Move the accepted path to the front: KV, hidden states, positions."""
-        if self._positions_overridden:
-            n = self._positions_overridden
-            input_batch.positions[:n].copy_(self.saved_positions[:n])
-            self._positions_overridden = 0
+        if self._tree_pos is not None:
+            logits_indices, shift = self._tree_pos
+            ddtree_restore_positions(input_batch.positions, logits_indices, shift)
+            self._tree_pos = None
         if self._model_positions is not None:
             assert self._saved_model_positions is not None
             n = self._model_positions.shape[1]

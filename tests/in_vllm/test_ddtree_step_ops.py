@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The eager work a DDTree step dispatches outside the CUDA graphs on the
+dense path, per verifier hook: Triton launches by kernel name and torch
+operators (dispatch_counts.py), counted on CPU. They are host-dispatch
+counts, the same on a GPU; not timings.
+
+Each hook is checked against a stated bound, for a batch of 1 and of 3 tree
+requests (beside a prefill row): the launches are exactly the stated ones,
+no operator runs besides views of persistent buffers (and the few stated
+ones), and nothing grows with the batch. A gather / scatter chain in place
+of a launch (``aten.index``, ``index_put_``, ``copy_``, casts) fails here.
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from dispatch_counts import count_dispatch  # noqa: E402
+from verifier_fakes import (  # noqa: E402
+    DEPTH,
+    PARENT,
+    TOKENS,
+    B,
+    make_verifier,
+    store_trees,
+)
+
+# Views of existing tensors: no kernel, no allocation.
+VIEW_OPS = {
+    "aten.slice.Tensor",
+    "aten.select.int",
+    "aten.view.default",
+    "aten.unsqueeze.default",
+    "aten.alias.default",
+    "aten.as_strided.default",
+    "aten.expand.default",
+}
+PREFILL_STATE, PREFILL_LEN = 1, 3
+
+
+def work_ops(counts):
+    """The dispatched operators that are not views."""
+    return [op for op in counts.ops if op not in VIEW_OPS]
+
+
+class Step:
+    """A verify batch: batch row 0 prefills request state 1 (3 tokens at
+    positions 0..2), then each of ``tree_states`` verifies the stored tree
+    (root + B nodes, root at 20 + 10 k); two padding tokens after them."""
+
+    def __init__(self, tree_states):
+        self.tree_states = tree_states
+        self.verifier = make_verifier()
+        trees = [(PARENT, DEPTH, TOKENS)] * len(tree_states)
+        self.draft_tokens = store_trees(self.verifier, tree_states, trees)
+        k = len(tree_states)
+        num_tokens = PREFILL_LEN + k * (1 + B)
+        roots = [20 + 10 * i for i in range(k)]
+        positions = list(range(PREFILL_LEN))
+        for root in roots:
+            positions += list(range(root, root + 1 + B))
+        self.sequential = positions + [0, 0]
+        self.tree_positions = list(range(PREFILL_LEN))
+        for root in roots:
+            self.tree_positions += [root] + [root + d for d in DEPTH]
+        logits_indices = [PREFILL_LEN - 1] + list(range(PREFILL_LEN, num_tokens))
+        self.logits_indices = logits_indices
+        states = [PREFILL_STATE] + list(tree_states)
+        self.batch = SimpleNamespace(
+            num_reqs=1 + k,
+            num_tokens=num_tokens,
+            num_tokens_after_padding=num_tokens + 2,
+            num_draft_tokens=k * B,
+            positions=torch.tensor(self.sequential, dtype=torch.int64),
+            input_ids=torch.arange(100, 100 + num_tokens + 2, dtype=torch.int32),
+            logits_indices=torch.tensor(logits_indices),
+            expanded_idx_mapping=torch.tensor(
+                [PREFILL_STATE] + [s for s in tree_states for _ in range(1 + B)],
+                dtype=torch.int32,
+            ),
+            expanded_local_pos=torch.tensor(
+                [0] + list(range(1 + B)) * k, dtype=torch.int32
+            ),
+            idx_mapping=torch.tensor(states, dtype=torch.int32),
+            idx_mapping_np=np.array(states, dtype=np.int32),
+            cu_num_logits=torch.tensor(
+                [0] + [1 + i * (1 + B) for i in range(k + 1)], dtype=torch.int32
+            ),
+            query_start_loc=torch.tensor(
+                [0] + [PREFILL_LEN + i * (1 + B) for i in range(k + 1)],
+                dtype=torch.int32,
+            ),
+            seq_lens=torch.tensor(
+                [PREFILL_LEN] + [root + 1 + B for root in roots], dtype=torch.int32
+            ),
+        )
+
+
+@pytest.mark.parametrize("tree_states", [[2], [2, 0, 3]])
+def test_tree_positions_and_their_restore_are_one_launch_each(tree_states):
+    step = Step(tree_states)
+    verifier, batch = step.verifier, step.batch
+    with count_dispatch() as prepare:
+        verifier.prepare_verify(batch)
+    # Tree positions in place; the sampler's rows: positions and input ids.
+    assert batch.positions.tolist() == step.tree_positions + [0, 0]
+    num_logits = len(step.logits_indices)
+    assert verifier.logits_pos[:num_logits].tolist() == [
+        step.tree_positions[t] for t in step.logits_indices
+    ]
+    assert verifier.logits_input_ids[:num_logits].tolist() == [
+        100 + t for t in step.logits_indices
+    ]
+
+    with count_dispatch() as restore:
+        verifier.compact(batch, None, None)  # no walk: positions only
+    assert batch.positions.tolist() == step.sequential
+
+    assert dict(prepare.launches) == {
+        "_ddtree_tree_positions_kernel": 1,
+        "_ddtree_tree_bias_kernel": 1,
+    }
+    assert work_ops(prepare) == [] and len(prepare.ops) <= 4, prepare.ops
+    assert dict(restore.launches) == {"_ddtree_tree_positions_kernel": 1}
+    assert restore.ops == []
