@@ -48,6 +48,7 @@ PER_STEP = {
         "ddtree_tree_bias",
         "ddtree_tree_positions",
         "ddtree_restore_positions",
+        "ddtree_store_trees",
         "__call__",
         "compact_rows",
     },

@@ -127,3 +127,72 @@ def test_tree_positions_and_their_restore_are_one_launch_each(tree_states):
     assert work_ops(prepare) == [] and len(prepare.ops) <= 4, prepare.ops
     assert dict(restore.launches) == {"_ddtree_tree_positions_kernel": 1}
     assert restore.ops == []
+
+
+@pytest.mark.parametrize("tree_states", [[2], [2, 0, 3]])
+def test_store_trees_is_one_launch(tree_states):
+    """The drafter's batch-ordered trees (its max_num_reqs rows) and their
+    node tokens go to the request states in one launch."""
+    gen = torch.Generator().manual_seed(len(tree_states))
+    verifier = make_verifier()
+    k = len(tree_states)
+    speculator = SimpleNamespace(
+        tree_parent_idx=torch.randint(0, B, (4, B), generator=gen),
+        tree_depth=torch.randint(1, 4, (4, B), generator=gen),
+        tree_valid=torch.rand(4, B, generator=gen) < 0.5,
+        draft_tokens=torch.randint(0, 1000, (4, B), generator=gen),
+    )
+    req_draft_tokens = torch.zeros(4, B, dtype=torch.int64)
+    idx_mapping = torch.tensor(tree_states, dtype=torch.int32)
+    untouched = [s for s in range(4) if s not in tree_states]
+    before = [
+        t.clone()
+        for t in (verifier.req_parent_idx, verifier.req_depth, verifier.req_valid)
+    ]
+    with count_dispatch() as counts:
+        verifier.store_trees(idx_mapping, speculator, req_draft_tokens)
+    assert dict(counts.launches) == {"_ddtree_store_trees_kernel": 1}
+    assert counts.ops == []
+
+    rows = list(range(k))
+    assert torch.equal(
+        verifier.req_parent_idx[tree_states], speculator.tree_parent_idx[rows]
+    )
+    assert torch.equal(verifier.req_depth[tree_states, 1:], speculator.tree_depth[rows])
+    assert torch.all(verifier.req_depth[:, 0] == 0)  # the root
+    assert torch.equal(verifier.req_valid[tree_states], speculator.tree_valid[rows])
+    assert torch.equal(req_draft_tokens[tree_states], speculator.draft_tokens[rows])
+    assert torch.all(req_draft_tokens[untouched] == 0)
+    after = (verifier.req_parent_idx, verifier.req_depth, verifier.req_valid)
+    for t, t0 in zip(after, before):
+        assert torch.equal(t[untouched], t0[untouched])
+
+
+def test_the_runner_leaves_the_draft_tokens_to_store_trees():
+    """With DDTree the runner's own scatter of the drafts
+    (``req_states.draft_tokens[idx_mapping] = draft_tokens``) does not run:
+    store_trees writes them, in its one launch."""
+    import ast
+    import inspect
+    import textwrap
+
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    source = textwrap.dedent(inspect.getsource(GPUModelRunner))
+    branches = [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.If)
+        and ast.unparse(node.test) == "self.ddtree is not None"
+        and any(
+            ast.unparse(call.func) == "self.ddtree.store_trees"
+            for call in ast.walk(node)
+            if isinstance(call, ast.Call)
+        )
+    ]
+    assert len(branches) == 1
+    (branch,) = branches
+    (call,) = [n for n in ast.walk(branch.body[0]) if isinstance(n, ast.Call)]
+    assert ast.unparse(call.args[2]) == "self.req_states.draft_tokens"
+    scatter = "self.req_states.draft_tokens[input_batch.idx_mapping] = draft_tokens"
+    assert [ast.unparse(n) for n in branch.orelse] == [scatter]

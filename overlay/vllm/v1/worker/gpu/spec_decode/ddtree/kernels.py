@@ -22,6 +22,8 @@ launch here:
   row's position shifted to its tree position (root + depth) in place, and
   back after the walk; the shifted rows' positions and input ids are kept
   for the sampler.
+- ``ddtree_store_trees``: the drafter's new trees and their node tokens,
+  from batch order to per-request state.
 - ``KVCompactor``: per (request, layer), copy the accepted path's KV
   entries to the contiguous slots after the root, for all layers of one
   KV-cache group (one slot mapping) in one launch. Entries are copied in
@@ -396,6 +398,86 @@ def ddtree_restore_positions(
         RESTORE=True,
         BLOCK=_POSITIONS_BLOCK,
         num_warps=4,
+    )
+
+
+@triton.jit
+def _ddtree_store_trees_kernel(
+    idx_mapping_ptr,  # [num_reqs] batch row -> request state
+    tree_parent_ptr,  # [>= num_reqs, B] batch-ordered (the drafter's)
+    tree_depth_ptr,  # [>= num_reqs, B]
+    tree_valid_ptr,  # [>= num_reqs, B]
+    tree_tokens_ptr,  # [>= num_reqs, B]
+    tree_stride,
+    req_parent_ptr,  # [max_num_reqs, B] per request state (the verifier's)
+    req_depth_ptr,  # [max_num_reqs, B + 1] (column 0: the root)
+    req_valid_ptr,  # [max_num_reqs, B]
+    req_stride,
+    req_depth_stride,
+    req_tokens_ptr,  # [max_num_reqs, B] the runner's draft tokens
+    req_tokens_stride,
+    BUDGET: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    req = tl.load(idx_mapping_ptr + r).to(tl.int64)
+    if req < 0:
+        return
+    j = tl.arange(0, BLOCK)
+    mask = j < BUDGET
+    src = r * tree_stride + j
+    parent = tl.load(tree_parent_ptr + src, mask=mask)
+    depth = tl.load(tree_depth_ptr + src, mask=mask)
+    valid = tl.load(tree_valid_ptr + src, mask=mask)
+    tokens = tl.load(tree_tokens_ptr + src, mask=mask)
+    dst = req * req_stride + j
+    tl.store(req_parent_ptr + dst, parent, mask=mask)
+    tl.store(req_depth_ptr + req * req_depth_stride + 1 + j, depth, mask=mask)
+    tl.store(req_valid_ptr + dst, valid, mask=mask)
+    tl.store(req_tokens_ptr + req * req_tokens_stride + j, tokens, mask=mask)
+
+
+def ddtree_store_trees(
+    idx_mapping: torch.Tensor,
+    tree_parent_idx: torch.Tensor,
+    tree_depth: torch.Tensor,
+    tree_valid: torch.Tensor,
+    tree_tokens: torch.Tensor,
+    req_parent_idx: torch.Tensor,
+    req_depth: torch.Tensor,
+    req_valid: torch.Tensor,
+    req_tokens: torch.Tensor,
+) -> None:
+    """Move the batch's new trees (batch row ``r``: parents, depths, valid
+    flags, node tokens) to request state ``idx_mapping[r]`` in one launch:
+    ``req_parent_idx[s] = tree_parent_idx[r]``, ``req_depth[s, 1:] =
+    tree_depth[r]``, ``req_valid[s] = tree_valid[r]``, ``req_tokens[s] =
+    tree_tokens[r]``. Rows with a negative request state are skipped."""
+    num_reqs = idx_mapping.shape[0]
+    budget = req_parent_idx.shape[1]
+    trees = (tree_parent_idx, tree_depth, tree_valid, tree_tokens)
+    assert all(t.shape[1] == budget and t.stride() == trees[0].stride() for t in trees)
+    assert req_valid.stride() == req_parent_idx.stride()
+    assert req_depth.shape[1] == budget + 1 and req_tokens.shape[1] == budget
+    assert trees[0].stride(1) == req_parent_idx.stride(1) == 1
+    assert req_depth.stride(1) == req_tokens.stride(1) == 1
+    if num_reqs == 0:
+        return
+    block = triton.next_power_of_2(budget)
+    _ddtree_store_trees_kernel[(num_reqs,)](
+        idx_mapping,
+        *trees,
+        tree_parent_idx.stride(0),
+        req_parent_idx,
+        req_depth,
+        req_valid,
+        req_parent_idx.stride(0),
+        req_depth.stride(0),
+        req_tokens,
+        req_tokens.stride(0),
+        BUDGET=budget,
+        BLOCK=block,
+        num_warps=4 if block >= 256 else 1,
     )
 
 

@@ -49,6 +49,7 @@ from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import (
     KVCompactor,
     compact_rows,
     ddtree_restore_positions,
+    ddtree_store_trees,
     ddtree_tree_bias,
     ddtree_tree_positions,
     ddtree_walk,
@@ -473,11 +474,26 @@ class DDTreeVerifier:
         for name, compactor in self.kv_compactors:
             compactor(slot_mappings_by_layer[name], src_row, dst_row, num_accepted)
 
-    def store_trees(self, idx_mapping: torch.Tensor, speculator: Any) -> None:
-        num_reqs = idx_mapping.shape[0]
-        self.req_parent_idx[idx_mapping] = speculator.tree_parent_idx[:num_reqs]
-        self.req_depth[idx_mapping, 1:] = speculator.tree_depth[:num_reqs]
-        self.req_valid[idx_mapping] = speculator.tree_valid[:num_reqs]
+    def store_trees(
+        self,
+        idx_mapping: torch.Tensor,
+        speculator: Any,
+        req_draft_tokens: torch.Tensor,
+    ) -> None:
+        """The drafter's new trees (batch order) to per-request state, their
+        node tokens into the runner's ``req_draft_tokens`` (in place of its
+        own scatter of the drafts): one launch."""
+        ddtree_store_trees(
+            idx_mapping,
+            speculator.tree_parent_idx,
+            speculator.tree_depth,
+            speculator.tree_valid,
+            speculator.draft_tokens,
+            self.req_parent_idx,
+            self.req_depth,
+            self.req_valid,
+            req_draft_tokens,
+        )
 
 
 def _unique(items: Any) -> list[Any]:
