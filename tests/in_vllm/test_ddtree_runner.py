@@ -494,8 +494,9 @@ def test_bind_refuses_model_states_without_the_hook():
 
 # ------------------------------------------------------ startup memory line
 def persistent_buffers(*objects):
-    """Every tensor held by ``objects`` (attributes, and lists / tuples of
-    tensors in attributes), each counted once."""
+    """Every tensor held by ``objects`` (attributes, lists / tuples of
+    tensors in attributes, and the tensors of attributes that are DDTree
+    objects themselves, such as the walk's buffers), each counted once."""
     found = {}
     for obj in objects:
         for value in vars(obj).values():
@@ -503,6 +504,11 @@ def persistent_buffers(*objects):
             for item in items:
                 if isinstance(item, torch.Tensor):
                     found[id(item)] = item
+                elif type(item).__module__.startswith(
+                    "vllm.v1.worker.gpu.spec_decode.ddtree"
+                ):
+                    for t in persistent_buffers(item):
+                        found[id(t)] = t
     return list(found.values())
 
 
@@ -555,19 +561,19 @@ def _memory_verifier(monkeypatch, max_reqs, budget, max_tokens, speculator):
 MEMORY_LINES = {
     (1024, 64): (
         "DDTree: extra GPU memory for max_num_seqs=1024, tree_budget=64: "
-        "3.1 MiB = tree attention bias 0.8 MiB (1024 x 65 nodes x 3 int32 "
-        "words, 1 bit per node pair) + tree/walk/compaction buffers 2.3 MiB "
+        "4.3 MiB = tree attention bias 0.8 MiB (1024 x 65 nodes x 3 int32 "
+        "words, 1 bit per node pair) + tree/walk/compaction buffers 3.5 MiB "
         "(parents, depths and valid flags of 1024 x 64 nodes per request and "
-        "per batch row; tree positions of max_num_batched_tokens=8192 logits "
-        "rows)."
+        "per batch row; the walk's paths and scratch; tree positions of "
+        "max_num_batched_tokens=8192 logits rows)."
     ),
     (1024, 256): (
         "DDTree: extra GPU memory for max_num_seqs=1024, tree_budget=256: "
-        "17.7 MiB = tree attention bias 9.0 MiB (1024 x 257 nodes x 9 int32 "
-        "words, 1 bit per node pair) + tree/walk/compaction buffers 8.7 MiB "
+        "22.0 MiB = tree attention bias 9.0 MiB (1024 x 257 nodes x 9 int32 "
+        "words, 1 bit per node pair) + tree/walk/compaction buffers 12.9 MiB "
         "(parents, depths and valid flags of 1024 x 256 nodes per request and "
-        "per batch row; tree positions of max_num_batched_tokens=8192 logits "
-        "rows)."
+        "per batch row; the walk's paths and scratch; tree positions of "
+        "max_num_batched_tokens=8192 logits rows)."
     ),
 }
 

@@ -27,6 +27,7 @@ from verifier_fakes import (  # noqa: E402
     B,
     make_verifier,
     store_trees,
+    tree_penalties,
 )
 
 # Views of existing tensors: no kernel, no allocation.
@@ -196,3 +197,55 @@ def test_the_runner_leaves_the_draft_tokens_to_store_trees():
     assert ast.unparse(call.args[2]) == "self.req_states.draft_tokens"
     scatter = "self.req_states.draft_tokens[input_batch.idx_mapping] = draft_tokens"
     assert [ast.unparse(n) for n in branch.orelse] == [scatter]
+
+
+class FixedSampler:
+    """The target's draws, given: the sampler's own work is upstream's and
+    not counted here."""
+
+    def __init__(self, tokens):
+        self.penalties_state = tree_penalties()
+        self.tokens = tokens
+
+    def returns_logprobs(self, idx_mapping_np):
+        return False
+
+    def sample(self, logits, *args, **kwargs):
+        return self.tokens, logits
+
+
+@pytest.mark.parametrize("tree_states", [[2], [2, 0, 3]])
+def test_sample_allocates_only_what_leaves_the_step(tree_states):
+    """sample() around the sampler: the walk (its path and scratch in
+    persistent buffers) and upstream's num_sampled / num_rejected kernel;
+    it allocates only the emitted tokens and the two counts the runner
+    copies to the host, and runs no other operator."""
+    step = Step(tree_states)
+    verifier, batch = step.verifier, step.batch
+    verifier.prepare_verify(batch)
+    num_logits = len(step.logits_indices)
+    # Every tree accepts root -> 1 -> 4 (the target says 11 at the root,
+    # 14 at node 1, then 9); the prefill row draws 5.
+    draws = [5] + [11, 14, 30, 30, 9] * len(tree_states)
+    sampler = FixedSampler(torch.tensor(draws))
+    logits = torch.zeros(num_logits, 32)
+    prefill_len = torch.tensor([3, 3, 10, 0], dtype=torch.int32)
+    with count_dispatch() as counts:
+        out = verifier.sample(sampler, logits, batch, step.draft_tokens, prefill_len)
+    assert out.num_sampled.tolist() == [1] + [3] * len(tree_states)
+    assert out.sampled_token_ids[1:, :3].tolist() == [[11, 14, 9]] * len(tree_states)
+    num_accepted, src_row, _ = verifier._walk
+    assert num_accepted.data_ptr() == verifier.walk_buffers.num_accepted.data_ptr()
+    assert src_row.data_ptr() == verifier.walk_buffers.src_row.data_ptr()
+
+    assert dict(counts.launches) == {
+        "_ddtree_walk_kernel": 1,
+        "_get_num_sampled_and_rejected_kernel": 1,
+    }
+    # The emitted tokens, num_sampled, and num_rejected (upstream's helper).
+    assert work_ops(counts) == [
+        "aten.empty.memory_format",
+        "aten.empty.memory_format",
+        "aten.empty_like.default",
+    ], counts.ops
+    assert len(counts.ops) <= 10, counts.ops

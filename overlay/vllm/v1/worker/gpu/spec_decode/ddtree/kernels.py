@@ -53,10 +53,11 @@ def _ddtree_walk_kernel(
     depth_stride,
     valid_ptr,  # [max_num_reqs, B]
     valid_stride,
-    scratch_ptr,  # [num_reqs, 2, BLOCK] int64
+    scratch_ptr,  # [num_reqs, 2, BLOCK] int32 (flags and node indices)
     out_tokens_ptr,  # [num_reqs, D + 1] emitted tokens, -1 padded
     out_tokens_stride,
     num_accepted_ptr,  # [num_reqs] int32
+    num_sampled_ptr,  # [num_reqs] int32: a second copy of num_accepted
     src_row_ptr,  # [num_reqs, D + 1] int64
     dst_row_ptr,  # [num_reqs, D + 1] int64
     DRAFT_DEPTH: tl.constexpr,
@@ -92,14 +93,15 @@ def _ddtree_walk_kernel(
         tl.store(scratch + i, accepted)
         tl.store(scratch + BLOCK + i, jump)
         tl.debug_barrier()
-        accepted_up = tl.load(scratch + jump)
-        jump_up = tl.load(scratch + BLOCK + jump)
+        accepted_up = tl.load(scratch + jump).to(tl.int64)
+        jump_up = tl.load(scratch + BLOCK + jump).to(tl.int64)
         tl.debug_barrier()
         accepted = accepted & accepted_up
         jump = jump_up
     on_path = (accepted != 0) & in_tree
     num_accepted = tl.sum(on_path.to(tl.int32), axis=0)
     tl.store(num_accepted_ptr + r, num_accepted)
+    tl.store(num_sampled_ptr + r, num_accepted)
 
     # The accepted node of depth k goes to column k (one per depth).
     depth = tl.load(depth_ptr + req * depth_stride + i, mask=in_tree, other=0)
@@ -116,6 +118,33 @@ def _ddtree_walk_kernel(
     tl.store(dst_row_ptr + r * (DRAFT_DEPTH + 1) + k, row0, mask=pad)
 
 
+def _walk_block(budget: int) -> int:
+    return triton.next_power_of_2(budget + 1)
+
+
+class WalkBuffers:
+    """Persistent outputs of `ddtree_walk` that stay on the device for the
+    step (the path the compaction and the GDN commit read) and its scratch,
+    sized for ``max_num_reqs`` batch rows: no allocation per step for them.
+    The emitted tokens and ``num_sampled`` leave the step (the runner copies
+    them to the host asynchronously), so they are allocated per step."""
+
+    def __init__(
+        self, max_num_reqs: int, budget: int, draft_depth: int, device: torch.device
+    ):
+        self.num_accepted = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self.src_row = torch.zeros(
+            max_num_reqs, draft_depth + 1, dtype=torch.int64, device=device
+        )
+        self.dst_row = torch.zeros_like(self.src_row)
+        self.scratch = torch.zeros(
+            max_num_reqs, 2, _walk_block(budget), dtype=torch.int32, device=device
+        )
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.num_accepted, self.src_row, self.dst_row, self.scratch)
+
+
 def ddtree_walk(
     target_token_ids: torch.Tensor,
     cu_num_logits: torch.Tensor,
@@ -126,24 +155,39 @@ def ddtree_walk(
     depth: torch.Tensor,
     valid: torch.Tensor,
     draft_depth: int,
+    buffers: WalkBuffers | None = None,
+    num_sampled: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk every request's tree in one launch.
 
     Returns ``(output_token_ids [R, D + 1] (-1 padded), num_accepted [R]
     int32, src_row [R, D + 1], dst_row [R, D + 1])``; rows index the
-    flattened verify batch.
+    flattened verify batch. With ``buffers``, the last three are views of
+    them (and the scratch theirs); ``num_sampled [R]`` int32, if given,
+    gets a copy of ``num_accepted`` (for the runner, which updates it in
+    place).
     """
     num_reqs = idx_mapping.shape[0]
     budget = parent_idx.shape[1]
     device = target_token_ids.device
-    block = triton.next_power_of_2(budget + 1)
+    block = _walk_block(budget)
     out_tokens = torch.empty(
         num_reqs, draft_depth + 1, dtype=torch.int64, device=device
     )
-    num_accepted = torch.empty(num_reqs, dtype=torch.int32, device=device)
-    src_row = torch.empty(num_reqs, draft_depth + 1, dtype=torch.int64, device=device)
-    dst_row = torch.empty_like(src_row)
-    scratch = torch.empty(num_reqs, 2, block, dtype=torch.int64, device=device)
+    if buffers is None:
+        num_accepted = torch.empty(num_reqs, dtype=torch.int32, device=device)
+        src_row = torch.empty(
+            num_reqs, draft_depth + 1, dtype=torch.int64, device=device
+        )
+        dst_row = torch.empty_like(src_row)
+        scratch = torch.empty(num_reqs, 2, block, dtype=torch.int32, device=device)
+    else:
+        assert buffers.src_row.shape[1] == draft_depth + 1
+        assert buffers.scratch.shape[2] == block
+        num_accepted = buffers.num_accepted[:num_reqs]
+        src_row = buffers.src_row[:num_reqs]
+        dst_row = buffers.dst_row[:num_reqs]
+        scratch = buffers.scratch
     _ddtree_walk_kernel[(num_reqs,)](
         target_token_ids,
         cu_num_logits,
@@ -161,6 +205,7 @@ def ddtree_walk(
         out_tokens,
         out_tokens.stride(0),
         num_accepted,
+        num_accepted if num_sampled is None else num_sampled,
         src_row,
         dst_row,
         DRAFT_DEPTH=draft_depth,

@@ -47,6 +47,7 @@ from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import (
     KVCompactor,
+    WalkBuffers,
     compact_rows,
     ddtree_restore_positions,
     ddtree_store_trees,
@@ -108,6 +109,10 @@ class DDTreeVerifier:
             max_num_tokens, dtype=torch.int32, device=device
         )
         self.node_range = torch.arange(num_nodes, dtype=torch.int64, device=device)
+        # The walk's path (read by compact) and scratch.
+        self.walk_buffers = WalkBuffers(
+            max_num_reqs, self.tree_budget, self.draft_depth, device
+        )
 
         # Target attention layers whose KV the accepted path is compacted in,
         # and one compactor per KV-cache group (a layer of the group, whose
@@ -150,10 +155,10 @@ class DDTreeVerifier:
         """Bytes of DDTree's persistent device buffers for the target, by
         kind: ``bias`` (the tree attention masks), ``tree`` (per-request and
         per-batch-row trees, the logits rows' position shifts, tree positions
-        and input ids, the node index), ``gdn`` (hybrid targets: the Gated
-        DeltaNet verify rows; 0 otherwise). Allocated at startup, before
-        memory profiling; the walk's per-step outputs come from the caching
-        allocator."""
+        and input ids, the node index, the walk's path and scratch), ``gdn``
+        (hybrid targets: the Gated DeltaNet verify rows; 0 otherwise).
+        Allocated at startup, before memory profiling; the walk's emitted
+        tokens and counts (per step) come from the caching allocator."""
         tree = [
             self.req_parent_idx,
             self.req_depth,
@@ -162,6 +167,7 @@ class DDTreeVerifier:
             self.logits_pos,
             self.logits_input_ids,
             self.node_range,
+            *self.walk_buffers.tensors(),
             *self._drafter_tree_buffers,
         ]
         return {
@@ -178,8 +184,9 @@ class DDTreeVerifier:
             "DDTree: extra GPU memory for max_num_seqs=%d, tree_budget=%d: "
             "%.1f MiB = tree attention bias %.1f MiB (%d x %d nodes x %d int32 "
             "words, 1 bit per node pair) + tree/walk/compaction buffers %.1f "
-            "MiB (parents, depths and valid flags of %d x %d nodes %s; "
-            "tree positions of max_num_batched_tokens=%d logits rows)"
+            "MiB (parents, depths and valid flags of %d x %d nodes %s; the "
+            "walk's paths and scratch; tree positions of "
+            "max_num_batched_tokens=%d logits rows)"
         )
         args: list[Any] = [
             max_num_reqs,
@@ -402,7 +409,9 @@ class DDTreeVerifier:
         # One launch: the walk over the scheduled nodes (a request may verify
         # fewer than tree_budget nodes near max_model_len; parents precede
         # children, so those form a prefix-closed subtree), the emitted tokens
-        # and the compaction rows.
+        # and the compaction rows (in the persistent walk buffers, read by
+        # compact); num_sampled is the runner's copy, updated in place below.
+        num_sampled = torch.empty(num_reqs, dtype=torch.int32, device=self.device)
         output_token_ids, num_accepted, src_row, dst_row = ddtree_walk(
             target_flat,
             cu_num_logits,
@@ -413,24 +422,29 @@ class DDTreeVerifier:
             self.req_depth,
             self.req_valid,
             self.draft_depth,
+            self.walk_buffers,
+            num_sampled,
         )
         self._walk = (num_accepted, src_row, dst_row)
         num_sampled, num_rejected = get_num_sampled_and_rejected(
-            num_accepted.clone(),
+            num_sampled,
             input_batch.seq_lens,
             cu_num_logits,
             idx_mapping,
             prefill_len,
         )
-        return SamplerOutput(
-            sampled_token_ids=output_token_ids,
-            logprobs_tensors=node_logprobs(
+        logprobs = None
+        if row_logprobs is not None:
+            logprobs = node_logprobs(
                 row_logprobs,
                 # Path entries as verify-layout node indices.
                 src_row - input_batch.query_start_loc[:num_reqs, None],
                 num_accepted,
                 cu_num_logits[:num_reqs],
-            ),
+            )
+        return SamplerOutput(
+            sampled_token_ids=output_token_ids,
+            logprobs_tensors=logprobs,
             num_nans=None,
             num_sampled=num_sampled,
             num_rejected=num_rejected,
