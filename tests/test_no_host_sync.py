@@ -38,7 +38,6 @@ PER_STEP = {
         "commit",
         "spec_decode_rows",
         "gdn_layer_states",
-        "_copy_from_host",
     },
     "vllm/v1/worker/gpu/spec_decode/ddtree/speculator.py": {"_generate_draft"},
     # The one-launch GDN commit after the walk (its tables are built at bind).

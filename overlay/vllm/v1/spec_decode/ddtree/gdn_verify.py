@@ -54,6 +54,7 @@ from vllm.v1.spec_decode.ddtree.gdn_commit import (
 )
 from vllm.v1.spec_decode.ddtree.tree_conv import tree_causal_conv1d
 from vllm.v1.spec_decode.ddtree.tree_gdn import tree_gated_delta_rule
+from vllm.v1.worker.gpu.buffer_utils import UvaBufferPool
 
 logger = init_logger(__name__)
 
@@ -71,14 +72,6 @@ def spec_decode_rows(
     drafts = num_draft_tokens_per_req
     is_decode = num_scheduled_tokens[:num_reqs] == drafts + 1
     return np.flatnonzero((drafts > 0) & is_decode).astype(np.int64)
-
-
-def _copy_from_host(values: np.ndarray, out: torch.Tensor) -> None:
-    src = torch.from_numpy(np.ascontiguousarray(values)).to(out.dtype)
-    if out.is_cuda:
-        out.copy_(src.pin_memory(), non_blocking=True)
-    else:
-        out.copy_(src)
 
 
 class DDTreeGDN:
@@ -114,16 +107,20 @@ class DDTreeGDN:
             num_layers, max_rows, num_v_heads, dtype=dtype, device=device
         )
         self.b_buf = torch.zeros_like(self.a_buf)
-        # Spec row (GDN metadata order) -> request-state index (row of
-        # parent_idx). Persistent: captured graphs read it.
-        self.tree_rows = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
-        # The step's spec rows, for the post-walk update (outside graphs).
-        self.spec_batch_rows = torch.zeros(
-            max_num_reqs, dtype=torch.int64, device=device
-        )
-        self.spec_query_start = torch.zeros(
-            max_num_reqs + 1, dtype=torch.int32, device=device
-        )
+        # The step's spec-row tables, one device buffer written by one copy
+        # per step (prepare_step) from a host mirror through the runner's
+        # round-robin pinned staging buffers (no pinned allocation per step):
+        # spec row (GDN metadata order) -> request-state index (row of
+        # parent_idx; captured graphs read it, at a fixed address), -> batch
+        # row, and the spec rows' first verify-buffer rows (the post-walk
+        # update's, outside graphs).
+        m = max_num_reqs
+        self.spec_rows = torch.zeros(3 * m + 1, dtype=torch.int32, device=device)
+        self.tree_rows = self.spec_rows[:m]
+        self.spec_batch_rows = self.spec_rows[m : 2 * m]
+        self.spec_query_start = self.spec_rows[2 * m :]
+        self._spec_rows_np = np.zeros(3 * m + 1, dtype=np.int32)
+        self._spec_rows_staging = UvaBufferPool(3 * m + 1, torch.int32)
         self.num_spec = 0
         self.num_spec_tokens = 0
         self.device = device
@@ -187,15 +184,7 @@ class DDTreeGDN:
         inputs of every GDN layer and the step's spec-row tables; the parent
         table is the verifier's)."""
         return sum(
-            t.nbytes
-            for t in (
-                self.x_buf,
-                self.a_buf,
-                self.b_buf,
-                self.tree_rows,
-                self.spec_batch_rows,
-                self.spec_query_start,
-            )
+            t.nbytes for t in (self.x_buf, self.a_buf, self.b_buf, self.spec_rows)
         )
 
     # ------------------------------------------------------------ binding
@@ -312,9 +301,14 @@ class DDTreeGDN:
                 f"GDN verify buffers ({self.max_rows} rows)."
             )
         idx_mapping_np = np.asarray(input_batch.idx_mapping_np)
-        _copy_from_host(idx_mapping_np[rows_np], self.tree_rows[:n])
-        _copy_from_host(rows_np, self.spec_batch_rows[:n])
-        _copy_from_host(query_start_np, self.spec_query_start[: n + 1])
+        m = self.max_num_reqs
+        host = self._spec_rows_np
+        host[:n] = idx_mapping_np[rows_np]
+        host[m : m + n] = rows_np
+        host[2 * m : 2 * m + n + 1] = query_start_np
+        # One copy of the whole table: rows past n are stale, as before the
+        # copy (graph padding rows read them; their null slot is skipped).
+        self._spec_rows_staging.copy_to_gpu(host, out=self.spec_rows)
 
     # -------------------------------------------- forward (inside the layer)
     def _spec_rows(self, md: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
