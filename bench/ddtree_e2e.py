@@ -51,6 +51,8 @@ TREE_BUILD_KERNELS = re.compile(
 )
 BOOKKEEPING_KERNELS = re.compile(
     r"_ddtree_walk_kernel|_ddtree_tree_bias_kernel|_ddtree_compact_kv_kernel"
+    r"|_ddtree_compact_rows_kernel|_commit_conv_kernel|_commit_gdn_kernel"
+    r"|_ddtree_tree_positions_kernel|_ddtree_store_trees_kernel"
 )
 
 
