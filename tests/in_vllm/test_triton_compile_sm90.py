@@ -92,14 +92,37 @@ SCRIPT = textwrap.dedent(
                 "node_tokens_ptr": "*i64", "node_tokens_stride": "i32",
                 "parent_ptr": "*i64", "parent_stride": "i32",
                 "depth_ptr": "*i64", "depth_stride": "i32",
-                "valid_ptr": "*i1", "valid_stride": "i32", "scratch_ptr": "*i64",
+                "valid_ptr": "*i1", "valid_stride": "i32", "scratch_ptr": "*i32",
                 "out_tokens_ptr": "*i64", "out_tokens_stride": "i32",
-                "num_accepted_ptr": "*i32", "src_row_ptr": "*i64",
+                "num_accepted_ptr": "*i32", "num_sampled_ptr": "*i32",
+                "src_row_ptr": "*i64",
                 "dst_row_ptr": "*i64", "DRAFT_DEPTH": C, "NUM_JUMPS": C,
                 "BLOCK": C, "PATH_BLOCK": C}
     compile_kernel(kk._ddtree_walk_kernel, walk_sig,
                    {"DRAFT_DEPTH": 15, "NUM_JUMPS": 4, "BLOCK": 128,
                     "PATH_BLOCK": 16})
+    for restore in (False, True):
+        compile_kernel(
+            kk._ddtree_tree_positions_kernel,
+            {"positions_ptr": "*i64", "logits_indices_ptr": "*i32",
+             "expanded_idx_mapping_ptr": "*i32",
+             "expanded_local_pos_ptr": "*i32", "depth_ptr": "*i64",
+             "depth_stride": "i32", "input_ids_ptr": "*i32", "shift_ptr": "*i64",
+             "logits_pos_ptr": "*i64", "logits_input_ids_ptr": "*i32",
+             "num_logits": "i32", "RESTORE": C, "BLOCK": C},
+            {"RESTORE": restore, "BLOCK": 1024},
+        )
+    compile_kernel(
+        kk._ddtree_store_trees_kernel,
+        {"idx_mapping_ptr": "*i32", "tree_parent_ptr": "*i64",
+         "tree_depth_ptr": "*i64", "tree_valid_ptr": "*i1",
+         "tree_tokens_ptr": "*i64", "tree_stride": "i32",
+         "req_parent_ptr": "*i64", "req_depth_ptr": "*i64",
+         "req_valid_ptr": "*i1", "req_stride": "i32", "req_depth_stride": "i32",
+         "req_tokens_ptr": "*i32", "req_tokens_stride": "i32",
+         "BUDGET": C, "BLOCK": C},
+        {"BUDGET": 64, "BLOCK": 64},
+    )
     for packed, num_nodes, out_cols, rows, cols in (
         (False, 65, 65, 32, 128),
         (True, 65, 3, 64, 4),
