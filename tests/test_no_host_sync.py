@@ -63,6 +63,8 @@ NOT_PER_STEP = {
     "vllm/v1/spec_decode/ddtree/__init__.py",
     "vllm/v1/spec_decode/ddtree/config.py",
     "vllm/v1/spec_decode/ddtree/metrics.py",
+    # Plain Python over host numbers, run when the budget policy re-plans.
+    "vllm/v1/spec_decode/ddtree/policy.py",
     "vllm/v1/spec_decode/ddtree/startup.py",
     "vllm/v1/spec_decode/ddtree/tree_triton.py",
     "vllm/v1/spec_decode/ddtree/tree_gdn.py",

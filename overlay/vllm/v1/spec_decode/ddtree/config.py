@@ -20,6 +20,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
+from vllm.v1.spec_decode.ddtree.policy import power_of_two_budgets
 
 if TYPE_CHECKING:
     from vllm.config import SpeculativeConfig, VllmConfig
@@ -199,13 +200,7 @@ def budget_schedule(
     one request, 32 for two or three, and the floor from four on.
     """
     floor = min(tree_budget, draft_depth)
-    allowed = {tree_budget, floor}
-    step = 1
-    while step < tree_budget:
-        if step >= 2 * floor:
-            allowed.add(step)
-        step *= 2
-    choices = sorted(allowed)
+    choices = power_of_two_budgets(tree_budget, draft_depth)
     schedule: list[tuple[int, int, int]] = []
     for batch in range(1, max_batch_size + 1):
         raw = verify_tokens_per_step // batch - 1
