@@ -47,6 +47,15 @@ PER_STEP = {
         "__call__",
     },
     "vllm/v1/spec_decode/ddtree/sampling.py": None,
+    # The measured budget policy's counters: updated every step; the snapshot
+    # is queued and polled without waiting (an event query).
+    "vllm/v1/spec_decode/ddtree/acceptance.py": {
+        "count_accepted_ranks_torch",
+        "count_accepted_ranks",
+        "count",
+        "snapshot",
+        "snapshot_ready",
+    },
     "vllm/v1/worker/gpu/spec_decode/ddtree/sampling.py": {
         "apply_penalties",
         "counting_tree_paths",
@@ -105,6 +114,13 @@ def _violations(func: ast.AST) -> list[str]:
                 and "stride" not in ast.unparse(node.args[0])
             ):
                 found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        # A fresh pinned host buffer per step: allocate it once (setup code).
+        if isinstance(node, ast.Call) and any(
+            kw.arg == "pin_memory"
+            and not (isinstance(kw.value, ast.Constant) and kw.value.value is False)
+            for kw in node.keywords
+        ):
+            found.append(f"line {node.lineno}: pinned allocation")
     return found
 
 
@@ -143,3 +159,8 @@ def test_the_check_catches_a_sync() -> None:
     )
     func = next(_functions(bad))
     assert len(_violations(func)) == 2
+    pinned = ast.parse(
+        "def step(x):\n    h = torch.empty(4, pin_memory=True)\n"
+        "    return h.copy_(x, non_blocking=True)\n"
+    )
+    assert _violations(next(_functions(pinned))) == ["line 2: pinned allocation"]

@@ -38,6 +38,7 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
+from vllm.v1.spec_decode.ddtree.acceptance import AcceptanceCounters
 from vllm.v1.worker.gpu.input_batch import (
     InputBatch,
     get_num_sampled_and_rejected,
@@ -111,6 +112,12 @@ class DDTreeVerifier:
         self._tree_pos: tuple[torch.Tensor, torch.Tensor] | None = None
         self._model_positions: torch.Tensor | None = None
         self._saved_model_positions: torch.Tensor | None = None
+
+        # The measured budget policy's per-rank acceptance, counted from every
+        # walk on the device (read by the policy when it re-plans).
+        self.acceptance: AcceptanceCounters | None = None
+        if getattr(spec, "budget_policy", None) == "measured":
+            self.acceptance = AcceptanceCounters(self.tree_budget, device)
 
         # Hybrid (Gated DeltaNet) targets: the GDN layers' tree path.
         self.gdn = None
@@ -356,6 +363,10 @@ class DDTreeVerifier:
             self.draft_depth,
         )
         self._walk = (num_accepted, src_row, dst_row)
+        if self.acceptance is not None:
+            self.acceptance.count(
+                num_accepted, src_row, input_batch.query_start_loc, cu_num_logits
+            )
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             num_accepted.clone(),
             input_batch.seq_lens,
