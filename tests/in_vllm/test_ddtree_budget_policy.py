@@ -104,3 +104,88 @@ def test_other_policies_count_nothing():
 
     assert make_verifier().acceptance is None
     assert _measured_verifier(budget_policy="batch").acceptance is None
+
+
+# ------------------------------------------------------------------ config
+from verifier_fakes import DRAFTER, make_spec, needs_models  # noqa: E402
+
+
+@needs_models
+def test_measured_policy_starts_from_the_batch_schedule(target_model_config):
+    from vllm.v1.spec_decode.ddtree.config import capture_budgets
+
+    spec = make_spec(
+        target_model_config,
+        method="ddtree",
+        model=DRAFTER,
+        tree_budget=64,
+        budget_policy="measured",
+    )
+    assert spec.budget_policy == "measured"
+    assert spec.num_speculative_tokens_per_batch_size == [
+        (1, 1, 64),
+        (2, 3, 32),
+        (4, 1024, 15),
+    ]
+    # Every budget it may switch to gets decode graphs, no speculation too.
+    assert capture_budgets(spec) == [0, 15, 32, 64]
+    assert (spec.budget_replan_interval, spec.acceptance_prior) == (10.0, 0.8)
+    assert spec.acceptance_prior_weight == 256
+    # A single-budget start (tree_budget <= draft_depth) is still a dynamic
+    # schedule: no speculation is an option at every batch size.
+    small = make_spec(
+        target_model_config,
+        method="ddtree",
+        model=DRAFTER,
+        tree_budget=8,
+        budget_policy="measured",
+    )
+    assert small.num_speculative_tokens_per_batch_size == [(1, 1024, 8)]
+    assert capture_budgets(small) == [0, 8]
+    batch = make_spec(target_model_config, method="ddtree", model=DRAFTER)
+    assert capture_budgets(batch) == [15, 32, 64]
+
+
+@needs_models
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(num_speculative_tokens_per_batch_size=[(1, 8, 64), (9, 64, 15)]),
+            "drop num_speculative_tokens_per_batch_size",
+        ),
+        (dict(budget_replan_interval=0), "budget_replan_interval must be"),
+        (dict(budget_replan_interval=-1.5), "budget_replan_interval must be"),
+        (dict(acceptance_prior=1.0), "acceptance_prior must be"),
+        (dict(acceptance_prior=0), "acceptance_prior must be"),
+        (dict(acceptance_prior_weight=-1), "acceptance_prior_weight must be"),
+    ],
+)
+def test_measured_policy_rejects_bad_values(target_model_config, kwargs, message):
+    with pytest.raises(Exception, match="DDTree") as info:
+        make_spec(
+            target_model_config,
+            method="ddtree",
+            model=DRAFTER,
+            budget_policy="measured",
+            **kwargs,
+        )
+    assert message in str(info.value)
+
+
+def test_measured_policy_needs_cuda_graphs_and_one_scheduler():
+    from vllm.v1.spec_decode.ddtree.config import _verify_measured_budget_policy
+
+    def fake(policy="measured", eager=False, dp=1):
+        return SimpleNamespace(
+            speculative_config=SimpleNamespace(budget_policy=policy),
+            model_config=SimpleNamespace(enforce_eager=eager),
+            parallel_config=SimpleNamespace(data_parallel_size=dp),
+        )
+
+    _verify_measured_budget_policy(fake())
+    _verify_measured_budget_policy(fake("batch", eager=True, dp=2))
+    for bad, message in ((fake(eager=True), "enforce_eager"), (fake(dp=2), "data")):
+        with pytest.raises(ValueError, match=message) as info:
+            _verify_measured_budget_policy(bad)
+        assert "\n" not in str(info.value) and str(info.value).startswith("DDTree")

@@ -142,9 +142,7 @@ class AcceptanceCounters:
         self.device = torch.device(device)
         self.counts = torch.zeros(2, tree_budget, dtype=torch.int64, device=device)
         on_cuda = self.device.type == "cuda"
-        self.host = torch.zeros(
-            2, tree_budget, dtype=torch.int64, pin_memory=on_cuda
-        )
+        self.host = torch.zeros(2, tree_budget, dtype=torch.int64, pin_memory=on_cuda)
         self.host_np = self.host.numpy()
         self._event = torch.cuda.Event() if on_cuda else None
         self._pending = False

@@ -197,11 +197,20 @@ class StepCostTable:
         if len(self._tokens) == 1:
             out = per_row[0]
         else:
-            j = int(np.clip(np.searchsorted(self._tokens, tokens, "right") - 1, 0,
-                            len(self._tokens) - 2))
+            j = int(
+                np.clip(
+                    np.searchsorted(self._tokens, tokens, "right") - 1,
+                    0,
+                    len(self._tokens) - 2,
+                )
+            )
             t0, t1 = self._tokens[j], self._tokens[j + 1]
             lo, hi = per_row[j], per_row[j + 1]
-            out = lo if tokens <= self._tokens[0] else lo + (hi - lo) * (tokens - t0) / (t1 - t0)
+            out = (
+                lo
+                if tokens <= self._tokens[0]
+                else lo + (hi - lo) * (tokens - t0) / (t1 - t0)
+            )
         out = np.maximum(out, 1e-9)
         return float(out) if out.ndim == 0 else out
 
