@@ -303,3 +303,14 @@ def test_budgets_that_overflow_the_token_budget_are_left_out():
 def test_describe_schedule():
     s = [(1, 1, 64), (2, 3, 32), (4, 1024, 0)]
     assert P.describe_schedule(s, 1024) == "1-1: 64, 2-3: 32, >=4: 0"
+
+
+def test_budgets_past_their_largest_captured_graph_are_left_out():
+    tau = [1.0 + b for b in range(65)]
+    flat = lambda n, t: 1.0  # noqa: E731
+    limits = {15: 32, 32: 15, 64: 7}
+    dense = _dense(P.choose_budgets(BUDGETS, tau, flat, 40, None, limits))
+    assert [dense[n] for n in (7, 8, 15, 16, 32, 33)] == [64, 32, 32, 15, 15, 0]
+    # A budget with no graph at all never wins; 0 needs none.
+    dense = _dense(P.choose_budgets(BUDGETS, tau, flat, 4, None, {15: 4}))
+    assert set(dense.values()) == {15}

@@ -41,6 +41,14 @@ PER_STEP = {
         "_copy_from_host",
     },
     "vllm/v1/worker/gpu/spec_decode/ddtree/speculator.py": {"_generate_draft"},
+    # The measured budget policy's per-step part: counting, the snapshot
+    # schedule and the re-plan from a landed snapshot (host numbers).
+    "vllm/v1/worker/gpu/spec_decode/ddtree/budget.py": {
+        "observe_walk",
+        "_replan",
+        "_publish",
+        "plan_from_counts",
+    },
     "vllm/v1/worker/gpu/spec_decode/ddtree/kernels.py": {
         "ddtree_walk",
         "ddtree_tree_bias",
@@ -74,6 +82,8 @@ NOT_PER_STEP = {
     "vllm/v1/spec_decode/ddtree/metrics.py",
     # Plain Python over host numbers, run when the budget policy re-plans.
     "vllm/v1/spec_decode/ddtree/policy.py",
+    # Startup only: timing the captured graphs, the step-cost cache.
+    "vllm/v1/spec_decode/ddtree/step_costs.py",
     "vllm/v1/spec_decode/ddtree/startup.py",
     "vllm/v1/spec_decode/ddtree/tree_triton.py",
     "vllm/v1/spec_decode/ddtree/tree_gdn.py",

@@ -246,6 +246,7 @@ def choose_budgets(
     cost: CostFn,
     max_batch_size: int,
     max_num_batched_tokens: int | None = None,
+    max_batch_per_budget: Mapping[int, int] | None = None,
 ) -> list[BudgetChoice]:
     """For every batch size ``1 .. max_batch_size`` the budget with the most
     tokens per second, ``batch * tau[b] / cost(batch, 1 + b)``, merged into
@@ -254,7 +255,10 @@ def choose_budgets(
     ``tau[b]`` for every budget (`expected_tau`; ``tau[0] = 1``). A budget
     whose full decode batch would not fit ``max_num_batched_tokens`` is left
     out at that batch size (the scheduler would cut its drafts); budget 0
-    always fits. Exact ties go to the smaller budget. Vectorised over batch
+    always fits. So is a budget past ``max_batch_per_budget[b]`` requests
+    (its largest captured CUDA graph: beyond it the step runs without one,
+    far slower than the table's extrapolation). Exact ties go to the
+    smaller budget. Vectorised over batch
     sizes: a re-plan over 1024 batch sizes takes well under a millisecond.
     """
     if 0 not in budgets:
@@ -268,6 +272,8 @@ def choose_budgets(
         rates[i] = batches * tau[budget] / cost(batches, 1 + budget)
         if budget > 0 and max_num_batched_tokens is not None:
             rates[i][batches * (1 + budget) > max_num_batched_tokens] = -np.inf
+        if budget > 0 and max_batch_per_budget is not None:
+            rates[i][batches > max_batch_per_budget.get(budget, 0)] = -np.inf
     best = np.argmax(rates, axis=0)  # first maximum: the smaller budget
     starts = [0, *(np.flatnonzero(np.diff(best)) + 1).tolist(), max_batch_size]
     out: list[BudgetChoice] = []
@@ -307,12 +313,18 @@ def plan(
     max_batch_size: int,
     prior_weight: float = DEFAULT_PRIOR_WEIGHT,
     max_num_batched_tokens: int | None = None,
+    max_batch_per_budget: Mapping[int, int] | None = None,
 ) -> list[BudgetChoice]:
     """The whole policy: acceptance estimate, tau per budget, choice."""
     rates = rank_acceptance(accepted, verified, prior, prior_weight)
     tau = expected_tau(rates)
     return choose_budgets(
-        budgets, tau, costs.cost, max_batch_size, max_num_batched_tokens
+        budgets,
+        tau,
+        costs.cost,
+        max_batch_size,
+        max_num_batched_tokens,
+        max_batch_per_budget,
     )
 
 

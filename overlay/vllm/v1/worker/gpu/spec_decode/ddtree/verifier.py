@@ -38,13 +38,13 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.v1.spec_decode.ddtree.acceptance import AcceptanceCounters
 from vllm.v1.worker.gpu.input_batch import (
     InputBatch,
     get_num_sampled_and_rejected,
 )
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
+from vllm.v1.worker.gpu.spec_decode.ddtree.budget import DDTreeBudgetPlanner
 from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import (
     KVCompactor,
     ddtree_tree_bias,
@@ -113,11 +113,11 @@ class DDTreeVerifier:
         self._model_positions: torch.Tensor | None = None
         self._saved_model_positions: torch.Tensor | None = None
 
-        # The measured budget policy's per-rank acceptance, counted from every
-        # walk on the device (read by the policy when it re-plans).
-        self.acceptance: AcceptanceCounters | None = None
+        # The measured budget policy: counts every walk's acceptance per tree
+        # rank on the device and re-plans the budget per batch size.
+        self.budget: DDTreeBudgetPlanner | None = None
         if getattr(spec, "budget_policy", None) == "measured":
-            self.acceptance = AcceptanceCounters(self.tree_budget, device)
+            self.budget = DDTreeBudgetPlanner(vllm_config, device)
 
         # Hybrid (Gated DeltaNet) targets: the GDN layers' tree path.
         self.gdn = None
@@ -363,8 +363,8 @@ class DDTreeVerifier:
             self.draft_depth,
         )
         self._walk = (num_accepted, src_row, dst_row)
-        if self.acceptance is not None:
-            self.acceptance.count(
+        if self.budget is not None:
+            self.budget.observe_walk(
                 num_accepted, src_row, input_batch.query_start_loc, cu_num_logits
             )
         num_sampled, num_rejected = get_num_sampled_and_rejected(
