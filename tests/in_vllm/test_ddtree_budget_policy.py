@@ -176,16 +176,22 @@ def test_measured_policy_rejects_bad_values(target_model_config, kwargs, message
 def test_measured_policy_needs_cuda_graphs_and_one_scheduler():
     from vllm.v1.spec_decode.ddtree.config import _verify_measured_budget_policy
 
-    def fake(policy="measured", eager=False, dp=1):
+    def fake(policy="measured", eager=False, dp=1, async_scheduling=None):
         return SimpleNamespace(
             speculative_config=SimpleNamespace(budget_policy=policy),
             model_config=SimpleNamespace(enforce_eager=eager),
             parallel_config=SimpleNamespace(data_parallel_size=dp),
+            scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
         )
 
     _verify_measured_budget_policy(fake())
+    _verify_measured_budget_policy(fake(async_scheduling=True))
     _verify_measured_budget_policy(fake("batch", eager=True, dp=2))
-    for bad, message in ((fake(eager=True), "enforce_eager"), (fake(dp=2), "data")):
+    for bad, message in (
+        (fake(eager=True), "enforce_eager"),
+        (fake(dp=2), "data"),
+        (fake(async_scheduling=False), "async scheduling"),
+    ):
         with pytest.raises(ValueError, match=message) as info:
             _verify_measured_budget_policy(bad)
         assert "\n" not in str(info.value) and str(info.value).startswith("DDTree")
@@ -308,6 +314,16 @@ def test_planner_starts_from_the_prior_and_replans_on_its_interval(caplog):
     planner.observe_walk(*_walk_outputs(8, 64, []))
     planner.observe_walk(*_walk_outputs(8, 64, []))
     assert planner.update is third
+
+
+def test_planner_refuses_a_resolved_sync_scheduler():
+    from vllm.v1.worker.gpu.spec_decode.ddtree.budget import DDTreeBudgetPlanner
+
+    planner, _ = _planner()
+    cfg = planner.vllm_config
+    cfg.scheduler_config.async_scheduling = False
+    with pytest.raises(ValueError, match="needs async scheduling"):
+        DDTreeBudgetPlanner(cfg, torch.device("cpu"))
 
 
 def test_planner_drops_budgets_without_graphs_and_needs_nospec():

@@ -382,6 +382,17 @@ def _verify_drafting_slots(vllm_config: "VllmConfig") -> None:
     )
 
 
+# Without async scheduling the V2 runner reports every request's drafts as
+# tree_budget placeholders and the scheduler verifies all of them, whatever
+# its per-batch-size schedule says; only the async scheduler sizes the next
+# step's drafts by the schedule.
+ASYNC_SCHEDULING_ERROR = (
+    "DDTree: budget_policy 'measured' needs async scheduling (without it "
+    "every request verifies tree_budget nodes whatever the schedule); drop "
+    "--no-async-scheduling or use budget_policy 'fixed'."
+)
+
+
 def _verify_measured_budget_policy(vllm_config: "VllmConfig") -> None:
     """The measured policy times the captured decode CUDA graphs at startup
     and changes the scheduler's per-batch-size budget at runtime: it needs
@@ -398,6 +409,9 @@ def _verify_measured_budget_policy(vllm_config: "VllmConfig") -> None:
             "startup, and enforce_eager turns them off; drop --enforce-eager or "
             "use budget_policy 'batch'."
         )
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    if getattr(scheduler_config, "async_scheduling", None) is False:
+        raise ValueError(ASYNC_SCHEDULING_ERROR)
     parallel_config = getattr(vllm_config, "parallel_config", None)
     dp = getattr(parallel_config, "data_parallel_size", 1)
     if dp > 1:

@@ -62,6 +62,11 @@ class DDTreeBudgetPlanner:
         self.prior_weight = int(spec.acceptance_prior_weight)
         self.interval = float(spec.budget_replan_interval)
         scheduler_config = vllm_config.scheduler_config
+        if getattr(scheduler_config, "async_scheduling", None) is False:
+            # Resolved by now (the config check saw only an explicit False).
+            from vllm.v1.spec_decode.ddtree.config import ASYNC_SCHEDULING_ERROR
+
+            raise ValueError(ASYNC_SCHEDULING_ERROR)
         self.max_batch_size: int = scheduler_config.max_num_seqs
         self.max_num_batched_tokens: int = scheduler_config.max_num_batched_tokens
         self.acceptance = AcceptanceCounters(self.tree_budget, device)
