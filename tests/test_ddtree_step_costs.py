@@ -62,12 +62,14 @@ def test_timed_batch_sizes_are_powers_of_two_and_the_ends():
     assert S.timed_batch_sizes([]) == []
 
 
-def test_step_cost_is_target_plus_drafter():
+def test_step_cost_is_target_plus_drafter_for_trees():
     target = {(1, 1): 1.0, (8, 1): 2.0, (4, 16): 3.0}
     drafter = {1: 0.5, 8: 1.2}
     table = S.combine_step_costs(target, drafter)
-    assert table.points[(1, 1)] == pytest.approx(1.5)
-    assert table.points[(8, 1)] == pytest.approx(3.2)
+    # No speculation: the target's step alone (nothing drafted for the next).
+    assert table.points[(1, 1)] == 1.0
+    assert table.points[(8, 1)] == 2.0
+    # Tree steps: plus the drafter's query pass at that batch size.
     assert table.points[(4, 16)] == pytest.approx(3.0 + 0.5 + 0.7 * 3 / 7)
     with pytest.raises(ValueError):
         S.combine_step_costs(target, {})

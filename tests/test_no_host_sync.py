@@ -40,11 +40,16 @@ PER_STEP = {
         "gdn_layer_states",
         "_copy_from_host",
     },
-    "vllm/v1/worker/gpu/spec_decode/ddtree/speculator.py": {"_generate_draft"},
+    "vllm/v1/worker/gpu/spec_decode/ddtree/speculator.py": {
+        "_generate_draft",
+        "propose",
+        "_store_context",
+    },
     # The measured budget policy's per-step part: counting, the snapshot
     # schedule and the re-plan from a landed snapshot (host numbers).
     "vllm/v1/worker/gpu/spec_decode/ddtree/budget.py": {
         "observe_walk",
+        "drafts_needed",
         "_replan",
         "_publish",
         "plan_from_counts",

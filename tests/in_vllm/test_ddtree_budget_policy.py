@@ -597,3 +597,86 @@ def test_budget_and_tau_per_batch_size_in_metrics(registry):
     assert [batch_size_label(n) for n in (1, 2, 3, 5, 1000, 5000)] == [
         1, 2, 4, 8, 1024, 1024,
     ]  # fmt: skip
+
+
+# ----------------------------------------------- no speculation, no drafts
+def test_drafts_are_skipped_only_after_start_and_for_budget_zero():
+    planner, _ = _planner()
+    assert planner.drafts_needed(0)  # the warm-up's steps carry no number
+    target, drafter = _timings()
+    planner.set_costs(target, drafter, {0: 64, 15: 64, 32: 32, 64: 16})
+    planner.begin()
+    assert not planner.drafts_needed(0)
+    assert planner.drafts_needed(15)
+
+
+def test_a_step_without_next_drafts_only_stores_its_context(monkeypatch):
+    from vllm.v1.worker.gpu.spec_decode.ddtree import speculator as module
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    calls = []
+    monkeypatch.setattr(
+        DFlashSpeculator, "propose", lambda self, *a, **k: calls.append("draft")
+    )
+    monkeypatch.setattr(
+        module,
+        "prepare_dflash_inputs",
+        lambda *a: calls.append(("inputs", a[3].tolist())),
+    )
+    stored = {}
+
+    class Drafter:
+        def combine_hidden_states(self, h):
+            return h * 2
+
+        def precompute_and_store_context_kv(self, states, positions, slots):
+            stored.update(states=states.clone(), positions=positions, slots=slots)
+
+    spec = object.__new__(module.DDTreeSpeculator)
+    spec.model = Drafter()
+    spec.hidden_states = torch.zeros(16, 4)
+    spec.context_positions = torch.arange(16)
+    spec.draft_kv_cache_group_ids = [0]
+    spec._context_slot_mappings = torch.arange(32).view(2, 16)
+    spec._layer_group_idx = None
+    spec.input_buffers = spec.sample_indices = spec.sample_pos = None
+    spec.sample_idx_mapping = None
+    spec.block_tables = SimpleNamespace(
+        slot_mappings=[None], input_block_tables=[None], kernel_block_sizes=[16]
+    )
+    spec.parallel_drafting_token_id = 0
+    spec.num_query_per_req = spec.num_speculative_steps = 4
+    spec.max_num_reqs, spec.max_num_tokens, spec.max_model_len = 4, 16, 64
+    spec.sample_from_anchor = False
+    spec.draft_tokens = torch.full((4, B), 7)
+    batch = SimpleNamespace(num_reqs=3, num_tokens=5)
+    aux = [torch.ones(5, 2), torch.ones(5, 2)]
+    args = (
+        batch,
+        None,
+        None,
+        torch.zeros(5, 4),
+        aux,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+    spec.draft_next_step = True
+    spec.propose(*args)
+    assert calls == ["draft"]
+    calls.clear()
+    spec.draft_next_step = False
+    spec.propose(*args, dummy_run=True)  # dummy runs always draft
+    assert calls == ["draft"]
+    calls.clear()
+    out = spec.propose(*args)
+    # The context positions and slots of group 0; no query pass, no tree.
+    assert calls == [("inputs", list(range(16)))]
+    assert torch.equal(stored["states"], torch.full((5, 4), 2.0))  # aux combined
+    assert stored["positions"].tolist() == [0, 1, 2, 3, 4]
+    assert stored["slots"].tolist() == [0, 1, 2, 3, 4]
+    assert out.shape == (3, B)

@@ -2,13 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Step costs for the measured budget policy: timing, combining, caching.
 
-At startup the worker times the decode CUDA graphs it has just captured: the
+After the warm-up the worker times the decode CUDA graphs it captured: the
 target's graph for ``n`` requests of ``1 + b`` tokens (with the logits and
-the argmax over them that every verified token costs) and the DFlash
-drafter's graph for ``n`` requests, which runs at every budget, 0 included.
-A step at (``n``, ``b``) costs their sum (`combine_step_costs`). What the
-host adds around the graphs (input preparation, the walk, the compaction,
-Python) is not in the table; it is about the same at every budget.
+argmax of every verified token and the drafter's context K/V precompute of
+the step's tokens, which every step runs) and the DFlash drafter's query
+graph for ``n`` requests, which runs when the next step verifies drafts. A
+step at (``n``, ``b > 0``) costs their sum, a step of no speculation the
+target's part alone (`combine_step_costs`; the drafter then only stores the
+context). What the host adds around the graphs (input preparation, the
+walk, the compaction, Python) is not in the table.
 
 Here, without vLLM: `measure` takes the shapes and a callable that runs one
 step of a shape, so that it is tested with a fake one; `cuda_event_timer`
@@ -95,15 +97,23 @@ def combine_step_costs(
     target: Mapping[tuple[int, int], float], drafter: Mapping[int, float]
 ) -> StepCostTable:
     """The cost table of whole steps: the target's time at (batch size,
-    tokens per request) plus the drafter's at that batch size
-    (piecewise-linear between the drafter's timed batch sizes)."""
+    tokens per request), plus, for tree steps (more than one token per
+    request), the drafter's query pass at that batch size (piecewise-linear
+    between the drafter's timed batch sizes). A step of no speculation
+    drafts nothing for the next step (`DDTreeSpeculator` stores the context
+    only, which the target's timing includes)."""
     if not drafter:
         raise ValueError("DDTree: no drafter timing to add to the target's")
     batches = np.array(sorted(drafter), dtype=np.float64)
     seconds = np.array([drafter[int(n)] for n in batches], dtype=np.float64)
     return StepCostTable(
         {
-            (n, t): s + float(piecewise_linear(batches, seconds, np.float64(n)))
+            (n, t): s
+            + (
+                float(piecewise_linear(batches, seconds, np.float64(n)))
+                if t > 1
+                else 0.0
+            )
             for (n, t), s in target.items()
         }
     )

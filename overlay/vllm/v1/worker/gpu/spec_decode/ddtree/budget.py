@@ -85,6 +85,7 @@ class DDTreeBudgetPlanner:
         self._version = 0
         self._clock = clock
         self._next_snapshot = math.inf  # no re-plan before `start`
+        self.started = False
         self.log_enabled = True
 
     # ------------------------------------------------------------ per step
@@ -148,6 +149,15 @@ class DDTreeBudgetPlanner:
         zeros = [0] * self.tree_budget
         self._publish(self.plan_from_counts(zeros, zeros), None)
         self._next_snapshot = self._clock() + self.interval
+        self.started = True
+
+    def drafts_needed(self, next_num_draft_tokens: int) -> bool:
+        """Whether this step's drafts will be verified: the scheduler gives
+        the next step ``next_num_draft_tokens`` per request (async
+        scheduling: the placeholders it sets from this step's batch size,
+        ``SchedulerOutput.num_spec_tokens_to_schedule``). Before `start`
+        (the warm-up's steps, which carry no such number) always."""
+        return not self.started or next_num_draft_tokens > 0
 
     def _replan(self) -> None:
         """From the landed snapshot (host memory, no device access)."""
