@@ -173,12 +173,17 @@ def test_measured_policy_rejects_bad_values(target_model_config, kwargs, message
     assert message in str(info.value)
 
 
-def test_measured_policy_needs_cuda_graphs_and_one_scheduler():
+def test_measured_policy_needs_cuda_graphs_and_one_scheduler(monkeypatch):
+    from vllm.v1.spec_decode.ddtree import config
     from vllm.v1.spec_decode.ddtree.config import _verify_measured_budget_policy
 
     def fake(policy="measured", eager=False, dp=1, async_scheduling=None):
         return SimpleNamespace(
-            speculative_config=SimpleNamespace(budget_policy=policy),
+            speculative_config=SimpleNamespace(
+                budget_policy=policy,
+                tree_budget=64,
+                num_speculative_tokens_per_batch_size=[(1, 1, 64), (2, 8, 15)],
+            ),
             model_config=SimpleNamespace(enforce_eager=eager),
             parallel_config=SimpleNamespace(data_parallel_size=dp),
             scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
@@ -195,6 +200,18 @@ def test_measured_policy_needs_cuda_graphs_and_one_scheduler():
         with pytest.raises(ValueError, match=message) as info:
             _verify_measured_budget_policy(bad)
         assert "\n" not in str(info.value) and str(info.value).startswith("DDTree")
+    # The batch policy's schedule without async scheduling: a warning (every
+    # request would verify tree_budget nodes), not an error.
+    warnings = []
+    monkeypatch.setattr(
+        config,
+        "logger",
+        SimpleNamespace(warning=lambda msg, *args: warnings.append(msg % args)),
+    )
+    _verify_measured_budget_policy(fake("batch", async_scheduling=False))
+    assert len(warnings) == 1 and "tree_budget=64 nodes" in warnings[0]
+    _verify_measured_budget_policy(fake("batch", async_scheduling=True))
+    assert len(warnings) == 1
 
 
 # ----------------------------------------------------------------- planner

@@ -400,7 +400,19 @@ def _verify_measured_budget_policy(vllm_config: "VllmConfig") -> None:
     picking different budgets would diverge; upstream turns dynamic
     schedules off under data parallelism for that reason)."""
     spec = getattr(vllm_config, "speculative_config", None)
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    sync_scheduling = getattr(scheduler_config, "async_scheduling", None) is False
     if getattr(spec, "budget_policy", None) != "measured":
+        if sync_scheduling and getattr(
+            spec, "num_speculative_tokens_per_batch_size", None
+        ):
+            logger.warning(
+                "DDTree: without async scheduling every request verifies "
+                "tree_budget=%s nodes per step; the per-batch-size budget "
+                "schedule applies only with async scheduling (drop "
+                "--no-async-scheduling).",
+                getattr(spec, "tree_budget", None),
+            )
         return
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is not None and getattr(model_config, "enforce_eager", False):
@@ -409,8 +421,7 @@ def _verify_measured_budget_policy(vllm_config: "VllmConfig") -> None:
             "startup, and enforce_eager turns them off; drop --enforce-eager or "
             "use budget_policy 'batch'."
         )
-    scheduler_config = getattr(vllm_config, "scheduler_config", None)
-    if getattr(scheduler_config, "async_scheduling", None) is False:
+    if sync_scheduling:
         raise ValueError(ASYNC_SCHEDULING_ERROR)
     parallel_config = getattr(vllm_config, "parallel_config", None)
     dp = getattr(parallel_config, "data_parallel_size", 1)
