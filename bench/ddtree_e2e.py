@@ -51,6 +51,8 @@ TREE_BUILD_KERNELS = re.compile(
 )
 BOOKKEEPING_KERNELS = re.compile(
     r"_ddtree_walk_kernel|_ddtree_tree_bias_kernel|_ddtree_compact_kv_kernel"
+    r"|_ddtree_compact_rows_kernel|_commit_conv_kernel|_commit_gdn_kernel"
+    r"|_ddtree_tree_positions_kernel|_ddtree_store_trees_kernel"
 )
 
 
@@ -389,9 +391,10 @@ def split_gpu_time(events, cuda_type) -> tuple[dict, dict, float, bool]:
     return us, top, draft_us, bool(spans)
 
 
-def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> None:
+def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> dict:
     """Decode ``prompts`` ``conc`` at a time under the torch profiler; print
-    the wall time and the GPU kernel time per engine step, by category."""
+    (and return) the wall time and the GPU kernel time per engine step, by
+    category."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -458,6 +461,7 @@ def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> None:
         },
     )
     print("PROFILE", json.dumps(res), flush=True)
+    return res
 
 
 def count_host_syncs(llm, a, tag, prompts, sp) -> None:

@@ -85,9 +85,10 @@ want() { [[ $RUNS == *"+$1+"* ]]; }
 if want kernel; then
 echo "=== kernel tests $(date +%T)"
 (cd tests/in_vllm && env TINYPAIR_DIR="$MODELS" \
-  timeout 120 "$PYTHON" -m pytest -q \
+  timeout 240 "$PYTHON" -m pytest -q \
   -p no:cacheprovider -c pytest.ini test_ddtree_gdn.py test_ddtree_gdn_builder.py \
-  test_ddtree_gdn_hybrid.py test_ddtree_hybrid_runner.py test_ddtree_tree_conv.py \
+  test_ddtree_gdn_hybrid.py test_ddtree_gdn_commit.py test_ddtree_hybrid_runner.py \
+  test_ddtree_tree_conv.py test_ddtree_kernels.py test_ddtree_launch_counts.py \
   test_gdn_float32_prefill.py) > "$L/hybrid_kernel_tests.log" 2>&1
 echo "rc=$? kernel tests"; tail -3 "$L/hybrid_kernel_tests.log"
 fi

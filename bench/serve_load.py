@@ -176,7 +176,7 @@ def make_plans(
     return plans
 
 
-def _chunk_text(kind: str, payload: dict) -> tuple[str, str | None]:
+def chunk_text(kind: str, payload: dict) -> tuple[str, str | None]:
     choices = payload.get("choices") or []
     if not choices:
         return "", None
@@ -193,7 +193,7 @@ def _top2_gap(logprobs: list[float]) -> float:
     return vals[0] - vals[1] if len(vals) > 1 else float("inf")
 
 
-def _chunk_logprobs(kind: str, payload: dict) -> list[tuple[str, float]]:
+def chunk_logprobs(kind: str, payload: dict) -> list[tuple[str, float]]:
     """(token text, top-1 minus top-2 logprob) of each token in a chunk."""
     choices = payload.get("choices") or []
     lp = (choices[0].get("logprobs") if choices else None) or {}
@@ -276,9 +276,9 @@ async def one_request(
                         out.status = "error"
                         out.error = json.dumps(payload["error"])[:300]
                         return
-                    text, finish = _chunk_text(plan.kind, payload)
+                    text, finish = chunk_text(plan.kind, payload)
                     if logprobs:
-                        for tok, gap in _chunk_logprobs(plan.kind, payload):
+                        for tok, gap in chunk_logprobs(plan.kind, payload):
                             out.tokens.append(tok)
                             out.gaps.append(gap)
                     out.text += text
@@ -309,11 +309,11 @@ async def one_request(
 
 
 # ------------------------------------------------------------------- driver
-def check_loopback(base_url: str) -> str:
+def check_loopback(base_url: str, tool: str = "serve_load") -> str:
     u = urlparse(base_url)
     if u.scheme != "http" or u.hostname not in LOOPBACK_HOSTS:
         raise SystemExit(
-            f"serve_load: only loopback http servers are allowed, got {base_url!r}"
+            f"{tool}: only loopback http servers are allowed, got {base_url!r}"
         )
     return base_url.rstrip("/")
 

@@ -132,6 +132,8 @@ def ensure_venv(wheel: Path, python: str | None = None) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
         _prune_layers(keep=layer)
         _log(f"wheel layer ready in {time.monotonic() - t0:.0f}s")
+    # Marks the layer as in use, for _prune_layers.
+    os.utime(layer)
     return layer
 
 
@@ -142,8 +144,11 @@ def _site_packages(venv: Path) -> Path:
     return found[0]
 
 
-def _prune_layers(keep: Path, count: int = 4) -> None:
-    """Keep the newest few wheel layers (each about 1 GB)."""
+def _prune_layers(keep: Path, count: int = 4, idle_hours: float = 6.0) -> None:
+    """Remove the wheel layers (each about 1 GB) beyond the newest ``count``
+    that no one has used for ``idle_hours``: a test run that took its layer
+    minutes ago may still be running from it (checkouts build and test at the
+    same time), so age alone, not rank, decides."""
     layers = sorted(
         (
             p
@@ -153,8 +158,10 @@ def _prune_layers(keep: Path, count: int = 4) -> None:
         key=lambda p: p.stat().st_mtime,
         reverse=True,
     )
+    cutoff = time.time() - idle_hours * 3600
     for old in layers[count - 1 :]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.stat().st_mtime < cutoff:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 if __name__ == "__main__":

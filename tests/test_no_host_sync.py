@@ -38,7 +38,6 @@ PER_STEP = {
         "commit",
         "spec_decode_rows",
         "gdn_layer_states",
-        "_copy_from_host",
     },
     "vllm/v1/worker/gpu/spec_decode/ddtree/speculator.py": {
         "_generate_draft",
@@ -54,10 +53,16 @@ PER_STEP = {
         "_publish",
         "plan_from_counts",
     },
+    # The one-launch GDN commit after the walk (its tables are built at bind).
+    "vllm/v1/spec_decode/ddtree/gdn_commit.py": {"commit_accepted_paths"},
     "vllm/v1/worker/gpu/spec_decode/ddtree/kernels.py": {
         "ddtree_walk",
         "ddtree_tree_bias",
+        "ddtree_tree_positions",
+        "ddtree_restore_positions",
+        "ddtree_store_trees",
         "__call__",
+        "compact_rows",
     },
     "vllm/v1/spec_decode/ddtree/sampling.py": None,
     # The measured budget policy's counters: updated every step; the snapshot

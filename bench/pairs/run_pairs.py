@@ -25,6 +25,7 @@ then one embedding row per pair (check_embedding.py) and the plot.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -193,13 +194,110 @@ def compare(
     return f"{same}/{len(got)}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_engine_options(ap: argparse.ArgumentParser) -> None:
+    """The options every engine process takes (engine_command passes them on)."""
     ap.add_argument(
         "--models",
         default=os.path.join(HERE, "models"),
         help="trained pairs (train.py --out)",
     )
+    ap.add_argument(
+        "--prompts", default=None, help="default: <models>/prompts/heldout.jsonl"
+    )
+    ap.add_argument("--c1-prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--chain-k", type=int, default=15)
+    ap.add_argument(
+        "--ddtree",
+        default="{}",
+        help="DDTree speculative_config keys (JSON), e.g. '{\"tree_budget\": 64}'",
+    )
+    ap.add_argument(
+        "--llm-kwargs", default=None, help="extra LLM(...) keyword arguments (JSON)"
+    )
+    ap.add_argument("--engine-timeout", type=int, default=900)
+
+
+def engine_command(
+    a,
+    pair: str,
+    dtype: str,
+    method: str,
+    conc: str,
+    workdir: str | None = None,
+    llm_kwargs: str | None = None,
+) -> list[str]:
+    """The command line of one engine process (``--engine``) with ``a``'s
+    options; ``workdir`` and ``llm_kwargs`` override ``a``'s."""
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--engine",
+        "--pair",
+        pair,
+        "--dtype",
+        dtype,
+        "--method",
+        method,
+        "--conc",
+        conc,
+        "--models",
+        a.models,
+        "--out",
+        a.out,
+        "--prompts",
+        a.prompts,
+        "--c1-prompts",
+        str(a.c1_prompts),
+        "--max-tokens",
+        str(a.max_tokens),
+        "--max-model-len",
+        str(a.max_model_len),
+        "--gpu-memory-utilization",
+        str(a.gpu_memory_utilization),
+        "--chain-k",
+        str(a.chain_k),
+        "--ddtree",
+        a.ddtree,
+        "--workdir",
+        workdir or a.workdir,
+    ]
+    llm_kwargs = llm_kwargs or a.llm_kwargs
+    if llm_kwargs:
+        cmd += ["--llm-kwargs", llm_kwargs]
+    return cmd
+
+
+def run_engine_process(
+    cmd: list[str], timeout: float, stderr_path: str | None = None
+) -> tuple[list[dict], int | str, str]:
+    """Run one engine process: its ``ROW`` lines, its exit code (``"timeout"``
+    when it ran past ``timeout``) and, with ``stderr_path`` (where its stderr
+    goes instead of ours), the last 4000 characters of that stderr."""
+    with contextlib.ExitStack() as stack:
+        err = stack.enter_context(open(stderr_path, "w")) if stderr_path else None
+        try:
+            proc = subprocess.run(
+                cmd, stdout=subprocess.PIPE, stderr=err, text=True, timeout=timeout
+            )
+            out, rc = proc.stdout, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            rc = "timeout"
+    tail = ""
+    if stderr_path:
+        with open(stderr_path) as f:
+            tail = f.read()[-4000:]
+    rows = [
+        json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW ")
+    ]
+    return rows, rc, tail
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--out", required=True, help="JSON rows (rewritten after every engine)"
     )
@@ -226,23 +324,7 @@ def main() -> None:
         "without the identity layers and with 16384 vocabulary rows",
     )
     ap.add_argument("--plot", default=None, help="PNG of tokens/s (plot_pairs.py)")
-    ap.add_argument(
-        "--prompts", default=None, help="default: <models>/prompts/heldout.jsonl"
-    )
-    ap.add_argument("--c1-prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--chain-k", type=int, default=15)
-    ap.add_argument(
-        "--ddtree",
-        default="{}",
-        help="DDTree speculative_config keys (JSON), e.g. '{\"tree_budget\": 64}'",
-    )
-    ap.add_argument(
-        "--llm-kwargs", default=None, help="extra LLM(...) keyword arguments (JSON)"
-    )
-    ap.add_argument("--engine-timeout", type=int, default=900)
+    add_engine_options(ap)
     ap.add_argument(
         "--workdir", default=None, help="token files (default: next to --out)"
     )
@@ -280,57 +362,10 @@ def main() -> None:
             f"engine {k + 1}/{len(plan)}: {pair} {dtype} {method} at c={conc} "
             f"({time.time() - t_all:.0f} s so far)"
         )
-        cmd = [
-            sys.executable,
-            __file__,
-            "--engine",
-            "--pair",
-            pair,
-            "--dtype",
-            dtype,
-            "--method",
-            method,
-            "--conc",
-            conc,
-            "--models",
-            a.models,
-            "--out",
-            a.out,
-            "--prompts",
-            a.prompts,
-            "--c1-prompts",
-            str(a.c1_prompts),
-            "--max-tokens",
-            str(a.max_tokens),
-            "--max-model-len",
-            str(a.max_model_len),
-            "--gpu-memory-utilization",
-            str(a.gpu_memory_utilization),
-            "--chain-k",
-            str(a.chain_k),
-            "--ddtree",
-            a.ddtree,
-            "--workdir",
-            a.workdir,
-        ]
-        if a.llm_kwargs:
-            cmd += ["--llm-kwargs", a.llm_kwargs]
         t = time.time()
-        try:
-            proc = subprocess.run(
-                cmd, stdout=subprocess.PIPE, text=True, timeout=a.engine_timeout
-            )
-            out, rc = proc.stdout, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            out, rc = (
-                (e.stdout or b"").decode()
-                if isinstance(e.stdout, bytes)
-                else (e.stdout or ""),
-                "timeout",
-            )
-        new = [
-            json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW ")
-        ]
+        new, rc, _ = run_engine_process(
+            engine_command(a, pair, dtype, method, conc), a.engine_timeout
+        )
         if rc != 0:
             log(
                 f"engine {pair} {dtype} {method} ended with {rc} "

@@ -445,11 +445,22 @@ def test_prepare_step_maps_spec_rows_to_request_states():
         num_scheduled_tokens=np.array([5, 3, 4], dtype=np.int32),
         idx_mapping_np=np.array([4, 0, 2], dtype=np.int32),
     )
-    ctx.prepare_step(batch)
+    from dispatch_counts import count_dispatch
+
+    addresses = [t.data_ptr() for t in (ctx.tree_rows, ctx.spec_query_start)]
+    with count_dispatch() as counts:
+        ctx.prepare_step(batch)
     assert ctx.num_spec == 2 and ctx.num_spec_tokens == 7
     assert ctx.tree_rows[:2].tolist() == [0, 2]
     assert ctx.spec_batch_rows[:2].tolist() == [1, 2]
     assert ctx.spec_query_start[:3].tolist() == [0, 3, 7]
+    # The tables stay where the captured graphs read them, and arrive in
+    # one copy from the staging buffers (no tensor, pinned or not, made
+    # per step; host numbers only).
+    assert [t.data_ptr() for t in (ctx.tree_rows, ctx.spec_query_start)] == addresses
+    assert counts.num_launches == 0
+    # (the slice: the staging buffer's used part)
+    assert counts.ops == ["aten.slice.Tensor", "aten.copy_.default"], counts.ops
 
 
 def test_bind_layers_checks_the_buffer_shapes():

@@ -265,6 +265,7 @@ def _prefill_and_tree_batch():
             num_tokens_after_padding=10,
             num_draft_tokens=B,
             positions=positions,
+            input_ids=torch.arange(10, dtype=torch.int32),
             logits_indices=torch.tensor([2, 3, 4, 5, 6, 7]),
             expanded_idx_mapping=torch.tensor([0, 2, 2, 2, 2, 2], dtype=torch.int32),
             expanded_local_pos=torch.tensor([0, 0, 1, 2, 3, 4], dtype=torch.int32),
@@ -434,15 +435,17 @@ def test_verifier_sizes_the_gdn_buffers_from_the_hybrid_config(
     assert gdn.x_buf.dtype == torch.float32
     assert gdn.parent_idx is verifier.req_parent_idx
     # The startup line counts the GDN buffers: all of the GDN object's
-    # tensors but the verifier's parent table.
-    gdn_bytes = sum(
-        t.nbytes
+    # tensors (each storage once: the spec-row tables are views of one
+    # buffer) but the verifier's parent table.
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
         for t in vars(gdn).values()
         if isinstance(t, torch.Tensor) and t is not gdn.parent_idx
-    )
-    # x, a, b: 6 layers x 68 rows; tree_rows, spec_query_start (int32) and
-    # spec_batch_rows (int64) per request.
-    assert gdn_bytes == (6 * 68 * (256 + 2 * 4) + 4 + 5) * 4 + 4 * 8
+    }
+    gdn_bytes = sum(storages.values())
+    # x, a, b: 6 layers x 68 rows; tree_rows, spec_batch_rows and
+    # spec_query_start (int32) per request, one more query start.
+    assert gdn_bytes == (6 * 68 * (256 + 2 * 4) + 3 * 4 + 1) * 4
     assert verifier.memory_bytes["gdn"] == gdn_bytes
     sizes = verifier.memory_bytes
     assert len(lines) == 1

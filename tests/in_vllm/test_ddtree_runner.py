@@ -250,7 +250,7 @@ def _compact_batch(verifier, batch):
     for tok in range(8):
         s = int(slots[tok])
         kv_cache[s // 16, 0, s % 16] = float(tok)
-    verifier.target_kv_caches = {"layer": kv_cache}
+    verifier.bind_kv_caches({"layer": kv_cache}, set())
     verifier.compact(batch, {"layer": slots}, [hidden])
     return hidden, slots, kv_cache
 
@@ -280,6 +280,130 @@ def test_sample_walks_the_tree_and_compaction_moves_the_path():
     assert got == [0, 1, 2, 3, 4, 7, 6, 7]
     # Sequential positions are back for the DFlash context.
     assert batch.positions.tolist() == [0, 1, 2, 20, 21, 22, 23, 24, 0, 0]
+
+
+def _random_walk(gen, num_reqs, depth, budget):
+    """Walk outputs as `ddtree_walk` writes them: per request an accepted
+    path of verify indices 0 = a_0 < a_1 < ... (a_k >= k), flat rows
+    ``row0 + a_k`` moved to ``row0 + k``, root self-copies past the path;
+    one request accepts only its root."""
+    rows0 = [r * (1 + budget) for r in range(num_reqs)]
+    src = torch.zeros(num_reqs, depth + 1, dtype=torch.int64)
+    dst = torch.zeros_like(src)
+    num_accepted = torch.zeros(num_reqs, dtype=torch.int32)
+    for r, row0 in enumerate(rows0):
+        n = 1 if r == 1 else int(torch.randint(2, depth + 2, (1,), generator=gen))
+        nodes = [0] + sorted(
+            torch.randperm(budget, generator=gen)[: n - 1].add(1).tolist()
+        )
+        src[r] = row0
+        dst[r] = row0
+        src[r, :n] = torch.tensor(nodes) + row0
+        dst[r, :n] = torch.arange(n) + row0
+        num_accepted[r] = n
+    return src, dst, num_accepted, num_reqs * (1 + budget)
+
+
+def _torch_move(kv, slots, src, dst):
+    """The per-layer torch compaction (gather, then scatter)."""
+    s = slots[src.view(-1)].long()
+    d = slots[dst.view(-1)].long()
+    bs = kv.shape[2]
+    kv[d // bs, :, d % bs] = kv[s // bs, :, s % bs]
+
+
+def test_compaction_moves_each_kv_cache_group_with_its_slot_mapping():
+    """A fake hybrid-like target: attention layers in two KV-cache groups
+    with different slot mappings and layouts (one launch per group), a
+    drafter layer and a KV-sharing layer (moved once, through its target),
+    GDN state lists (left alone); aux hidden states of two dtypes. Every
+    tensor must equal the per-layer torch compaction."""
+    gen = torch.Generator().manual_seed(0)
+    depth, budget, num_reqs = 4, 7, 3
+    src, dst, num_accepted, T = _random_walk(gen, num_reqs, depth, budget)
+
+    def kv(blocks, heads, row, dtype):
+        # vLLM's NHD view: (blocks, heads, slots, row), slots outermost.
+        x = torch.randn(blocks, 16, heads, row, generator=gen).to(dtype)
+        return x.permute(0, 2, 1, 3)
+
+    caches = {
+        "l0.attn": kv(12, 2, 8, torch.bfloat16),
+        "l2.attn": kv(12, 2, 8, torch.bfloat16),
+        "l5.attn": kv(10, 1, 16, torch.float32),
+        "l7.attn": kv(10, 1, 16, torch.float32),
+        "draft.attn": kv(12, 2, 8, torch.bfloat16),
+        "l1.gdn": [torch.zeros(3, 4), torch.zeros(3, 4)],
+    }
+    caches["l9.attn"] = caches["l2.attn"]  # KV sharing: in no group
+    groups = [["l0.attn", "l2.attn", "draft.attn"], ["l1.gdn"], ["l5.attn", "l7.attn"]]
+    # Each group's verify rows at its own slots (a permutation of blocks).
+    slots0 = torch.randperm(12 * 16, generator=gen)[:T].to(torch.int32)
+    slots1 = torch.randperm(10 * 16, generator=gen)[:T].to(torch.int64)
+    by_layer = {n: slots0 for n in groups[0]} | {n: slots1 for n in groups[2]}
+    hidden = [torch.randn(T, 40, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    hidden.append(torch.randn(T, 24, generator=gen))
+
+    expected = {n: t.clone() for n, t in caches.items() if torch.is_tensor(t)}
+    for name in ("l0.attn", "l2.attn"):
+        _torch_move(expected[name], slots0, src, dst)
+    for name in ("l5.attn", "l7.attn"):
+        _torch_move(expected[name], slots1, src, dst)
+    expected["l9.attn"] = expected["l2.attn"]
+    expected_hidden = [h.clone() for h in hidden]
+    for h in expected_hidden:
+        h[dst.view(-1)] = h[src.view(-1)].clone()
+
+    verifier = _verifier()
+    verifier.bind_kv_caches(caches, {"draft.attn"}, groups)
+    assert [n for n, _ in verifier.kv_compactors] == ["l0.attn", "l5.attn"]
+    assert [c.num_layers for _, c in verifier.kv_compactors] == [2, 2]
+    verifier._walk = (num_accepted, src, dst)
+    verifier.compact(SimpleNamespace(), by_layer, hidden)
+
+    for name, ref in expected.items():
+        assert torch.equal(caches[name], ref), name
+    for h, ref in zip(hidden, expected_hidden):
+        assert torch.equal(h, ref)
+
+
+def test_compaction_refuses_layouts_it_cannot_move_at_startup():
+    verifier = _verifier()
+    a = torch.zeros(4, 2, 16, 8)
+    with pytest.raises(ValueError, match="group 0: target KV caches of one group"):
+        verifier.bind_kv_caches(
+            {"a": a, "b": torch.zeros(4, 1, 16, 8)}, set(), [["a", "b"]]
+        )
+    with pytest.raises(ValueError, match="is not \\(num_blocks"):
+        verifier.bind_kv_caches({"a": torch.zeros(4, 2, 2, 16, 8)}, set(), [["a"]])
+    with pytest.raises(ValueError, match="in no KV-cache group"):
+        verifier.bind_kv_caches({"a": a, "b": a.clone()}, set(), [["a"]])
+    # One line each (the startup error a user sees).
+    try:
+        verifier.bind_kv_caches(
+            {"a": a, "b": torch.zeros(4, 1, 16, 8)}, set(), [["a", "b"]]
+        )
+    except ValueError as e:
+        assert "\n" not in str(e)
+
+
+def test_the_runner_binds_the_verifier_with_its_kv_cache_groups():
+    """The runner hook passes the KV-cache groups (their slot mappings and
+    GDN state slots are per group)."""
+    import ast
+    import inspect
+    import textwrap
+
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    source = textwrap.dedent(inspect.getsource(GPUModelRunner.initialize_kv_cache))
+    calls = [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "self.ddtree.bind"
+    ]
+    assert len(calls) == 1 and len(calls[0].args) == 4
+    assert "self.kv_cache_config.kv_cache_groups" in ast.unparse(calls[0].args[3])
 
 
 def test_partially_scheduled_tree_never_accepts_unscheduled_nodes():
@@ -370,8 +494,9 @@ def test_bind_refuses_model_states_without_the_hook():
 
 # ------------------------------------------------------ startup memory line
 def persistent_buffers(*objects):
-    """Every tensor held by ``objects`` (attributes, and lists / tuples of
-    tensors in attributes), each counted once."""
+    """Every tensor held by ``objects`` (attributes, lists / tuples of
+    tensors in attributes, and the tensors of attributes that are DDTree
+    objects themselves, such as the walk's buffers), each counted once."""
     found = {}
     for obj in objects:
         for value in vars(obj).values():
@@ -379,6 +504,11 @@ def persistent_buffers(*objects):
             for item in items:
                 if isinstance(item, torch.Tensor):
                     found[id(item)] = item
+                elif type(item).__module__.startswith(
+                    "vllm.v1.worker.gpu.spec_decode.ddtree"
+                ):
+                    for t in persistent_buffers(item):
+                        found[id(t)] = t
     return list(found.values())
 
 
@@ -431,17 +561,19 @@ def _memory_verifier(monkeypatch, max_reqs, budget, max_tokens, speculator):
 MEMORY_LINES = {
     (1024, 64): (
         "DDTree: extra GPU memory for max_num_seqs=1024, tree_budget=64: "
-        "3.0 MiB = tree attention bias 0.8 MiB (1024 x 65 nodes x 3 int32 "
-        "words, 1 bit per node pair) + tree/walk/compaction buffers 2.2 MiB "
+        "4.3 MiB = tree attention bias 0.8 MiB (1024 x 65 nodes x 3 int32 "
+        "words, 1 bit per node pair) + tree/walk/compaction buffers 3.5 MiB "
         "(parents, depths and valid flags of 1024 x 64 nodes per request and "
-        "per batch row; max_num_batched_tokens=8192 saved positions)."
+        "per batch row; the walk's paths and scratch; tree positions of "
+        "max_num_batched_tokens=8192 logits rows)."
     ),
     (1024, 256): (
         "DDTree: extra GPU memory for max_num_seqs=1024, tree_budget=256: "
-        "17.6 MiB = tree attention bias 9.0 MiB (1024 x 257 nodes x 9 int32 "
-        "words, 1 bit per node pair) + tree/walk/compaction buffers 8.6 MiB "
+        "22.0 MiB = tree attention bias 9.0 MiB (1024 x 257 nodes x 9 int32 "
+        "words, 1 bit per node pair) + tree/walk/compaction buffers 12.9 MiB "
         "(parents, depths and valid flags of 1024 x 256 nodes per request and "
-        "per batch row; max_num_batched_tokens=8192 saved positions)."
+        "per batch row; the walk's paths and scratch; tree positions of "
+        "max_num_batched_tokens=8192 logits rows)."
     ),
 }
 

@@ -7,6 +7,7 @@ serve ...`): one readable line, no traceback, a non-zero exit."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -403,9 +404,12 @@ def cli_runs(tmp_path_factory, tinypair):
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
         )
     out = {}
+    # One deadline for all: the starts share the CPUs (8 vLLM imports at once on
+    # a 2-core machine under other load took over 300 s for the first to exit).
+    deadline = time.monotonic() + 900
     for name, p in procs.items():
         try:
-            stdout, stderr = p.communicate(timeout=300)
+            stdout, stderr = p.communicate(timeout=max(1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             stdout, stderr = p.communicate()

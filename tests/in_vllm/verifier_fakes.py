@@ -52,20 +52,23 @@ def make_verifier(device="cpu", max_reqs=4, max_tokens=64):
 
 
 def store_trees(verifier, req_states, trees, device="cpu"):
-    """Store ``trees`` (parent, depth, tokens) for ``req_states``; returns the
-    draft tokens [4, B] the verifier's sample() takes."""
+    """Store ``trees`` (parent, depth, tokens) for ``req_states`` as the
+    runner does after a DFlash pass; returns the per-request draft tokens
+    [4, B] (the runner's ``req_states.draft_tokens``, which store_trees
+    writes) that the verifier's sample() takes."""
     spec = SimpleNamespace(
         tree_parent_idx=torch.tensor([t[0] for t in trees], device=device),
         tree_depth=torch.tensor([t[1] for t in trees], device=device),
         tree_valid=torch.ones(len(trees), B, dtype=torch.bool, device=device),
+        draft_tokens=torch.tensor([t[2] for t in trees], device=device),
     )
+    draft_tokens = torch.zeros(4, B, dtype=torch.int64, device=device)
     verifier.store_trees(
-        torch.tensor(req_states, dtype=torch.int32, device=device), spec
+        torch.tensor(req_states, dtype=torch.int32, device=device),
+        spec,
+        draft_tokens,
     )
-    draft_tokens = torch.zeros(4, B, dtype=torch.int64)
-    for s, t in zip(req_states, trees):
-        draft_tokens[s] = torch.tensor(t[2])
-    return draft_tokens.to(device)
+    return draft_tokens
 
 
 def tree_penalties(vocab=32, device="cpu"):

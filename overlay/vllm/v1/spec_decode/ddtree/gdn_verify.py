@@ -21,16 +21,17 @@ Per step:
    copy their verify-row inputs into the layer's persistent buffers (the
    pre-conv ``mixed_qkv`` rows, ``a`` and ``b``), with fixed shapes and no
    host synchronisation, so the copies are captured in CUDA graphs too.
-2. After the walk (`DDTreeGDN.commit`, from the verifier's ``compact``): per
-   layer, the post-conv rows are recomputed from the saved pre-conv rows
-   (the forward's kernel on the forward's inputs: the same values), the
-   recurrent state after the accepted path is written into the committed
-   slot (`tree_gated_delta_rule` with the accepted leaf as target), then the
-   conv window (`tree_conv_state_update`).
+2. After the walk (`DDTreeGDN.commit`, from the verifier's ``compact``): for
+   all GDN layers at once (`gdn_commit.commit_accepted_paths`, two
+   launches), the accepted path's post-conv rows are recomputed from the
+   saved pre-conv rows (the forward's arithmetic on the forward's inputs:
+   the same values), the recurrent state after the path is written into the
+   committed slot, and so is the conv window. Only the path's rows (at most
+   ``draft_depth + 1`` per request) are recomputed, not the whole tree's.
 
 The post-conv q / k / v are recomputed rather than saved: saving them would
 double the buffers (a ``conv_dim`` row per verify token and layer) for a
-recomputation that costs one small conv launch per layer after the walk.
+recomputation of at most ``draft_depth + 1`` rows per request and layer.
 
 The verifier binds this object to each GDN layer of a hybrid target
 (`DDTreeGDN.bind_layers` sets the layer's ``ddtree_verifier``); the upstream
@@ -40,17 +41,20 @@ layer only gains that attribute and two branches that call `conv` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from vllm.logger import init_logger
-from vllm.v1.spec_decode.ddtree.tree_conv import (
-    tree_causal_conv1d,
-    tree_conv_state_update,
+from vllm.v1.spec_decode.ddtree.gdn_commit import (
+    GDNCommitTables,
+    commit_accepted_paths,
 )
+from vllm.v1.spec_decode.ddtree.tree_conv import tree_causal_conv1d
 from vllm.v1.spec_decode.ddtree.tree_gdn import tree_gated_delta_rule
+from vllm.v1.worker.gpu.buffer_utils import UvaBufferPool
 
 logger = init_logger(__name__)
 
@@ -68,14 +72,6 @@ def spec_decode_rows(
     drafts = num_draft_tokens_per_req
     is_decode = num_scheduled_tokens[:num_reqs] == drafts + 1
     return np.flatnonzero((drafts > 0) & is_decode).astype(np.int64)
-
-
-def _copy_from_host(values: np.ndarray, out: torch.Tensor) -> None:
-    src = torch.from_numpy(np.ascontiguousarray(values)).to(out.dtype)
-    if out.is_cuda:
-        out.copy_(src.pin_memory(), non_blocking=True)
-    else:
-        out.copy_(src)
 
 
 class DDTreeGDN:
@@ -97,6 +93,7 @@ class DDTreeGDN:
         # state (the verifier's persistent table; captured graphs read it).
         self.parent_idx = parent_idx
         self.draft_depth = draft_depth
+        self.max_num_reqs = max_num_reqs
         self.max_rows = max_rows
         self.num_layers = num_layers
         self.conv_dim = conv_dim
@@ -110,21 +107,34 @@ class DDTreeGDN:
             num_layers, max_rows, num_v_heads, dtype=dtype, device=device
         )
         self.b_buf = torch.zeros_like(self.a_buf)
-        # Spec row (GDN metadata order) -> request-state index (row of
-        # parent_idx). Persistent: captured graphs read it.
-        self.tree_rows = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
-        # The step's spec rows, for the post-walk update (outside graphs).
-        self.spec_batch_rows = torch.zeros(
-            max_num_reqs, dtype=torch.int64, device=device
-        )
-        self.spec_query_start = torch.zeros(
-            max_num_reqs + 1, dtype=torch.int32, device=device
-        )
+        # The step's spec-row tables, one device buffer written by one copy
+        # per step (prepare_step) from a host mirror through the runner's
+        # round-robin pinned staging buffers (no pinned allocation per step):
+        # spec row (GDN metadata order) -> request-state index (row of
+        # parent_idx; captured graphs read it, at a fixed address), -> batch
+        # row, and the spec rows' first verify-buffer rows (the post-walk
+        # update's, outside graphs).
+        m = max_num_reqs
+        self.spec_rows = torch.zeros(3 * m + 1, dtype=torch.int32, device=device)
+        self.tree_rows = self.spec_rows[:m]
+        self.spec_batch_rows = self.spec_rows[m : 2 * m]
+        self.spec_query_start = self.spec_rows[2 * m :]
+        self._spec_rows_np = np.zeros(3 * m + 1, dtype=np.int32)
+        self._spec_rows_staging = UvaBufferPool(3 * m + 1, torch.int32)
         self.num_spec = 0
         self.num_spec_tokens = 0
+        self.device = device
         self.layer_index: dict[str, int] = {}
         self.layers: dict[str, Any] = {}
-        self.metadata: dict[str, Any] = {}
+        # Set by bind_layers: the per-layer tables of the one-launch commit,
+        # one GDN layer per KV-cache group (whose metadata holds that group's
+        # state slots), and room for every group's slots of a step.
+        self.tables: GDNCommitTables | None = None
+        self.group_layers: list[str] = []
+        self.slot_buf = torch.zeros(0, dtype=torch.int32, device=device)
+        # The step's GDN metadata, one per KV-cache group (attach).
+        self.group_metadata: list[Any] = []
+        self._groups_checked = False
 
     @classmethod
     def from_vllm_config(
@@ -174,22 +184,23 @@ class DDTreeGDN:
         inputs of every GDN layer and the step's spec-row tables; the parent
         table is the verifier's)."""
         return sum(
-            t.nbytes
-            for t in (
-                self.x_buf,
-                self.a_buf,
-                self.b_buf,
-                self.tree_rows,
-                self.spec_batch_rows,
-                self.spec_query_start,
-            )
+            t.nbytes for t in (self.x_buf, self.a_buf, self.b_buf, self.spec_rows)
         )
 
     # ------------------------------------------------------------ binding
-    def bind_layers(self, forward_context: dict[str, Any]) -> None:
-        """Find the target's GDN layers (once the model is loaded) and make
-        this object their tree verifier: from now on each layer's
-        spec-decode rows go through `conv` and `recurrent`."""
+    def bind_layers(
+        self,
+        forward_context: dict[str, Any],
+        kv_cache_groups: Sequence[Sequence[str]] | None = None,
+    ) -> None:
+        """Find the target's GDN layers (once the model and its KV caches
+        exist) and make this object their tree verifier: from now on each
+        layer's spec-decode rows go through `conv` and `recurrent`.
+
+        ``kv_cache_groups``: the layer names of each KV-cache group (the
+        runner's ``kv_cache_config.kv_cache_groups``); GDN layers of
+        different groups read their state slots from different metadata.
+        None: all GDN layers in one group."""
         from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
             QwenGatedDeltaNetAttention,
         )
@@ -215,16 +226,47 @@ class DDTreeGDN:
                 )
             self.layer_index[name] = i
             self.layers[name] = layer
+        group_of = _group_index(list(layers), kv_cache_groups)
+        self.group_layers = [
+            next(name for name in layers if group_of[name] == g)
+            for g in range(max(group_of.values()) + 1)
+        ]
+        states = [gdn_layer_states(layer) for layer in layers.values()]
+        self.tables = GDNCommitTables(
+            list(layers.values()),
+            [conv for conv, _ in states],
+            [ssm for _, ssm in states],
+            [group_of[name] for name in layers],
+            self.device,
+        )
+        self.slot_buf = torch.zeros(
+            len(self.group_layers) * self.max_num_reqs,
+            dtype=torch.int32,
+            device=self.device,
+        )
+        self.group_metadata = []
+        self._groups_checked = False
         for layer in layers.values():
             layer.ddtree_verifier = self
 
     def attach(self, attn_metadata: dict[str, Any]) -> None:
-        """Keep the step's GDN metadata per layer (state slots, per KV group)."""
-        metadata = {
-            name: md for name, md in attn_metadata.items() if name in self.layer_index
-        }
-        if metadata:
-            self.metadata = metadata
+        """Keep the step's GDN metadata (state slots), one per KV-cache
+        group."""
+        if not self.group_layers or self.group_layers[0] not in attn_metadata:
+            return
+        self.group_metadata = [attn_metadata.get(name) for name in self.group_layers]
+        if not self._groups_checked:
+            # Once: every GDN layer shares its group's metadata object (the
+            # groups given at bind are the ones the runner builds).
+            for name, idx in self.layer_index.items():
+                group = self.tables.layer_group_list[idx] if self.tables else 0
+                if attn_metadata.get(name) is not self.group_metadata[group]:
+                    raise RuntimeError(
+                        f"DDTree: GDN layer {name} does not share the attention "
+                        f"metadata of {self.group_layers[group]}, its KV-cache "
+                        "group's first layer."
+                    )
+            self._groups_checked = True
 
     # ----------------------------------------------------- per step (host)
     def prepare_step(self, input_batch: Any) -> None:
@@ -259,9 +301,14 @@ class DDTreeGDN:
                 f"GDN verify buffers ({self.max_rows} rows)."
             )
         idx_mapping_np = np.asarray(input_batch.idx_mapping_np)
-        _copy_from_host(idx_mapping_np[rows_np], self.tree_rows[:n])
-        _copy_from_host(rows_np, self.spec_batch_rows[:n])
-        _copy_from_host(query_start_np, self.spec_query_start[: n + 1])
+        m = self.max_num_reqs
+        host = self._spec_rows_np
+        host[:n] = idx_mapping_np[rows_np]
+        host[m : m + n] = rows_np
+        host[2 * m : 2 * m + n + 1] = query_start_np
+        # One copy of the whole table: rows past n are stale, as before the
+        # copy (graph padding rows read them; their null slot is skipped).
+        self._spec_rows_staging.copy_to_gpu(host, out=self.spec_rows)
 
     # -------------------------------------------- forward (inside the layer)
     def _spec_rows(self, md: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -350,7 +397,7 @@ class DDTreeGDN:
         assert o is not None
         return o.unsqueeze(0)
 
-    # ------------------------------------------------ after the walk (eager)
+    # ------------------------------------------------------ after the walk
     def commit(
         self,
         num_accepted: torch.Tensor,
@@ -361,23 +408,18 @@ class DDTreeGDN:
 
         ``num_accepted [R]`` (root included) and ``src_row [R, D + 1]`` (flat
         verify rows of the accepted path, root first) are the walk's, per
-        batch row; ``query_start_loc`` the batch's.
+        batch row; ``query_start_loc`` the batch's. Two launches for all
+        layers (three with several KV-cache groups: their slots are gathered
+        into one table first); no host synchronisation, no allocation.
         """
         n = self.num_spec
         if n == 0:
             return
-        num_reqs = src_row.shape[0]
-        rows = self.spec_batch_rows[:n]
-        # Accepted verify indices (node numbers), root first, per spec row.
-        nodes = (src_row - query_start_loc[:num_reqs, None].to(torch.int64))[rows]
-        counts = num_accepted[rows].to(torch.int32)
-        leaf = nodes.gather(1, (counts.to(torch.int64) - 1).clamp(min=0)[:, None])
-        query_start = self.spec_query_start[: n + 1]
-        tree_rows = self.tree_rows[:n]
-        num_tokens = self.num_spec_tokens
-        for name, idx in self.layer_index.items():
-            layer = self.layers[name]
-            md = self.metadata.get(name)
+        assert self.tables is not None
+        if len(self.group_metadata) != len(self.group_layers):
+            raise RuntimeError("DDTree: no GDN metadata attached for this step.")
+        slot_cols = []
+        for name, md in zip(self.group_layers, self.group_metadata):
             # Invariant: the GDN builder counts the same rows as
             # spec_decode_rows, from the same step's metadata.
             if md is None or md.num_spec_decodes != n:
@@ -386,53 +428,45 @@ class DDTreeGDN:
                     f"{getattr(md, 'num_spec_decodes', None)} spec rows, the "
                     f"verifier expected {n}."
                 )
-            slots = md.spec_state_indices_tensor[:n, 0].contiguous()
-            conv_state, ssm_state = gdn_layer_states(layer)
-            weight = layer.conv1d.weight
-            weight = weight.view(weight.size(0), weight.size(-1))
-            x = self.x_buf[idx, :num_tokens]
-            # The forward's post-conv rows, from the same inputs.
-            post_conv = tree_causal_conv1d(
-                x,
-                conv_state,
-                weight,
-                layer.conv1d.bias,
-                layer.activation,
-                slots,
-                query_start,
-                self.parent_idx,
-                tree_rows,
-            )
-            q, k, v = layer.rearrange_mixed_qkv(post_conv)
-            tree_gated_delta_rule(
-                layer.A_log,
-                self.a_buf[idx, :num_tokens],
-                self.b_buf[idx, :num_tokens],
-                layer.dt_bias,
-                q[0],
-                k[0],
-                v[0],
-                ssm_state,
-                slots,
-                query_start,
-                self.parent_idx,
-                tree_rows,
-                self.draft_depth,
-                targets=leaf,
-                final_state_idx=slots,
-                use_qk_l2norm_in_kernel=True,
-            )
-            # Last: the recomputation above reads the committed window.
-            tree_conv_state_update(
-                x,
-                conv_state,
-                weight.shape[1],
-                slots,
-                slots,
-                query_start,
-                nodes,
-                counts,
-            )
+            slot_cols.append(md.spec_state_indices_tensor[:n, 0])
+        if len(slot_cols) == 1:
+            slots = slot_cols[0]
+        else:
+            flat = self.slot_buf[: len(slot_cols) * n]
+            torch.cat(slot_cols, out=flat)
+            slots = flat.view(len(slot_cols), n)
+        commit_accepted_paths(
+            self.tables,
+            self.x_buf,
+            self.a_buf,
+            self.b_buf,
+            slots,
+            self.spec_batch_rows[:n],
+            self.spec_query_start[: n + 1],
+            num_accepted,
+            src_row,
+            query_start_loc,
+            self.draft_depth,
+        )
+
+
+def _group_index(
+    names: list[str], kv_cache_groups: Sequence[Sequence[str]] | None
+) -> dict[str, int]:
+    """Each GDN layer's KV-cache group, numbered 0.. among the groups that
+    hold GDN layers."""
+    if kv_cache_groups is None:
+        return dict.fromkeys(names, 0)
+    found: dict[str, int] = {}
+    renumber: dict[int, int] = {}
+    for g, group in enumerate(kv_cache_groups):
+        for name in group:
+            if name in names:
+                found[name] = renumber.setdefault(g, len(renumber))
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise ValueError(f"DDTree: GDN layers {missing} are in no KV-cache group.")
+    return found
 
 
 def gdn_layer_states(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:

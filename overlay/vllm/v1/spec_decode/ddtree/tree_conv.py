@@ -21,8 +21,9 @@ read (all nodes of a request share it).
 After the walk, `tree_conv_state_update` writes the conv state upstream
 would have left after the accepted path (the last ``W - 1`` inputs of
 committed state + path) into the request's final slot. For that the verify
-inputs ``x`` of the ``B + 1`` rows must be kept until the walk (as the GDN
-kernel keeps k, v, a, b).
+inputs ``x`` of the ``B + 1`` rows must be kept until the walk. The runner
+does that for all layers at once (`gdn_commit`, the same values); this is
+the per-layer form of it (the tests' oracle).
 
 Conv state layout (as upstream's non-speculative update and prefill):
 ``conv_state [slots, dim, state_len]`` (any strides: the SD cache layout is

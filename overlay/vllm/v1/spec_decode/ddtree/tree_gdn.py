@@ -20,10 +20,11 @@ d + 1 state updates instead of 1: at most ``draft_depth + 1`` (16) times the
 chain's arithmetic per node, which is small next to the layer's
 projections at tree sizes. The committed state is only read.
 
-After the walk, the same kernel replays the accepted path once more and
-writes the final state into the request's state slot (``final_state_idx``),
-so the state memory per request stays one state per layer (plus the verify
-inputs kept until the walk: k, v, a, b of the ``B + 1`` rows).
+After the walk the accepted path's final state goes into the request's
+state slot, so the state memory per request stays one state per layer (plus
+the verify inputs kept until the walk). The runner does that for all layers
+at once (`gdn_commit`, the same arithmetic); this kernel's ``targets`` /
+``final_state_idx`` mode is the per-layer form of it (the tests' oracle).
 """
 
 from __future__ import annotations

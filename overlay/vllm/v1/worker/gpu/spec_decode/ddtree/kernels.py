@@ -18,11 +18,20 @@ launch here:
   bit per (i, j) pair, set where i may not see j (`tree_bias_buffer`, the
   attention kernel's packed int32 ``qq_bias``), or the additive float
   bias (0 / -inf). Only the parents are kept per request, not a mask.
-- ``ddtree_compact_kv``: per (request, layer), copy the accepted path's KV
-  entries to the contiguous slots after the root. Entries are copied in
+- ``ddtree_tree_positions`` / ``ddtree_restore_positions``: every logits
+  row's position shifted to its tree position (root + depth) in place, and
+  back after the walk; the shifted rows' positions and input ids are kept
+  for the sampler.
+- ``ddtree_store_trees``: the drafter's new trees and their node tokens,
+  from batch order to per-request state.
+- ``KVCompactor``: per (request, layer), copy the accepted path's KV
+  entries to the contiguous slots after the root, for all layers of one
+  KV-cache group (one slot mapping) in one launch. Entries are copied in
   path order: entry k reads node a_k >= k and writes slot k, and every later
   entry reads a node a_k' > a_k >= k, so no entry reads a slot an earlier
   entry wrote.
+- ``compact_rows``: the same move for the rows of up to 8 tensors (the aux
+  hidden states the DFlash pass reads) in one launch.
 """
 
 import torch
@@ -44,10 +53,11 @@ def _ddtree_walk_kernel(
     depth_stride,
     valid_ptr,  # [max_num_reqs, B]
     valid_stride,
-    scratch_ptr,  # [num_reqs, 2, BLOCK] int64
+    scratch_ptr,  # [num_reqs, 2, BLOCK] int32 (flags and node indices)
     out_tokens_ptr,  # [num_reqs, D + 1] emitted tokens, -1 padded
     out_tokens_stride,
     num_accepted_ptr,  # [num_reqs] int32
+    num_sampled_ptr,  # [num_reqs] int32: a second copy of num_accepted
     src_row_ptr,  # [num_reqs, D + 1] int64
     dst_row_ptr,  # [num_reqs, D + 1] int64
     DRAFT_DEPTH: tl.constexpr,
@@ -83,14 +93,15 @@ def _ddtree_walk_kernel(
         tl.store(scratch + i, accepted)
         tl.store(scratch + BLOCK + i, jump)
         tl.debug_barrier()
-        accepted_up = tl.load(scratch + jump)
-        jump_up = tl.load(scratch + BLOCK + jump)
+        accepted_up = tl.load(scratch + jump).to(tl.int64)
+        jump_up = tl.load(scratch + BLOCK + jump).to(tl.int64)
         tl.debug_barrier()
         accepted = accepted & accepted_up
         jump = jump_up
     on_path = (accepted != 0) & in_tree
     num_accepted = tl.sum(on_path.to(tl.int32), axis=0)
     tl.store(num_accepted_ptr + r, num_accepted)
+    tl.store(num_sampled_ptr + r, num_accepted)
 
     # The accepted node of depth k goes to column k (one per depth).
     depth = tl.load(depth_ptr + req * depth_stride + i, mask=in_tree, other=0)
@@ -107,6 +118,33 @@ def _ddtree_walk_kernel(
     tl.store(dst_row_ptr + r * (DRAFT_DEPTH + 1) + k, row0, mask=pad)
 
 
+def _walk_block(budget: int) -> int:
+    return triton.next_power_of_2(budget + 1)
+
+
+class WalkBuffers:
+    """Persistent outputs of `ddtree_walk` that stay on the device for the
+    step (the path the compaction and the GDN commit read) and its scratch,
+    sized for ``max_num_reqs`` batch rows: no allocation per step for them.
+    The emitted tokens and ``num_sampled`` leave the step (the runner copies
+    them to the host asynchronously), so they are allocated per step."""
+
+    def __init__(
+        self, max_num_reqs: int, budget: int, draft_depth: int, device: torch.device
+    ):
+        self.num_accepted = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self.src_row = torch.zeros(
+            max_num_reqs, draft_depth + 1, dtype=torch.int64, device=device
+        )
+        self.dst_row = torch.zeros_like(self.src_row)
+        self.scratch = torch.zeros(
+            max_num_reqs, 2, _walk_block(budget), dtype=torch.int32, device=device
+        )
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.num_accepted, self.src_row, self.dst_row, self.scratch)
+
+
 def ddtree_walk(
     target_token_ids: torch.Tensor,
     cu_num_logits: torch.Tensor,
@@ -117,24 +155,39 @@ def ddtree_walk(
     depth: torch.Tensor,
     valid: torch.Tensor,
     draft_depth: int,
+    buffers: WalkBuffers | None = None,
+    num_sampled: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk every request's tree in one launch.
 
     Returns ``(output_token_ids [R, D + 1] (-1 padded), num_accepted [R]
     int32, src_row [R, D + 1], dst_row [R, D + 1])``; rows index the
-    flattened verify batch.
+    flattened verify batch. With ``buffers``, the last three are views of
+    them (and the scratch theirs); ``num_sampled [R]`` int32, if given,
+    gets a copy of ``num_accepted`` (for the runner, which updates it in
+    place).
     """
     num_reqs = idx_mapping.shape[0]
     budget = parent_idx.shape[1]
     device = target_token_ids.device
-    block = triton.next_power_of_2(budget + 1)
+    block = _walk_block(budget)
     out_tokens = torch.empty(
         num_reqs, draft_depth + 1, dtype=torch.int64, device=device
     )
-    num_accepted = torch.empty(num_reqs, dtype=torch.int32, device=device)
-    src_row = torch.empty(num_reqs, draft_depth + 1, dtype=torch.int64, device=device)
-    dst_row = torch.empty_like(src_row)
-    scratch = torch.empty(num_reqs, 2, block, dtype=torch.int64, device=device)
+    if buffers is None:
+        num_accepted = torch.empty(num_reqs, dtype=torch.int32, device=device)
+        src_row = torch.empty(
+            num_reqs, draft_depth + 1, dtype=torch.int64, device=device
+        )
+        dst_row = torch.empty_like(src_row)
+        scratch = torch.empty(num_reqs, 2, block, dtype=torch.int32, device=device)
+    else:
+        assert buffers.src_row.shape[1] == draft_depth + 1
+        assert buffers.scratch.shape[2] == block
+        num_accepted = buffers.num_accepted[:num_reqs]
+        src_row = buffers.src_row[:num_reqs]
+        dst_row = buffers.dst_row[:num_reqs]
+        scratch = buffers.scratch
     _ddtree_walk_kernel[(num_reqs,)](
         target_token_ids,
         cu_num_logits,
@@ -152,6 +205,7 @@ def ddtree_walk(
         out_tokens,
         out_tokens.stride(0),
         num_accepted,
+        num_accepted if num_sampled is None else num_sampled,
         src_row,
         dst_row,
         DRAFT_DEPTH=draft_depth,
@@ -284,6 +338,195 @@ def ddtree_tree_bias(
 
 
 @triton.jit
+def _ddtree_tree_positions_kernel(
+    positions_ptr,  # [num_tokens] int64, shifted (restored) in place
+    logits_indices_ptr,  # [num_logits] token of each logits row
+    expanded_idx_mapping_ptr,  # [num_logits] request state of each row
+    expanded_local_pos_ptr,  # [num_logits] row's index in its request's query
+    depth_ptr,  # [max_num_reqs, B + 1] node depths, root (0) first
+    depth_stride,
+    input_ids_ptr,  # [num_tokens]
+    shift_ptr,  # [num_logits] depth - local position (out; in if RESTORE)
+    logits_pos_ptr,  # [num_logits] the rows' tree positions (out)
+    logits_input_ids_ptr,  # [num_logits] the rows' input ids (out)
+    num_logits,
+    RESTORE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < num_logits
+    tok = tl.load(logits_indices_ptr + i, mask=mask, other=0).to(tl.int64)
+    pos = tl.load(positions_ptr + tok, mask=mask, other=0)
+    if RESTORE:
+        shift = tl.load(shift_ptr + i, mask=mask, other=0)
+        tl.store(positions_ptr + tok, pos - shift, mask=mask)
+    else:
+        req = tl.load(expanded_idx_mapping_ptr + i, mask=mask, other=0).to(tl.int64)
+        local = tl.load(expanded_local_pos_ptr + i, mask=mask, other=0).to(tl.int64)
+        depth = tl.load(depth_ptr + req * depth_stride + local, mask=mask, other=0)
+        # Query row k of a request sits at root + k; its node at root + depth.
+        shift = depth - local
+        tree_pos = pos + shift
+        tl.store(positions_ptr + tok, tree_pos, mask=mask)
+        tl.store(shift_ptr + i, shift, mask=mask)
+        tl.store(logits_pos_ptr + i, tree_pos, mask=mask)
+        ids = tl.load(input_ids_ptr + tok, mask=mask, other=0)
+        tl.store(logits_input_ids_ptr + i, ids, mask=mask)
+
+
+_POSITIONS_BLOCK = 1024
+
+
+def ddtree_tree_positions(
+    positions: torch.Tensor,
+    logits_indices: torch.Tensor,
+    expanded_idx_mapping: torch.Tensor,
+    expanded_local_pos: torch.Tensor,
+    depth: torch.Tensor,
+    input_ids: torch.Tensor,
+    shift: torch.Tensor,
+    logits_pos: torch.Tensor,
+    logits_input_ids: torch.Tensor,
+) -> None:
+    """Shift every logits row's position to its tree position in place
+    (``positions[logits_indices] += depth - local position``), in one
+    launch; write the shifts (for `ddtree_restore_positions` and M-RoPE
+    targets), the rows' tree positions and input ids (what the sampler
+    reads) into ``shift``, ``logits_pos``, ``logits_input_ids`` (views of
+    ``num_logits`` rows). Rows of requests without a tree have depth 0 at
+    local position 0: shift 0."""
+    num_logits = logits_indices.shape[0]
+    assert shift.shape[0] == logits_pos.shape[0] == num_logits
+    assert logits_input_ids.shape[0] == num_logits
+    assert depth.stride(1) == 1 and positions.dtype == shift.dtype == torch.int64
+    if num_logits == 0:
+        return
+    _ddtree_tree_positions_kernel[(triton.cdiv(num_logits, _POSITIONS_BLOCK),)](
+        positions,
+        logits_indices,
+        expanded_idx_mapping,
+        expanded_local_pos,
+        depth,
+        depth.stride(0),
+        input_ids,
+        shift,
+        logits_pos,
+        logits_input_ids,
+        num_logits,
+        RESTORE=False,
+        BLOCK=_POSITIONS_BLOCK,
+        num_warps=4,
+    )
+
+
+def ddtree_restore_positions(
+    positions: torch.Tensor, logits_indices: torch.Tensor, shift: torch.Tensor
+) -> None:
+    """Undo `ddtree_tree_positions` (``positions[logits_indices] -= shift``)
+    in one launch."""
+    num_logits = logits_indices.shape[0]
+    assert shift.shape[0] == num_logits
+    if num_logits == 0:
+        return
+    _ddtree_tree_positions_kernel[(triton.cdiv(num_logits, _POSITIONS_BLOCK),)](
+        positions,
+        logits_indices,
+        logits_indices,
+        logits_indices,
+        shift,
+        0,
+        positions,
+        shift,
+        shift,
+        shift,
+        num_logits,
+        RESTORE=True,
+        BLOCK=_POSITIONS_BLOCK,
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _ddtree_store_trees_kernel(
+    idx_mapping_ptr,  # [num_reqs] batch row -> request state
+    tree_parent_ptr,  # [>= num_reqs, B] batch-ordered (the drafter's)
+    tree_depth_ptr,  # [>= num_reqs, B]
+    tree_valid_ptr,  # [>= num_reqs, B]
+    tree_tokens_ptr,  # [>= num_reqs, B]
+    tree_stride,
+    req_parent_ptr,  # [max_num_reqs, B] per request state (the verifier's)
+    req_depth_ptr,  # [max_num_reqs, B + 1] (column 0: the root)
+    req_valid_ptr,  # [max_num_reqs, B]
+    req_stride,
+    req_depth_stride,
+    req_tokens_ptr,  # [max_num_reqs, B] the runner's draft tokens
+    req_tokens_stride,
+    BUDGET: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    req = tl.load(idx_mapping_ptr + r).to(tl.int64)
+    if req < 0:
+        return
+    j = tl.arange(0, BLOCK)
+    mask = j < BUDGET
+    src = r * tree_stride + j
+    parent = tl.load(tree_parent_ptr + src, mask=mask)
+    depth = tl.load(tree_depth_ptr + src, mask=mask)
+    valid = tl.load(tree_valid_ptr + src, mask=mask)
+    tokens = tl.load(tree_tokens_ptr + src, mask=mask)
+    dst = req * req_stride + j
+    tl.store(req_parent_ptr + dst, parent, mask=mask)
+    tl.store(req_depth_ptr + req * req_depth_stride + 1 + j, depth, mask=mask)
+    tl.store(req_valid_ptr + dst, valid, mask=mask)
+    tl.store(req_tokens_ptr + req * req_tokens_stride + j, tokens, mask=mask)
+
+
+def ddtree_store_trees(
+    idx_mapping: torch.Tensor,
+    tree_parent_idx: torch.Tensor,
+    tree_depth: torch.Tensor,
+    tree_valid: torch.Tensor,
+    tree_tokens: torch.Tensor,
+    req_parent_idx: torch.Tensor,
+    req_depth: torch.Tensor,
+    req_valid: torch.Tensor,
+    req_tokens: torch.Tensor,
+) -> None:
+    """Move the batch's new trees (batch row ``r``: parents, depths, valid
+    flags, node tokens) to request state ``idx_mapping[r]`` in one launch:
+    ``req_parent_idx[s] = tree_parent_idx[r]``, ``req_depth[s, 1:] =
+    tree_depth[r]``, ``req_valid[s] = tree_valid[r]``, ``req_tokens[s] =
+    tree_tokens[r]``. Rows with a negative request state are skipped."""
+    num_reqs = idx_mapping.shape[0]
+    budget = req_parent_idx.shape[1]
+    trees = (tree_parent_idx, tree_depth, tree_valid, tree_tokens)
+    assert all(t.shape[1] == budget and t.stride() == trees[0].stride() for t in trees)
+    assert req_valid.stride() == req_parent_idx.stride()
+    assert req_depth.shape[1] == budget + 1 and req_tokens.shape[1] == budget
+    assert trees[0].stride(1) == req_parent_idx.stride(1) == 1
+    assert req_depth.stride(1) == req_tokens.stride(1) == 1
+    if num_reqs == 0:
+        return
+    block = triton.next_power_of_2(budget)
+    _ddtree_store_trees_kernel[(num_reqs,)](
+        idx_mapping,
+        *trees,
+        tree_parent_idx.stride(0),
+        req_parent_idx,
+        req_depth,
+        req_valid,
+        req_parent_idx.stride(0),
+        req_depth.stride(0),
+        req_tokens,
+        req_tokens.stride(0),
+        BUDGET=budget,
+        BLOCK=block,
+        num_warps=4 if block >= 256 else 1,
+    )
+
+
+@triton.jit
 def _ddtree_compact_kv_kernel(
     layer_base_ptr,  # [num_layers] int64 data pointers, same shape / strides
     slot_mapping_ptr,  # [num_tokens] slots of the verify batch
@@ -293,6 +536,7 @@ def _ddtree_compact_kv_kernel(
     stride_block,
     stride_head,
     stride_slot,
+    stride_elem,
     block_size,
     NUM_HEADS: tl.constexpr,
     ROW_SIZE: tl.constexpr,
@@ -308,7 +552,7 @@ def _ddtree_compact_kv_kernel(
     h = tl.arange(0, HEAD_BLOCK)
     c = tl.arange(0, ROW_BLOCK)
     mask = (h[:, None] < NUM_HEADS) & (c[None, :] < ROW_SIZE)
-    offs = h[:, None] * stride_head + c[None, :]
+    offs = h[:, None] * stride_head + c[None, :] * stride_elem
     # Sequential in path order (see the module docstring).
     for k in range(1, num_accepted):
         src_row = tl.load(src_row_ptr + r * (DRAFT_DEPTH + 1) + k)
@@ -326,40 +570,46 @@ def _ddtree_compact_kv_kernel(
             tl.store(base + dst + offs, values, mask=mask)
 
 
-_TL_TYPES = {
-    torch.float32: tl.float32,
-    torch.float16: tl.float16,
-    torch.bfloat16: tl.bfloat16,
-    torch.uint8: tl.uint8,
-    torch.int8: tl.int8,
-}
+# Entries are moved as raw bits: an integer type of the element's width
+# (any KV dtype, fp8 and packed quantized caches included).
+_BITS_TYPES = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _bits_type(t: torch.Tensor):
+    size = t.element_size()
+    if size not in _BITS_TYPES:
+        raise ValueError(f"unsupported element size {size} ({t.dtype})")
+    return getattr(tl, _BITS_TYPES[size])
 
 
 class KVCompactor:
-    """Moves the accepted path's KV in all target layers with one launch."""
+    """Moves the accepted path's KV in the given target layers with one
+    launch. The layers must share one slot mapping (one KV-cache group) and
+    one layout: shape, strides and element size; the layout is the Triton
+    backend's ``(num_blocks, num_kv_heads, block_size, 2 * head_size)``."""
 
     def __init__(self, kv_caches: list[torch.Tensor]):
         first = kv_caches[0]
         for kv in kv_caches:
+            if kv.dim() != 4:
+                raise ValueError(
+                    f"KV cache layout {tuple(kv.shape)} is not (num_blocks, "
+                    "num_kv_heads, block_size, 2 * head_size)"
+                )
             if (
                 kv.shape != first.shape
                 or kv.stride() != first.stride()
-                or kv.dtype != first.dtype
+                or kv.element_size() != first.element_size()
             ):
                 raise ValueError(
-                    "DDTree: target KV caches differ in shape, stride or dtype; "
-                    f"{tuple(kv.shape)}/{kv.stride()} vs "
-                    f"{tuple(first.shape)}/{first.stride()}"
+                    "target KV caches of one group differ in shape, stride or "
+                    f"dtype: {tuple(kv.shape)}/{kv.stride()}/{kv.dtype} vs "
+                    f"{tuple(first.shape)}/{first.stride()}/{first.dtype}"
                 )
-        if first.dtype not in _TL_TYPES:
-            raise ValueError(f"DDTree: unsupported KV cache dtype {first.dtype}")
-        # (num_blocks, num_kv_heads, block_size, row): the row is contiguous.
-        if first.stride(3) != 1:
-            raise ValueError("DDTree: KV cache rows must be contiguous")
         self.num_layers = len(kv_caches)
         self.shape = tuple(first.shape)
         self.strides = first.stride()
-        self.elem_type = _TL_TYPES[first.dtype]
+        self.elem_type = _bits_type(first)
         self.layer_base = torch.tensor(
             [kv.data_ptr() for kv in kv_caches], dtype=torch.int64, device=first.device
         )
@@ -382,6 +632,7 @@ class KVCompactor:
             self.strides[0],
             self.strides[1],
             self.strides[2],
+            self.strides[3],
             block_size,
             NUM_HEADS=num_heads,
             ROW_SIZE=row_size,
@@ -391,3 +642,120 @@ class KVCompactor:
             ELEM_TYPE=self.elem_type,
             num_warps=4,
         )
+
+
+@triton.jit
+def _move_path_rows(
+    base,
+    row_stride,
+    cols,
+    mask,
+    src_row_ptr,
+    dst_row_ptr,
+    r,
+    num_accepted,
+    DRAFT_DEPTH: tl.constexpr,
+):
+    # Sequential in path order, as the KV entries.
+    for k in range(1, num_accepted):
+        src = tl.load(src_row_ptr + r * (DRAFT_DEPTH + 1) + k).to(tl.int64)
+        dst = tl.load(dst_row_ptr + r * (DRAFT_DEPTH + 1) + k).to(tl.int64)
+        if src != dst:
+            values = tl.load(base + src * row_stride + cols, mask=mask)
+            tl.store(base + dst * row_stride + cols, values, mask=mask)
+
+
+@triton.jit
+def _ddtree_compact_rows_kernel(
+    t0,
+    t1,
+    t2,
+    t3,
+    t4,
+    t5,
+    t6,
+    t7,
+    row_stride,
+    num_cols,
+    src_row_ptr,  # [num_reqs, D + 1]
+    dst_row_ptr,  # [num_reqs, D + 1]
+    num_accepted_ptr,  # [num_reqs]
+    NUM_TENSORS: tl.constexpr,
+    DRAFT_DEPTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    n = tl.load(num_accepted_ptr + r)
+    _move_path_rows(
+        t0, row_stride, cols, mask, src_row_ptr, dst_row_ptr, r, n, DRAFT_DEPTH
+    )
+    if NUM_TENSORS > 1:
+        _move_path_rows(
+            t1, row_stride, cols, mask, src_row_ptr, dst_row_ptr, r, n, DRAFT_DEPTH
+        )
+    if NUM_TENSORS > 2:
+        _move_path_rows(
+            t2, row_stride, cols, mask, src_row_ptr, dst_row_ptr, r, n, DRAFT_DEPTH
+        )
+    if NUM_TENSORS > 3:
+        _move_path_rows(
+            t3, row_stride, cols, mask, src_row_ptr, dst_row_ptr, r, n, DRAFT_DEPTH
+        )
+    if NUM_TENSORS > 4:
+        _move_path_rows(
+            t4, row_stride, cols, mask, src_row_ptr, dst_row_ptr, r, n, DRAFT_DEPTH
+        )
+    if NUM_TENSORS > 5:
+        _move_path_rows(
+            t5, row_stride, cols, mask, src_row_ptr, dst_row_ptr, r, n, DRAFT_DEPTH
+        )
+    if NUM_TENSORS > 6:
+        _move_path_rows(
+            t6, row_stride, cols, mask, src_row_ptr, dst_row_ptr, r, n, DRAFT_DEPTH
+        )
+    if NUM_TENSORS > 7:
+        _move_path_rows(
+            t7, row_stride, cols, mask, src_row_ptr, dst_row_ptr, r, n, DRAFT_DEPTH
+        )
+
+
+_ROWS_PER_LAUNCH = 8
+
+
+def compact_rows(
+    tensors: list[torch.Tensor],
+    src_row: torch.Tensor,
+    dst_row: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """Move the accepted path's rows of every ``[num_tokens, cols]`` tensor
+    (``tensor[dst_row] = tensor[src_row]`` for the path entries), all in one
+    launch when they share shape, row stride and dtype and are at most 8
+    (the target's aux hidden states: one per drafter context layer), else
+    one launch per such set of 8."""
+    if not tensors:
+        return
+    num_reqs, path_len = src_row.shape
+    sets: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        assert t.dim() == 2 and t.stride(1) == 1
+        sets.setdefault((t.shape[1], t.stride(0), t.dtype), []).append(t)
+    for (num_cols, row_stride, _), same in sets.items():
+        block = min(1024, triton.next_power_of_2(num_cols))
+        for i in range(0, len(same), _ROWS_PER_LAUNCH):
+            chunk = same[i : i + _ROWS_PER_LAUNCH]
+            padded = chunk + [chunk[0]] * (_ROWS_PER_LAUNCH - len(chunk))
+            _ddtree_compact_rows_kernel[(num_reqs, triton.cdiv(num_cols, block))](
+                *padded,
+                row_stride,
+                num_cols,
+                src_row,
+                dst_row,
+                num_accepted,
+                NUM_TENSORS=len(chunk),
+                DRAFT_DEPTH=path_len - 1,
+                BLOCK=block,
+                num_warps=4,
+            )

@@ -120,19 +120,21 @@ def sample_nodes(
     parent_idx: torch.Tensor,
     depth_with_root: torch.Tensor,
     draft_depth: int,
+    pos: torch.Tensor,
+    input_ids: torch.Tensor,
 ) -> tuple[torch.Tensor, LogprobsTensors | None]:
     """The target's draw at every logits row, and (when some request asks
     for logprobs) per-row logprobs of those draws.
 
     ``parent_idx [S, B]`` and ``depth_with_root [S, B + 1]`` are the
-    verifier's per-request-state trees.
+    verifier's per-request-state trees; ``pos`` and ``input_ids`` the logits
+    rows' tree positions and input ids (upstream's sampler gathers them as
+    ``positions[logits_indices]``, ``input_ids[logits_indices]``; the
+    verifier writes them with the tree positions). Tree positions: siblings
+    share a position, so a seeded request draws the same Gumbel noise at a
+    depth whichever branch the walk is on; along any root-to-leaf path the
+    draws stay independent.
     """
-    logits_indices = input_batch.logits_indices
-    # Tree positions: siblings share a position, so a seeded request draws
-    # the same Gumbel noise at a depth whichever branch the walk is on;
-    # along any root-to-leaf path the draws stay independent.
-    pos = input_batch.positions[logits_indices]
-    input_ids = input_batch.input_ids[logits_indices]
     idx_mapping_np = input_batch.idx_mapping_np
     expanded_idx_mapping = input_batch.expanded_idx_mapping
     return_logprobs = sampler.returns_logprobs(idx_mapping_np)

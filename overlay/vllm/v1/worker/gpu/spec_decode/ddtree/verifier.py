@@ -32,6 +32,7 @@ Everything is batched tensor work on the device; nothing here reads a device
 value on the host.
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -47,7 +48,12 @@ from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.spec_decode.ddtree.budget import DDTreeBudgetPlanner
 from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import (
     KVCompactor,
+    WalkBuffers,
+    compact_rows,
+    ddtree_restore_positions,
+    ddtree_store_trees,
     ddtree_tree_bias,
+    ddtree_tree_positions,
     ddtree_walk,
     tree_bias_buffer,
 )
@@ -95,20 +101,31 @@ class DDTreeVerifier:
         # [max_num_reqs, B + 1, ceil((B + 1) / 32)], one bit per node pair).
         # Persistent: the captured CUDA graphs hold its address.
         self.attn_bias = tree_bias_buffer(max_num_reqs, num_nodes, device)
-        self.saved_positions = torch.zeros(
-            max_num_tokens, dtype=torch.int64, device=device
+        # Per logits row of the step (at most one per token): its tree
+        # position shift (depth - local position, undone in compact), its
+        # tree position and input id (the sampler's inputs).
+        self.tree_shift = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+        self.logits_pos = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+        self.logits_input_ids = torch.zeros(
+            max_num_tokens, dtype=torch.int32, device=device
         )
         self.node_range = torch.arange(num_nodes, dtype=torch.int64, device=device)
+        # The walk's path (read by compact) and scratch.
+        self.walk_buffers = WalkBuffers(
+            max_num_reqs, self.tree_budget, self.draft_depth, device
+        )
 
-        # Target attention layers whose KV the accepted path is compacted in.
+        # Target attention layers whose KV the accepted path is compacted in,
+        # and one compactor per KV-cache group (a layer of the group, whose
+        # slot mapping the group shares; the compactor of all its layers).
         self.target_kv_caches: dict[str, torch.Tensor] = {}
-        self.kv_compactor: KVCompactor | None = None
+        self.kv_compactors: list[tuple[str, KVCompactor]] = []
         # (num_accepted, src_row, dst_row) of the current step's walk, kept
         # from sample() for compact().
         self._walk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._positions_overridden = 0
         # Tree rows (logits indices) and their position shift (depth - local
-        # position) of the step, for the model's own M-RoPE positions.
+        # position) of the step: undone in compact, and applied to the
+        # model's own M-RoPE positions.
         self._tree_pos: tuple[torch.Tensor, torch.Tensor] | None = None
         self._model_positions: torch.Tensor | None = None
         self._saved_model_positions: torch.Tensor | None = None
@@ -144,17 +161,24 @@ class DDTreeVerifier:
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes of DDTree's persistent device buffers for the target, by
         kind: ``bias`` (the tree attention masks), ``tree`` (per-request and
-        per-batch-row trees, the saved positions the compaction restores,
-        the node index), ``gdn`` (hybrid targets: the Gated DeltaNet verify
-        rows; 0 otherwise). Allocated at startup, before memory profiling;
-        the walk's per-step outputs come from the caching allocator."""
+        per-batch-row trees, the logits rows' position shifts, tree positions
+        and input ids, the node index, the walk's path and scratch, the
+        measured budget policy's counters), ``gdn``
+        (hybrid targets: the Gated DeltaNet verify rows; 0 otherwise).
+        Allocated at startup, before memory profiling; the walk's emitted
+        tokens and counts (per step) come from the caching allocator."""
         tree = [
             self.req_parent_idx,
             self.req_depth,
             self.req_valid,
-            self.saved_positions,
+            self.tree_shift,
+            self.logits_pos,
+            self.logits_input_ids,
             self.node_range,
+            *self.walk_buffers.tensors(),
             *self._drafter_tree_buffers,
+            # The measured budget policy's per-rank counters.
+            *([self.budget.acceptance.counts] if self.budget is not None else []),
         ]
         return {
             "bias": self.attn_bias.nbytes,
@@ -170,8 +194,9 @@ class DDTreeVerifier:
             "DDTree: extra GPU memory for max_num_seqs=%d, tree_budget=%d: "
             "%.1f MiB = tree attention bias %.1f MiB (%d x %d nodes x %d int32 "
             "words, 1 bit per node pair) + tree/walk/compaction buffers %.1f "
-            "MiB (parents, depths and valid flags of %d x %d nodes %s; "
-            "max_num_batched_tokens=%d saved positions)"
+            "MiB (parents, depths and valid flags of %d x %d nodes %s; the "
+            "walk's paths and scratch; tree positions of "
+            "max_num_batched_tokens=%d logits rows)"
         )
         args: list[Any] = [
             max_num_reqs,
@@ -216,14 +241,35 @@ class DDTreeVerifier:
         model_state: Any,
         kv_caches: dict[str, torch.Tensor],
         draft_layer_names: set[str],
+        kv_cache_groups: Sequence[Sequence[str]] | None = None,
     ) -> None:
-        """Hook into the target's attention metadata and KV caches."""
+        """Hook into the target's attention metadata and KV caches.
+
+        ``kv_cache_groups``: the layer names of each KV-cache group (the
+        runner's ``kv_cache_config.kv_cache_groups``); layers of one group
+        share a slot mapping. None: one group."""
         if not hasattr(model_state, "attn_metadata_hook"):
             raise ValueError(
                 "DDTree supports dense decoder targets only; model state "
                 f"{type(model_state).__name__} has no attention metadata hook."
             )
         model_state.attn_metadata_hook = self.attach_bias
+        if self.gdn is not None:
+            self.gdn.bind_layers(
+                self.vllm_config.compilation_config.static_forward_context,
+                kv_cache_groups,
+            )
+        self.bind_kv_caches(kv_caches, draft_layer_names, kv_cache_groups)
+
+    def bind_kv_caches(
+        self,
+        kv_caches: dict[str, Any],
+        draft_layer_names: set[str],
+        kv_cache_groups: Sequence[Sequence[str]] | None = None,
+    ) -> None:
+        """One KV compactor per KV-cache group of the target's attention
+        layers (one launch each per step). A layout the compactor cannot
+        move is refused here, at startup."""
         # Attention layers only: a hybrid's GDN layers hold [conv, ssm] state
         # lists, advanced after the walk by the GDN path instead.
         self.target_kv_caches = {
@@ -231,26 +277,40 @@ class DDTreeVerifier:
             for name, kv in kv_caches.items()
             if name not in draft_layer_names and isinstance(kv, torch.Tensor)
         }
-        if self.gdn is not None:
-            self.gdn.bind_layers(
-                self.vllm_config.compilation_config.static_forward_context
-            )
         if not self.target_kv_caches:
             raise ValueError("DDTree: no target KV caches found.")
-        for name, kv in self.target_kv_caches.items():
-            if kv.dim() != 4:
+        if kv_cache_groups is None:
+            kv_cache_groups = [list(self.target_kv_caches)]
+        self.kv_compactors = []
+        covered: dict[int, str] = {}  # data pointer -> a layer that moves it
+        for g, group in enumerate(kv_cache_groups):
+            layers: dict[int, tuple[str, torch.Tensor]] = {}
+            for name in group:
+                kv = self.target_kv_caches.get(name)
+                if kv is not None:
+                    # A layer sharing another's KV cache is moved once.
+                    layers.setdefault(kv.data_ptr(), (name, kv))
+            if not layers:
+                continue
+            try:
+                compactor = KVCompactor([kv for _, kv in layers.values()])
+            except ValueError as e:
                 raise ValueError(
-                    f"DDTree: unexpected KV cache layout for {name}: "
-                    f"{tuple(kv.shape)} (expected the Triton backend's "
-                    "(num_blocks, num_kv_heads, block_size, 2 * head_size))."
+                    f"DDTree cannot compact the target KV cache of KV-cache "
+                    f"group {g}: {e}."
+                ) from None
+            first = next(iter(layers.values()))[0]
+            self.kv_compactors.append((first, compactor))
+            for ptr, (name, _) in layers.items():
+                covered.setdefault(ptr, name)
+        for name, kv in self.target_kv_caches.items():
+            if not any(name in group for group in kv_cache_groups) and (
+                kv.data_ptr() not in covered
+            ):
+                raise ValueError(
+                    f"DDTree: target attention layer {name} is in no KV-cache "
+                    "group and shares no other layer's KV cache."
                 )
-        # One launch for all layers when they share shape and strides (the
-        # dense targets DDTree supports); otherwise a torch copy per layer.
-        try:
-            self.kv_compactor = KVCompactor(list(self.target_kv_caches.values()))
-        except ValueError as e:
-            logger.warning("DDTree: per-layer KV compaction (%s)", e)
-            self.kv_compactor = None
 
     def attach_bias(self, attn_metadata: dict[str, Any]) -> None:
         """Point every target Triton attention metadata at the tree bias."""
@@ -271,9 +331,7 @@ class DDTreeVerifier:
     def prepare_verify(self, input_batch: InputBatch) -> None:
         """Tree positions and tree attention bias for this step's batch."""
         num_reqs = input_batch.num_reqs
-        num_tokens = input_batch.num_tokens_after_padding
         self._walk = None
-        self._positions_overridden = 0
         self._tree_pos = None
         if self.gdn is not None:
             self.gdn.prepare_step(input_batch)
@@ -281,15 +339,22 @@ class DDTreeVerifier:
             # Prefill or plain decode only: no request sees a tree bias.
             self.attn_bias[:num_reqs].zero_()
             return
-        positions = input_batch.positions
-        self.saved_positions[:num_tokens].copy_(positions[:num_tokens])
-        self._positions_overridden = num_tokens
         logits_indices = input_batch.logits_indices
-        local_pos = input_batch.expanded_local_pos.to(torch.int64)
-        depth = self.req_depth[input_batch.expanded_idx_mapping.long(), local_pos]
-        # Query token i of a request sits at root + i; its node is at depth[i].
-        shift = depth - local_pos
-        positions[logits_indices] += shift
+        num_logits = logits_indices.shape[0]
+        shift = self.tree_shift[:num_logits]
+        # One launch: the tree positions in place, their shifts, and the
+        # rows' positions and input ids for sample().
+        ddtree_tree_positions(
+            input_batch.positions,
+            logits_indices,
+            input_batch.expanded_idx_mapping,
+            input_batch.expanded_local_pos,
+            self.req_depth,
+            input_batch.input_ids,
+            shift,
+            self.logits_pos[:num_logits],
+            self.logits_input_ids[:num_logits],
+        )
         self._tree_pos = (logits_indices, shift)
         ddtree_tree_bias(
             self.req_parent_idx,
@@ -317,7 +382,7 @@ class DDTreeVerifier:
         if saved is None or saved.shape[0] != positions.shape[0] or saved.shape[1] < n:
             saved = torch.empty(
                 positions.shape[0],
-                max(n, self.saved_positions.shape[0]),
+                max(n, self.tree_shift.shape[0]),
                 dtype=positions.dtype,
                 device=positions.device,
             )
@@ -336,6 +401,8 @@ class DDTreeVerifier:
     ) -> SamplerOutput:
         """Draw the target's token at every node and walk the tree."""
         # Target draw at every node (penalties on the node's ancestor path).
+        num_logits = logits.shape[0]
+        assert self._tree_pos is not None, "prepare_verify did not run"
         target_flat, row_logprobs = sample_nodes(
             sampler,
             logits,
@@ -343,6 +410,8 @@ class DDTreeVerifier:
             self.req_parent_idx,
             self.req_depth,
             self.draft_depth,
+            self.logits_pos[:num_logits],
+            self.logits_input_ids[:num_logits],
         )
         num_reqs = input_batch.num_reqs
         cu_num_logits = input_batch.cu_num_logits[: num_reqs + 1]
@@ -350,7 +419,9 @@ class DDTreeVerifier:
         # One launch: the walk over the scheduled nodes (a request may verify
         # fewer than tree_budget nodes near max_model_len; parents precede
         # children, so those form a prefix-closed subtree), the emitted tokens
-        # and the compaction rows.
+        # and the compaction rows (in the persistent walk buffers, read by
+        # compact); num_sampled is the runner's copy, updated in place below.
+        num_sampled = torch.empty(num_reqs, dtype=torch.int32, device=self.device)
         output_token_ids, num_accepted, src_row, dst_row = ddtree_walk(
             target_flat,
             cu_num_logits,
@@ -361,6 +432,8 @@ class DDTreeVerifier:
             self.req_depth,
             self.req_valid,
             self.draft_depth,
+            self.walk_buffers,
+            num_sampled,
         )
         self._walk = (num_accepted, src_row, dst_row)
         if self.budget is not None:
@@ -368,21 +441,24 @@ class DDTreeVerifier:
                 num_accepted, src_row, input_batch.query_start_loc, cu_num_logits
             )
         num_sampled, num_rejected = get_num_sampled_and_rejected(
-            num_accepted.clone(),
+            num_sampled,
             input_batch.seq_lens,
             cu_num_logits,
             idx_mapping,
             prefill_len,
         )
-        return SamplerOutput(
-            sampled_token_ids=output_token_ids,
-            logprobs_tensors=node_logprobs(
+        logprobs = None
+        if row_logprobs is not None:
+            logprobs = node_logprobs(
                 row_logprobs,
                 # Path entries as verify-layout node indices.
                 src_row - input_batch.query_start_loc[:num_reqs, None],
                 num_accepted,
                 cu_num_logits[:num_reqs],
-            ),
+            )
+        return SamplerOutput(
+            sampled_token_ids=output_token_ids,
+            logprobs_tensors=logprobs,
             num_nans=None,
             num_sampled=num_sampled,
             num_rejected=num_rejected,
@@ -395,10 +471,10 @@ class DDTreeVerifier:
         aux_hidden_states: list[torch.Tensor] | None,
     ) -> None:
         """Move the accepted path to the front: KV, hidden states, positions."""
-        if self._positions_overridden:
-            n = self._positions_overridden
-            input_batch.positions[:n].copy_(self.saved_positions[:n])
-            self._positions_overridden = 0
+        if self._tree_pos is not None:
+            logits_indices, shift = self._tree_pos
+            ddtree_restore_positions(input_batch.positions, logits_indices, shift)
+            self._tree_pos = None
         if self._model_positions is not None:
             assert self._saved_model_positions is not None
             n = self._model_positions.shape[1]
@@ -416,36 +492,36 @@ class DDTreeVerifier:
                 src_row,
                 input_batch.query_start_loc[: src_row.shape[0] + 1],
             )
-        # Off-path entries are self-copies of the root: fixed shapes, no host
-        # sync. Torch indexing reads all sources before writing, and the real
-        # destinations are distinct.
-        src = src_row.view(-1)
-        dst = dst_row.view(-1)
+        # One launch for the aux hidden states (the DFlash context), one per
+        # KV-cache group for the KV; paths are read on the device (entries
+        # past num_accepted are never touched): no host sync.
         if aux_hidden_states:
-            for hidden in aux_hidden_states:
-                hidden[dst] = hidden[src]
+            compact_rows(aux_hidden_states, src_row, dst_row, num_accepted)
         if slot_mappings_by_layer is None:
             return
-        slot_mappings = {id(slot_mappings_by_layer[n]) for n in self.target_kv_caches}
-        if self.kv_compactor is not None and len(slot_mappings) == 1:
-            slots = slot_mappings_by_layer[next(iter(self.target_kv_caches))]
-            self.kv_compactor(slots, src_row, dst_row, num_accepted)
-            return
-        for name, kv_cache in self.target_kv_caches.items():
-            slots = slot_mappings_by_layer[name]
-            block_size = kv_cache.shape[2]
-            src_slot = slots[src].to(torch.int64)
-            dst_slot = slots[dst].to(torch.int64)
-            # kv_cache: (num_blocks, num_kv_heads, block_size, 2 * head_size)
-            kv_cache[dst_slot // block_size, :, dst_slot % block_size] = kv_cache[
-                src_slot // block_size, :, src_slot % block_size
-            ]
+        for name, compactor in self.kv_compactors:
+            compactor(slot_mappings_by_layer[name], src_row, dst_row, num_accepted)
 
-    def store_trees(self, idx_mapping: torch.Tensor, speculator: Any) -> None:
-        num_reqs = idx_mapping.shape[0]
-        self.req_parent_idx[idx_mapping] = speculator.tree_parent_idx[:num_reqs]
-        self.req_depth[idx_mapping, 1:] = speculator.tree_depth[:num_reqs]
-        self.req_valid[idx_mapping] = speculator.tree_valid[:num_reqs]
+    def store_trees(
+        self,
+        idx_mapping: torch.Tensor,
+        speculator: Any,
+        req_draft_tokens: torch.Tensor,
+    ) -> None:
+        """The drafter's new trees (batch order) to per-request state, their
+        node tokens into the runner's ``req_draft_tokens`` (in place of its
+        own scatter of the drafts): one launch."""
+        ddtree_store_trees(
+            idx_mapping,
+            speculator.tree_parent_idx,
+            speculator.tree_depth,
+            speculator.tree_valid,
+            speculator.draft_tokens,
+            self.req_parent_idx,
+            self.req_depth,
+            self.req_valid,
+            req_draft_tokens,
+        )
 
 
 def _unique(items: Any) -> list[Any]:

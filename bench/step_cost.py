@@ -1,0 +1,318 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""The cost of a DDTree step against a DFlash chain step at production shapes,
+with dummy weights (tau = 1: the figures are pure step cost), bf16, CUDA graphs:
+
+    python3 bench/step_cost.py --out bench/results/step-cost.json \\
+        [--shapes dense-8b,hybrid-27b] [--conc 1,8,32] [--chain-k 15] \\
+        [--equal-budget 15] [--c1-budgets 64] [--profile-batches 4]
+
+Shapes are the benchmark pairs' production configs
+(``bench/pairs/models/<shape>/production-{target,drafter}``: Qwen3-8B and
+Qwen3.6-27B with their 5-layer DFlash drafters), loaded with
+``load_format="dummy"``. One engine per configuration, each in its own process:
+the chain (K = ``--chain-k``; on the hybrid shape on both model runners, V1 as
+vLLM picks by default and V2 as DDTree always runs), DDTree with
+``budget_policy: fixed`` at ``--equal-budget`` nodes (as many verified tokens
+per request as the chain) at every ``--conc``, and DDTree at each
+``--c1-budgets`` at concurrency 1.
+
+Each engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the torch
+profiler sees its kernels) and, per concurrency: a timed decode (wall time per
+engine step, no profiler), then ``--profile-batches`` batches under the
+profiler (ddtree_e2e.py's ``profile_steps``: the share of the step the GPU is
+busy, GPU time by kernel class and by phase, the top kernels and host ops).
+
+``--out`` holds ``{"command", "rows", "profiles"}``: one row per (shape,
+concurrency, tree budget) with ``chain_ms_per_step``, ``ddtree_ms_per_step``,
+their ratio, ``equal_tokens`` and both GPU-busy shares (``chain_runner`` says
+which chain the row compares with: the V2 runner's on the hybrid shape, the
+runner DDTree uses; the V1 chain's figures are in ``chain_v1_*``), and each
+engine's PROFILE records. It is rewritten after every engine, so a cut run
+keeps what finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PAIRS = os.path.join(HERE, "pairs")
+sys.path.insert(0, HERE)
+
+SHAPES = ("dense-8b", "hybrid-27b")
+# Options the orchestrator passes on to each engine process.
+FORWARDED_OPTIONS = (
+    "models",
+    "out",
+    "chain_k",
+    "timed_batches",
+    "profile_batches",
+    "prompt_len",
+    "max_tokens",
+    "max_model_len",
+    "gpu_memory_utilization",
+)
+HYBRID_LLM_KWARGS = {
+    "enable_prefix_caching": False,
+    "limit_mm_per_prompt": {"image": 0, "video": 0},
+    "gdn_prefill_backend": "triton",
+}
+
+
+def log(msg: str) -> None:
+    print(f"[step_cost {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def engines_for(
+    shape: str, conc: list[int], equal_budget: int, c1_budgets: list[int]
+) -> list[dict]:
+    """The engines of one shape: chain runner(s), DDTree at the equal budget
+    at every concurrency, DDTree at each larger budget at concurrency 1."""
+    chains = [dict(method="chain", runner="v2")]
+    if shape.startswith("hybrid"):
+        chains.insert(0, dict(method="chain", runner="v1"))
+    engines = [dict(e, conc=conc) for e in chains]
+    engines.append(dict(method="ddtree", runner="v2", budget=equal_budget, conc=conc))
+    engines += [
+        dict(method="ddtree", runner="v2", budget=b, conc=[1])
+        for b in c1_budgets
+        if b != equal_budget
+    ]
+    return engines
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(16, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
+    """One step-cost row per DDTree measurement, against the chain of the
+    runner DDTree uses (V2) at the same shape and concurrency."""
+    by_key: dict[tuple, dict] = {}
+    for r in engine_rows:
+        if r["method"] == "chain":
+            by_key[(r["shape"], "chain", r["runner"], r["concurrency"])] = r
+    rows = []
+    for r in engine_rows:
+        if r["method"] != "ddtree":
+            continue
+        chain = by_key.get((r["shape"], "chain", "v2", r["concurrency"]))
+        if chain is None:
+            continue
+        row = dict(
+            shape=r["shape"],
+            concurrency=r["concurrency"],
+            tree_budget=r["budget"],
+            chain_k=chain_k,
+            chain_runner="v2",
+            chain_ms_per_step=chain["ms_per_step"],
+            ddtree_ms_per_step=r["ms_per_step"],
+            ratio=round(r["ms_per_step"] / chain["ms_per_step"], 3),
+            equal_tokens=r["budget"] == chain_k,
+            chain_gpu_busy=chain.get("gpu_busy"),
+            ddtree_gpu_busy=r.get("gpu_busy"),
+        )
+        v1 = by_key.get((r["shape"], "chain", "v1", r["concurrency"]))
+        if v1 is not None:
+            row.update(
+                chain_v1_ms_per_step=v1["ms_per_step"],
+                chain_v1_gpu_busy=v1.get("gpu_busy"),
+                ratio_to_chain_v1=round(r["ms_per_step"] / v1["ms_per_step"], 3),
+            )
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------- one engine
+
+
+def run_engine(a) -> None:
+    """One in-process engine: a timed decode, then a profiled one, per
+    concurrency; one ``ROW {json}`` line each."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if a.runner == "v2":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    import ddtree_e2e
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    pdir = os.path.join(a.models, a.shape)
+    target = os.path.join(pdir, "production-target")
+    drafter = os.path.join(pdir, "production-drafter")
+    conc = [int(c) for c in a.conc.split(",")]
+    budget = a.budget if a.method == "ddtree" else None
+    kw = dict(
+        model=target,
+        dtype="bfloat16",
+        load_format="dummy",
+        max_model_len=a.max_model_len,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        seed=0,
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+        max_num_seqs=max(conc),
+        enable_prefix_caching=False,
+    )
+    if a.shape.startswith("hybrid"):
+        kw.update(HYBRID_LLM_KWARGS)
+    if a.method == "chain":
+        kw["speculative_config"] = dict(
+            method="dflash", model=drafter, num_speculative_tokens=a.chain_k
+        )
+    else:
+        kw["speculative_config"] = dict(
+            method="ddtree",
+            model=drafter,
+            tree_budget=budget,
+            draft_depth=a.chain_k,
+            budget_policy="fixed",
+        )
+    t0 = time.time()
+    llm = LLM(**kw)
+    startup_s = round(time.time() - t0, 1)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    n = max(conc) * (a.timed_batches + a.profile_batches + 1)
+    prompts = [
+        TokensPrompt(prompt_token_ids=p)
+        for p in random_prompts(n, a.prompt_len, min(vocab, 150000))
+    ]
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True, detokenize=False
+    )
+    llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
+    profile_args = argparse.Namespace(
+        mode="ddtree" if a.method == "ddtree" else "dflash", budget=budget, k=a.chain_k
+    )
+    for c in conc:
+        timed = prompts[: c * a.timed_batches]
+        acc0, drafts0, _ = ddtree_e2e.spec_metrics(llm)
+        t = time.time()
+        toks = 0
+        for i in range(0, len(timed), c):
+            outs = llm.generate(timed[i : i + c], sp, use_tqdm=False)
+            toks += sum(len(o.outputs[0].token_ids) for o in outs)
+        dt = time.time() - t
+        acc1, drafts1, _ = ddtree_e2e.spec_metrics(llm)
+        steps = (drafts1 - drafts0) / c
+        tag = f"{a.shape}-{a.method}-{a.runner}-{budget or a.chain_k}-c{c}"
+        profiled = prompts[
+            c * a.timed_batches : c * (a.timed_batches + a.profile_batches)
+        ]
+        prof = ddtree_e2e.profile_steps(llm, profile_args, tag, profiled, sp, c)
+        row = dict(
+            shape=a.shape,
+            method=a.method,
+            runner=a.runner,
+            budget=budget,
+            concurrency=c,
+            ms_per_step=round(dt * 1e3 / steps, 3),
+            tok_s=round(toks / dt, 1),
+            tau=round(1 + (acc1 - acc0) / (drafts1 - drafts0), 3),
+            steps=round(steps, 1),
+            gpu_busy=prof["gpu_busy_share"],
+            profiled_ms_per_step=round(prof["wall_us_per_step"] / 1e3, 3),
+            startup_s=startup_s,
+            profile=prof,
+        )
+        print("ROW " + json.dumps(row), flush=True)
+        log(
+            f"{tag}: {row['ms_per_step']} ms/step, GPU busy {row['gpu_busy']}, "
+            f"tau {row['tau']}"
+        )
+
+
+# ---------------------------------------------------------------- orchestration
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--models", default=os.path.join(PAIRS, "models"))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--conc", default="1,8,32")
+    ap.add_argument("--chain-k", type=int, default=15)
+    ap.add_argument("--equal-budget", type=int, default=15)
+    ap.add_argument("--c1-budgets", default="64")
+    ap.add_argument("--timed-batches", type=int, default=4)
+    ap.add_argument("--profile-batches", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--engine-timeout", type=int, default=900)
+    # one engine (internal)
+    ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--shape", help=argparse.SUPPRESS)
+    ap.add_argument("--method", help=argparse.SUPPRESS)
+    ap.add_argument("--runner", help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.engine:
+        run_engine(a)
+        return
+    conc = [int(c) for c in a.conc.split(",")]
+    c1_budgets = [int(b) for b in a.c1_budgets.split(",") if b]
+    plan = [
+        (shape, e)
+        for shape in a.shapes.split(",")
+        for e in engines_for(shape, conc, a.equal_budget, c1_budgets)
+    ]
+    result = dict(
+        command=" ".join(["python3", "bench/step_cost.py", *(argv or sys.argv[1:])]),
+        rows=[],
+        engines=[],
+    )
+    t_all = time.time()
+    for k, (shape, e) in enumerate(plan):
+        log(
+            f"engine {k + 1}/{len(plan)}: {shape} {e['method']} runner {e['runner']} "
+            f"budget {e.get('budget')} c={e['conc']} ({time.time() - t_all:.0f} s)"
+        )
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--engine",
+            "--shape",
+            shape,
+            "--method",
+            e["method"],
+            "--runner",
+            e["runner"],
+            "--conc",
+            ",".join(map(str, e["conc"])),
+        ]
+        for name in FORWARDED_OPTIONS:
+            cmd += ["--" + name.replace("_", "-"), str(getattr(a, name))]
+        if e.get("budget"):
+            cmd += ["--budget", str(e["budget"])]
+        try:
+            out = subprocess.run(
+                cmd, stdout=subprocess.PIPE, text=True, timeout=a.engine_timeout
+            ).stdout
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else ""
+            log(f"engine {k + 1} ran past {a.engine_timeout} s")
+        new = [json.loads(x[4:]) for x in out.splitlines() if x.startswith("ROW ")]
+        if not new:
+            result["engines"].append(dict(shape=shape, **e, error="no rows"))
+        result["engines"] += new
+        result["rows"] = summarize(
+            [r for r in result["engines"] if "ms_per_step" in r], a.chain_k
+        )
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    for r in result["rows"]:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
