@@ -39,7 +39,20 @@ PER_STEP = {
         "spec_decode_rows",
         "gdn_layer_states",
     },
-    "vllm/v1/worker/gpu/spec_decode/ddtree/speculator.py": {"_generate_draft"},
+    "vllm/v1/worker/gpu/spec_decode/ddtree/speculator.py": {
+        "_generate_draft",
+        "propose",
+        "_store_context",
+    },
+    # The measured budget policy's per-step part: counting, the snapshot
+    # schedule and the re-plan from a landed snapshot (host numbers).
+    "vllm/v1/worker/gpu/spec_decode/ddtree/budget.py": {
+        "observe_walk",
+        "drafts_needed",
+        "_replan",
+        "_publish",
+        "plan_from_counts",
+    },
     # The one-launch GDN commit after the walk (its tables are built at bind).
     "vllm/v1/spec_decode/ddtree/gdn_commit.py": {"commit_accepted_paths"},
     "vllm/v1/worker/gpu/spec_decode/ddtree/kernels.py": {
@@ -52,6 +65,15 @@ PER_STEP = {
         "compact_rows",
     },
     "vllm/v1/spec_decode/ddtree/sampling.py": None,
+    # The measured budget policy's counters: updated every step; the snapshot
+    # is queued and polled without waiting (an event query).
+    "vllm/v1/spec_decode/ddtree/acceptance.py": {
+        "count_accepted_ranks_torch",
+        "count_accepted_ranks",
+        "count",
+        "snapshot",
+        "snapshot_ready",
+    },
     "vllm/v1/worker/gpu/spec_decode/ddtree/sampling.py": {
         "apply_penalties",
         "counting_tree_paths",
@@ -68,6 +90,10 @@ NOT_PER_STEP = {
     "vllm/v1/spec_decode/ddtree/__init__.py",
     "vllm/v1/spec_decode/ddtree/config.py",
     "vllm/v1/spec_decode/ddtree/metrics.py",
+    # Plain Python over host numbers, run when the budget policy re-plans.
+    "vllm/v1/spec_decode/ddtree/policy.py",
+    # Startup only: timing the captured graphs, the step-cost cache.
+    "vllm/v1/spec_decode/ddtree/step_costs.py",
     "vllm/v1/spec_decode/ddtree/startup.py",
     "vllm/v1/spec_decode/ddtree/tree_triton.py",
     "vllm/v1/spec_decode/ddtree/tree_gdn.py",
@@ -108,6 +134,13 @@ def _violations(func: ast.AST) -> list[str]:
                 and "stride" not in ast.unparse(node.args[0])
             ):
                 found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        # A fresh pinned host buffer per step: allocate it once (setup code).
+        if isinstance(node, ast.Call) and any(
+            kw.arg == "pin_memory"
+            and not (isinstance(kw.value, ast.Constant) and kw.value.value is False)
+            for kw in node.keywords
+        ):
+            found.append(f"line {node.lineno}: pinned allocation")
     return found
 
 
@@ -146,3 +179,8 @@ def test_the_check_catches_a_sync() -> None:
     )
     func = next(_functions(bad))
     assert len(_violations(func)) == 2
+    pinned = ast.parse(
+        "def step(x):\n    h = torch.empty(4, pin_memory=True)\n"
+        "    return h.copy_(x, non_blocking=True)\n"
+    )
+    assert _violations(next(_functions(pinned))) == ["line 2: pinned allocation"]

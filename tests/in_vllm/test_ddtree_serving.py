@@ -61,6 +61,10 @@ def test_ddtree_prometheus_series_exist_and_move(target_model_config, registry):
         "vllm:ddtree_draft_depth": "gauge",
         "vllm:ddtree_acceptance_length": "histogram",
         "vllm:ddtree_num_accepted_tokens_per_depth": "counter",
+        "vllm:ddtree_budget_by_batch_size": "gauge",
+        "vllm:ddtree_expected_acceptance_length": "gauge",
+        "vllm:ddtree_tree_requests_by_batch_size": "counter",
+        "vllm:ddtree_emitted_tokens_by_batch_size": "counter",
     }
     for name in (
         "vllm:spec_decode_num_drafts",

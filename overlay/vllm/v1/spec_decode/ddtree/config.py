@@ -16,10 +16,16 @@ configuration stops ``LLM(...)`` or ``vllm serve`` at startup.
 """
 
 import importlib.util
+import math
 import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
+from vllm.v1.spec_decode.ddtree.policy import (
+    candidate_budgets,
+    describe_schedule,
+    power_of_two_budgets,
+)
 
 if TYPE_CHECKING:
     from vllm.config import SpeculativeConfig, VllmConfig
@@ -60,6 +66,7 @@ DDTREE_KV_CACHE_DTYPES = (
 # Targets whose ALiBi bias is set in the model code, not in the HF config
 # (``ModelConfig.uses_alibi`` covers Bloom, Falcon, MPT and the config flag).
 DDTREE_ALIBI_ARCHITECTURES = ("Step1ForCausalLM",)
+DDTREE_BUDGET_POLICIES = ("batch", "fixed", "measured")
 # ``VLLM_DDTREE_BACKEND``: the tree-build implementation (tree.py).
 DDTREE_BUILD_BACKENDS = ("auto", "torch", "triton")
 
@@ -199,13 +206,7 @@ def budget_schedule(
     one request, 32 for two or three, and the floor from four on.
     """
     floor = min(tree_budget, draft_depth)
-    allowed = {tree_budget, floor}
-    step = 1
-    while step < tree_budget:
-        if step >= 2 * floor:
-            allowed.add(step)
-        step *= 2
-    choices = sorted(allowed)
+    choices = power_of_two_budgets(tree_budget, draft_depth)
     schedule: list[tuple[int, int, int]] = []
     for batch in range(1, max_batch_size + 1):
         raw = verify_tokens_per_step // batch - 1
@@ -219,11 +220,13 @@ def budget_schedule(
 
 def _apply_budget_policy(spec: "SpeculativeConfig") -> None:
     assert spec.tree_budget is not None and spec.draft_depth is not None
-    if spec.budget_policy not in ("batch", "fixed"):
+    if spec.budget_policy not in DDTREE_BUDGET_POLICIES:
         raise ValueError(
-            "DDTree: budget_policy must be 'batch' or 'fixed', got "
+            "DDTree: budget_policy must be 'batch', 'fixed' or 'measured', got "
             f"{spec.budget_policy!r}."
         )
+    if spec.budget_policy == "measured":
+        _verify_measured_policy(spec)
     if spec.num_speculative_tokens_per_batch_size is not None:
         return  # The user's own schedule pins the budget per batch size.
     if spec.budget_policy == "fixed":
@@ -232,18 +235,72 @@ def _apply_budget_policy(spec: "SpeculativeConfig") -> None:
     schedule = budget_schedule(
         spec.tree_budget, spec.draft_depth, spec.verify_tokens_per_step
     )
-    if len(schedule) > 1:
+    # The measured policy starts from the batch policy's schedule and always
+    # runs as a dynamic schedule: it may move any batch size to any of its
+    # budgets, no speculation included.
+    if len(schedule) > 1 or spec.budget_policy == "measured":
         spec.num_speculative_tokens_per_batch_size = schedule
+
+
+def _verify_measured_policy(spec: "SpeculativeConfig") -> None:
+    if spec.num_speculative_tokens_per_batch_size is not None:
+        raise ValueError(
+            "DDTree: budget_policy 'measured' chooses the budget per batch size "
+            "itself; drop num_speculative_tokens_per_batch_size, or keep it with "
+            "budget_policy 'batch' to pin the schedule."
+        )
+    interval = spec.budget_replan_interval
+    if (
+        isinstance(interval, bool)
+        or not isinstance(interval, (int, float))
+        or not 0 < interval < math.inf
+    ):
+        raise ValueError(
+            "DDTree: budget_replan_interval must be a positive number of "
+            f"seconds, got {interval!r}."
+        )
+    prior = spec.acceptance_prior
+    if (
+        isinstance(prior, bool)
+        or not isinstance(prior, (int, float))
+        or not (0 < prior < 1)
+    ):
+        raise ValueError(
+            "DDTree: acceptance_prior must be a per-depth acceptance probability "
+            f"strictly between 0 and 1, got {prior!r}."
+        )
+    weight = spec.acceptance_prior_weight
+    if isinstance(weight, bool) or not isinstance(weight, int) or weight < 0:
+        raise ValueError(
+            "DDTree: acceptance_prior_weight must be a non-negative integer "
+            f"(request-steps), got {weight!r}."
+        )
+
+
+def capture_budgets(spec: "SpeculativeConfig") -> list[int]:
+    """Tree budgets whose decode CUDA graphs the target needs: those of the
+    schedule, and for the measured policy every budget it may switch to at
+    runtime (`policy.candidate_budgets`, 0 = a plain decode step)."""
+    budgets = {k for _, _, k in spec.num_speculative_tokens_per_batch_size or ()}
+    if spec.budget_policy == "measured":
+        assert spec.tree_budget is not None and spec.draft_depth is not None
+        budgets.update(candidate_budgets(spec.tree_budget, spec.draft_depth))
+    return sorted(budgets)
 
 
 def _describe_schedule(spec: "SpeculativeConfig") -> str:
     schedule = spec.num_speculative_tokens_per_batch_size
+    if spec.budget_policy == "measured":
+        assert spec.tree_budget is not None and spec.draft_depth is not None
+        return (
+            "measured (budgets "
+            + ", ".join(map(str, candidate_budgets(spec.tree_budget, spec.draft_depth)))
+            + " by batch size, 0 = no speculation; until the step costs are "
+            "measured: " + describe_schedule(schedule or [], 1024) + ")"
+        )
     if not schedule:
         return f"fixed (tree_budget={spec.tree_budget} at every batch size)"
-    return "by batch size: " + ", ".join(
-        f"{lo}-{hi}: {budget}" if hi < 1024 else f">={lo}: {budget}"
-        for lo, hi, budget in schedule
-    )
+    return "by batch size: " + describe_schedule(schedule, 1024)
 
 
 def _draft_block_size(hf_config: object) -> int | None:
@@ -288,6 +345,7 @@ def verify_ddtree_vllm_config(vllm_config: "VllmConfig") -> None:
     _verify_kv_cache_dtype(vllm_config)
     _verify_kv_transfer(vllm_config)
     _verify_drafting_slots(vllm_config)
+    _verify_measured_budget_policy(vllm_config)
     if vllm_config.model_config is not None:
         _verify_target_attention(vllm_config)
         _verify_ddtree_target(vllm_config)
@@ -322,6 +380,58 @@ def _verify_drafting_slots(vllm_config: "VllmConfig") -> None:
         f"(at most {fitting_seqs}; e.g. {example}) or a larger "
         f"--max-num-batched-tokens."
     )
+
+
+# Without async scheduling the V2 runner reports every request's drafts as
+# tree_budget placeholders and the scheduler verifies all of them, whatever
+# its per-batch-size schedule says; only the async scheduler sizes the next
+# step's drafts by the schedule.
+ASYNC_SCHEDULING_ERROR = (
+    "DDTree: budget_policy 'measured' needs async scheduling (without it "
+    "every request verifies tree_budget nodes whatever the schedule); drop "
+    "--no-async-scheduling or use budget_policy 'fixed'."
+)
+
+
+def _verify_measured_budget_policy(vllm_config: "VllmConfig") -> None:
+    """The measured policy times the captured decode CUDA graphs at startup
+    and changes the scheduler's per-batch-size budget at runtime: it needs
+    CUDA graphs, and one scheduler per set of workers (data-parallel ranks
+    picking different budgets would diverge; upstream turns dynamic
+    schedules off under data parallelism for that reason)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    sync_scheduling = getattr(scheduler_config, "async_scheduling", None) is False
+    if getattr(spec, "budget_policy", None) != "measured":
+        if sync_scheduling and getattr(
+            spec, "num_speculative_tokens_per_batch_size", None
+        ):
+            logger.warning(
+                "DDTree: without async scheduling every request verifies "
+                "tree_budget=%s nodes per step; the per-batch-size budget "
+                "schedule applies only with async scheduling (drop "
+                "--no-async-scheduling).",
+                getattr(spec, "tree_budget", None),
+            )
+        return
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is not None and getattr(model_config, "enforce_eager", False):
+        raise ValueError(
+            "DDTree: budget_policy 'measured' times the decode CUDA graphs at "
+            "startup, and enforce_eager turns them off; drop --enforce-eager or "
+            "use budget_policy 'batch'."
+        )
+    if sync_scheduling:
+        raise ValueError(ASYNC_SCHEDULING_ERROR)
+    parallel_config = getattr(vllm_config, "parallel_config", None)
+    dp = getattr(parallel_config, "data_parallel_size", 1)
+    if dp > 1:
+        raise ValueError(
+            f"DDTree: budget_policy 'measured' does not support data parallelism "
+            f"(data_parallel_size={dp}): each rank would pick its own budgets and "
+            "the ranks' steps would diverge; use budget_policy 'batch' or "
+            "'fixed'."
+        )
 
 
 def _verify_tree_build_backend() -> None:

@@ -30,6 +30,20 @@ scheduler already sends; no new engine-core data):
 - ``vllm:ddtree_num_accepted_tokens_per_depth{depth="d"}`` (counter): steps
   whose accepted path reached depth ``d`` (1 .. draft_depth), the per-depth
   acceptance by its own name.
+
+Per batch size, at the batch sizes ``1, 2, 4, .. 1024`` (label
+``batch_size``; a step of ``n`` tree-verifying requests counts at the
+smallest label ``>= n``):
+
+- ``vllm:ddtree_budget_by_batch_size`` (gauge): the tree budget the schedule
+  gives that batch size (0 = no speculation): the configured schedule, then
+  each schedule the measured policy applies;
+- ``vllm:ddtree_expected_acceptance_length`` (gauge, measured policy): the
+  tau the policy expects there when it chose that budget;
+- ``vllm:ddtree_tree_requests_by_batch_size`` and
+  ``vllm:ddtree_emitted_tokens_by_batch_size`` (counters): request-steps that
+  verified a tree, and the tokens they emitted; their ratio is the observed
+  tau at that batch size.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -46,12 +60,22 @@ METRIC_TREE_BUDGET = "vllm:ddtree_tree_budget"
 METRIC_DRAFT_DEPTH = "vllm:ddtree_draft_depth"
 METRIC_ACCEPTANCE_LENGTH = "vllm:ddtree_acceptance_length"
 METRIC_ACCEPTED_PER_DEPTH = "vllm:ddtree_num_accepted_tokens_per_depth"
+METRIC_BUDGET_BY_BATCH = "vllm:ddtree_budget_by_batch_size"
+METRIC_EXPECTED_TAU = "vllm:ddtree_expected_acceptance_length"
+METRIC_TREE_REQUESTS_BY_BATCH = "vllm:ddtree_tree_requests_by_batch_size"
+METRIC_EMITTED_BY_BATCH = "vllm:ddtree_emitted_tokens_by_batch_size"
 DDTREE_METRIC_NAMES = (
     METRIC_TREE_BUDGET,
     METRIC_DRAFT_DEPTH,
     METRIC_ACCEPTANCE_LENGTH,
     METRIC_ACCEPTED_PER_DEPTH,
+    METRIC_BUDGET_BY_BATCH,
+    METRIC_EXPECTED_TAU,
+    METRIC_TREE_REQUESTS_BY_BATCH,
+    METRIC_EMITTED_BY_BATCH,
 )
+# The batch sizes the per-batch-size series are kept at.
+BATCH_SIZE_LABELS = tuple(2**k for k in range(11))
 
 
 def is_ddtree(spec: "SpeculativeConfig | None") -> bool:
@@ -80,6 +104,29 @@ def log_label(spec: "SpeculativeConfig | None") -> str:
         return ""
     assert spec is not None
     return f" (DDTree, tree_budget={spec.tree_budget}, draft_depth={_depth(spec)})"
+
+
+def batch_size_label(num_requests: int) -> int:
+    """The label a step of ``num_requests`` tree-verifying requests counts
+    at: the smallest of `BATCH_SIZE_LABELS` that is ``>= num_requests``."""
+    for label in BATCH_SIZE_LABELS:
+        if num_requests <= label:
+            return label
+    return BATCH_SIZE_LABELS[-1]
+
+
+def budget_at(schedule: "list | None", batch: int, tree_budget: int) -> int:
+    """The budget a ``(first, last, budget[, ...])`` schedule gives ``batch``
+    requests: the range holding it, else the last range's before it (as
+    upstream's lookup carries it forward); ``tree_budget`` with no schedule."""
+    if not schedule:
+        return tree_budget
+    budget = schedule[0][2]
+    for entry in sorted(schedule):
+        if entry[0] > batch:
+            break
+        budget = entry[2]
+    return int(budget)
 
 
 def budget_in_use(stats: "SpecDecodingStats") -> int:
@@ -191,9 +238,79 @@ class DDTreeProm:
             for idx, lv in per_engine_labelvalues.items()
         }
 
+        by_batch = [*labelnames, "batch_size"]
+        budget_gauge = gauge(
+            name=METRIC_BUDGET_BY_BATCH,
+            documentation=(
+                "DDTree tree budget the schedule gives this batch size (0 = no "
+                "speculation)."
+            ),
+            labelnames=by_batch,
+            multiprocess_mode="mostrecent",
+        )
+        expected_gauge = gauge(
+            name=METRIC_EXPECTED_TAU,
+            documentation=(
+                "DDTree measured budget policy: acceptance length (tokens per "
+                "request per step) it expects at this batch size."
+            ),
+            labelnames=by_batch,
+            multiprocess_mode="mostrecent",
+        )
+        requests_counter = counter(
+            name=METRIC_TREE_REQUESTS_BY_BATCH,
+            documentation=(
+                "DDTree request-steps that verified a tree, by the step's number "
+                "of tree-verifying requests (counted at the smallest label >= it)."
+            ),
+            labelnames=by_batch,
+        )
+        emitted_counter = counter(
+            name=METRIC_EMITTED_BY_BATCH,
+            documentation=(
+                "DDTree tokens emitted by tree-verifying requests, by batch size "
+                "as vllm:ddtree_tree_requests_by_batch_size (their ratio: the "
+                "observed acceptance length)."
+            ),
+            labelnames=by_batch,
+        )
+        schedule = spec.num_speculative_tokens_per_batch_size
+        self.gauge_budget_by_batch: dict[int, dict[int, Any]] = {}
+        self.gauge_expected_by_batch: dict[int, dict[int, Any]] = {}
+        self.counter_requests_by_batch: dict[int, dict[int, Any]] = {}
+        self.counter_emitted_by_batch: dict[int, dict[int, Any]] = {}
+        for idx, lv in per_engine_labelvalues.items():
+            self.gauge_budget_by_batch[idx] = {
+                n: budget_gauge.labels(*lv, str(n)) for n in BATCH_SIZE_LABELS
+            }
+            self.gauge_expected_by_batch[idx] = {
+                n: expected_gauge.labels(*lv, str(n)) for n in BATCH_SIZE_LABELS
+            }
+            self.counter_requests_by_batch[idx] = {
+                n: requests_counter.labels(*lv, str(n)) for n in BATCH_SIZE_LABELS
+            }
+            self.counter_emitted_by_batch[idx] = {
+                n: emitted_counter.labels(*lv, str(n)) for n in BATCH_SIZE_LABELS
+            }
+            for n, g in self.gauge_budget_by_batch[idx].items():
+                g.set(budget_at(schedule, n, self.tree_budget))
+
     def observe(self, stats: "SpecDecodingStats", engine_idx: int = 0) -> None:
+        schedule = getattr(stats, "dynamic_sd_schedule", None)
+        if schedule:
+            # A schedule the measured policy applied: budget and expected
+            # tau at each labelled batch size.
+            for n in BATCH_SIZE_LABELS:
+                entry = _entry_at(schedule, n)
+                self.gauge_budget_by_batch[engine_idx][n].set(entry[2])
+                self.gauge_expected_by_batch[engine_idx][n].set(entry[3])
         if stats.num_drafts <= 0:
             return
+        label = batch_size_label(stats.num_drafts)
+        self.counter_requests_by_batch[engine_idx][label].inc(stats.num_drafts)
+        self.counter_emitted_by_batch[engine_idx][label].inc(
+            stats.num_drafts + stats.num_accepted_tokens
+        )
         budget = budget_in_use(stats)
         if budget > 0:
             self.gauge_tree_budget[engine_idx].set(budget)
@@ -205,3 +322,14 @@ class DDTreeProm:
         for d, counter in enumerate(self.counter_accepted_per_depth[engine_idx]):
             if d < len(per_pos) and per_pos[d]:
                 counter.inc(per_pos[d])
+
+
+def _entry_at(schedule: list, batch: int) -> tuple:
+    """The ``(first, last, budget, tau)`` entry covering ``batch`` (the last
+    one before it when none does)."""
+    chosen = schedule[0]
+    for entry in sorted(schedule):
+        if entry[0] > batch:
+            break
+        chosen = entry
+    return tuple(chosen)

@@ -19,7 +19,11 @@ from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.spec_decode.ddtree.config import verify_ddtree_target_layers
 from vllm.v1.spec_decode.ddtree.tree import build_tree
-from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+from vllm.v1.worker.gpu.input_batch import InputBatch
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import (
+    DFlashSpeculator,
+    prepare_dflash_inputs,
+)
 
 
 def drafter_vllm_config(vllm_config: VllmConfig) -> VllmConfig:
@@ -83,6 +87,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.tree_valid = torch.zeros(
             self.max_num_reqs, self.tree_budget, dtype=torch.bool, device=device
         )
+        # False when the next step verifies none of this step's drafts (the
+        # measured budget policy chose no speculation for this batch size;
+        # set by the runner each step): `propose` then only stores the
+        # step's context K/V.
+        self.draft_next_step = True
 
     def load_model(self, target_model: nn.Module) -> None:
         # The target's attention layers are built (the drafter's not yet):
@@ -127,3 +136,113 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.tree_parent_idx[:num_reqs] = tree.parent_idx
         self.tree_depth[:num_reqs] = tree.depth
         self.tree_valid[:num_reqs] = tree.valid
+
+    def propose(
+        self,
+        input_batch: InputBatch,
+        attn_metadata: dict[str, Any],
+        slot_mappings: dict[str, torch.Tensor],
+        last_hidden_states: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor] | None,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        last_sampled: torch.Tensor,
+        next_prefill_tokens: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        num_tokens_across_dp: torch.Tensor | None = None,
+        dummy_run: bool = False,
+        skip_attn_for_dummy_run: bool = False,
+        mm_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+        is_profile: bool = False,
+    ) -> torch.Tensor:
+        if self.draft_next_step or dummy_run:
+            return super().propose(
+                input_batch,
+                attn_metadata,
+                slot_mappings,
+                last_hidden_states,
+                aux_hidden_states,
+                num_sampled,
+                num_rejected,
+                last_sampled,
+                next_prefill_tokens,
+                temperature,
+                seeds,
+                num_tokens_across_dp=num_tokens_across_dp,
+                dummy_run=dummy_run,
+                skip_attn_for_dummy_run=skip_attn_for_dummy_run,
+                mm_inputs=mm_inputs,
+                is_profile=is_profile,
+            )
+        self._store_context(
+            input_batch,
+            last_hidden_states,
+            aux_hidden_states,
+            num_sampled,
+            num_rejected,
+            last_sampled,
+            next_prefill_tokens,
+        )
+        # Not verified: the next step schedules no drafts for these requests.
+        return self.draft_tokens[: input_batch.num_reqs]
+
+    def _store_context(
+        self,
+        input_batch: InputBatch,
+        last_hidden_states: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor] | None,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        last_sampled: torch.Tensor,
+        next_prefill_tokens: torch.Tensor,
+    ) -> None:
+        """The part of the DFlash pass a later draft needs: this step's
+        tokens as context K/V in the drafter's cache (its attention reads
+        every earlier token there). The query forward and the tree build,
+        whose drafts nobody would verify, are skipped: a step of no
+        speculation costs the target's decode and this precompute."""
+        num_target_tokens = input_batch.num_tokens
+        if aux_hidden_states:
+            hidden_states = self.model.combine_hidden_states(
+                torch.cat(aux_hidden_states, dim=-1)
+            )
+        else:
+            hidden_states = last_hidden_states
+        self.hidden_states[:num_target_tokens].copy_(hidden_states[:num_target_tokens])
+        for i, gid in enumerate(self.draft_kv_cache_group_ids):
+            prepare_dflash_inputs(
+                self.input_buffers,
+                self.block_tables.slot_mappings[gid],
+                self.context_positions,
+                self._context_slot_mappings[i],
+                self.sample_indices,
+                self.sample_pos,
+                self.sample_idx_mapping,
+                input_batch,
+                num_sampled,
+                num_rejected,
+                last_sampled,
+                next_prefill_tokens,
+                self.block_tables.input_block_tables[gid],
+                self.block_tables.kernel_block_sizes[gid],
+                self.parallel_drafting_token_id,
+                self.num_query_per_req,
+                self.num_speculative_steps,
+                self.max_num_reqs,
+                self.max_num_tokens,
+                self.max_model_len,
+                self.sample_from_anchor,
+            )
+        if self._layer_group_idx is not None:
+            context_slots: torch.Tensor | list[torch.Tensor | None] = [
+                self._context_slot_mappings[g][:num_target_tokens]
+                for g in self._layer_group_idx
+            ]
+        else:
+            context_slots = self._context_slot_mappings[0][:num_target_tokens]
+        self.model.precompute_and_store_context_kv(
+            self.hidden_states[:num_target_tokens],
+            self.context_positions[:num_target_tokens],
+            context_slots,
+        )

@@ -45,6 +45,7 @@ from vllm.v1.worker.gpu.input_batch import (
 )
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
+from vllm.v1.worker.gpu.spec_decode.ddtree.budget import DDTreeBudgetPlanner
 from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import (
     KVCompactor,
     WalkBuffers,
@@ -129,6 +130,12 @@ class DDTreeVerifier:
         self._model_positions: torch.Tensor | None = None
         self._saved_model_positions: torch.Tensor | None = None
 
+        # The measured budget policy: counts every walk's acceptance per tree
+        # rank on the device and re-plans the budget per batch size.
+        self.budget: DDTreeBudgetPlanner | None = None
+        if getattr(spec, "budget_policy", None) == "measured":
+            self.budget = DDTreeBudgetPlanner(vllm_config, device)
+
         # Hybrid (Gated DeltaNet) targets: the GDN layers' tree path.
         self.gdn = None
         model_config = getattr(vllm_config, "model_config", None)
@@ -155,7 +162,8 @@ class DDTreeVerifier:
         """Bytes of DDTree's persistent device buffers for the target, by
         kind: ``bias`` (the tree attention masks), ``tree`` (per-request and
         per-batch-row trees, the logits rows' position shifts, tree positions
-        and input ids, the node index, the walk's path and scratch), ``gdn``
+        and input ids, the node index, the walk's path and scratch, the
+        measured budget policy's counters), ``gdn``
         (hybrid targets: the Gated DeltaNet verify rows; 0 otherwise).
         Allocated at startup, before memory profiling; the walk's emitted
         tokens and counts (per step) come from the caching allocator."""
@@ -169,6 +177,8 @@ class DDTreeVerifier:
             self.node_range,
             *self.walk_buffers.tensors(),
             *self._drafter_tree_buffers,
+            # The measured budget policy's per-rank counters.
+            *([self.budget.acceptance.counts] if self.budget is not None else []),
         ]
         return {
             "bias": self.attn_bias.nbytes,
@@ -426,6 +436,10 @@ class DDTreeVerifier:
             num_sampled,
         )
         self._walk = (num_accepted, src_row, dst_row)
+        if self.budget is not None:
+            self.budget.observe_walk(
+                num_accepted, src_row, input_batch.query_start_loc, cu_num_logits
+            )
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             num_sampled,
             input_batch.seq_lens,

@@ -1,0 +1,316 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""CPU tests for the "measured" budget policy
+(overlay/vllm/v1/spec_decode/ddtree/policy.py): the rank-prefix property of
+the walk that tau(b) rests on, the prior, the step-cost interpolation and
+the choice, each against brute force."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+import ddtree_reference as ref
+from vllm.v1.spec_decode.ddtree import policy as P
+from vllm.v1.spec_decode.ddtree.tree import DDTree, build_tree
+
+
+# ------------------------------------------------------- rank-prefix walks
+def _random_rank_ordered_tree(rng: random.Random, budget: int, depth: int, vocab: int):
+    """Parents before children, distinct sibling tokens, depth <= ``depth``:
+    any tree the walk may see (verify layout, node i at index i, root 0)."""
+    parent = [0]
+    node_depth = [0]
+    children: dict[int, set[int]] = {0: set()}
+    token = [-1]
+    while len(parent) <= budget:
+        p = rng.randrange(len(parent))
+        if node_depth[p] == depth or len(children[p]) == vocab:
+            continue
+        t = rng.choice([t for t in range(vocab) if t not in children[p]])
+        children[p].add(t)
+        children[len(parent)] = set()
+        parent.append(p)
+        node_depth.append(node_depth[p] + 1)
+        token.append(t)
+    return parent, node_depth, token
+
+
+def _walk(parent, token, target, num_nodes):
+    """The walk over the first ``num_nodes`` nodes (root included): from the
+    root, move to the child whose token is the target's draw at the current
+    node, while there is one. Returns the accepted node indices."""
+    accepted = [0]
+    cur = 0
+    while True:
+        nxt = [
+            i
+            for i in range(1, num_nodes)
+            if parent[i] == cur and token[i] == target[cur]
+        ]
+        assert len(nxt) <= 1  # distinct sibling tokens
+        if not nxt:
+            return accepted
+        cur = nxt[0]
+        accepted.append(cur)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_walk_of_a_rank_prefix_accepts_the_full_walks_nodes_below_it(seed):
+    rng = random.Random(seed)
+    depth = rng.randint(1, 8)
+    vocab = rng.randint(1, 4)
+    # No more nodes than distinct prefixes.
+    budget = min(rng.randint(1, 40), sum(vocab**d for d in range(1, depth + 1)))
+    parent, _, token = _random_rank_ordered_tree(rng, budget, depth, vocab)
+    # Target draws biased to the tree's tokens so that walks go deep.
+    target = [
+        rng.choice(token[1:]) if rng.random() < 0.8 else rng.randrange(vocab)
+        for _ in range(budget + 1)
+    ]
+    full = _walk(parent, token, target, budget + 1)
+    for b in range(budget + 1):
+        assert _walk(parent, token, target, b + 1) == [i for i in full if i <= b]
+
+
+def _prefix(tree: DDTree, b: int) -> DDTree:
+    return DDTree(
+        token_ids=tree.token_ids[:, :b],
+        parent_idx=tree.parent_idx[:, :b],
+        depth=tree.depth[:, :b],
+        score=tree.score[:, :b],
+        valid=tree.valid[:, :b],
+        draft_depth=tree.draft_depth,
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_built_trees_rank_prefix_walks_match_the_full_walk(seed):
+    """The same on DDTree's own trees (tree.py) and reference walk, and the
+    resulting tau(b) identity: accepted nodes under budget b = accepted
+    nodes of rank < b in the full walk, per request."""
+    g = torch.Generator().manual_seed(seed)
+    reqs, depth, vocab, budget = 16, 6, 5, 48
+    logits = torch.randn(reqs, depth, vocab, generator=g) * 3
+    tree = build_tree(logits, budget, backend="torch")
+    # Target draws: the drafter's argmax at the node's depth most of the time.
+    draft_argmax = logits.argmax(-1)  # [R, D]
+    node_depth = torch.cat([torch.zeros(reqs, 1, dtype=torch.int64), tree.depth], 1)
+    argmax_at = draft_argmax.gather(1, node_depth.clamp(max=depth - 1))
+    noise = torch.randint(0, vocab, argmax_at.shape, generator=g)
+    keep = torch.rand(argmax_at.shape, generator=g) < 0.7
+    target = torch.where(keep, argmax_at, noise)
+    full = ref.walk_tree(tree, target)
+    ranks = torch.arange(budget + 1)
+    for b in range(1, budget + 1):
+        part = ref.walk_tree(_prefix(tree, b), target[:, : b + 1])
+        expected = full.accepted_mask & (ranks <= b)
+        assert torch.equal(part.accepted_mask, expected[:, : b + 1])
+        assert torch.equal(part.num_accepted, expected.sum(1))
+
+
+# ------------------------------------------------------------------ prior
+def _brute_force_prior(budget, depth, a, vocab):
+    probs = []
+    for d in range(1, depth + 1):
+        for ranks in itertools.product(range(vocab), repeat=d):
+            probs.append(a**d * (1 - a) ** sum(ranks))
+    return sorted(probs, reverse=True)[:budget]
+
+
+@pytest.mark.parametrize(
+    "budget,depth,a", [(1, 1, 0.8), (10, 3, 0.8), (30, 4, 0.5), (40, 3, 0.3)]
+)
+def test_prior_is_the_top_prefix_probabilities_of_the_model_drafter(budget, depth, a):
+    got = P.prior_rank_acceptance(budget, depth, a)
+    # Token ranks up to `budget` cover every prefix that can enter the top;
+    # at a = 0.5 ranks up to 5 already do (2^5 - 1 >= 30 prefixes above).
+    vocab = budget if budget**depth <= 10**5 else 12
+    want = _brute_force_prior(budget, depth, a, vocab)
+    assert len(got) == budget
+    assert got == pytest.approx(want, rel=1e-12)
+    assert all(x >= y for x, y in zip(got, got[1:]))
+
+
+def test_prior_chain_part_and_bad_values():
+    rates = P.prior_rank_acceptance(15, 15, 0.8)
+    # Rank 0 is the depth-1 argmax; a^d is among the ranks for every depth.
+    assert rates[0] == pytest.approx(0.8)
+    for d in range(1, 8):
+        assert any(math.isclose(r, 0.8**d) for r in rates)
+    with pytest.raises(ValueError):
+        P.prior_rank_acceptance(4, 4, 1.0)
+
+
+def test_counts_take_over_from_the_prior():
+    prior = [0.8, 0.5, 0.2]
+    assert P.rank_acceptance([0, 0, 0], [0, 0, 0], prior, 256) == prior
+    est = P.rank_acceptance([10**6, 0, 5 * 10**5], [10**6] * 3, prior, 256)
+    assert est == pytest.approx([1.0, 0.0, 0.5], abs=1e-3)
+    # Halfway: as many counted request-steps as pseudo ones.
+    half = P.rank_acceptance([0, 0, 0], [256] * 3, prior, 256)
+    assert half == pytest.approx([p / 2 for p in prior])
+    # A rank never verified keeps its prior.
+    assert P.rank_acceptance([5, 0], [10, 0], [0.9, 0.7], 10)[1] == 0.7
+    assert P.expected_tau([0.5, 0.25]) == [1.0, 1.5, 1.75]
+
+
+# ------------------------------------------------------------------- cost
+def test_cost_table_interpolates_in_tokens_and_batch():
+    table = P.StepCostTable(
+        {
+            (1, 1): 1.0,
+            (8, 1): 2.0,
+            (1, 16): 1.5,
+            (8, 16): 4.0,
+            (2, 65): 3.0,  # its own batch sizes
+        }
+    )
+    assert table.cost(1, 1) == 1.0 and table.cost(8, 16) == 4.0
+    assert table.cost(4.5, 1) == pytest.approx(1.5)  # along batch
+    assert table.cost(1, 8.5) == pytest.approx(1.25)  # along tokens
+    # Both: the rows at 1 and 16 tokens at batch 8, then tokens.
+    assert table.cost(8, 8.5) == pytest.approx(3.0)
+    assert table.cost(0.5, 1) == 1.0  # below the first batch: clamped
+    assert table.cost(16, 1) == pytest.approx(2 + 8 / 7)  # past it: extended
+    # Single-point row (65 tokens): constant in batch.
+    assert table.cost(7, 65) == 3.0
+    round_trip = P.StepCostTable.from_json(table.to_json())
+    assert round_trip.points == table.points
+    with pytest.raises(ValueError):
+        P.StepCostTable({})
+    with pytest.raises(ValueError):
+        P.StepCostTable({(1, 1): 0.0})
+
+
+# ----------------------------------------------------------------- choice
+def _brute_force(budgets, tau, cost, max_batch, max_tokens=None):
+    out = {}
+    for n in range(1, max_batch + 1):
+        options = [
+            (n * tau[b] / cost(n, 1 + b), -b, b)
+            for b in budgets
+            if b == 0 or max_tokens is None or n * (1 + b) <= max_tokens
+        ]
+        rate, _, budget = max(options)
+        # Ties to the smaller budget (the -b key); no exact ties here.
+        out[n] = budget
+    return out
+
+
+def _dense(choices):
+    return {n: c.budget for c in choices for n in range(c.first, c.last + 1)}
+
+
+def _memory_then_compute(fixed, per_token):
+    """Flat in tokens until the batch's tokens make it compute-bound."""
+    return lambda n, t: fixed + per_token * n * t
+
+
+BUDGETS = P.candidate_budgets(64, 15)
+
+
+def test_candidates_are_nospec_and_the_batch_policys_budgets():
+    assert BUDGETS == [0, 15, 32, 64]
+    assert P.candidate_budgets(256, 15) == [0, 15, 32, 64, 128, 256]
+    assert P.candidate_budgets(8, 15) == [0, 8]
+
+
+def test_large_trees_at_batch_one_small_ones_at_large_batches():
+    tau = P.expected_tau(P.prior_rank_acceptance(64, 15))
+    cost = _memory_then_compute(5e-3, 2e-6)
+    choices = P.choose_budgets(BUDGETS, tau, cost, 256)
+    dense = _dense(choices)
+    assert dense == _brute_force(BUDGETS, tau, cost, 256)
+    assert dense[1] == 64
+    assert 0 < dense[64] < 64
+    budgets = [dense[n] for n in range(1, 257)]
+    assert budgets == sorted(budgets, reverse=True)
+    assert choices[0].expected_tau == pytest.approx(tau[64])
+    assert choices[0].tokens_per_second == pytest.approx(tau[64] / cost(1, 65))
+
+
+def test_no_speculation_wins_at_large_batches():
+    tau = P.expected_tau(P.prior_rank_acceptance(64, 15))
+    cost = _memory_then_compute(5e-3, 1e-5)
+    dense = _dense(P.choose_budgets(BUDGETS, tau, cost, 512))
+    assert dense == _brute_force(BUDGETS, tau, cost, 512)
+    assert dense[1] > 0 and dense[512] == 0
+
+
+def test_prior_without_data_then_counts_take_over():
+    prior = P.prior_rank_acceptance(64, 15)
+    table = P.StepCostTable(
+        {
+            (n, t): 5e-3 + 4e-6 * n * t
+            for n in (1, 2, 4, 8, 16, 32, 64)
+            for t in (1, 16, 33, 65)
+        }
+    )
+    zero = [0] * 64
+    no_data = P.plan(BUDGETS, table, zero, zero, prior, 64)
+    assert _dense(no_data)[1] == 64  # the prior expects trees to pay off
+    # Lots of steps at every rank, none accepted: no speculation anywhere.
+    never = P.plan(BUDGETS, table, zero, [10**7] * 64, prior, 64)
+    assert [(c.first, c.last, c.budget) for c in never] == [(1, 64, 0)]
+    assert never[0].expected_tau == 1.0
+    # Only the first 15 ranks ever accepted (a chain-like drafter): at most 15.
+    chain_like = [10**7 if r < 15 else 0 for r in range(64)]
+    chain = P.plan(BUDGETS, table, chain_like, [10**7] * 64, prior, 64)
+    assert {c.budget for c in chain} <= {0, 15}
+    tau_chain = P.expected_tau(P.rank_acceptance(chain_like, [10**7] * 64, prior))
+    assert _dense(chain) == _brute_force(BUDGETS, tau_chain, table.cost, 64)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_choice_agrees_with_brute_force_on_random_tables(seed):
+    rng = random.Random(seed)
+    budget = rng.choice([8, 16, 64, 128])
+    depth = rng.choice([4, 8, 15])
+    budgets = P.candidate_budgets(budget, depth)
+    rates = sorted((rng.random() for _ in range(budget)), reverse=True)
+    tau = P.expected_tau(rates)
+    batches = sorted(rng.sample(range(1, 200), 5))
+    points = {}
+    for b in budgets:
+        base = rng.uniform(1, 10)
+        slope = rng.uniform(0, 0.5)
+        for n in batches:
+            points[(n, 1 + b)] = base + slope * n * (1 + b) * rng.uniform(0.8, 1.2)
+    table = P.StepCostTable(points)
+    max_tokens = rng.choice([None, 512, 2048])
+    choices = P.choose_budgets(budgets, tau, table.cost, 256, max_tokens)
+    assert _dense(choices) == _brute_force(budgets, tau, table.cost, 256, max_tokens)
+    assert choices[0].first == 1 and choices[-1].last == 256
+    for a, b in zip(choices, choices[1:]):
+        assert a.last + 1 == b.first and a.budget != b.budget
+
+
+def test_budgets_that_overflow_the_token_budget_are_left_out():
+    tau = [1.0 + b for b in range(65)]
+    flat = lambda n, t: 1.0  # noqa: E731
+    dense = _dense(P.choose_budgets(BUDGETS, tau, flat, 40, 512))
+    assert dense[7] == 64 and dense[8] == 32 and dense[16] == 15
+    assert dense[33] == 0  # 33 x 16 tokens > 512
+    with pytest.raises(ValueError, match="budget 0"):
+        P.choose_budgets([15, 64], tau, flat, 4)
+
+
+def test_describe_schedule():
+    s = [(1, 1, 64), (2, 3, 32), (4, 1024, 0)]
+    assert P.describe_schedule(s, 1024) == "1-1: 64, 2-3: 32, >=4: 0"
+
+
+def test_budgets_past_their_largest_captured_graph_are_left_out():
+    tau = [1.0 + b for b in range(65)]
+    flat = lambda n, t: 1.0  # noqa: E731
+    limits = {15: 32, 32: 15, 64: 7}
+    dense = _dense(P.choose_budgets(BUDGETS, tau, flat, 40, None, limits))
+    assert [dense[n] for n in (7, 8, 15, 16, 32, 33)] == [64, 32, 32, 15, 15, 0]
+    # A budget with no graph at all never wins; 0 needs none.
+    dense = _dense(P.choose_budgets(BUDGETS, tau, flat, 4, None, {15: 4}))
+    assert set(dense.values()) == {15}
