@@ -17,8 +17,9 @@ CPU (Triton interpreter; tests/in_vllm/conftest.py sets it up without a GPU):
   patched unified kernel with the same packed mask, to 1e-5 in float32,
   softcap and sinks included, and with the prefix's undefined rows (FA's
   empty prefixes) poisoned;
-* the rule for which batches take the split, the per-step prefix lengths,
-  and the startup checks of the variable.
+* the TRITON_ATTN backend's hook (`TritonAttentionImpl.forward` takes the
+  split when the metadata carries it and the batch fits), the per-step
+  prefix lengths, and the startup checks of the variable.
 
 GPU (``-m gpu``, an H200: FA3): the split against the unified kernel in bf16
 at the Qwen3-8B and Qwen3.6-27B attention shapes, and under CUDA-graph
@@ -484,6 +485,110 @@ def test_split_empty_prefix_undefined_rows(empty_lse):
 # ----------------------------------------------------------------------------
 # The TRITON_ATTN backend's side
 # ----------------------------------------------------------------------------
+
+
+def triton_metadata(batch, tree_split):
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
+
+    num_tokens, num_heads, head_size = batch["query"].shape
+    device = batch["query"].device
+    hs_pad = 1 << (head_size - 1).bit_length()
+    segm_max = torch.empty(num_tokens, num_heads, 4, device=device)
+    return TritonAttentionMetadata(
+        num_actual_tokens=num_tokens,
+        max_query_len=max(batch["query_lens"]),
+        query_start_loc=batch["cu_seqlens_q"],
+        max_seq_len=max(batch["kv_lens"]),
+        seq_lens=batch["seq_lens"],
+        block_table=batch["block_table"],
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        seq_threshold_3D=1 << 20,
+        num_par_softmax_segments=4,
+        softmax_segm_output=torch.empty(
+            num_tokens, num_heads, 4, hs_pad, device=device
+        ),
+        softmax_segm_max=segm_max,
+        softmax_segm_expsum=torch.empty_like(segm_max),
+        causal=True,
+        use_cascade=False,
+        common_prefix_len=0,
+        cu_prefix_query_lens=None,
+        prefix_kv_lens=None,
+        suffix_kv_lens=None,
+        tree_attn_bias=batch["tree_mask"],
+        tree_split=tree_split,
+    )
+
+
+def backend_forward(batch, tree_split):
+    """TritonAttentionImpl.forward on the batch: the TRITON_ATTN KV cache
+    (num_blocks, num_kv_heads, block_size, 2 * head_size) holding the same
+    keys and values."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    query, key_cache = batch["query"], batch["key_cache"]
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    kv_cache = torch.cat([key_cache, batch["value_cache"]], dim=-1).transpose(1, 2)
+    impl = TritonAttentionImpl(
+        num_heads=num_heads,
+        head_size=head_size,
+        scale=batch["scale"],
+        num_kv_heads=num_kv_heads,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+    )
+    one = torch.ones((), device=query.device)
+    layer = SimpleNamespace(_q_scale=one, _k_scale=one, _v_scale=one)
+    output = torch.full_like(query, SENTINEL)
+    impl.forward(
+        layer,
+        query,
+        None,
+        None,
+        kv_cache.contiguous(),
+        triton_metadata(batch, tree_split),
+        output,
+    )
+    return output
+
+
+@needs_kernel
+def test_backend_takes_the_split_when_the_batch_fits():
+    calls = []
+
+    def prefix(*args, **kwargs):
+        calls.append(args[6].clone())  # prefix_lens
+        return paged_prefix_attention(*args, **kwargs)
+
+    batch = make_batch(9, DECODE_PADDED, 8, 2, 64, torch.float32, KERNEL_DEVICE, seed=2)
+    split_meta = ta.SplitTreeAttentionMetadata(
+        prefix_lens=batch["prefix_lens"], prefix_attention=prefix
+    )
+    with_split = backend_forward(batch, split_meta)
+    assert len(calls) == 1 and torch.equal(calls[0], batch["prefix_lens"])
+    without = backend_forward(batch, None)
+    assert len(calls) == 1
+    torch.testing.assert_close(with_split, without, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(with_split, run_unified(batch), atol=TOL, rtol=TOL)
+
+
+@needs_kernel
+def test_backend_runs_unified_for_a_longer_request():
+    """A prefill chunk longer than the tree: the unified kernel (the split's
+    prefix pass is not called)."""
+
+    def prefix(*args, **kwargs):
+        raise AssertionError("the split ran for a batch with a prefill chunk")
+
+    batch = make_batch(9, MIXED, 8, 2, 64, torch.float32, KERNEL_DEVICE, seed=4)
+    assert max(batch["query_lens"]) > 9
+    split_meta = ta.SplitTreeAttentionMetadata(
+        prefix_lens=batch["prefix_lens"], prefix_attention=prefix
+    )
+    out = backend_forward(batch, split_meta)
+    torch.testing.assert_close(out, run_unified(batch), atol=TOL, rtol=TOL)
 
 
 def test_applies_rule():
