@@ -19,7 +19,8 @@ CPU (Triton interpreter; tests/in_vllm/conftest.py sets it up without a GPU):
   empty prefixes) poisoned;
 * the TRITON_ATTN backend's hook (`TritonAttentionImpl.forward` takes the
   split when the metadata carries it and the batch fits), the per-step
-  prefix lengths, and the startup checks of the variable.
+  prefix lengths, and the startup checks of the variable;
+* bench/bench_tree_attention.py's CPU smoke run (the plumbing, not a timing).
 
 GPU (``-m gpu``, an H200: FA3): the split against the unified kernel in bf16
 at the Qwen3-8B and Qwen3.6-27B attention shapes, and under CUDA-graph
@@ -901,3 +902,33 @@ def test_gpu_split_cuda_graph_replay(shape):
         torch.cuda.synchronize()
         expected = run_unified({**batch, "kv_lens": kv_lens})
         torch.testing.assert_close(out[:n], expected[:n], atol=2e-2, rtol=2e-2)
+
+
+# ----------------------------------------------------------------------------
+# bench/bench_tree_attention.py (CPU smoke run: the plumbing, not a timing)
+# ----------------------------------------------------------------------------
+
+
+@needs_kernel
+def test_bench_script_smoke(tmp_path):
+    import importlib.util
+    import json
+    import pathlib
+
+    if KERNEL_DEVICE != "cpu":
+        pytest.skip("the GPU run is the benchmark itself")
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench"
+    spec = importlib.util.spec_from_file_location(
+        "bench_tree_attention", path / "bench_tree_attention.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    argv = ["--device", "cpu", "--shapes", "tiny", "--contexts", "40"]
+    argv += ["--tree-tokens", "5", "--batch", "2", "--iters", "1", "--repeats", "1"]
+    assert bench.main([*argv, "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["unified", "split"]
+    for row in rows:
+        assert row["us"] > 0 and row["tree_tokens"] == 5 and row["batch"] == 2
+        assert row["split_vs_unified_max_abs_diff"] < 1e-4
