@@ -489,7 +489,37 @@ def test_readme_lists_every_refusal_with_its_message(monkeypatch):
         bad_backend,
         no_triton,
     ]
+    startup += tree_attention_refusals(monkeypatch)
     for message in startup:
         assert f"    vllm serve: error: {message}\n" in readme, message
     streaming = _message(c.verify_ddtree_streaming_input)
     assert f"    {streaming}\n" in readme
+
+
+def tree_attention_refusals(monkeypatch) -> list[str]:
+    """The README's VLLM_DDTREE_TREE_ATTENTION lines, from the code: a bad
+    value, a float32 model, an FP8 KV cache, an A100 (no FA3)."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.spec_decode.ddtree import tree_attention as ta
+
+    def cfg(dtype=torch.bfloat16, cache_dtype="auto"):
+        return SimpleNamespace(
+            model_config=SimpleNamespace(dtype=dtype, get_head_size=lambda: 128),
+            cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+        )
+
+    monkeypatch.setenv(ta.TREE_ATTENTION_ENV, "flash")
+    messages = [_message(ta.verify_tree_attention, cfg())]
+    monkeypatch.setenv(ta.TREE_ATTENTION_ENV, "split")
+    messages.append(_message(ta.verify_tree_attention, cfg(dtype=torch.float32)))
+    messages.append(_message(ta.verify_tree_attention, cfg(cache_dtype="fp8")))
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(
+        current_platform, "is_device_capability_family", lambda family: False
+    )
+    monkeypatch.setattr(
+        current_platform, "get_device_capability", lambda: DeviceCapability(8, 0)
+    )
+    messages.append(_message(ta.verify_tree_attention, cfg()))
+    return messages
