@@ -12,7 +12,10 @@ kernels must compute, in the verify layout of ``DDTree`` (node ``i`` at column
 - `ancestor_mask` / `tree_attention_bias` / `pack_ancestor_bits`: which
   tree tokens a token may attend to;
 - `walk_tree`: the accepted path, emitted tokens and bonus token;
-- `compaction_indices`: where the accepted path's KV and hidden states move.
+- `compaction_indices`: where the accepted path's KV and hidden states move;
+- `paged_prefix_attention`: the prefix pass of the split tree attention
+  (``vllm/v1/spec_decode/ddtree/tree_attention.py``), what FA3 computes
+  there.
 
 Torch only, like ``tree.py``.
 """
@@ -299,3 +302,69 @@ def compaction_indices(
         dst_token_idx=dst_token_idx,
         num_accepted=walk.num_accepted,
     )
+
+
+# --------------------------------------------------------------------------
+# Split tree attention: the prefix pass
+# --------------------------------------------------------------------------
+
+
+def paged_prefix_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    prefix_lens: torch.Tensor,
+    max_seqlen_k: int,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    scheduler_metadata: torch.Tensor | None = None,
+    num_splits: int = 0,
+    empty_out: float = float("nan"),
+    empty_lse: float = _NEG_INF,
+) -> torch.Tensor:
+    """What FA3 computes for the split's part (a) (`PrefixAttention`), in
+    float32: every query token of request ``r`` attends, without a mask, to
+    the first ``prefix_lens[r]`` keys of its paged KV (``key_cache``:
+    ``[num_blocks, block_size, num_kv_heads, head_size]``). Writes ``out``
+    and returns the log-sum-exp ``[num_query_heads, num_tokens]`` (FA's
+    layout; 0 past the last request's tokens). A sink is one more logit per
+    head with a zero value (FA3's ``s_aux``). The rows of a request with no
+    prefix key and no sink are undefined in FA: here ``empty_out`` and
+    ``empty_lse`` (FA3 returns -inf, FA2 +inf)."""
+    num_tokens, num_heads, _ = query.shape
+    lse = torch.zeros(num_heads, num_tokens, dtype=torch.float32, device=query.device)
+    starts = cu_seqlens_q.tolist()
+    block_size = key_cache.shape[1]
+    for r, n_prefix in enumerate(prefix_lens.tolist()):
+        lo, hi = starts[r], starts[r + 1]
+        if hi == lo:
+            continue
+        n_blocks = (n_prefix + block_size - 1) // block_size
+        blocks = block_table[r, :n_blocks].long()
+        k = key_cache[blocks].flatten(0, 1)[:n_prefix].float()
+        v = value_cache[blocks].flatten(0, 1)[:n_prefix].float()
+        group = num_heads // key_cache.shape[2]
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        q = query[lo:hi].float()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, hi - lo, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+            v = torch.cat([v, v.new_zeros(1, *v.shape[1:])])
+        if scores.shape[-1] == 0:
+            out[lo:hi] = empty_out
+            lse[:, lo:hi] = empty_lse
+            continue
+        row_lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - row_lse[..., None])
+        out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+        lse[:, lo:hi] = row_lse
+    return lse

@@ -74,6 +74,16 @@ PER_STEP = {
         "snapshot",
         "snapshot_ready",
     },
+    # The split tree attention: every target attention layer (`applies`,
+    # `forward`), the metadata build of each step (`build`).
+    "vllm/v1/spec_decode/ddtree/tree_attention.py": {
+        "tree_attention",
+        "fa3_prefix_attention",
+        "split_tree_attention",
+        "applies",
+        "forward",
+        "build",
+    },
     "vllm/v1/worker/gpu/spec_decode/ddtree/sampling.py": {
         "apply_penalties",
         "counting_tree_paths",

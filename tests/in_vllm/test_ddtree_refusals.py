@@ -3,8 +3,9 @@
 line (or per request): targets whose attention masks or biases are computed
 from KV slot offsets (sliding windows, chunked local attention, ALiBi),
 pipeline parallelism, KV-cache dtypes the tree kernels do not take, KV
-connectors and KV offloading, a bad VLLM_DDTREE_BACKEND, streaming-input
-requests. The real configs are built as `vllm serve` builds them
+connectors and KV offloading, a bad VLLM_DDTREE_BACKEND or
+VLLM_DDTREE_TREE_ATTENTION (and a split tree attention that FA3 cannot run),
+streaming-input requests. The real configs are built as `vllm serve` builds them
 (EngineArgs -> create_engine_config on vLLM's CPU platform, in a
 subprocess); test_ddtree_serving.py runs some of them through the CLI."""
 
@@ -101,6 +102,21 @@ BAD_BACKEND = (
     "'auto', 'torch' or 'triton', or unset it."
 )
 
+SPLIT_NEEDS = "DDTree: VLLM_DDTREE_TREE_ATTENTION=split needs FlashAttention 3, "
+BAD_TREE_ATTENTION = (
+    "DDTree: VLLM_DDTREE_TREE_ATTENTION='flash' is not a tree attention mode; "
+    "set it to 'unified' or 'split', or unset it."
+)
+SPLIT_FLOAT32 = (
+    SPLIT_NEEDS + "which takes float16 or bfloat16, got dtype=float32; pass "
+    "--dtype bfloat16 or unset VLLM_DDTREE_TREE_ATTENTION."
+)
+SPLIT_NO_FA3 = (
+    SPLIT_NEEDS + "which is not available here (it needs an NVIDIA GPU of "
+    "compute capability 9.x, this platform is cpu); unset "
+    "VLLM_DDTREE_TREE_ATTENTION (the unified Triton kernel runs everywhere)."
+)
+
 ENGINE_CASES = {
     "plain": ({}, "ok"),
     "swa": ({"hf_overrides": {"sliding_window": 256}}, SWA_256),
@@ -150,6 +166,20 @@ ENGINE_CASES = {
     "kv_offloading": ({"kv_offloading_size": 1.0}, KV_OFFLOADING),
     "bad_backend": ({"env": {"VLLM_DDTREE_BACKEND": "cuda"}}, BAD_BACKEND),
     "torch_backend": ({"env": {"VLLM_DDTREE_BACKEND": "torch"}}, "ok"),
+    "bad_tree_attention": (
+        {"env": {"VLLM_DDTREE_TREE_ATTENTION": "flash"}},
+        BAD_TREE_ATTENTION,
+    ),
+    "unified_tree_attention": (
+        {"env": {"VLLM_DDTREE_TREE_ATTENTION": "unified"}},
+        "ok",
+    ),
+    "split_float32": ({"env": {"VLLM_DDTREE_TREE_ATTENTION": "split"}}, SPLIT_FLOAT32),
+    # This CPU host: no FA3, refused rather than run unified.
+    "split_no_fa3": (
+        {"env": {"VLLM_DDTREE_TREE_ATTENTION": "split"}, "dtype": "bfloat16"},
+        SPLIT_NO_FA3,
+    ),
 }
 
 
@@ -159,6 +189,7 @@ def engine_configs(tinypair):
     cases = {name: kw for name, (kw, _) in ENGINE_CASES.items()}
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="ERROR")
     env.pop("VLLM_DDTREE_BACKEND", None)
+    env.pop("VLLM_DDTREE_TREE_ATTENTION", None)
     p = subprocess.run(
         [
             sys.executable,
@@ -458,7 +489,37 @@ def test_readme_lists_every_refusal_with_its_message(monkeypatch):
         bad_backend,
         no_triton,
     ]
+    startup += tree_attention_refusals(monkeypatch)
     for message in startup:
         assert f"    vllm serve: error: {message}\n" in readme, message
     streaming = _message(c.verify_ddtree_streaming_input)
     assert f"    {streaming}\n" in readme
+
+
+def tree_attention_refusals(monkeypatch) -> list[str]:
+    """The README's VLLM_DDTREE_TREE_ATTENTION lines, from the code: a bad
+    value, a float32 model, an FP8 KV cache, an A100 (no FA3)."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.spec_decode.ddtree import tree_attention as ta
+
+    def cfg(dtype=torch.bfloat16, cache_dtype="auto"):
+        return SimpleNamespace(
+            model_config=SimpleNamespace(dtype=dtype, get_head_size=lambda: 128),
+            cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+        )
+
+    monkeypatch.setenv(ta.TREE_ATTENTION_ENV, "flash")
+    messages = [_message(ta.verify_tree_attention, cfg())]
+    monkeypatch.setenv(ta.TREE_ATTENTION_ENV, "split")
+    messages.append(_message(ta.verify_tree_attention, cfg(dtype=torch.float32)))
+    messages.append(_message(ta.verify_tree_attention, cfg(cache_dtype="fp8")))
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(
+        current_platform, "is_device_capability_family", lambda family: False
+    )
+    monkeypatch.setattr(
+        current_platform, "get_device_capability", lambda: DeviceCapability(8, 0)
+    )
+    messages.append(_message(ta.verify_tree_attention, cfg()))
+    return messages

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Compile DDTree's Triton kernels, and the patched unified attention
-kernel with a per-sequence tree bias, for Hopper (sm_90) without a GPU.
+"""Compile DDTree's Triton kernels (the split tree attention's among them),
+and the patched unified attention kernel with a per-sequence tree bias, for
+Hopper (sm_90) without a GPU.
 
 The Triton interpreter, which runs the kernels on CPU in the other tests,
 accepts code the GPU compiler refuses (a plain Python global read inside a
@@ -179,6 +180,46 @@ SCRIPT = textwrap.dedent(
             else:
                 sig[name] = "i64"
         compile_kernel(ua, sig, consts)
+    # The split tree attention's kernel over the step's own keys, at the
+    # Qwen3-8B (4 queries per KV head, 128) and Qwen3.6-27B (6, 256) shapes,
+    # with the tiles `tree_attention` picks.
+    import vllm.v1.spec_decode.ddtree.tree_attention as ta
+
+    sta = ta._tree_attention_kernel
+    for qpk, heads, head_size, tile, merge, softcap in (
+        (4, 32, 128, 16, True, False),
+        (4, 32, 128, 32, True, True),
+        (6, 24, 256, 16, True, False),
+        (6, 24, 256, 16, False, True),
+    ):
+        consts = dict(
+            NUM_QUERY_HEADS=heads, NUM_QUERIES_PER_KV=qpk, BLOCK_SIZE=16,
+            TILE_SIZE=tile, HEAD_SIZE=head_size, HEAD_SIZE_PADDED=head_size,
+            BLOCK_Q=16 // qpk, BLOCK_M=16, USE_SOFTCAP=softcap,
+            MERGE_PREFIX=merge, OUTPUT_LSE=not merge, stride_k_cache_3=1,
+            stride_v_cache_3=1)
+        sig = {}
+        for p in sta.params:
+            name = p.name
+            if name in consts:
+                sig[name] = C
+            elif name in ("out_ptr", "query_ptr", "key_cache_ptr",
+                          "value_cache_ptr"):
+                sig[name] = "*bf16"
+            elif name in ("out_lse_ptr", "prefix_lse_ptr"):
+                used = merge if name == "prefix_lse_ptr" else not merge
+                sig[name] = "*fp32" if used else C
+                if not used:
+                    consts[name] = None
+            elif name.endswith("_ptr"):
+                sig[name] = "*i32"
+            elif name in ("scale", "softcap"):
+                sig[name] = "fp32"
+            elif name in ("num_seqs", "mask_len"):
+                sig[name] = "i32"
+            else:
+                sig[name] = "i64"
+        compile_kernel(sta, sig, consts)
     gdn_sig = {name: "*bf16" for name in ("a", "b", "q", "k", "v", "o")}
     gdn_sig.update({"A_log": "*fp32", "dt_bias": "*fp32", "state": "*fp32",
                     "state_stride": "i64", "state_idx_ptr": "*i32",

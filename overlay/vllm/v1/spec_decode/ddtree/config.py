@@ -316,11 +316,13 @@ def _draft_block_size(hf_config: object) -> int | None:
 
 
 def verify_ddtree_vllm_config(vllm_config: "VllmConfig") -> None:
-    """Engine-level checks: the V2 model runner, the Triton target backend,
-    and what the tree verification cannot do (pipeline stages, KV-cache
-    dtypes other than the kernels', KV connectors, windowed or ALiBi target
-    attention, Gated DeltaNet hybrids only)."""
+    """Engine-level checks: the V2 model runner, the Triton target backend
+    (and ``VLLM_DDTREE_TREE_ATTENTION``), and what the tree verification
+    cannot do (pipeline stages, KV-cache dtypes other than the kernels', KV
+    connectors, windowed or ALiBi target attention, Gated DeltaNet hybrids
+    only)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.spec_decode.ddtree.tree_attention import verify_tree_attention
 
     if not vllm_config.use_v2_model_runner:
         raise ValueError(
@@ -343,6 +345,7 @@ def verify_ddtree_vllm_config(vllm_config: "VllmConfig") -> None:
     _verify_tree_build_backend()
     _verify_pipeline_parallel(vllm_config)
     _verify_kv_cache_dtype(vllm_config)
+    verify_tree_attention(vllm_config)
     _verify_kv_transfer(vllm_config)
     _verify_drafting_slots(vllm_config)
     _verify_measured_budget_policy(vllm_config)

@@ -1,0 +1,766 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Split tree attention: FlashAttention 3 over each request's committed
+prefix, a small Triton kernel over the step's own keys, merged by their
+log-sum-exp.
+
+A request verifying a tree has ``T = 1 + budget`` query tokens (root, then
+the nodes) at consecutive KV slots after its committed prefix. Every one of
+them sees all prefix keys without a mask, and the tree's own keys under the
+ancestor mask. Attention over the union of two key sets is the merge of the
+attention over each, weighted by their log-sum-exps ``lse_p`` and ``lse_t``:
+
+    out = (e^lse_p * out_p + e^lse_t * out_t) / (e^lse_p + e^lse_t)
+
+so a step runs
+
+(a) FA3's paged varlen kernel, non-causal, over the prefix
+    (``seqused_k = seq_len - query_len``): it writes ``out_p`` into the
+    output and returns ``lse_p`` (`fa3_prefix_attention`);
+(b) `tree_attention`, one program per (block of a request's query tokens,
+    KV head): causal attention over the request's own query tokens, read
+    from the paged cache, with the packed ancestor mask (the int32 ``qq_bias``
+    of the patched unified kernel, decoded by the same helper), merged with
+    (a) in place.
+
+That is what the unified Triton kernel computes with the same mask, for any
+request: (b) covers any number of query tokens (a prefill chunk's causal
+attention over its own tokens), and the mask covers the first ``T`` query
+rows and keys only, as in the unified kernel. The TRITON_ATTN backend takes
+the split when DDTree runs with ``VLLM_DDTREE_TREE_ATTENTION=split`` and
+every request of the batch has at most ``T`` query tokens (decode and tree
+verification steps: the batches the decode CUDA graphs capture); a batch
+with a longer request (a prefill chunk) runs the unified kernel. The rule is
+only about speed: a graph captured on the split path stays exact whatever
+batch replays it.
+
+The shapes are fixed per batch (grid from the token and request counts, the
+prefix lengths and FA3's scheduler metadata in persistent buffers written
+when the metadata is built), so CUDA graphs capture both passes; nothing
+here reads a device value on the host.
+"""
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.triton_utils import tl, triton
+from vllm.v1.attention.ops.triton_attention_helpers import (
+    apply_softcap,
+    load_qq_bias_tile,
+    resolve_seq_and_query_len,
+    softmax_step,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+# ``VLLM_DDTREE_TREE_ATTENTION``: how the target's attention applies the tree
+# mask. ``unified``: the patched Triton unified attention kernel, the mask as
+# its per-request ``qq_bias``; ``split``: FA3 over the prefix + `tree_attention`.
+TREE_ATTENTION_ENV = "VLLM_DDTREE_TREE_ATTENTION"
+TREE_ATTENTION_MODES = ("unified", "split")
+# What FA3 takes (vllm_flash_attn's Hopper kernels): 16-bit queries and KV
+# caches of the same dtype, head sizes that are multiples of 8 up to 256.
+SPLIT_DTYPES = (torch.float16, torch.bfloat16)
+SPLIT_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+SPLIT_MAX_HEAD_SIZE = 256
+
+
+def tree_attention_mode() -> str:
+    """The configured mode; a bad value is refused at startup
+    (`verify_tree_attention`)."""
+    mode = os.environ.get(TREE_ATTENTION_ENV, "unified")
+    if mode not in TREE_ATTENTION_MODES:
+        raise ValueError(
+            f"DDTree: {TREE_ATTENTION_ENV}={mode!r} is not a tree attention "
+            "mode; set it to 'unified' or 'split', or unset it."
+        )
+    return mode
+
+
+def _fa3_unsupported_reason() -> str | None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return (
+            "it needs an NVIDIA GPU of compute capability 9.x, this platform "
+            f"is {current_platform.device_name}"
+        )
+    if not current_platform.is_device_capability_family(90):
+        capability = current_platform.get_device_capability()
+        found = capability.as_version_str() if capability is not None else "unknown"
+        return f"it needs compute capability 9.x, the GPU has {found}"
+    try:
+        from vllm.vllm_flash_attn import fa_version_unsupported_reason
+    except ImportError as e:
+        return f"vllm_flash_attn does not load: {e}"
+    return fa_version_unsupported_reason(3)
+
+
+def verify_tree_attention(vllm_config: "VllmConfig") -> None:
+    """Startup check of ``VLLM_DDTREE_TREE_ATTENTION`` (one-line
+    ``ValueError``s): a known mode, and for ``split`` a target that FA3 takes,
+    on a machine where FA3 runs. Nothing falls back: a split that cannot run
+    is refused."""
+    if tree_attention_mode() != "split":
+        return
+    needs = f"DDTree: {TREE_ATTENTION_ENV}=split needs FlashAttention 3"
+    unset = f"unset {TREE_ATTENTION_ENV}"
+    model_config = vllm_config.model_config
+    model_dtype = ""
+    if model_config is not None:
+        model_dtype = str(model_config.dtype).removeprefix("torch.")
+        if model_config.dtype not in SPLIT_DTYPES:
+            raise ValueError(
+                f"{needs}, which takes float16 or bfloat16, got dtype="
+                f"{model_dtype}; pass --dtype bfloat16 or {unset}."
+            )
+        head_size = model_config.get_head_size()
+        if head_size % 8 != 0 or head_size > SPLIT_MAX_HEAD_SIZE:
+            raise ValueError(
+                f"{needs}, which takes head sizes that are multiples of 8 up "
+                f"to {SPLIT_MAX_HEAD_SIZE}, got head_size={head_size}; {unset}."
+            )
+    cache_config = getattr(vllm_config, "cache_config", None)
+    cache_dtype = getattr(cache_config, "cache_dtype", "auto")
+    if cache_dtype not in SPLIT_KV_CACHE_DTYPES or (
+        cache_dtype != "auto" and model_dtype and cache_dtype != model_dtype
+    ):
+        raise ValueError(
+            f"{needs}, which reads the KV cache in the model's own dtype, got "
+            f"kv_cache_dtype={cache_dtype!r}; pass --kv-cache-dtype auto or "
+            f"{unset}."
+        )
+    reason = _fa3_unsupported_reason()
+    if reason is not None:
+        raise ValueError(
+            f"{needs}, which is not available here ({reason}); {unset} (the "
+            "unified Triton kernel runs everywhere)."
+        )
+    logger.info(
+        "DDTree: split tree attention (%s=split): FlashAttention 3 over each "
+        "request's prefix + a Triton kernel over its tree, merged by LSE, in "
+        "batches whose requests have at most 1 + tree_budget query tokens "
+        "each; a batch with a longer request (a prefill chunk) runs the "
+        "unified Triton kernel with the same mask.",
+        TREE_ATTENTION_ENV,
+    )
+
+
+# ---------------------------------------------------------------------------
+# (b): attention over each request's own query tokens, merged with (a)
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _tree_attention_kernel(
+    out_ptr,  # [num_tokens, num_query_heads, head_size]: (a)'s output if MERGE
+    out_lse_ptr,  # [num_query_heads, num_tokens] float32, if OUTPUT_LSE
+    prefix_lse_ptr,  # [num_query_heads, num_tokens] float32, if MERGE
+    query_ptr,  # [num_tokens, num_query_heads, head_size]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_tables_ptr,  # [num_seqs, max_num_blocks]
+    seq_lens_ptr,  # [num_seqs]
+    query_start_len_ptr,  # [num_seqs + 1]
+    mask_ptr,  # int32 [>= num_seqs, T, ceil(T / 32)], set bit = masked out
+    scale,
+    softcap,
+    num_seqs: tl.int32,
+    block_table_stride: tl.int64,
+    query_stride_0: tl.int64,
+    query_stride_1: tl.int64,
+    out_stride_0: tl.int64,
+    out_stride_1: tl.int64,
+    prefix_lse_stride_0: tl.int64,
+    prefix_lse_stride_1: tl.int64,
+    out_lse_stride_0: tl.int64,
+    out_lse_stride_1: tl.int64,
+    mask_stride_seq: tl.int64,
+    mask_stride_row: tl.int64,
+    mask_len: tl.int32,  # T
+    stride_k_cache_0: tl.int64,
+    stride_k_cache_1: tl.int64,
+    stride_k_cache_2: tl.int64,
+    stride_k_cache_3: tl.constexpr,
+    stride_v_cache_0: tl.int64,
+    stride_v_cache_1: tl.int64,
+    stride_v_cache_2: tl.int64,
+    stride_v_cache_3: tl.constexpr,
+    NUM_QUERY_HEADS: tl.constexpr,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    MERGE_PREFIX: tl.constexpr,
+    OUTPUT_LSE: tl.constexpr,
+):
+    q_block_global_idx = tl.program_id(0)
+    kv_head_idx = tl.program_id(1)
+    seq_idx, q_block_local_idx, query_start, query_len, seq_len = (
+        resolve_seq_and_query_len(
+            query_start_len_ptr, seq_lens_ptr, q_block_global_idx, num_seqs, BLOCK_Q
+        )
+    )
+    if q_block_local_idx * BLOCK_Q >= query_len:
+        return
+    context_len = seq_len - query_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_SIZE_PADDED)
+    offs_t = tl.arange(0, TILE_SIZE)
+    # Row m: query token (m // NUM_QUERIES_PER_KV) of the block, query head
+    # (m % NUM_QUERIES_PER_KV) of the KV head's group. Rows past
+    # BLOCK_Q * NUM_QUERIES_PER_KV are off: with MERGE_PREFIX the output is
+    # read and written in place, so no row may belong to two programs.
+    query_pos = q_block_local_idx * BLOCK_Q + offs_m // NUM_QUERIES_PER_KV
+    head_idx = kv_head_idx * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV
+    row_mask = (
+        (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV)
+        & (query_pos < query_len)
+        & (head_idx < NUM_QUERY_HEADS)
+    )
+    dim_mask = offs_d < HEAD_SIZE
+    token_idx = (query_start + query_pos).to(tl.int64)
+
+    Q = tl.load(
+        query_ptr
+        + token_idx[:, None] * query_stride_0
+        + head_idx[:, None] * query_stride_1
+        + offs_d[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    mask_row_ptrs = (
+        mask_ptr + seq_idx * mask_stride_seq + query_pos[:, None] * mask_stride_row
+    )
+    block_table_offset = seq_idx * block_table_stride
+
+    M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    L = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
+
+    # Causal within the step's tokens: the block's last query sees keys up to
+    # its own index; keys sit at slots context_len + key.
+    num_keys = tl.minimum(query_len, (q_block_local_idx + 1) * BLOCK_Q)
+    for tile_start in range(0, num_keys, TILE_SIZE):
+        key = tile_start + offs_t
+        slot = context_len + key
+        # slot >= 0: CUDA-graph capture runs with seq_lens of 1 under
+        # longer queries; no slot before the request's first may be read.
+        key_mask = (key < num_keys) & (slot >= 0)
+        physical_block_idx = tl.load(
+            block_tables_ptr + block_table_offset + slot // BLOCK_SIZE,
+            mask=key_mask,
+            other=0,
+        ).to(tl.int64)
+        slot_in_block = slot % BLOCK_SIZE
+        # K : (HEAD_SIZE_PADDED, TILE_SIZE)
+        K = tl.load(
+            key_cache_ptr
+            + physical_block_idx[None, :] * stride_k_cache_0
+            + slot_in_block[None, :] * stride_k_cache_1
+            + kv_head_idx * stride_k_cache_2
+            + offs_d[:, None] * stride_k_cache_3,
+            mask=dim_mask[:, None] & key_mask[None, :],
+            other=0.0,
+        )
+        # V : (TILE_SIZE, HEAD_SIZE_PADDED)
+        V = tl.load(
+            value_cache_ptr
+            + physical_block_idx[:, None] * stride_v_cache_0
+            + slot_in_block[:, None] * stride_v_cache_1
+            + kv_head_idx * stride_v_cache_2
+            + offs_d[None, :] * stride_v_cache_3,
+            mask=key_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
+        S = scale * tl.dot(Q, K.to(Q.dtype))
+        if USE_SOFTCAP:
+            S = apply_softcap(S, softcap)
+        visible = (
+            row_mask[:, None] & key_mask[None, :] & (key[None, :] <= query_pos[:, None])
+        )
+        S = tl.where(visible, S, float("-inf"))
+        # The packed ancestor mask, decoded as the unified kernel decodes its
+        # qq_bias: first T query rows and keys only.
+        S += load_qq_bias_tile(mask_row_ptrs, query_pos, key, 0, mask_len, True)
+        M, L, P, alpha = softmax_step(S, M, L)
+        acc = acc * alpha[:, None] + tl.dot(P.to(V.dtype), V)
+
+    # L == 0: a row that saw no key (only with a mask that hides a query from
+    # itself); its part weighs nothing in the merge.
+    has_keys = L > 0.0
+    lse = tl.where(has_keys, M + tl.log(tl.where(has_keys, L, 1.0)), float("-inf"))
+    result = acc / tl.where(has_keys, L, 1.0)[:, None]
+    out_ptrs = (
+        out_ptr
+        + token_idx[:, None] * out_stride_0
+        + head_idx[:, None] * out_stride_1
+        + offs_d[None, :]
+    )
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    if MERGE_PREFIX:
+        prefix_lse = tl.load(
+            prefix_lse_ptr
+            + head_idx * prefix_lse_stride_0
+            + token_idx * prefix_lse_stride_1,
+            mask=row_mask,
+            other=float("-inf"),
+        )
+        # An empty prefix: -inf (FA3) or +inf (FA2); its output rows are
+        # undefined and must not reach the result (0 * NaN).
+        prefix_lse = tl.where(prefix_lse == float("inf"), float("-inf"), prefix_lse)
+        max_lse = tl.maximum(prefix_lse, lse)
+        ref_lse = tl.where(max_lse == float("-inf"), 0.0, max_lse)
+        prefix_w = tl.exp(prefix_lse - ref_lse)
+        tree_w = tl.exp(lse - ref_lse)
+        total_w = prefix_w + tree_w
+        prefix_out = tl.load(out_ptrs, mask=io_mask, other=0.0).to(tl.float32)
+        prefix_out = tl.where(prefix_w[:, None] > 0.0, prefix_out, 0.0)
+        safe_w = tl.where(total_w > 0.0, total_w, 1.0)
+        result = (
+            prefix_out * (prefix_w / safe_w)[:, None]
+            + result * (tree_w / safe_w)[:, None]
+        )
+        lse = tl.where(
+            max_lse == float("-inf"), float("-inf"), ref_lse + tl.log(safe_w)
+        )
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=io_mask)
+    if OUTPUT_LSE:
+        tl.store(
+            out_lse_ptr + head_idx * out_lse_stride_0 + token_idx * out_lse_stride_1,
+            lse,
+            mask=row_mask,
+        )
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    tree_mask: torch.Tensor,
+    softmax_scale: float,
+    softcap: float = 0.0,
+    prefix_lse: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> None:
+    """Attention of every request's query tokens over themselves (causal)
+    under the packed tree mask, keys and values read from the paged cache.
+
+    ``query`` / ``out``: ``[num_tokens, num_query_heads, head_size]``;
+    ``key_cache`` / ``value_cache``: ``[num_blocks, block_size,
+    num_kv_heads, head_size]`` (any strides, last dim contiguous);
+    ``cu_seqlens_q`` ``[num_seqs + 1]``, ``seq_lens`` ``[num_seqs]`` (the
+    request's keys end at ``seq_len``; its query tokens are the last
+    ``query_len``); ``tree_mask``: int32 ``[>= num_seqs, T, ceil(T / 32)]``,
+    bit ``k % 32`` of word ``k // 32`` of row ``q`` set where query ``q``
+    may not see key ``q``, for the first ``T`` query tokens and keys (the
+    unified kernel's packed ``qq_bias``).
+
+    ``prefix_lse`` (``[num_query_heads, num_tokens]``, FA's layout): ``out``
+    already holds the attention over the prefix with that log-sum-exp; the
+    result is merged in place. ``out_lse``: also write the log-sum-exp of the
+    result (same layout). Tokens past ``cu_seqlens_q[-1]`` are not touched.
+    """
+    num_tokens, num_query_heads, head_size = query.shape
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = key_cache.shape[2]
+    block_size = key_cache.shape[1]
+    assert num_query_heads % num_kv_heads == 0
+    assert out.shape == query.shape and out.stride(-1) == 1
+    assert query.stride(-1) == 1
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    assert tree_mask.dtype == torch.int32 and tree_mask.ndim == 3, (
+        f"tree_mask must be packed int32 [num_seqs, T, ceil(T / 32)], got "
+        f"{tuple(tree_mask.shape)} {tree_mask.dtype}"
+    )
+    mask_len = tree_mask.shape[1]
+    assert tree_mask.shape[2] == triton.cdiv(mask_len, 32)
+    assert tree_mask.shape[0] >= num_seqs and tree_mask.stride(-1) == 1
+    if num_tokens == 0 or num_seqs == 0:
+        return
+    num_queries_per_kv = num_query_heads // num_kv_heads
+    block_m = max(16, triton.next_power_of_2(num_queries_per_kv))
+    block_q = block_m // num_queries_per_kv
+    # A tree row has at most T keys. Head size 256 with 32-key tiles spills
+    # registers on sm_90 (ptxas); 16-key tiles do not.
+    tile_size = 16 if mask_len <= 16 or head_size > 128 else 32
+    merge = prefix_lse is not None
+    if merge:
+        assert prefix_lse.shape == (num_query_heads, num_tokens), prefix_lse.shape
+    if out_lse is not None:
+        assert out_lse.shape == (num_query_heads, num_tokens), out_lse.shape
+    # As the unified kernel: enough q-blocks for any split of the tokens
+    # among the requests (fixed per token and request count).
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _tree_attention_kernel[grid](
+        out,
+        out_lse,
+        prefix_lse,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        cu_seqlens_q,
+        tree_mask,
+        softmax_scale,
+        softcap,
+        num_seqs,
+        block_table.stride(0),
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        prefix_lse.stride(0) if merge else 0,
+        prefix_lse.stride(1) if merge else 0,
+        out_lse.stride(0) if out_lse is not None else 0,
+        out_lse.stride(1) if out_lse is not None else 0,
+        tree_mask.stride(0),
+        tree_mask.stride(1),
+        mask_len,
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        key_cache.stride(3),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        value_cache.stride(3),
+        NUM_QUERY_HEADS=num_query_heads,
+        NUM_QUERIES_PER_KV=num_queries_per_kv,
+        BLOCK_SIZE=block_size,
+        TILE_SIZE=tile_size,
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_PADDED=triton.next_power_of_2(head_size),
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        USE_SOFTCAP=softcap > 0,
+        MERGE_PREFIX=merge,
+        OUTPUT_LSE=out_lse is not None,
+        num_warps=4,
+    )
+
+
+# ---------------------------------------------------------------------------
+# (a): attention over the committed prefix, and the split
+# ---------------------------------------------------------------------------
+
+# (query, key_cache, value_cache, out, cu_seqlens_q, max_seqlen_q,
+#  prefix_lens, max_seqlen_k, block_table, softmax_scale, softcap, sinks,
+#  scheduler_metadata, num_splits) -> lse [num_query_heads, num_tokens]:
+# writes the non-causal attention of every query over its request's first
+# prefix_lens keys into ``out``.
+PrefixAttention = Callable[..., torch.Tensor]
+
+
+def fa3_prefix_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    prefix_lens: torch.Tensor,
+    max_seqlen_k: int,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    scheduler_metadata: torch.Tensor | None,
+    num_splits: int,
+) -> torch.Tensor:
+    """(a) on FlashAttention 3 (vllm_flash_attn's paged varlen kernel, as
+    the FLASH_ATTN backend calls it). Sinks enter through FA3's ``s_aux``,
+    which adds them to the returned log-sum-exp, so the merge counts them
+    once."""
+    from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    _, lse = flash_attn_varlen_func(
+        q=query,
+        k=canonicalize_singleton_dim_strides(key_cache),
+        v=canonicalize_singleton_dim_strides(value_cache),
+        out=out,
+        cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q,
+        seqused_k=prefix_lens,
+        max_seqlen_k=max_seqlen_k,
+        softmax_scale=softmax_scale,
+        causal=False,
+        block_table=block_table,
+        softcap=softcap,
+        return_softmax_lse=True,
+        scheduler_metadata=scheduler_metadata,
+        fa_version=3,
+        num_splits=num_splits,
+        s_aux=sinks,
+    )
+    return lse
+
+
+def split_tree_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    seq_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    max_seqlen_k: int,
+    block_table: torch.Tensor,
+    tree_mask: torch.Tensor,
+    softmax_scale: float,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    prefix_attention: PrefixAttention = fa3_prefix_attention,
+    scheduler_metadata: torch.Tensor | None = None,
+    num_splits: int = 0,
+) -> None:
+    """(a) then (b): the unified kernel's result with the same packed mask
+    (``qq_bias``), causal, written into ``out``. ``prefix_lens`` must be
+    ``seq_lens - query_lens`` (`SplitTreeAttention.build` keeps it)."""
+    prefix_lse = prefix_attention(
+        query,
+        key_cache,
+        value_cache,
+        out,
+        cu_seqlens_q,
+        max_seqlen_q,
+        prefix_lens,
+        max_seqlen_k,
+        block_table,
+        softmax_scale,
+        softcap,
+        sinks,
+        scheduler_metadata,
+        num_splits,
+    )
+    tree_attention(
+        query,
+        key_cache,
+        value_cache,
+        out,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        tree_mask,
+        softmax_scale,
+        softcap,
+        prefix_lse=prefix_lse,
+    )
+
+
+# ---------------------------------------------------------------------------
+# The TRITON_ATTN backend's side
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class SplitTreeAttentionMetadata:
+    """One step's split pass, on ``TritonAttentionMetadata.tree_split``."""
+
+    # [num_reqs] int32, seq_len - query_len (a persistent buffer's rows).
+    prefix_lens: torch.Tensor
+    prefix_attention: PrefixAttention = fa3_prefix_attention
+    # FA3's ahead-of-time schedule of (a) (a persistent buffer's rows).
+    scheduler_metadata: torch.Tensor | None = None
+    num_splits: int = 0
+
+    def applies(self, attn_metadata: Any, output_scale: torch.Tensor | None) -> bool:
+        """Host-side rule: a tree mask is attached and no request has more
+        than its ``T`` query tokens (decode and tree verification steps);
+        otherwise the unified kernel runs, as without the split."""
+        tree_mask = attn_metadata.tree_attn_bias
+        if tree_mask is None or attn_metadata.max_query_len > tree_mask.shape[1]:
+            return False
+        if attn_metadata.causal is not True:
+            # A per-request causal flag (bidirectional drafter batches).
+            return False
+        if output_scale is not None or attn_metadata.mm_prefix_range_tensor is not None:
+            # FA3 writes (a) in the query dtype and has no PrefixLM ranges.
+            logger.warning_once(
+                "DDTree: split tree attention skips layers with a fused FP8 "
+                "output scale or multimodal prefix ranges; they run the "
+                "unified Triton kernel."
+            )
+            return False
+        return True
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        output: torch.Tensor,
+        attn_metadata: Any,
+        softmax_scale: float,
+        softcap: float,
+        sinks: torch.Tensor | None,
+    ) -> None:
+        split_tree_attention(
+            query,
+            key_cache,
+            value_cache,
+            output,
+            attn_metadata.query_start_loc,
+            attn_metadata.max_query_len,
+            attn_metadata.seq_lens,
+            self.prefix_lens,
+            attn_metadata.max_seq_len,
+            attn_metadata.block_table,
+            attn_metadata.tree_attn_bias,
+            softmax_scale,
+            softcap,
+            sinks,
+            self.prefix_attention,
+            self.scheduler_metadata,
+            self.num_splits,
+        )
+
+
+class SplitTreeAttention:
+    """Per TRITON_ATTN metadata builder, under DDTree with
+    ``VLLM_DDTREE_TREE_ATTENTION=split``: the persistent buffers of the
+    prefix pass (prefix lengths; FA3's scheduler metadata when CUDA graphs
+    are full), filled each step when the metadata is built, outside any
+    graph, as the FLASH_ATTN backend fills its own."""
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        num_heads_q: int,
+        num_heads_kv: int,
+        head_size: int,
+        block_size: int,
+        kv_cache_dtype: torch.dtype,
+        device: torch.device,
+        prefix_attention: PrefixAttention | None = None,
+    ):
+        max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        self.prefix_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self.num_heads_q = num_heads_q
+        self.num_heads_kv = num_heads_kv
+        self.head_size = head_size
+        self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype
+        # A reference implementation of (a) in tests; FA3 otherwise, with
+        # its ahead-of-time schedule.
+        self.prefix_attention = prefix_attention or fa3_prefix_attention
+        self.aot_schedule = prefix_attention is None
+        compilation_config = vllm_config.compilation_config
+        self.use_full_cuda_graph = (
+            compilation_config.cudagraph_mode.has_full_cudagraphs()
+        )
+        self.max_cudagraph_size = compilation_config.max_cudagraph_capture_size
+        self.max_num_splits = 0
+        self.scheduler_metadata: torch.Tensor | None = None
+        if self.aot_schedule and self.use_full_cuda_graph:
+            from vllm.utils.math_utils import round_up
+
+            # FA3's scheduler metadata: 1 + round_up(batch, 4) * 4 int32
+            # (sized as the FLASH_ATTN builder sizes it), and an upper bound
+            # on the splits so that capture allocates large enough buffers.
+            max_batch_size = max(max_num_reqs, self.max_cudagraph_size or 0)
+            self.scheduler_metadata = torch.zeros(
+                1 + round_up(max_batch_size, 4) * 4, dtype=torch.int32, device=device
+            )
+            self.max_num_splits = (
+                vllm_config.attention_config.flash_attn_max_num_splits_for_cuda_graph
+            )
+
+    @classmethod
+    def for_builder(
+        cls,
+        vllm_config: "VllmConfig",
+        num_heads_q: int,
+        num_heads_kv: int,
+        head_size: int,
+        block_size: int,
+        kv_cache_dtype: torch.dtype,
+        device: torch.device,
+    ) -> "SplitTreeAttention | None":
+        """The split for a TRITON_ATTN metadata builder, or None (no DDTree,
+        or the unified mode). Startup checked the mode
+        (`verify_tree_attention`)."""
+        spec = vllm_config.speculative_config
+        if spec is None or not spec.use_ddtree() or tree_attention_mode() != "split":
+            return None
+        return cls(
+            vllm_config,
+            num_heads_q,
+            num_heads_kv,
+            head_size,
+            block_size,
+            kv_cache_dtype,
+            device,
+        )
+
+    def build(self, common_attn_metadata: Any) -> SplitTreeAttentionMetadata | None:
+        """This step's split pass, or None for a batch that is not causal
+        (the DFlash drafter's bidirectional blocks), which never takes it."""
+        if common_attn_metadata.causal is not True:
+            return None
+        num_reqs = common_attn_metadata.num_reqs
+        query_start_loc = common_attn_metadata.query_start_loc
+        prefix_lens = self.prefix_lens[:num_reqs]
+        torch.sub(
+            common_attn_metadata.seq_lens[:num_reqs],
+            query_start_loc[1 : num_reqs + 1] - query_start_loc[:num_reqs],
+            out=prefix_lens,
+        )
+        num_splits = 0  # FA3's own heuristics outside full CUDA graphs
+        if (
+            self.use_full_cuda_graph
+            and self.max_cudagraph_size is not None
+            and common_attn_metadata.num_actual_tokens <= self.max_cudagraph_size
+        ):
+            num_splits = self.max_num_splits
+        scheduler_metadata = None
+        if self.aot_schedule:
+            from vllm.vllm_flash_attn import get_scheduler_metadata
+
+            scheduler_metadata = get_scheduler_metadata(
+                batch_size=num_reqs,
+                max_seqlen_q=common_attn_metadata.max_query_len,
+                max_seqlen_k=common_attn_metadata.max_seq_len,
+                num_heads_q=self.num_heads_q,
+                num_heads_kv=self.num_heads_kv,
+                headdim=self.head_size,
+                cache_seqlens=prefix_lens,
+                qkv_dtype=self.kv_cache_dtype,
+                cu_seqlens_q=query_start_loc,
+                page_size=self.block_size,
+                causal=False,
+                num_splits=num_splits,
+            )
+            if self.scheduler_metadata is not None:
+                n = scheduler_metadata.shape[0]
+                self.scheduler_metadata[:n] = scheduler_metadata
+                # Zeroed past n, as the FLASH_ATTN builder does, so that a
+                # graph captured with a larger batch reads no stale schedule.
+                self.scheduler_metadata[n:] = 0
+                scheduler_metadata = self.scheduler_metadata[:n]
+        return SplitTreeAttentionMetadata(
+            prefix_lens=prefix_lens,
+            prefix_attention=self.prefix_attention,
+            scheduler_metadata=scheduler_metadata,
+            num_splits=num_splits,
+        )

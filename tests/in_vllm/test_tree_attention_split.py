@@ -1,0 +1,934 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The split tree attention (``vllm/v1/spec_decode/ddtree/tree_attention.py``,
+``VLLM_DDTREE_TREE_ATTENTION=split``): FA3 over each request's committed
+prefix, a Triton kernel over the step's own keys under the packed ancestor
+mask, merged by log-sum-exp.
+
+CPU (Triton interpreter; tests/in_vllm/conftest.py sets it up without a GPU):
+
+* the intra-tree kernel alone against a brute-force masked softmax in
+  float32 (output and LSE): random trees from parent arrays, ragged and
+  padded requests (CUDA-graph padding: requests with no tokens, tokens of no
+  request), GQA, head sizes 128 and 256, rows that are not tree rows (plain
+  decode, a short chunk, a prefill chunk longer than the tree);
+* the whole split, with the torch reference of the prefix pass
+  (``tests/ddtree_reference.py``: `paged_prefix_attention`), against the
+  patched unified kernel with the same packed mask, to 1e-5 in float32,
+  softcap and sinks included, and with the prefix's undefined rows (FA's
+  empty prefixes) poisoned;
+* the TRITON_ATTN backend's hook (`TritonAttentionImpl.forward` takes the
+  split when the metadata carries it and the batch fits), the per-step
+  prefix lengths, and the startup checks of the variable;
+* bench/bench_tree_attention.py's CPU smoke run (the plumbing, not a timing).
+
+GPU (``-m gpu``, an H200: FA3): the split against the unified kernel in bf16
+at the Qwen3-8B and Qwen3.6-27B attention shapes, and under CUDA-graph
+replay with new trees and longer contexts.
+"""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+try:
+    import vllm.v1.attention.ops.triton_unified_attention as tua
+    from vllm.v1.kv_cache_interface import KVQuantMode
+    from vllm.v1.spec_decode.ddtree import tree_attention as ta
+except Exception as e:  # pragma: no cover - depends on the environment
+    pytest.skip(
+        f"vllm (patched tree) is not importable: {e!r}", allow_module_level=True
+    )
+
+from test_tree_attention import (  # noqa: E402
+    ancestor_mask_ref,
+    make_paged_kv,
+    pack_bits,
+    random_parents,
+)
+
+from ddtree_reference import paged_prefix_attention  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available() and not INTERPRET
+KERNEL_DEVICE = "cpu" if INTERPRET else ("cuda" if HAS_CUDA else None)
+needs_kernel = pytest.mark.skipif(
+    KERNEL_DEVICE is None,
+    reason="needs CUDA, or TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES='' for CPU",
+)
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+# float32 on the CPU: the same math in another order. On a GPU tl.dot on
+# float32 runs in TF32.
+TOL = 1e-5 if INTERPRET else 1e-2
+SENTINEL = 1234.5
+
+
+# ----------------------------------------------------------------------------
+# Batches
+# ----------------------------------------------------------------------------
+
+
+def query_len_of(kind: str, t: int) -> int:
+    """Query tokens of a request of ``kind`` with a tree of ``t`` tokens."""
+    return {
+        "tree": t,
+        "subtree": max(2, t - 3),  # verifies fewer nodes than the slot holds
+        "plain": 1,
+        "short": max(2, t // 2),  # a chunk no longer than the tree
+        "prefill": 2 * t + 3,  # a chunk longer than the tree
+        "pad": 0,  # CUDA-graph padding: no tokens, seq_len 0
+    }[kind]
+
+
+def make_batch(
+    t,
+    specs,
+    num_q_heads,
+    num_kv_heads,
+    head_size,
+    dtype,
+    device,
+    seed,
+    block_size=16,
+    padded_tokens=0,
+    extra_slots=2,
+):
+    """``specs``: (kind, context_len) per request, kinds as `query_len_of`.
+
+    The mask buffer is what DDTree's verifier writes: per request slot, the
+    packed ancestor bits of its tree (``subtree``: a smaller tree in the
+    first rows, stale bits of a larger one elsewhere), zero words for a
+    request without a tree; unused slots hold random words. Returns the
+    kernel inputs and, per request, the float [n, n] mask of its first
+    ``n = min(query_len, t)`` query tokens (None without a tree)."""
+    gen = torch.Generator().manual_seed(seed)
+    words = (t + 31) // 32
+    num_reqs = len(specs)
+    mask = torch.randint(
+        -(2**31), 2**31, (num_reqs + extra_slots, t, words), generator=gen
+    ).to(torch.int32)
+    query_lens, kv_lens, tree_masks = [], [], []
+    for r, (kind, ctx) in enumerate(specs):
+        qlen = query_len_of(kind, t)
+        if kind in ("tree", "subtree"):
+            n = qlen
+            visible = ancestor_mask_ref(random_parents(n, gen))
+            stale = torch.rand(t, t, generator=gen) < 0.5
+            stale[:n, :n] = ~visible
+            mask[r] = pack_bits(stale)
+            tree_masks.append(visible)
+        else:
+            mask[r] = 0
+            tree_masks.append(None)
+        query_lens.append(qlen)
+        kv_lens.append(0 if kind == "pad" else ctx + qlen)
+    num_tokens = sum(query_lens) + padded_tokens
+    query = torch.randn(num_tokens, num_q_heads, head_size, generator=gen)
+    key_cache, value_cache, block_table = make_paged_kv(
+        [max(n, 1) for n in kv_lens],
+        num_kv_heads,
+        head_size,
+        block_size,
+        torch.float32,
+        "cpu",
+        gen,
+    )
+    cu = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+    sinks = torch.randn(num_q_heads, generator=gen)
+    return dict(
+        query=query.to(device=device, dtype=dtype),
+        key_cache=key_cache.to(device=device, dtype=dtype),
+        value_cache=value_cache.to(device=device, dtype=dtype),
+        block_table=block_table.to(device),
+        cu_seqlens_q=cu.to(device),
+        seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
+        prefix_lens=torch.tensor(
+            [k - q for k, q in zip(kv_lens, query_lens)],
+            dtype=torch.int32,
+            device=device,
+        ),
+        tree_mask=mask.to(device),
+        query_lens=query_lens,
+        kv_lens=kv_lens,
+        tree_masks=tree_masks,
+        sinks=sinks.to(device),
+        scale=head_size**-0.5,
+    )
+
+
+def gather(cache, block_row, lo, hi):
+    """Keys ``[lo, hi)`` of one request's paged cache, float32 on the CPU."""
+    block_size = cache.shape[1]
+    slots = torch.arange(lo, hi)
+    blocks = block_row.cpu()[slots // block_size].long()
+    return cache.cpu()[blocks, slots % block_size].float()
+
+
+def ref_own_keys(batch, softcap=0.0):
+    """Brute force of the kernel alone: each request's query tokens over
+    its own keys, causal, the tree mask on the first T rows and keys.
+    Returns (out, lse) for the tokens of the requests (float32, CPU)."""
+    query = batch["query"].cpu().float()
+    num_heads = query.shape[1]
+    n_tok = sum(batch["query_lens"])
+    out = torch.zeros(n_tok, num_heads, query.shape[2])
+    lse = torch.zeros(num_heads, n_tok)
+    start = 0
+    for r, (qlen, kvlen) in enumerate(zip(batch["query_lens"], batch["kv_lens"])):
+        if qlen == 0:
+            continue
+        ctx = kvlen - qlen
+        k = gather(batch["key_cache"], batch["block_table"][r], ctx, kvlen)
+        v = gather(batch["value_cache"], batch["block_table"][r], ctx, kvlen)
+        group = num_heads // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        q = query[start : start + qlen]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * batch["scale"]
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        allowed = torch.ones(qlen, qlen).tril().bool()
+        visible = batch["tree_masks"][r]
+        if visible is not None:
+            n = visible.shape[0]
+            allowed[:n, :n] &= visible
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)
+        out[start : start + qlen] = torch.einsum(
+            "hqk,khd->qhd", torch.softmax(scores, dim=-1), v
+        )
+        lse[:, start : start + qlen] = row_lse
+        start += qlen
+    return out, lse
+
+
+def run_unified(batch, softcap=0.0, sinks=None):
+    """The patched unified kernel with the same packed mask (its qq_bias)."""
+    query = batch["query"]
+    out = torch.full_like(query, SENTINEL)
+    num_tokens, num_heads, head_size = query.shape
+    segments = 4
+    hs_pad = 1 << (head_size - 1).bit_length()
+    segm_out = torch.empty(num_tokens, num_heads, segments, hs_pad, device=query.device)
+    segm_max = torch.empty(num_tokens, num_heads, segments, device=query.device)
+    tua.unified_attention(
+        q=query,
+        k=batch["key_cache"],
+        v=batch["value_cache"],
+        out=out,
+        cu_seqlens_q=batch["cu_seqlens_q"],
+        max_seqlen_q=max(batch["query_lens"]),
+        seqused_k=batch["seq_lens"],
+        max_seqlen_k=max(batch["kv_lens"]),
+        softmax_scale=batch["scale"],
+        causal=True,
+        window_size=(-1, -1),
+        block_table=batch["block_table"],
+        softcap=softcap,
+        q_descale=None,
+        k_descale=None,
+        v_descale=None,
+        seq_threshold_3D=1 << 20,
+        num_par_softmax_segments=segments,
+        softmax_segm_output=segm_out,
+        softmax_segm_max=segm_max,
+        softmax_segm_expsum=torch.empty_like(segm_max),
+        qq_bias=batch["tree_mask"],
+        sinks=sinks,
+        kv_quant_mode=KVQuantMode.NONE,
+    )
+    return out
+
+
+def run_split(batch, softcap=0.0, sinks=None, prefix_attention=None):
+    out = torch.full_like(batch["query"], SENTINEL)
+    ta.split_tree_attention(
+        batch["query"],
+        batch["key_cache"],
+        batch["value_cache"],
+        out,
+        batch["cu_seqlens_q"],
+        max(batch["query_lens"]),
+        batch["seq_lens"],
+        batch["prefix_lens"],
+        max(batch["kv_lens"]),
+        batch["block_table"],
+        batch["tree_mask"],
+        batch["scale"],
+        softcap,
+        sinks,
+        prefix_attention=prefix_attention or paged_prefix_attention,
+    )
+    return out
+
+
+def run_own_keys(batch, softcap=0.0):
+    out = torch.full_like(batch["query"], SENTINEL)
+    num_tokens, num_heads, _ = out.shape
+    lse = torch.full(
+        (num_heads, num_tokens), SENTINEL, dtype=torch.float32, device=out.device
+    )
+    ta.tree_attention(
+        batch["query"],
+        batch["key_cache"],
+        batch["value_cache"],
+        out,
+        batch["cu_seqlens_q"],
+        batch["seq_lens"],
+        batch["block_table"],
+        batch["tree_mask"],
+        batch["scale"],
+        softcap,
+        out_lse=lse,
+    )
+    return out, lse
+
+
+def assert_untouched(out, batch):
+    """Tokens of no request (CUDA-graph padding) keep what they held."""
+    n = sum(batch["query_lens"])
+    assert (out[n:] == SENTINEL).all()
+
+
+MIXED = [
+    ("tree", 21),
+    ("plain", 33),
+    ("subtree", 12),
+    ("prefill", 18),
+    ("tree", 40),
+    ("short", 5),
+    ("tree", 3),
+]
+# What a decode CUDA graph replays: trees only, then padding requests.
+DECODE_PADDED = [("tree", 30), ("subtree", 7), ("tree", 50), ("pad", 0), ("pad", 0)]
+# (num_q_heads, num_kv_heads): MHA, Qwen3-8B's 4 queries per KV head,
+# Qwen3.6-27B's 6 (not a power of two).
+MHA, GQA4, GQA6 = (2, 2), (8, 2), (6, 1)
+# (T, heads, batch): 32 bits per word, so 33 and 65 span two and three
+# words; the Triton interpreter is slow, so the widest tree runs on trees
+# and padding only.
+CPU_CASES = [
+    pytest.param(5, MHA, "mixed", id="t5-mha-mixed"),
+    pytest.param(16, GQA4, "mixed", id="t16-gqa4-mixed"),
+    pytest.param(33, GQA6, "mixed", id="t33-gqa6-mixed"),
+    pytest.param(65, GQA4, "decode", id="t65-gqa4-decode"),
+]
+
+
+# ----------------------------------------------------------------------------
+# The intra-tree kernel alone (CPU interpreter or GPU)
+# ----------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("t, heads, specs", CPU_CASES)
+def test_own_keys_match_brute_force(t, heads, specs):
+    specs = MIXED if specs == "mixed" else DECODE_PADDED
+    batch = make_batch(
+        t, specs, *heads, 128, torch.float32, KERNEL_DEVICE, seed=t, padded_tokens=3
+    )
+    out, lse = run_own_keys(batch)
+    ref_out, ref_lse = ref_own_keys(batch)
+    n = sum(batch["query_lens"])
+    torch.testing.assert_close(out[:n].cpu(), ref_out, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(lse[:, :n].cpu(), ref_lse, atol=TOL, rtol=TOL)
+    assert_untouched(out, batch)
+    assert (lse[:, n:] == SENTINEL).all()
+    # Not vacuous: without the tree masks the result differs.
+    batch["tree_masks"] = [None] * len(specs)
+    assert (out[:n].cpu() - ref_own_keys(batch)[0]).abs().max() > 0.1
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_size", [128, 256])
+def test_own_keys_head_sizes_padded_batch(head_size):
+    batch = make_batch(
+        17,
+        DECODE_PADDED,
+        8,
+        2,
+        head_size,
+        torch.float32,
+        KERNEL_DEVICE,
+        seed=head_size,
+        padded_tokens=5,
+    )
+    out, lse = run_own_keys(batch)
+    ref_out, ref_lse = ref_own_keys(batch)
+    n = sum(batch["query_lens"])
+    torch.testing.assert_close(out[:n].cpu(), ref_out, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(lse[:, :n].cpu(), ref_lse, atol=TOL, rtol=TOL)
+    assert_untouched(out, batch)
+
+
+@needs_kernel
+def test_own_keys_softcap():
+    batch = make_batch(9, MIXED[:4], 8, 2, 128, torch.float32, KERNEL_DEVICE, seed=3)
+    batch["query"] *= 4  # scores large enough for the cap to bind
+    out, lse = run_own_keys(batch, softcap=2.0)
+    ref_out, ref_lse = ref_own_keys(batch, softcap=2.0)
+    n = sum(batch["query_lens"])
+    torch.testing.assert_close(out[:n].cpu(), ref_out, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(lse[:, :n].cpu(), ref_lse, atol=TOL, rtol=TOL)
+    assert (out[:n].cpu() - ref_own_keys(batch)[0]).abs().max() > 0.1
+
+
+@needs_kernel
+def test_own_keys_read_no_slot_before_the_request():
+    """CUDA-graph capture builds the metadata with every seq_len set to 1
+    under T query tokens (negative context lengths): the kernel must read no
+    slot before the request's first. Every used block sits after a block of
+    NaNs, and the block table row before the first request's names one."""
+    batch = make_batch(
+        9, [("tree", 0), ("tree", 0)], 8, 2, 64, torch.float32, KERNEL_DEVICE, 8
+    )
+    for name in ("key_cache", "value_cache"):
+        cache = batch[name]
+        spread = torch.full(
+            (2 * cache.shape[0] + 1, *cache.shape[1:]),
+            float("nan"),
+            dtype=cache.dtype,
+            device=cache.device,
+        )
+        spread[1::2] = cache
+        batch[name] = spread
+    table = 2 * batch["block_table"] + 1
+    batch["block_table"] = torch.cat([torch.zeros_like(table[:1]), table])[1:]
+    reference, _ = run_own_keys(batch)
+    assert torch.isfinite(reference[: sum(batch["query_lens"])]).all()
+    batch["seq_lens"].fill_(1)
+    out, _ = run_own_keys(batch)
+    assert torch.isfinite(out).all()
+
+
+@needs_kernel
+def test_own_keys_bad_mask_rejected():
+    batch = make_batch(33, MIXED[:2], 2, 2, 128, torch.float32, KERNEL_DEVICE, seed=1)
+    with pytest.raises(AssertionError):
+        batch["tree_mask"] = batch["tree_mask"][:, :, :1]  # 33 keys need 2 words
+        run_own_keys(batch)
+    batch = make_batch(33, MIXED[:2], 2, 2, 128, torch.float32, KERNEL_DEVICE, seed=1)
+    with pytest.raises(AssertionError):
+        batch["tree_mask"] = batch["tree_mask"][:1]  # fewer slots than requests
+        run_own_keys(batch)
+    with pytest.raises(AssertionError):
+        batch["tree_mask"] = torch.zeros(2, 33, 33, device=KERNEL_DEVICE)  # float
+        run_own_keys(batch)
+
+
+# ----------------------------------------------------------------------------
+# The whole split against the unified kernel
+# ----------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("t, heads, specs", CPU_CASES)
+def test_split_equals_unified(t, heads, specs):
+    """Every kind of row in one batch: the split is exact for all of them
+    (what a CUDA graph captured on the split path may replay)."""
+    specs = MIXED if specs == "mixed" else DECODE_PADDED
+    batch = make_batch(t, specs, *heads, 128, torch.float32, KERNEL_DEVICE, seed=50 + t)
+    split = run_split(batch)
+    unified = run_unified(batch)
+    assert torch.isfinite(split).all()
+    torch.testing.assert_close(split, unified, atol=TOL, rtol=TOL)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_size", [128, 256])
+def test_split_equals_unified_decode_padded(head_size):
+    batch = make_batch(
+        17,
+        DECODE_PADDED,
+        12,
+        2,
+        head_size,
+        torch.float32,
+        KERNEL_DEVICE,
+        seed=7,
+        padded_tokens=4,
+    )
+    split = run_split(batch)
+    torch.testing.assert_close(split, run_unified(batch), atol=TOL, rtol=TOL)
+    assert_untouched(split, batch)
+
+
+@needs_kernel
+def test_split_softcap_and_sinks_equal_unified():
+    specs = [s for s in MIXED if s[0] != "prefill"]
+    batch = make_batch(9, specs, 8, 2, 128, torch.float32, KERNEL_DEVICE, seed=11)
+    batch["query"] *= 4
+    for softcap, sinks in ((0.0, batch["sinks"]), (3.0, batch["sinks"])):
+        split = run_split(batch, softcap, sinks)
+        unified = run_unified(batch, softcap, sinks)
+        torch.testing.assert_close(split, unified, atol=TOL, rtol=TOL)
+    assert (split - run_unified(batch)).abs().max() > 0.1
+
+
+@needs_kernel
+@pytest.mark.parametrize("empty_lse", [float("-inf"), float("inf")])
+def test_split_empty_prefix_undefined_rows(empty_lse):
+    """A request with no prefix key: FA leaves its rows undefined (NaN here)
+    and returns -inf (FA3) or +inf (FA2); the merge must ignore them."""
+
+    def prefix(*args, **kwargs):
+        return paged_prefix_attention(*args, empty_lse=empty_lse, **kwargs)
+
+    specs = [("tree", 0), ("tree", 20), ("short", 0), ("plain", 9)]
+    batch = make_batch(9, specs, 8, 2, 128, torch.float32, KERNEL_DEVICE, seed=5)
+    split = run_split(batch, prefix_attention=prefix)
+    assert torch.isfinite(split).all()
+    torch.testing.assert_close(split, run_unified(batch), atol=TOL, rtol=TOL)
+
+
+# ----------------------------------------------------------------------------
+# The TRITON_ATTN backend's side
+# ----------------------------------------------------------------------------
+
+
+def triton_metadata(batch, tree_split):
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
+
+    num_tokens, num_heads, head_size = batch["query"].shape
+    device = batch["query"].device
+    hs_pad = 1 << (head_size - 1).bit_length()
+    segm_max = torch.empty(num_tokens, num_heads, 4, device=device)
+    return TritonAttentionMetadata(
+        num_actual_tokens=num_tokens,
+        max_query_len=max(batch["query_lens"]),
+        query_start_loc=batch["cu_seqlens_q"],
+        max_seq_len=max(batch["kv_lens"]),
+        seq_lens=batch["seq_lens"],
+        block_table=batch["block_table"],
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        seq_threshold_3D=1 << 20,
+        num_par_softmax_segments=4,
+        softmax_segm_output=torch.empty(
+            num_tokens, num_heads, 4, hs_pad, device=device
+        ),
+        softmax_segm_max=segm_max,
+        softmax_segm_expsum=torch.empty_like(segm_max),
+        causal=True,
+        use_cascade=False,
+        common_prefix_len=0,
+        cu_prefix_query_lens=None,
+        prefix_kv_lens=None,
+        suffix_kv_lens=None,
+        tree_attn_bias=batch["tree_mask"],
+        tree_split=tree_split,
+    )
+
+
+def backend_forward(batch, tree_split):
+    """TritonAttentionImpl.forward on the batch: the TRITON_ATTN KV cache
+    (num_blocks, num_kv_heads, block_size, 2 * head_size) holding the same
+    keys and values."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    query, key_cache = batch["query"], batch["key_cache"]
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    kv_cache = torch.cat([key_cache, batch["value_cache"]], dim=-1).transpose(1, 2)
+    impl = TritonAttentionImpl(
+        num_heads=num_heads,
+        head_size=head_size,
+        scale=batch["scale"],
+        num_kv_heads=num_kv_heads,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+    )
+    one = torch.ones((), device=query.device)
+    layer = SimpleNamespace(_q_scale=one, _k_scale=one, _v_scale=one)
+    output = torch.full_like(query, SENTINEL)
+    impl.forward(
+        layer,
+        query,
+        None,
+        None,
+        kv_cache.contiguous(),
+        triton_metadata(batch, tree_split),
+        output,
+    )
+    return output
+
+
+@needs_kernel
+def test_backend_takes_the_split_when_the_batch_fits():
+    calls = []
+
+    def prefix(*args, **kwargs):
+        calls.append(args[6].clone())  # prefix_lens
+        return paged_prefix_attention(*args, **kwargs)
+
+    batch = make_batch(9, DECODE_PADDED, 8, 2, 64, torch.float32, KERNEL_DEVICE, seed=2)
+    split_meta = ta.SplitTreeAttentionMetadata(
+        prefix_lens=batch["prefix_lens"], prefix_attention=prefix
+    )
+    with_split = backend_forward(batch, split_meta)
+    assert len(calls) == 1 and torch.equal(calls[0], batch["prefix_lens"])
+    without = backend_forward(batch, None)
+    assert len(calls) == 1
+    torch.testing.assert_close(with_split, without, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(with_split, run_unified(batch), atol=TOL, rtol=TOL)
+
+
+@needs_kernel
+def test_backend_runs_unified_for_a_longer_request():
+    """A prefill chunk longer than the tree: the unified kernel (the split's
+    prefix pass is not called)."""
+
+    def prefix(*args, **kwargs):
+        raise AssertionError("the split ran for a batch with a prefill chunk")
+
+    batch = make_batch(9, MIXED, 8, 2, 64, torch.float32, KERNEL_DEVICE, seed=4)
+    assert max(batch["query_lens"]) > 9
+    split_meta = ta.SplitTreeAttentionMetadata(
+        prefix_lens=batch["prefix_lens"], prefix_attention=prefix
+    )
+    out = backend_forward(batch, split_meta)
+    torch.testing.assert_close(out, run_unified(batch), atol=TOL, rtol=TOL)
+
+
+def test_applies_rule():
+    bias = torch.zeros(4, 17, 1, dtype=torch.int32)
+    meta = ta.SplitTreeAttentionMetadata(prefix_lens=torch.zeros(4, dtype=torch.int32))
+
+    def attn(**kw):
+        base = dict(
+            tree_attn_bias=bias,
+            max_query_len=17,
+            causal=True,
+            mm_prefix_range_tensor=None,
+        )
+        return SimpleNamespace(**{**base, **kw})
+
+    assert meta.applies(attn(), None)
+    assert meta.applies(attn(max_query_len=1), None)
+    assert not meta.applies(attn(max_query_len=18), None)
+    assert not meta.applies(attn(tree_attn_bias=None), None)
+    assert not meta.applies(attn(causal=torch.ones(4, dtype=torch.bool)), None)
+    assert not meta.applies(attn(), torch.ones(()))
+    assert not meta.applies(attn(mm_prefix_range_tensor=torch.zeros(4, 1, 2)), None)
+
+
+def fake_vllm_config(full_cuda_graphs=False, method="ddtree"):
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_seqs=8),
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=SimpleNamespace(
+                has_full_cudagraphs=lambda: full_cuda_graphs
+            ),
+            max_cudagraph_capture_size=64,
+        ),
+        attention_config=SimpleNamespace(flash_attn_max_num_splits_for_cuda_graph=32),
+        speculative_config=SimpleNamespace(use_ddtree=lambda: method == "ddtree"),
+    )
+
+
+def test_build_writes_prefix_lengths_into_one_buffer():
+    split = ta.SplitTreeAttention(
+        fake_vllm_config(),
+        8,
+        2,
+        128,
+        16,
+        torch.bfloat16,
+        torch.device("cpu"),
+        prefix_attention=paged_prefix_attention,
+    )
+    pointers = set()
+    for query_lens, seq_lens in (([17, 17, 1], [40, 17, 9]), ([5, 0], [105, 0])):
+        qsl = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+        common = SimpleNamespace(
+            num_reqs=len(query_lens),
+            query_start_loc=qsl,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            num_actual_tokens=int(qsl[-1]),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            causal=True,
+        )
+        meta = split.build(common)
+        expected = [s - q for s, q in zip(seq_lens, query_lens)]
+        assert meta.prefix_lens.tolist() == expected
+        assert meta.prefix_attention is paged_prefix_attention
+        assert meta.scheduler_metadata is None and meta.num_splits == 0
+        pointers.add(meta.prefix_lens.data_ptr())
+    # Persistent: a captured graph reads the same rows every step.
+    assert pointers == {split.prefix_lens.data_ptr()}
+    # A bidirectional (drafter) batch never takes the split.
+    common.causal = False
+    assert split.build(common) is None
+
+
+def test_for_builder_only_under_ddtree_split(monkeypatch):
+    args = (8, 2, 128, 16, torch.bfloat16, torch.device("cpu"))
+    monkeypatch.delenv(ta.TREE_ATTENTION_ENV, raising=False)
+    assert ta.SplitTreeAttention.for_builder(fake_vllm_config(), *args) is None
+    monkeypatch.setenv(ta.TREE_ATTENTION_ENV, "unified")
+    assert ta.SplitTreeAttention.for_builder(fake_vllm_config(), *args) is None
+    monkeypatch.setenv(ta.TREE_ATTENTION_ENV, "split")
+    config = fake_vllm_config(method="dflash")
+    assert ta.SplitTreeAttention.for_builder(config, *args) is None
+    config.speculative_config = None
+    assert ta.SplitTreeAttention.for_builder(config, *args) is None
+    split = ta.SplitTreeAttention.for_builder(fake_vllm_config(), *args)
+    assert isinstance(split, ta.SplitTreeAttention)
+    assert split.prefix_attention is ta.fa3_prefix_attention
+
+
+# ----------------------------------------------------------------------------
+# Startup checks
+# ----------------------------------------------------------------------------
+
+
+def startup_config(dtype=torch.bfloat16, head_size=128, cache_dtype="auto"):
+    return SimpleNamespace(
+        model_config=SimpleNamespace(dtype=dtype, get_head_size=lambda: head_size),
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+    )
+
+
+NEEDS = "DDTree: VLLM_DDTREE_TREE_ATTENTION=split needs FlashAttention 3, "
+
+
+@pytest.mark.parametrize(
+    "mode, config, expected",
+    [
+        (None, startup_config(torch.float32, 72, "fp8"), None),
+        ("unified", startup_config(torch.float32), None),
+        (
+            "flash",
+            startup_config(),
+            "DDTree: VLLM_DDTREE_TREE_ATTENTION='flash' is not a tree attention "
+            "mode; set it to 'unified' or 'split', or unset it.",
+        ),
+        (
+            "split",
+            startup_config(torch.float32),
+            NEEDS + "which takes float16 or bfloat16, got dtype=float32; pass "
+            "--dtype bfloat16 or unset VLLM_DDTREE_TREE_ATTENTION.",
+        ),
+        (
+            "split",
+            startup_config(head_size=288),
+            NEEDS + "which takes head sizes that are multiples of 8 up to 256, "
+            "got head_size=288; unset VLLM_DDTREE_TREE_ATTENTION.",
+        ),
+        (
+            "split",
+            startup_config(cache_dtype="fp8"),
+            NEEDS + "which reads the KV cache in the model's own dtype, got "
+            "kv_cache_dtype='fp8'; pass --kv-cache-dtype auto or unset "
+            "VLLM_DDTREE_TREE_ATTENTION.",
+        ),
+        (
+            "split",
+            startup_config(cache_dtype="float16"),
+            NEEDS + "which reads the KV cache in the model's own dtype, got "
+            "kv_cache_dtype='float16'; pass --kv-cache-dtype auto or unset "
+            "VLLM_DDTREE_TREE_ATTENTION.",
+        ),
+    ],
+)
+def test_verify_tree_attention(monkeypatch, mode, config, expected):
+    if mode is None:
+        monkeypatch.delenv(ta.TREE_ATTENTION_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ta.TREE_ATTENTION_ENV, mode)
+    if expected is None:
+        ta.verify_tree_attention(config)
+        return
+    with pytest.raises(ValueError) as e:
+        ta.verify_tree_attention(config)
+    assert str(e.value) == expected
+
+
+def test_verify_split_needs_fa3_here(monkeypatch):
+    """Without a Hopper GPU the split is refused, never silently unified."""
+    monkeypatch.setenv(ta.TREE_ATTENTION_ENV, "split")
+    reason = ta._fa3_unsupported_reason()
+    if reason is None:
+        ta.verify_tree_attention(startup_config())
+        return
+    with pytest.raises(ValueError) as e:
+        ta.verify_tree_attention(startup_config())
+    assert str(e.value) == (
+        NEEDS + f"which is not available here ({reason}); unset "
+        "VLLM_DDTREE_TREE_ATTENTION (the unified Triton kernel runs everywhere)."
+    )
+    assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------
+# GPU: FA3 for the prefix
+# ----------------------------------------------------------------------------
+
+# (num_q_heads, num_kv_heads, head_size): Qwen3-8B, Qwen3.6-27B.
+GPU_SHAPES = [(32, 8, 128), (24, 4, 256)]
+GPU_MIXED = [
+    ("tree", 1000),
+    ("plain", 1500),
+    ("subtree", 1777),
+    ("prefill", 1200),
+    ("short", 1024),
+    ("tree", 4097),
+    ("tree", 1),
+]
+
+
+def gpu_split(batch, **kw):
+    return run_split(batch, prefix_attention=ta.fa3_prefix_attention, **kw)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("t", [16, 65, 257])
+def test_gpu_split_equals_unified(shape, t):
+    batch = make_batch(
+        t, GPU_MIXED, *shape, torch.bfloat16, "cuda", seed=t, padded_tokens=7
+    )
+    split = gpu_split(batch)
+    unified = run_unified(batch)
+    torch.cuda.synchronize()
+    assert torch.isfinite(split[: sum(batch["query_lens"])]).all()
+    torch.testing.assert_close(split, unified, atol=2e-2, rtol=2e-2)
+    assert_untouched(split, batch)
+    # And against the float32 brute force of the whole attention.
+    ref = run_unified(
+        {
+            **batch,
+            "query": batch["query"].float(),
+            "key_cache": batch["key_cache"].float(),
+            "value_cache": batch["value_cache"].float(),
+        }
+    )
+    torch.testing.assert_close(split.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_split_sinks_and_softcap():
+    batch = make_batch(65, GPU_MIXED, 32, 8, 128, torch.bfloat16, "cuda", seed=1)
+    sinks = batch["sinks"].float()
+    split = gpu_split(batch, softcap=30.0, sinks=sinks)
+    unified = run_unified(batch, softcap=30.0, sinks=sinks)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(split, unified, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_split_cuda_graph_replay(shape):
+    """The backend's path under a full CUDA graph: SplitTreeAttention's
+    persistent prefix lengths and FA3 schedule, refilled by `build` outside
+    the graph before each replay, with new queries, new trees and other
+    context lengths in the captured buffers."""
+    t = 65
+    specs = [("tree", 2400), ("tree", 1600), ("subtree", 3000), ("pad", 0)]
+    batch = make_batch(t, specs, *shape, torch.bfloat16, "cuda", seed=0)
+    num_q, num_kv, head_size = shape
+    split = ta.SplitTreeAttention(
+        fake_vllm_config(full_cuda_graphs=True),
+        num_q,
+        num_kv,
+        head_size,
+        batch["key_cache"].shape[1],
+        torch.bfloat16,
+        torch.device("cuda"),
+    )
+    query, seq_lens, mask = batch["query"], batch["seq_lens"], batch["tree_mask"]
+    out = torch.zeros_like(query)
+    max_seq_len = 4096
+    common = SimpleNamespace(
+        num_reqs=len(specs),
+        query_start_loc=batch["cu_seqlens_q"],
+        seq_lens=seq_lens,
+        num_actual_tokens=query.shape[0],
+        max_query_len=t,
+        max_seq_len=max_seq_len,
+        causal=True,
+    )
+    attn = SimpleNamespace(
+        query_start_loc=batch["cu_seqlens_q"],
+        max_query_len=t,
+        seq_lens=seq_lens,
+        max_seq_len=max_seq_len,
+        block_table=batch["block_table"],
+        tree_attn_bias=mask,
+    )
+    meta = split.build(common)
+    assert meta.scheduler_metadata is not None and meta.num_splits == 32
+
+    def step():
+        meta.forward(
+            query,
+            batch["key_cache"],
+            batch["value_cache"],
+            out,
+            attn,
+            batch["scale"],
+            0.0,
+            None,
+        )
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    gen = torch.Generator().manual_seed(1)
+    n = sum(batch["query_lens"])
+    for shrink in (0, 700, 1500):
+        kv_lens = [
+            0 if kind == "pad" else max(q + 1, kv - shrink)
+            for (kind, _), kv, q in zip(specs, batch["kv_lens"], batch["query_lens"])
+        ]
+        seq_lens.copy_(torch.tensor(kv_lens, dtype=torch.int32))
+        query.copy_(torch.randn(query.shape, generator=gen).to(query))
+        for r, (kind, _) in enumerate(specs):
+            if kind in ("tree", "subtree"):
+                qlen = batch["query_lens"][r]
+                hidden = torch.ones(t, t, dtype=torch.bool)
+                hidden[:qlen, :qlen] = ~ancestor_mask_ref(random_parents(qlen, gen))
+                mask[r] = pack_bits(hidden).cuda()
+        split.build(common)  # outside the graph, as every step
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = run_unified({**batch, "kv_lens": kv_lens})
+        torch.testing.assert_close(out[:n], expected[:n], atol=2e-2, rtol=2e-2)
+
+
+# ----------------------------------------------------------------------------
+# bench/bench_tree_attention.py (CPU smoke run: the plumbing, not a timing)
+# ----------------------------------------------------------------------------
+
+
+@needs_kernel
+def test_bench_script_smoke(tmp_path):
+    import importlib.util
+    import json
+    import pathlib
+
+    if KERNEL_DEVICE != "cpu":
+        pytest.skip("the GPU run is the benchmark itself")
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench"
+    spec = importlib.util.spec_from_file_location(
+        "bench_tree_attention", path / "bench_tree_attention.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    argv = ["--device", "cpu", "--shapes", "tiny", "--contexts", "40"]
+    argv += ["--tree-tokens", "5", "--batch", "2", "--iters", "1", "--repeats", "1"]
+    assert bench.main([*argv, "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["unified", "split"]
+    for row in rows:
+        assert row["us"] > 0 and row["tree_tokens"] == 5 and row["batch"] == 2
+        assert row["split_vs_unified_max_abs_diff"] < 1e-4
