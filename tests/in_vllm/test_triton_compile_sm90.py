@@ -271,6 +271,74 @@ SCRIPT = textwrap.dedent(
         dict(update_sig, **{n: C for n in ("KERNEL_WIDTH", "STATE_BLOCK", "BLOCK_N")}),
         {"KERNEL_WIDTH": 4, "STATE_BLOCK": 4, "BLOCK_N": 256},
     )
+    # The one-launch KV compaction (one KV-cache group, bf16 rows moved as
+    # 16-bit words), the aux-hidden-state rows and the GDN commit after the
+    # walk, the acceptance counters of the measured budget policy.
+    import triton.language as tl
+    import vllm.v1.spec_decode.ddtree.acceptance as acc
+    import vllm.v1.spec_decode.ddtree.gdn_commit as gc
+    compile_kernel(
+        kk._ddtree_compact_kv_kernel,
+        {"layer_base_ptr": "*i64", "slot_mapping_ptr": "*i64",
+         "src_row_ptr": "*i64", "dst_row_ptr": "*i64", "num_accepted_ptr": "*i32",
+         "stride_block": "i64", "stride_head": "i64", "stride_slot": "i64",
+         "stride_elem": "i64", "block_size": "i32", "NUM_HEADS": C,
+         "ROW_SIZE": C, "HEAD_BLOCK": C, "ROW_BLOCK": C, "DRAFT_DEPTH": C,
+         "ELEM_TYPE": C},
+        {"NUM_HEADS": 8, "ROW_SIZE": 128, "HEAD_BLOCK": 8, "ROW_BLOCK": 128,
+         "DRAFT_DEPTH": 15, "ELEM_TYPE": tl.int16},
+    )
+    compile_kernel(
+        kk._ddtree_compact_rows_kernel,
+        dict({f"t{i}": "*bf16" for i in range(8)}, row_stride="i64",
+             num_cols="i32", src_row_ptr="*i64", dst_row_ptr="*i64",
+             num_accepted_ptr="*i32", NUM_TENSORS=C, DRAFT_DEPTH=C, BLOCK=C),
+        {"NUM_TENSORS": 3, "DRAFT_DEPTH": 15, "BLOCK": 1024},
+    )
+    commit_common = {"slot_ptr": "*i32", "slot_group_stride": "i32",
+                     "slot_stride": "i32", "layer_group_ptr": "*i32",
+                     "spec_batch_rows_ptr": "*i32", "spec_query_start_ptr": "*i32",
+                     "num_accepted_ptr": "*i32", "src_row_ptr": "*i64",
+                     "src_row_stride": "i32", "query_start_loc_ptr": "*i32"}
+    for has_bias in (False, True):
+        compile_kernel(
+            gc._commit_conv_kernel,
+            dict(commit_common, x_buf="*bf16", stride_x_layer="i64",
+                 stride_x_tok="i64", conv_ptrs="*i64", stride_s_seq="i64",
+                 stride_s_dim="i64", stride_s_tok="i64", w_ptrs="*i64",
+                 stride_w_dim="i64", stride_w_width="i64", bias_ptrs="*i64",
+                 dim="i32", **{n: C for n in (
+                     "MAX_PATH", "PATH_BLOCK", "KERNEL_WIDTH", "STATE_BLOCK",
+                     "HAS_BIAS", "SILU_ACTIVATION", "CONV_TYPE", "W_TYPE",
+                     "BIAS_TYPE", "BLOCK_N")}),
+            {"MAX_PATH": 16, "PATH_BLOCK": 16, "KERNEL_WIDTH": 4,
+             "STATE_BLOCK": 4, "HAS_BIAS": has_bias, "SILU_ACTIVATION": True,
+             "CONV_TYPE": tl.bfloat16, "W_TYPE": tl.bfloat16,
+             "BIAS_TYPE": tl.bfloat16, "BLOCK_N": 256},
+        )
+    compile_kernel(
+        gc._commit_gdn_kernel,
+        dict(commit_common, x_buf="*bf16", stride_x_layer="i64",
+             stride_x_tok="i64", a_buf="*bf16", b_buf="*bf16",
+             stride_ab_layer="i64", stride_ab_tok="i64", ssm_ptrs="*i64",
+             stride_h_seq="i64", a_log_ptrs="*i64", dt_bias_ptrs="*i64",
+             softplus_beta="fp32", softplus_threshold="fp32", **{n: C for n in (
+                 "MAX_PATH", "H", "HV", "K", "V", "BK", "BV",
+                 "USE_QK_L2NORM_IN_KERNEL", "SSM_TYPE", "A_TYPE", "DT_TYPE")}),
+        {"MAX_PATH": 16, "H": 16, "HV": 48, "K": 128, "V": 128, "BK": 128,
+         "BV": 32, "USE_QK_L2NORM_IN_KERNEL": True, "SSM_TYPE": tl.float32,
+         "A_TYPE": tl.float32, "DT_TYPE": tl.float32},
+    )
+    for budget in (16, 64, 256):
+        compile_kernel(
+            acc._count_accepted_ranks_kernel,
+            {"counts_ptr": "*i64", "num_accepted_ptr": "*i32",
+             "src_row_ptr": "*i64", "src_row_stride": "i32",
+             "query_start_loc_ptr": "*i32", "cu_num_logits_ptr": "*i32",
+             "BUDGET": C, "PATH_LEN": C, "PATH_BLOCK": C, "BLOCK": C},
+            {"BUDGET": budget, "PATH_LEN": 16, "PATH_BLOCK": 16,
+             "BLOCK": budget},
+        )
     print("\\n".join(failures) or "all compiled")
     sys.exit(1 if failures else 0)
     """
