@@ -56,6 +56,41 @@ _FLOAT_NAMES = {
 
 
 @triton.jit
+def _path_or_committed(
+    x,
+    stride_x_tok,
+    row0,
+    q0,
+    p_path,
+    p_state,
+    stride_s_tok,
+    idx_feats,
+    mask_d,
+    pos,
+    state_col,
+    valid,
+    CONV_TYPE: tl.constexpr,
+):
+    """Conv inputs at path positions ``pos`` ([PATH_BLOCK] or [STATE_BLOCK]):
+    the path's pre-conv row where ``pos >= 0``, else the committed window's
+    column ``state_col``; 0 where not ``valid``. In the conv state's dtype."""
+    from_x = valid & (pos >= 0)
+    from_s = valid & (pos < 0)
+    t = tl.load(p_path + tl.maximum(pos, 0), mask=from_x, other=0).to(tl.int64) - q0
+    from_path = tl.load(
+        x + ((row0 + t) * stride_x_tok)[:, None] + idx_feats[None, :],
+        mask=from_x[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(CONV_TYPE)
+    from_state = tl.load(
+        p_state[None, :] + (tl.maximum(state_col, 0) * stride_s_tok)[:, None],
+        mask=from_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    return tl.where(from_x[:, None], from_path, from_state)
+
+
+@triton.jit
 def _commit_conv_kernel(
     x_buf,  # [L, rows, dim] pre-conv verify rows (in: pre-conv, out: post-conv)
     stride_x_layer,
@@ -125,24 +160,25 @@ def _commit_conv_kernel(
         acc = tl.zeros((PATH_BLOCK, BLOCK_N), dtype=tl.float32)
     for j in tl.static_range(KERNEL_WIDTH):
         p = k - (KERNEL_WIDTH - 1) + j
-        from_x = on_path & (p >= 0)
-        from_s = on_path & (p < 0)
-        t = tl.load(p_path + tl.maximum(p, 0), mask=from_x, other=0).to(tl.int64) - q0
-        x_j = tl.load(
-            x + ((row0 + t) * stride_x_tok)[:, None] + idx_feats[None, :],
-            mask=from_x[:, None] & mask_d[None, :],
-            other=0.0,
-        ).to(CONV_TYPE)
-        s_j = tl.load(
-            p_state[None, :]
-            + (tl.maximum(p + KERNEL_WIDTH - 1, 0) * stride_s_tok)[:, None],
-            mask=from_s[:, None] & mask_d[None, :],
-            other=0.0,
+        window_j = _path_or_committed(
+            x,
+            stride_x_tok,
+            row0,
+            q0,
+            p_path,
+            p_state,
+            stride_s_tok,
+            idx_feats,
+            mask_d,
+            p,
+            p + KERNEL_WIDTH - 1,
+            on_path,
+            CONV_TYPE,
         )
         w_j = tl.load(
             w + idx_feats * stride_w_dim + j * stride_w_width, mask=mask_d, other=0.0
         )
-        acc += tl.where(from_x[:, None], x_j, s_j) * w_j[None, :]
+        acc += window_j * w_j[None, :]
     if SILU_ACTIVATION:
         acc = acc / (1 + tl.exp(-acc))
     # Rounded to the conv state's dtype, then to the rows' (as the per-layer
@@ -153,21 +189,21 @@ def _commit_conv_kernel(
     # n - (W - 1) + c, or committed column n + c before the root.
     c = tl.arange(0, STATE_BLOCK)
     in_state = c < KERNEL_WIDTH - 1
-    pc = n - (KERNEL_WIDTH - 1) + c
-    c_from_x = in_state & (pc >= 0)
-    c_from_s = in_state & (pc < 0)
-    tc = tl.load(p_path + tl.maximum(pc, 0), mask=c_from_x, other=0).to(tl.int64) - q0
-    x_c = tl.load(
-        x + ((row0 + tc) * stride_x_tok)[:, None] + idx_feats[None, :],
-        mask=c_from_x[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(CONV_TYPE)
-    s_c = tl.load(
-        p_state[None, :] + (tl.maximum(n + c, 0) * stride_s_tok)[:, None],
-        mask=c_from_s[:, None] & mask_d[None, :],
-        other=0.0,
+    new_state = _path_or_committed(
+        x,
+        stride_x_tok,
+        row0,
+        q0,
+        p_path,
+        p_state,
+        stride_s_tok,
+        idx_feats,
+        mask_d,
+        n - (KERNEL_WIDTH - 1) + c,
+        n + c,
+        in_state,
+        CONV_TYPE,
     )
-    new_state = tl.where(c_from_x[:, None], x_c, s_c)
 
     # Every load of this program (the path's pre-conv rows, the committed
     # window) before any store: the stores overwrite both. No other program
