@@ -5,7 +5,8 @@ with dummy weights (tau = 1: the figures are pure step cost), bf16, CUDA graphs:
 
     python3 bench/step_cost.py --out bench/results/step-cost.json \\
         [--shapes dense-8b,hybrid-27b] [--conc 1,8,32] [--chain-k 15] \\
-        [--equal-budget 15] [--c1-budgets 64] [--profile-batches 4]
+        [--equal-budget 15] [--c1-budgets 64] [--profile-batches 4] \\
+        [--tree-attention unified,split] [--prompt-len 128]
 
 Shapes are the benchmark pairs' production configs
 (``bench/pairs/models/<shape>/production-{target,drafter}``: Qwen3-8B and
@@ -15,7 +16,9 @@ the chain (K = ``--chain-k``; on the hybrid shape on both model runners, V1 as
 vLLM picks by default and V2 as DDTree always runs), DDTree with
 ``budget_policy: fixed`` at ``--equal-budget`` nodes (as many verified tokens
 per request as the chain) at every ``--conc``, and DDTree at each
-``--c1-budgets`` at concurrency 1.
+``--c1-budgets`` at concurrency 1; the DDTree engines once per
+``--tree-attention`` mode (``VLLM_DDTREE_TREE_ATTENTION``: the default
+``unified`` Triton kernel and the ``split`` FA3 prefix + tree kernel).
 
 Each engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the torch
 profiler sees its kernels) and, per concurrency: a timed decode (wall time per
@@ -71,18 +74,31 @@ def log(msg: str) -> None:
 
 
 def engines_for(
-    shape: str, conc: list[int], equal_budget: int, c1_budgets: list[int]
+    shape: str,
+    conc: list[int],
+    equal_budget: int,
+    c1_budgets: list[int],
+    tree_attention: tuple[str, ...] = ("unified",),
 ) -> list[dict]:
-    """The engines of one shape: the V2 chain, DDTree at the equal budget at
-    every concurrency, DDTree at each larger budget at concurrency 1, and on
-    the hybrid shape the V1 chain."""
+    """The engines of one shape: the V2 chain, then per tree-attention mode
+    DDTree at the equal budget at every concurrency and at each larger budget
+    at concurrency 1, and on the hybrid shape the V1 chain."""
     engines = [dict(method="chain", runner="v2", conc=conc)]
-    engines.append(dict(method="ddtree", runner="v2", budget=equal_budget, conc=conc))
-    engines += [
-        dict(method="ddtree", runner="v2", budget=b, conc=[1])
-        for b in c1_budgets
-        if b != equal_budget
-    ]
+    for mode in tree_attention:
+        engines.append(
+            dict(
+                method="ddtree",
+                runner="v2",
+                budget=equal_budget,
+                conc=conc,
+                tree_attention=mode,
+            )
+        )
+        engines += [
+            dict(method="ddtree", runner="v2", budget=b, conc=[1], tree_attention=mode)
+            for b in c1_budgets
+            if b != equal_budget
+        ]
     # The V1 chain (what vLLM picks for a hybrid target by default) last: the
     # rows compare with the V2 chain, so a run cut short keeps those first.
     if shape.startswith("hybrid"):
@@ -113,6 +129,7 @@ def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
             shape=r["shape"],
             concurrency=r["concurrency"],
             tree_budget=r["budget"],
+            tree_attention=r.get("tree_attention", "unified"),
             chain_k=chain_k,
             chain_runner="v2",
             chain_ms_per_step=chain["ms_per_step"],
@@ -142,6 +159,9 @@ def run_engine(a) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if a.runner == "v2":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    mode = a.tree_attention if a.method == "ddtree" else None
+    if mode:
+        os.environ["VLLM_DDTREE_TREE_ATTENTION"] = mode
     import ddtree_e2e
 
     from vllm import LLM, SamplingParams
@@ -206,6 +226,8 @@ def run_engine(a) -> None:
         acc1, drafts1, _ = ddtree_e2e.spec_metrics(llm)
         steps = (drafts1 - drafts0) / c
         tag = f"{a.shape}-{a.method}-{a.runner}-{budget or a.chain_k}-c{c}"
+        if mode:
+            tag += f"-{mode}"
         profiled = prompts[
             c * a.timed_batches : c * (a.timed_batches + a.profile_batches)
         ]
@@ -215,6 +237,7 @@ def run_engine(a) -> None:
             method=a.method,
             runner=a.runner,
             budget=budget,
+            tree_attention=mode,
             concurrency=c,
             ms_per_step=round(dt * 1e3 / steps, 3),
             tok_s=round(toks / dt, 1),
@@ -251,6 +274,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--engine-timeout", type=int, default=900)
+    ap.add_argument(
+        "--tree-attention",
+        default="unified,split",
+        help="DDTree's target tree attention modes (VLLM_DDTREE_TREE_ATTENTION), "
+        "one set of DDTree engines each",
+    )
     # one engine (internal)
     ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
@@ -266,7 +295,13 @@ def main(argv: list[str] | None = None) -> None:
     plan = [
         (shape, e)
         for shape in a.shapes.split(",")
-        for e in engines_for(shape, conc, a.equal_budget, c1_budgets)
+        for e in engines_for(
+            shape,
+            conc,
+            a.equal_budget,
+            c1_budgets,
+            tuple(m for m in a.tree_attention.split(",") if m),
+        )
     ]
     result = dict(
         command=" ".join(["python3", "bench/step_cost.py", *(argv or sys.argv[1:])]),
@@ -277,7 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     for k, (shape, e) in enumerate(plan):
         log(
             f"engine {k + 1}/{len(plan)}: {shape} {e['method']} runner {e['runner']} "
-            f"budget {e.get('budget')} c={e['conc']} ({time.time() - t_all:.0f} s)"
+            f"budget {e.get('budget')} {e.get('tree_attention', '')} c={e['conc']} "
+            f"({time.time() - t_all:.0f} s)"
         )
         cmd = [
             sys.executable,
@@ -296,6 +332,8 @@ def main(argv: list[str] | None = None) -> None:
             cmd += ["--" + name.replace("_", "-"), str(getattr(a, name))]
         if e.get("budget"):
             cmd += ["--budget", str(e["budget"])]
+        if e.get("tree_attention"):
+            cmd += ["--tree-attention", e["tree_attention"]]
         try:
             out = subprocess.run(
                 cmd, stdout=subprocess.PIPE, text=True, timeout=a.engine_timeout

@@ -5,6 +5,7 @@ fake that prints the rows an engine would."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,12 +23,19 @@ def test_engines_per_shape():
         ("ddtree", "v2", 15, [1, 8, 32]),
         ("ddtree", "v2", 64, [1]),
     ]
-    hybrid = step_cost.engines_for("hybrid-27b", [1, 8], 15, [15, 64])
-    assert [(e["method"], e["runner"], e.get("budget")) for e in hybrid] == [
-        ("chain", "v2", None),
-        ("ddtree", "v2", 15),
-        ("ddtree", "v2", 64),
-        ("chain", "v1", None),
+    hybrid = step_cost.engines_for(
+        "hybrid-27b", [1, 8], 15, [15, 64], ("unified", "split")
+    )
+    assert [
+        (e["method"], e["runner"], e.get("budget"), e.get("tree_attention"))
+        for e in hybrid
+    ] == [
+        ("chain", "v2", None, None),
+        ("ddtree", "v2", 15, "unified"),
+        ("ddtree", "v2", 64, "unified"),
+        ("ddtree", "v2", 15, "split"),
+        ("ddtree", "v2", 64, "split"),
+        ("chain", "v1", None, None),
     ]
 
 
@@ -53,9 +61,12 @@ def _fake_run(cmd, stdout=None, text=None, timeout=None):
         arg[flag] = True if flag == "--engine" else next(it)
     budget = int(arg["--budget"]) if "--budget" in arg else None
     key = (arg["--method"], arg["--runner"], budget)
+    mode = arg.get("--tree-attention") if key[0] == "ddtree" else None
     if key == ("ddtree", "v2", 64) and arg["--shape"] == "dense-8b":
         return SimpleNamespace(stdout="engine died\n")
     ms, busy = FAKE[key]
+    if mode == "split":
+        ms -= 1.0
     rows = [
         "ROW "
         + json.dumps(
@@ -64,6 +75,7 @@ def _fake_run(cmd, stdout=None, text=None, timeout=None):
                 method=key[0],
                 runner=key[1],
                 budget=budget,
+                tree_attention=mode,
                 concurrency=int(c),
                 ms_per_step=ms * int(c),
                 gpu_busy=busy,
@@ -80,22 +92,62 @@ def test_rows_pair_ddtree_with_the_v2_chain(tmp_path, monkeypatch):
     step_cost.main(["--out", str(out), "--conc", "1,8"])
     result = json.loads(out.read_text())
     assert result["command"].startswith("python3 bench/step_cost.py --out")
-    rows = {(r["shape"], r["concurrency"], r["tree_budget"]): r for r in result["rows"]}
-    # dense: B = 64 died, so only the equal-token rows; hybrid: all three.
-    assert sorted(rows) == [
-        ("dense-8b", 1, 15),
-        ("dense-8b", 8, 15),
-        ("hybrid-27b", 1, 15),
-        ("hybrid-27b", 1, 64),
-        ("hybrid-27b", 8, 15),
-    ]
-    r = rows[("hybrid-27b", 8, 15)]
+    rows = {
+        (r["shape"], r["concurrency"], r["tree_budget"], r["tree_attention"]): r
+        for r in result["rows"]
+    }
+    # dense: B = 64 died, so only the equal-token rows; hybrid: all three;
+    # each once per tree-attention mode (both by default).
+    assert sorted(rows) == sorted(
+        (shape, c, b, mode)
+        for mode in ("split", "unified")
+        for shape, c, b in (
+            ("dense-8b", 1, 15),
+            ("dense-8b", 8, 15),
+            ("hybrid-27b", 1, 15),
+            ("hybrid-27b", 1, 64),
+            ("hybrid-27b", 8, 15),
+        )
+    )
+    r = rows[("hybrid-27b", 8, 15, "unified")]
     assert r["equal_tokens"] is True and r["chain_runner"] == "v2"
     assert (r["chain_ms_per_step"], r["ddtree_ms_per_step"]) == (160.0, 168.0)
     assert r["ratio"] == 1.05 and r["ratio_to_chain_v1"] == round(168 / 144, 3)
     assert (r["chain_gpu_busy"], r["ddtree_gpu_busy"]) == (0.75, 0.7)
-    assert rows[("hybrid-27b", 1, 64)]["equal_tokens"] is False
-    assert "chain_v1_ms_per_step" not in rows[("dense-8b", 1, 15)]
-    assert {"shape": "dense-8b", "error": "no rows"}.items() <= next(
-        e for e in result["engines"] if "error" in e
-    ).items()
+    # The split engines' own figures, against the same chain.
+    r = rows[("hybrid-27b", 8, 15, "split")]
+    assert (r["chain_ms_per_step"], r["ddtree_ms_per_step"]) == (160.0, 160.0)
+    assert rows[("hybrid-27b", 1, 64, "split")]["equal_tokens"] is False
+    assert "chain_v1_ms_per_step" not in rows[("dense-8b", 1, 15, "unified")]
+    errors = [e for e in result["engines"] if "error" in e]
+    assert [(e["shape"], e["budget"], e["tree_attention"]) for e in errors] == [
+        ("dense-8b", 64, "unified"),
+        ("dense-8b", 64, "split"),
+    ]
+    assert all(e["error"] == "no rows" for e in errors)
+
+
+def test_chain_engines_take_no_tree_attention_mode(monkeypatch):
+    """The chain engines run without VLLM_DDTREE_TREE_ATTENTION: only the
+    DDTree engines get --tree-attention."""
+    calls = []
+
+    def record(cmd, **kw):
+        calls.append(cmd)
+        return _fake_run(cmd, **kw)
+
+    monkeypatch.setattr(subprocess, "run", record)
+    step_cost.main(
+        ["--out", os.devnull, "--shapes", "hybrid-27b", "--tree-attention", "split"]
+    )
+    modes = {
+        (c[c.index("--method") + 1], c[c.index("--runner") + 1]): (
+            c[c.index("--tree-attention") + 1] if "--tree-attention" in c else None
+        )
+        for c in calls
+    }
+    assert modes == {
+        ("chain", "v2"): None,
+        ("ddtree", "v2"): "split",
+        ("chain", "v1"): None,
+    }

@@ -614,14 +614,14 @@ def test_applies_rule():
     assert not meta.applies(attn(mm_prefix_range_tensor=torch.zeros(4, 1, 2)), None)
 
 
-def fake_vllm_config(full_cuda_graphs=False, method="ddtree"):
+def fake_vllm_config(full_cuda_graphs=False, method="ddtree", max_capture_size=64):
     return SimpleNamespace(
         scheduler_config=SimpleNamespace(max_num_seqs=8),
         compilation_config=SimpleNamespace(
             cudagraph_mode=SimpleNamespace(
                 has_full_cudagraphs=lambda: full_cuda_graphs
             ),
-            max_cudagraph_capture_size=64,
+            max_cudagraph_capture_size=max_capture_size,
         ),
         attention_config=SimpleNamespace(flash_attn_max_num_splits_for_cuda_graph=32),
         speculative_config=SimpleNamespace(use_ddtree=lambda: method == "ddtree"),
@@ -814,7 +814,9 @@ def test_gpu_split_equals_unified(shape, t):
 @needs_cuda
 def test_gpu_split_sinks_and_softcap():
     batch = make_batch(65, GPU_MIXED, 32, 8, 128, torch.bfloat16, "cuda", seed=1)
-    sinks = batch["sinks"].float()
+    # In the model's dtype, as attention layers hold them: FA3's s_aux takes
+    # bf16 only.
+    sinks = batch["sinks"].to(torch.bfloat16)
     split = gpu_split(batch, softcap=30.0, sinks=sinks)
     unified = run_unified(batch, softcap=30.0, sinks=sinks)
     torch.cuda.synchronize()
@@ -834,7 +836,12 @@ def test_gpu_split_cuda_graph_replay(shape):
     batch = make_batch(t, specs, *shape, torch.bfloat16, "cuda", seed=0)
     num_q, num_kv, head_size = shape
     split = ta.SplitTreeAttention(
-        fake_vllm_config(full_cuda_graphs=True),
+        fake_vllm_config(
+            # Above the batch's 4 x 65 tokens, so that it takes the graph's
+            # fixed FA3 split count.
+            full_cuda_graphs=True,
+            max_capture_size=512,
+        ),
         num_q,
         num_kv,
         head_size,
