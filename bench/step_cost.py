@@ -38,6 +38,7 @@ keeps what finished.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
@@ -61,6 +62,7 @@ FORWARDED_OPTIONS = (
     "max_tokens",
     "max_model_len",
     "gpu_memory_utilization",
+    "stack_dump_s",
 )
 HYBRID_LLM_KWARGS = {
     "enable_prefix_caching": False,
@@ -162,6 +164,10 @@ def run_engine(a) -> None:
     mode = a.tree_attention if a.method == "ddtree" else None
     if mode:
         os.environ["VLLM_DDTREE_TREE_ATTENTION"] = mode
+    # A stage that runs past --stack-dump-s prints every thread's Python
+    # stack to stderr (again each period), so that a slow or stuck engine
+    # says where it is; re-armed at each stage.
+    faulthandler.dump_traceback_later(a.stack_dump_s, repeat=True)
     import ddtree_e2e
 
     from vllm import LLM, SamplingParams
@@ -201,6 +207,8 @@ def run_engine(a) -> None:
     t0 = time.time()
     llm = LLM(**kw)
     startup_s = round(time.time() - t0, 1)
+    log(f"engine up in {startup_s} s")
+    faulthandler.dump_traceback_later(a.stack_dump_s, repeat=True)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     n = max(conc) * (a.timed_batches + a.profile_batches + 1)
     prompts = [
@@ -210,7 +218,10 @@ def run_engine(a) -> None:
     sp = SamplingParams(
         temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True, detokenize=False
     )
+    t = time.time()
     llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
+    log(f"warm-up in {time.time() - t:.1f} s")
+    faulthandler.dump_traceback_later(a.stack_dump_s, repeat=True)
     profile_args = argparse.Namespace(
         mode="ddtree" if a.method == "ddtree" else "dflash", budget=budget, k=a.chain_k
     )
@@ -223,6 +234,8 @@ def run_engine(a) -> None:
             outs = llm.generate(timed[i : i + c], sp, use_tqdm=False)
             toks += sum(len(o.outputs[0].token_ids) for o in outs)
         dt = time.time() - t
+        log(f"c={c}: timed {len(timed)} requests in {dt:.1f} s")
+        faulthandler.dump_traceback_later(a.stack_dump_s, repeat=True)
         acc1, drafts1, _ = ddtree_e2e.spec_metrics(llm)
         steps = (drafts1 - drafts0) / c
         tag = f"{a.shape}-{a.method}-{a.runner}-{budget or a.chain_k}-c{c}"
@@ -232,6 +245,7 @@ def run_engine(a) -> None:
             c * a.timed_batches : c * (a.timed_batches + a.profile_batches)
         ]
         prof = ddtree_e2e.profile_steps(llm, profile_args, tag, profiled, sp, c)
+        faulthandler.dump_traceback_later(a.stack_dump_s, repeat=True)
         row = dict(
             shape=a.shape,
             method=a.method,
@@ -274,6 +288,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--engine-timeout", type=int, default=900)
+    ap.add_argument(
+        "--stack-dump-s",
+        type=int,
+        default=240,
+        help="an engine stage running longer prints its Python stacks",
+    )
     ap.add_argument(
         "--tree-attention",
         default="unified,split",
