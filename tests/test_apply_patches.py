@@ -49,6 +49,41 @@ def test_check_passes_on_repo() -> None:
     assert r.returncode == 0, r.stderr
 
 
+def test_line_picks_its_lock_patches_and_tree() -> None:
+    """--line VERSION reads lines/VERSION/ and keeps overlay/ shared; without it
+    every path is the repo root's, as before lines existed."""
+    for line in sorted(p.name for p in apply_patches.LINES_DIR.iterdir()):
+        args = apply_patches.argparse.Namespace(
+            line=line, lock=None, patches=None, overlay=None, src=None, config=None
+        )
+        apply_patches.resolve_line(args)
+        root = apply_patches.LINES_DIR / line
+        assert args.lock == root / "upstream.lock"
+        assert args.patches == root / "patches"
+        assert args.overlay == REPO_ROOT / "overlay"
+        assert args.src == REPO_ROOT / "build" / f"src-{line}"
+        assert apply_patches.Lock.load(args.lock).upstream["version"] == line
+        r = run_tool("--line", line, "check")
+        assert r.returncode == 0, r.stderr
+    args = apply_patches.argparse.Namespace(
+        line=None, lock=None, patches=None, overlay=None, src=None, config=None
+    )
+    apply_patches.resolve_line(args)
+    assert (args.lock, args.patches, args.overlay, args.src, args.config) == (
+        apply_patches.DEFAULT_LOCK,
+        apply_patches.DEFAULT_PATCHES,
+        REPO_ROOT / "overlay",
+        apply_patches.DEFAULT_SRC,
+        apply_patches.RUFF_CONFIG,
+    )
+
+
+def test_unknown_line_is_one_line_error() -> None:
+    r = run_tool("--line", "0.0.1", "check")
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and "--line 0.0.1: no " in r.stderr
+
+
 def test_first_patch_is_listed_first() -> None:
     assert apply_patches.read_series(apply_patches.DEFAULT_PATCHES)[0] == FIRST_PATCH
 
