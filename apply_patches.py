@@ -198,7 +198,7 @@ PYPI_SIMPLE = "https://pypi.org/simple/{project}/"
 
 
 def pypi_index(project: str) -> dict[str, dict]:
-    """filename -> {url, sha256, yanked} from PyPI's JSON simple API."""
+    """Map filename -> {url, sha256, yanked}, from PyPI's JSON simple API."""
     url = PYPI_SIMPLE.format(project=project)
     req = urllib.request.Request(
         url, headers={"Accept": "application/vnd.pypi.simple.v1+json"}

@@ -275,7 +275,7 @@ def test_logprobs_rows_are_the_emitted_tokens(monkeypatch):
 
 # ------------------------------------------------------------ seeds
 def _real_sampler(seeds):
-    """vLLM's V2 Sampler with requests at temperature 1 and ``seeds`` (request
+    """The V2 Sampler of vLLM with requests at temperature 1 and ``seeds`` (request
     state -> seed), bound to a verifier as the model runner binds it. fp64
     Gumbel noise: the fp32 path's log1p is a libdevice call that the Triton
     interpreter does not have."""
