@@ -260,6 +260,8 @@ def _batch():
         cu_num_logits=torch.tensor([0, 1, 6], dtype=torch.int32),
         query_start_loc=torch.tensor([0, 3, 8], dtype=torch.int32),
         seq_lens=torch.tensor([3, 25], dtype=torch.int32),
+        # vLLM 0.33+: the sampler's per-request sequence-length bound.
+        seq_lens_cpu_upper_bound=torch.tensor([3, 25], dtype=torch.int32),
     )
 
 
