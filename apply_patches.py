@@ -1273,6 +1273,21 @@ def md_block(text: str, limit: int, lang: str = "diff") -> str:
     return f"```{lang}\n{shown}\n```{more}\n"
 
 
+def release_line(version: str, series: list[str]) -> dict | None:
+    """The release line of `version` in lines/, if there is one: where its stack
+    was resolved by hand, and which of this series' patches it no longer has
+    (their change is upstream's by then)."""
+    root = LINES_DIR / version
+    if not (root / "upstream.lock").is_file():
+        return None
+    line_series = read_series(root / "patches")
+    return {
+        "dir": root.relative_to(REPO_ROOT).as_posix(),
+        "patches": len(line_series),
+        "already_upstream": [name for name in series if name not in line_series],
+    }
+
+
 def render_markdown(report: dict) -> str:
     fr, to = report["from"], report["to"]
     s = report["summary"]
@@ -1313,6 +1328,18 @@ def render_markdown(report: dict) -> str:
             )
         ),
         "",
+    ]
+    line = report.get("line")
+    if line is not None:
+        dropped = ", ".join(f"`{n}`" for n in line["already_upstream"]) or "none"
+        out += [
+            f"The release line `{line['dir']}/` holds this stack resolved by hand on "
+            f"{to['version']} (`apply_patches.py --line {to['version']}`): "
+            f"{line['patches']} patches; dropped as already upstream: {dropped}. "
+            "The fates below are the replay of this series as it is.",
+            "",
+        ]
+    out += [
         "| # | patch | fate | files |",
         "|---|---|---|---|",
     ]
@@ -1568,6 +1595,7 @@ def rebase(
             "result": result,
             "rewritable": rewritable,
             "written": False,
+            "line": release_line(version, series),
         }
         if write and rewritable:
             run_git(work, "tag", BASE_TAG, "new-base")
