@@ -1,8 +1,20 @@
 # vllm-ddtree: vLLM 0.26.0 + the patch stack in patches/ + our files in overlay/ (see README.md).
+# LINE=<vLLM version> works on the release line in lines/<version>/ instead
+# (e.g. `make wheel LINE=0.33.0`); overlay/ is shared by every line.
 PYTHON ?= python3
 .DEFAULT_GOAL := all
+LINE ?=
+ifeq ($(LINE),)
+LINE_DIR := .
 TOOL := $(PYTHON) apply_patches.py
 SRC ?= build/src
+else
+LINE_DIR := lines/$(LINE)
+TOOL := $(PYTHON) apply_patches.py --line $(LINE)
+SRC ?= build/src-$(LINE)
+endif
+# The other release lines, which `make test` checks too (see `line-check`).
+OTHER_LINES := $(notdir $(patsubst %/,%,$(dir $(wildcard lines/*/upstream.lock))))
 PYTEST_ARGS ?=
 # Files and directories we own that ruff checks with vLLM's settings (add a path
 # to cover more). bench's scripts are listed by wildcard: `apply_patches.py lint`
@@ -39,8 +51,8 @@ $(TEST_DEPS):
 	@mkdir -p $(DEPS_DIR) && touch $@
 
 ifneq ($(wildcard $(BUILD_DEPS)),)
-VERSION := $(shell $(PYTHON) apply_patches.py version)
-WHEEL := dist/$(shell $(PYTHON) apply_patches.py wheel-name)
+VERSION := $(shell $(TOOL) version)
+WHEEL := dist/$(shell $(TOOL) wheel-name)
 else
 # first pass, before the restart
 WHEEL := dist/.wheel
@@ -49,7 +61,7 @@ IMAGE ?= vllm-ddtree:$(subst +,-,$(VERSION))
 # Where pip puts console scripts (hadolint) for $(PYTHON).
 SCRIPTS = $$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
 
-.PHONY: all deps fetch check apply export wheel lint test lint-docker image clean rebase-check
+.PHONY: all deps fetch check apply export wheel lint test lint-docker image clean rebase-check line-check
 
 all: wheel
 
@@ -72,7 +84,7 @@ wheel: $(WHEEL)
 
 OVERLAY_FILES := $(shell find overlay -name '*.py' -not -path '*/__pycache__/*' 2>/dev/null)
 
-$(WHEEL): upstream.lock patches/series $(wildcard patches/*.patch) $(OVERLAY_FILES) apply_patches.py
+$(WHEEL): $(LINE_DIR)/upstream.lock $(LINE_DIR)/patches/series $(wildcard $(LINE_DIR)/patches/*.patch) $(OVERLAY_FILES) apply_patches.py
 	@echo "== wheel $(VERSION): fetch, apply, repack"
 	$(TOOL) fetch
 	$(TOOL) apply --src $(SRC) --verify
@@ -104,6 +116,18 @@ test: $(TEST_DEPS)
 	@echo "== [8/8] pytest inside the wheel's venv (tests that import the patched vLLM)"
 	VENV=$$($(PYTHON) tests/ddtree_venv.py $(WHEEL)) && \
 	  $$VENV/bin/python -m pytest -c tests/in_vllm/pytest.ini tests/in_vllm $(PYTEST_ARGS)
+	@for line in $(if $(LINE),,$(OTHER_LINES)); do \
+	  $(MAKE) --no-print-directory line-check LINE=$$line || exit 1; done
+
+# The checks of one other release line that need no wheel venv of its own
+# (README, "Release lines"): series and headers, the stack on its pristine
+# sdist (tree id), no export drift, ruff with that release's settings.
+line-check: $(TEST_DEPS)
+	@echo "== line $(LINE): check, apply --verify, export --dry-run, lint"
+	$(TOOL) check
+	$(TOOL) apply --src $(SRC) --verify
+	$(TOOL) export --src $(SRC) --dry-run
+	$(MAKE) --no-print-directory lint LINE=$(LINE)
 
 # Scheduled CI: would the stack move to vLLM $(VERSION)? Dry run; writes
 # $(REPORT_DIR)/$(VERSION).md and .json; fails when a patch conflicts.

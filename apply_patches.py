@@ -57,6 +57,10 @@ SPDX_LINE = "# SPDX-License-Identifier: Apache-2.0"
 DEFAULT_SRC = REPO_ROOT / "build" / "src"
 DEFAULT_DIST = REPO_ROOT / "dist"
 DEFAULT_REPORTS = REPO_ROOT / "docs" / "rebase"
+# Release lines beside the default one (the repo root: upstream.lock, patches/):
+# lines/<vLLM version>/ holds that line's upstream.lock, patches/ and, when vLLM's
+# ruff settings differ, ruff.toml. overlay/ is shared by every line.
+LINES_DIR = REPO_ROOT / "lines"
 BASE_TAG = "upstream"
 REQUIRED_HEADERS = ("Why", "Origin", "Forwarded", "Test")
 # Fixed identity and dates for the pristine base commit so that it is reproducible.
@@ -194,7 +198,7 @@ PYPI_SIMPLE = "https://pypi.org/simple/{project}/"
 
 
 def pypi_index(project: str) -> dict[str, dict]:
-    """filename -> {url, sha256, yanked} from PyPI's JSON simple API."""
+    """Map filename -> {url, sha256, yanked}, from PyPI's JSON simple API."""
     url = PYPI_SIMPLE.format(project=project)
     req = urllib.request.Request(
         url, headers={"Accept": "application/vnd.pypi.simple.v1+json"}
@@ -1269,6 +1273,21 @@ def md_block(text: str, limit: int, lang: str = "diff") -> str:
     return f"```{lang}\n{shown}\n```{more}\n"
 
 
+def release_line(version: str, series: list[str]) -> dict | None:
+    """The release line of `version` in lines/, if there is one: where its stack
+    was resolved by hand, and which of this series' patches it no longer has
+    (their change is upstream's by then)."""
+    root = LINES_DIR / version
+    if not (root / "upstream.lock").is_file():
+        return None
+    line_series = read_series(root / "patches")
+    return {
+        "dir": root.relative_to(REPO_ROOT).as_posix(),
+        "patches": len(line_series),
+        "already_upstream": [name for name in series if name not in line_series],
+    }
+
+
 def render_markdown(report: dict) -> str:
     fr, to = report["from"], report["to"]
     s = report["summary"]
@@ -1309,6 +1328,18 @@ def render_markdown(report: dict) -> str:
             )
         ),
         "",
+    ]
+    line = report.get("line")
+    if line is not None:
+        dropped = ", ".join(f"`{n}`" for n in line["already_upstream"]) or "none"
+        out += [
+            f"The release line `{line['dir']}/` holds this stack resolved by hand on "
+            f"{to['version']} (`apply_patches.py --line {to['version']}`): "
+            f"{line['patches']} patches; dropped as already upstream: {dropped}. "
+            "The fates below are the replay of this series as it is.",
+            "",
+        ]
+    out += [
         "| # | patch | fate | files |",
         "|---|---|---|---|",
     ]
@@ -1564,6 +1595,7 @@ def rebase(
             "result": result,
             "rewritable": rewritable,
             "written": False,
+            "line": release_line(version, series),
         }
         if write and rewritable:
             run_git(work, "tag", BASE_TAG, "new-base")
@@ -2093,12 +2125,47 @@ def cmd_lock_get(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------- main
 
 
+def resolve_line(args: argparse.Namespace) -> None:
+    """Fill the paths that --line picks (explicit --lock, --patches, --src, --config
+    win): the default line is the repo root's; overlay/ is shared by all lines."""
+    if args.line is None:
+        root, src = REPO_ROOT, DEFAULT_SRC
+        overlay = None
+    else:
+        root = LINES_DIR / args.line
+        if not (root / "upstream.lock").is_file():
+            known = sorted(p.parent.name for p in LINES_DIR.glob("*/upstream.lock"))
+            raise DDTreeError(
+                f"--line {args.line}: no {root / 'upstream.lock'} "
+                f"(lines: {', '.join(known) or 'none'})"
+            )
+        src = DEFAULT_SRC.with_name(f"{DEFAULT_SRC.name}-{args.line}")
+        overlay = REPO_ROOT / OVERLAY_DIRNAME
+    if args.lock is None:
+        args.lock = root / "upstream.lock"
+    if args.patches is None:
+        args.patches = root / "patches"
+    if args.overlay is None:
+        args.overlay = overlay or default_overlay(args.patches)
+    if getattr(args, "src", False) is None:
+        args.src = src
+    if getattr(args, "config", False) is None:
+        line_config = root / RUFF_CONFIG.name
+        args.config = line_config if line_config.is_file() else RUFF_CONFIG
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--lock", type=Path, default=DEFAULT_LOCK)
-    parser.add_argument("--patches", type=Path, default=DEFAULT_PATCHES)
+    parser.add_argument(
+        "--line",
+        metavar="VERSION",
+        default=None,
+        help="the release line under lines/VERSION/ (default: the repo root's)",
+    )
+    parser.add_argument("--lock", type=Path, default=None)
+    parser.add_argument("--patches", type=Path, default=None)
     parser.add_argument(
         "--overlay",
         type=Path,
@@ -2109,14 +2176,14 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("fetch", help="download and verify the pinned sdist and wheel")
     sub.add_parser("check", help="validate series and patches (no tree needed)")
     p = sub.add_parser("apply", help="build the patched tree")
-    p.add_argument("--src", type=Path, default=DEFAULT_SRC)
+    p.add_argument("--src", type=Path, default=None)
     p.add_argument("--verify", action="store_true", help="compare with patched_tree")
     p.add_argument("--force", action="store_true", help="discard uncommitted changes")
     p = sub.add_parser("export", help="rewrite patches/ from the patched tree")
-    p.add_argument("--src", type=Path, default=DEFAULT_SRC)
+    p.add_argument("--src", type=Path, default=None)
     p.add_argument("--dry-run", action="store_true", help="only report drift (exit 1)")
     p = sub.add_parser("wheel", help="build our wheel from the official one")
-    p.add_argument("--src", type=Path, default=DEFAULT_SRC)
+    p.add_argument("--src", type=Path, default=None)
     p.add_argument("--dist", type=Path, default=DEFAULT_DIST)
     p = sub.add_parser(
         "rebase", help="replay the stack onto another vLLM release; report"
@@ -2146,8 +2213,8 @@ def main(argv: list[str] | None = None) -> int:
         "lint",
         help="ruff (vLLM's settings) on our files and on the lines the patches add",
     )
-    p.add_argument("--src", type=Path, default=DEFAULT_SRC)
-    p.add_argument("--config", type=Path, default=RUFF_CONFIG)
+    p.add_argument("--src", type=Path, default=None)
+    p.add_argument("--config", type=Path, default=None)
     p.add_argument("paths", nargs="+", type=Path, help="files and directories we own")
     sub.add_parser("version", help="print our version")
     sub.add_parser("wheel-name", help="print our wheel's file name")
@@ -2155,8 +2222,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("lock-get", help="print one value of upstream.lock")
     p.add_argument("key")
     args = parser.parse_args(argv)
-    if args.overlay is None:
-        args.overlay = default_overlay(args.patches)
+    try:
+        resolve_line(args)
+    except DDTreeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     handlers = {
         "fetch": cmd_fetch,
         "check": cmd_check,

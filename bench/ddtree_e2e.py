@@ -66,7 +66,7 @@ def load_prompts(paths: list[str], n: int) -> list[str]:
 
 
 def num_preemptions(llm) -> float:
-    """vLLM's preemption counter (requests whose KV was freed under memory
+    """The preemption counter of vLLM (requests whose KV was freed under memory
     pressure and recomputed later): a run that should exercise preemption
     shows it moved."""
     return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")

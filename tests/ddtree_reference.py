@@ -53,6 +53,7 @@ class WalkResult(NamedTuple):
         bonus_token_ids: ``[R]`` int64, the target's token at the last
             accepted node (the next step's root).
         accepted_mask: ``[R, B + 1]`` bool, True at the accepted nodes.
+
     """
 
     accepted_idx: torch.Tensor
@@ -106,6 +107,7 @@ class CompactionPlan(NamedTuple):
       entries ``k >= num_accepted`` are padding (the root's state).
     * The request's sequence advances by ``num_accepted`` tokens; the bonus
       token (``WalkResult.bonus_token_ids``) is the next root.
+
     """
 
     src_idx: torch.Tensor
@@ -230,6 +232,7 @@ def walk_tree(
     ``ceil(log2(D))`` rounds, or one masked reduction over ``ancestors``).
     Siblings are distinct, so the accepted nodes form one path from the
     root, with one node per depth.
+
     """
     num_reqs, budget = tree.token_ids.shape
     draft_depth = tree.draft_depth
@@ -283,6 +286,7 @@ def compaction_indices(
             ``src_token_idx`` / ``dst_token_idx`` are filled in.
 
     See `CompactionPlan` for the fields and how vLLM uses them.
+
     """
     num_reqs, path_len = walk.accepted_idx.shape
     k = _arange(path_len, walk.accepted_idx.device).expand(num_reqs, -1)

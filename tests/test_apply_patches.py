@@ -49,6 +49,41 @@ def test_check_passes_on_repo() -> None:
     assert r.returncode == 0, r.stderr
 
 
+def test_line_picks_its_lock_patches_and_tree() -> None:
+    """--line VERSION reads lines/VERSION/ and keeps overlay/ shared; without it
+    every path is the repo root's, as before lines existed."""
+    for line in sorted(p.name for p in apply_patches.LINES_DIR.iterdir()):
+        args = apply_patches.argparse.Namespace(
+            line=line, lock=None, patches=None, overlay=None, src=None, config=None
+        )
+        apply_patches.resolve_line(args)
+        root = apply_patches.LINES_DIR / line
+        assert args.lock == root / "upstream.lock"
+        assert args.patches == root / "patches"
+        assert args.overlay == REPO_ROOT / "overlay"
+        assert args.src == REPO_ROOT / "build" / f"src-{line}"
+        assert apply_patches.Lock.load(args.lock).upstream["version"] == line
+        r = run_tool("--line", line, "check")
+        assert r.returncode == 0, r.stderr
+    args = apply_patches.argparse.Namespace(
+        line=None, lock=None, patches=None, overlay=None, src=None, config=None
+    )
+    apply_patches.resolve_line(args)
+    assert (args.lock, args.patches, args.overlay, args.src, args.config) == (
+        apply_patches.DEFAULT_LOCK,
+        apply_patches.DEFAULT_PATCHES,
+        REPO_ROOT / "overlay",
+        apply_patches.DEFAULT_SRC,
+        apply_patches.RUFF_CONFIG,
+    )
+
+
+def test_unknown_line_is_one_line_error() -> None:
+    r = run_tool("--line", "0.0.1", "check")
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and "--line 0.0.1: no " in r.stderr
+
+
 def test_first_patch_is_listed_first() -> None:
     assert apply_patches.read_series(apply_patches.DEFAULT_PATCHES)[0] == FIRST_PATCH
 
@@ -580,3 +615,36 @@ def test_lint_takes_only_the_added_lines_of_patched_files(tmp_path: Path) -> Non
     assert any("vllm/y.py: F401" in p and "import sys" in p for p in problems), problems
     assert any("vllm/y.py: not formatted" in p for p in problems), problems
     assert not any("vllm/x.py" in p for p in problems), problems
+
+
+def test_make_targets_take_the_line_and_test_checks_every_line() -> None:
+    """`make wheel LINE=v` builds that line's wheel from build/src-v; `make
+    test` (without LINE) ends with the line-check of every line in lines/."""
+
+    def make_n(*argv: str) -> str:
+        r = subprocess.run(
+            ["make", "-n", *argv, f"PYTHON={sys.executable}"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    default = make_n("-B", "wheel")
+    assert "apply_patches.py apply --src build/src --verify" in default
+    assert "--line" not in default
+    lines = sorted(p.name for p in apply_patches.LINES_DIR.iterdir())
+    assert lines
+    for line in lines:
+        out = make_n("-B", "wheel", f"LINE={line}")
+        assert f"--line {line} apply --src build/src-{line} --verify" in out
+        assert f"== wheel {line}+ddtree." in out
+        out = make_n("line-check", f"LINE={line}")
+        for cmd in ("check", f"apply --src build/src-{line} --verify", "lint"):
+            assert f"apply_patches.py --line {line} {cmd}" in out
+        assert f"--line {line} export --src build/src-{line} --dry-run" in out
+    test = make_n("test")
+    assert "apply_patches.py check" in test
+    for line in lines:
+        assert f"apply_patches.py --line {line} check" in test

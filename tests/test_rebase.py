@@ -519,3 +519,22 @@ def test_conflict_when_upstream_deleted_the_file(tmp_path: Path) -> None:
     assert rec["fate"] == "conflict" and rec["conflict"]["files"] == ["vllm/e.py"]
     assert "upstream deleted or renamed" in rec["conflict"]["regions"][0]["text"]
     assert git(r, "status", "--porcelain") == ""  # reset for the next patch
+
+
+def test_release_line_names_the_hand_resolved_stack() -> None:
+    """A release with a line in lines/: the report says where its stack lives
+    and which patches of the series it dropped; no line, nothing to say."""
+    series = apply_patches.read_series(apply_patches.DEFAULT_PATCHES)
+    for version in (p.name for p in apply_patches.LINES_DIR.iterdir()):
+        line_series = apply_patches.read_series(
+            apply_patches.LINES_DIR / version / "patches"
+        )
+        line = apply_patches.release_line(version, [*series, "gone-upstream.patch"])
+        assert line is not None
+        assert line["dir"] == f"lines/{version}"
+        assert line["patches"] == len(line_series)
+        assert "gone-upstream.patch" in line["already_upstream"]
+        assert set(line["already_upstream"]) - {"gone-upstream.patch"} == (
+            set(series) - set(line_series)
+        )
+    assert apply_patches.release_line("0.0.1", series) is None

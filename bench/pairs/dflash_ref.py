@@ -102,9 +102,10 @@ class DFlashDrafter(nn.Module):
         q_pos: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        """feats [B, T, n_aux * H] target states; q_emb [B, Q, H]; positions [B, T] and
-        [B, Q]; mask [B, Q, T + Q] bool (True = attend). Returns the final-normed
-        hidden states of the queries [B, Q, H] (apply the target's lm_head)."""
+        """Inputs: feats [B, T, n_aux * H] target states; q_emb [B, Q, H];
+        positions [B, T] and [B, Q]; mask [B, Q, T + Q] bool (True = attend).
+        Returns the final-normed hidden states of the queries [B, Q, H] (apply
+        the target's lm_head)."""
         b, t, _ = feats.shape
         q_len = q_emb.shape[1]
         ctx = rms_norm(self.fc(feats), self.hidden_norm.weight, self.eps)

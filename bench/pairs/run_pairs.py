@@ -52,8 +52,8 @@ def load_prompts(path: str) -> list[list[int]]:
 
 
 def prompts_for(conc: int, prompts: list[list[int]], c1: int) -> list[list[int]]:
-    """c = 1 decodes ``c1`` prompts one by one; c > 1 decodes 4 batches of c (at
-    most all prompts)."""
+    """Concurrency c = 1 decodes ``c1`` prompts one by one; c > 1 decodes 4
+    batches of c (at most all prompts)."""
     n = c1 if conc == 1 else min(len(prompts), 4 * conc)
     return prompts[:n]
 

@@ -52,10 +52,17 @@ def cpu_uva_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
         return
     from vllm.v1.worker.gpu import buffer_utils
 
+    # vLLM 0.33 reads the device view through a method, `uva(n)`; vLLM 0.26
+    # through an attribute, `uva`.
+    uva_is_method = callable(getattr(buffer_utils.UvaBuffer, "uva", None))
+
     def cpu_buffer(self, size, dtype):
         self.cpu = torch.zeros(size, dtype=dtype)
         self.np = self.cpu.numpy()
-        self.uva = self.cpu
+        if uva_is_method:
+            self._uva = self.cpu
+        else:
+            self.uva = self.cpu
 
     monkeypatch.setattr(buffer_utils.UvaBuffer, "__init__", cpu_buffer)
 

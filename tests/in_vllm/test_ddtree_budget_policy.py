@@ -633,7 +633,9 @@ def test_a_step_without_next_drafts_only_stores_its_context(monkeypatch):
 
     calls = []
     monkeypatch.setattr(
-        DFlashSpeculator, "propose", lambda self, *a, **k: calls.append("draft")
+        DFlashSpeculator,
+        "propose",
+        lambda self, *a, **k: calls.append(("draft", k.get("num_speculative_tokens"))),
     )
     monkeypatch.setattr(
         module,
@@ -663,7 +665,8 @@ def test_a_step_without_next_drafts_only_stores_its_context(monkeypatch):
     )
     spec.parallel_drafting_token_id = 0
     spec.num_query_per_req = spec.num_speculative_steps = 4
-    spec.max_num_reqs, spec.max_num_tokens, spec.max_model_len = 4, 16, 64
+    # The instance's own values (vLLM 0.33 makes max_model_len a property).
+    vars(spec).update(max_num_reqs=4, max_num_tokens=16, max_model_len=64)
     spec.sample_from_anchor = False
     spec.draft_tokens = torch.full((4, B), 7)
     batch = SimpleNamespace(num_reqs=3, num_tokens=5)
@@ -684,13 +687,17 @@ def test_a_step_without_next_drafts_only_stores_its_context(monkeypatch):
 
     spec.draft_next_step = True
     spec.propose(*args)
-    assert calls == ["draft"]
+    assert calls == [("draft", None)]
     calls.clear()
     spec.draft_next_step = False
     spec.propose(*args, dummy_run=True)  # dummy runs always draft
-    assert calls == ["draft"]
+    assert calls == [("draft", None)]
     calls.clear()
     out = spec.propose(*args)
+    if module.PROPOSE_TAKES_NUM_SPECULATIVE_TOKENS:
+        # vLLM 0.33+: upstream's own step without drafts (context K/V only).
+        assert calls == [("draft", 0)]
+        return
     # The context positions and slots of group 0; no query pass, no tree.
     assert calls == [("inputs", list(range(16)))]
     assert torch.equal(stored["states"], torch.full((5, 4), 2.0))  # aux combined

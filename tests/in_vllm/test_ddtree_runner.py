@@ -100,6 +100,69 @@ def test_non_dflash_drafter_is_refused(target_model_config):
         inner.architectures, inner.dflash_config = saved
 
 
+@pytest.mark.parametrize(
+    "architectures, message",
+    [
+        # As the checkpoint names it, and as EAGLEConfig renames it.
+        (["DFlash2DraftModel"], "DFlash2DraftModel scores each position's"),
+        (["DFlashDFlash2BeamDraftModel"], "candidate selector"),
+        (["LiLiCorrDraftModel"], "LiLiCorrDraftModel scores each position's"),
+        (["DFlashQwen3XPressModel"], "refines the drafted chain"),
+    ],
+)
+def test_chain_only_dflash_drafters_are_refused(architectures, message):
+    """DFlash2 / LiLiCorr (candidate selector) and XPress (chain refiner)
+    drafters define no per-position distributions: one line at startup."""
+    from vllm.v1.spec_decode.ddtree.config import verify_ddtree_drafter
+
+    checkpoint = SimpleNamespace(
+        architectures=["DFlashDraftModel"], dflash_config={"block_size": 16}
+    )
+    hf_config = SimpleNamespace(
+        model=checkpoint, architectures=list(architectures), block_size=16
+    )
+    spec = SimpleNamespace(
+        draft_model_config=SimpleNamespace(hf_config=hf_config),
+        draft_depth=None,
+    )
+    with pytest.raises(ValueError, match="serve it with method 'dflash'") as info:
+        verify_ddtree_drafter(spec)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    # The same config with a plain DFlash drafter passes this check.
+    hf_config.architectures = ["DFlashDFlashDraftModel"]
+    spec.tree_budget, spec.budget_policy = 8, "fixed"
+    spec.num_speculative_tokens_per_batch_size = None
+    verify_ddtree_drafter(spec)
+    assert spec.draft_depth == 15
+
+
+def test_adaptive_verification_is_refused_under_ddtree():
+    """Adaptive verification (vLLM 0.33) and DDTree's budget policy would both
+    size the verified drafts: refused in one line (the field does not exist
+    before vLLM 0.33, where getattr reads it as off)."""
+    from vllm.v1.spec_decode.ddtree.config import resolve_ddtree_method
+
+    def spec(**kwargs):
+        return SimpleNamespace(
+            method="ddtree",
+            model="drafter",
+            tree_budget=8,
+            draft_depth=None,
+            num_speculative_tokens=None,
+            target_parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+            draft_sample_method="greedy",
+            rejection_sample_method="standard",
+            **kwargs,
+        )
+
+    with pytest.raises(ValueError, match="enable_adaptive_verification") as info:
+        resolve_ddtree_method(spec(enable_adaptive_verification=True))
+    assert "budget_policy decides" in str(info.value)
+    for ok in (spec(enable_adaptive_verification=False), spec()):
+        resolve_ddtree_method(ok)
+        assert ok.num_speculative_tokens == 8
+
+
 def test_engine_level_checks_pick_triton_and_refuse_others():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.spec_decode.ddtree.config import verify_ddtree_vllm_config
@@ -197,6 +260,8 @@ def _batch():
         cu_num_logits=torch.tensor([0, 1, 6], dtype=torch.int32),
         query_start_loc=torch.tensor([0, 3, 8], dtype=torch.int32),
         seq_lens=torch.tensor([3, 25], dtype=torch.int32),
+        # vLLM 0.33+: the sampler's per-request sequence-length bound.
+        seq_lens_cpu_upper_bound=torch.tensor([3, 25], dtype=torch.int32),
     )
 
 

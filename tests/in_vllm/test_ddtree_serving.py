@@ -168,7 +168,7 @@ print("RESULT " + json.dumps({"samples": samples, "log": lines,
 
 @needs_models
 def test_vllm_stat_loggers_export_ddtree_series():
-    """vLLM's own PrometheusStatLogger and LoggingStatLogger, built from the
+    """The PrometheusStatLogger and LoggingStatLogger of vLLM, built from the
     engine config that `vllm serve` would build (EngineArgs ->
     create_engine_config, on vLLM's CPU platform), fed one scheduler step."""
     import json

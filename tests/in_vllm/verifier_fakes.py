@@ -74,19 +74,29 @@ def store_trees(verifier, req_states, trees, device="cpu"):
 def tree_penalties(vocab=32, device="cpu"):
     """The verifier's real TreePenaltiesState for 4 request states, no
     penalties set (tests/in_vllm/conftest.py makes its buffers CPU tensors)."""
-    from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import TreePenaltiesState
-
-    return TreePenaltiesState(
-        SimpleNamespace(max_num_reqs=4, vocab_size=vocab, device=torch.device(device))
+    from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import (
+        PENALTIES_ARE_LOGITS_PROCESSOR,
+        TreePenaltiesState,
     )
+
+    req_states = SimpleNamespace(
+        max_num_reqs=4, vocab_size=vocab, device=torch.device(device)
+    )
+    if PENALTIES_ARE_LOGITS_PROCESSOR:
+        # vLLM 0.33+: (vllm_config, req_states); the state reads no config.
+        return TreePenaltiesState(None, req_states)
+    return TreePenaltiesState(req_states)
 
 
 class ArgmaxSampler:
     def __init__(self):
         self.penalties_state = tree_penalties()
 
-    def returns_logprobs(self, idx_mapping_np):
+    def returns_logprobs(self, idx_mapping_np):  # vLLM 0.26
         return False
+
+    def get_logprobs_dims(self, idx_mapping_np):  # vLLM 0.33+
+        return None
 
     def sample(self, logits, *args, **kwargs):
         return logits.argmax(dim=-1), logits

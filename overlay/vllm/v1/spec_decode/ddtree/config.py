@@ -46,6 +46,21 @@ DDTREE_HYBRID_ARCHITECTURES = (
     "Qwen3_5MoeForConditionalGeneration",
     "Qwen3NextForCausalLM",
 )
+# DFlash-family drafters (vLLM 0.28+) whose drafts are not independent
+# per-position distributions: DFlash2 and LiLiCorr score each position's top-K
+# candidates given the previous position's pick (a candidate selector), and
+# XPress refines the drafted chain. A DDTree tree is the best prefix tree of
+# the product of per-depth distributions, which these drafters do not define.
+# The names as the checkpoint gives them; EAGLEConfig may add a "DFlash" prefix.
+DDTREE_CHAIN_ONLY_DRAFTERS = {
+    "DFlash2DraftModel": "scores each position's candidates given the previous "
+    "position's pick (DFlash2's candidate selector)",
+    "DFlash2BeamDraftModel": "scores each position's candidates given the "
+    "previous position's pick (DFlash2's candidate selector)",
+    "LiLiCorrDraftModel": "scores each position's candidates given the previous "
+    "position's pick (its candidate head)",
+    "Qwen3XPressModel": "refines the drafted chain (XPress)",
+}
 # KV-cache dtypes the tree verification takes. The target's KV goes through
 # TRITON_ATTN's core unified kernel, which adds the per-request tree bias
 # for unquantised, FP8 per-tensor and INT8 / FP8 per-token-head caches; the
@@ -125,6 +140,15 @@ def resolve_ddtree_method(spec: "SpeculativeConfig") -> None:
             "from the draft log-probabilities; it is lossless for any target "
             f"sampling), got {spec.draft_sample_method!r}."
         )
+    if getattr(spec, "enable_adaptive_verification", False):
+        # vLLM 0.33+: per-request trimming of the verified drafts from the
+        # drafter's confidences. DDTree's budget policy sizes the tree; two
+        # policies must not both act on one step.
+        raise ValueError(
+            "DDTree: enable_adaptive_verification trims each request's "
+            "verified drafts, which DDTree's budget_policy sizes; unset "
+            "enable_adaptive_verification (budget_policy decides under DDTree)."
+        )
     if spec.rejection_sample_method != "standard":
         raise ValueError(
             "DDTree: rejection_sample_method must be 'standard' (the tree walk "
@@ -155,6 +179,17 @@ def verify_ddtree_drafter(spec: "SpeculativeConfig") -> None:
             "DFlashDraftModel with a dflash_config), got architectures "
             f"{architectures}."
         )
+    names = architectures + list(getattr(hf_config, "architectures", None) or [])
+    for name in names:
+        why = DDTREE_CHAIN_ONLY_DRAFTERS.get(
+            name, DDTREE_CHAIN_ONLY_DRAFTERS.get(name.removeprefix("DFlash"))
+        )
+        if why is not None:
+            raise ValueError(
+                f"DDTree: the drafter {name} {why}, so it gives no per-position "
+                "distributions to build a tree from; serve it with method "
+                "'dflash'."
+            )
     block_size = _draft_block_size(hf_config)
     max_depth = block_size - 1 if block_size else None
     if spec.draft_depth is None:

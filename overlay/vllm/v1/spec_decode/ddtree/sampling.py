@@ -51,6 +51,7 @@ class RowPaths(NamedTuple):
         count: ``[N, D]`` int32, occurrences of ``tokens[n, j]`` among the
             valid entries of row ``n`` (>= 1 wherever the row has a path).
         has_path: ``[N]`` bool, depth >= 1.
+
     """
 
     tokens: torch.Tensor
@@ -80,6 +81,7 @@ def row_path_tokens(
         row_node: ``[N]`` verify-layout node index of each row (0 = root;
             rows of prefill / plain decode requests are 0).
         draft_depth: ``D``, static.
+
     """
     req = row_req.long()
     node = row_node.long()

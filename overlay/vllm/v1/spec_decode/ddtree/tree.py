@@ -75,6 +75,7 @@ class DDTree(NamedTuple):
             token 0, parent 0, depth 1, score ``-inf`` and are never accepted
             by the verification walk.  Padding only ever occupies the last columns.
         draft_depth: ``D`` (static Python int).
+
     """
 
     token_ids: torch.Tensor
@@ -391,6 +392,7 @@ def build_tree(
     x {top-``B`` tokens at depth ``d``}, and only pairs of ranks ``(a, b)``
     with ``(a+1)(b+1) <= B`` can qualify; a stable sort keeps the tie order.
     Finally one stable sort picks the global top-``B`` over all depths.
+
     """
     if draft_logits.dim() != 3:
         raise ValueError("draft_logits must be [R, D, V]")

@@ -16,7 +16,10 @@ expects.
 """
 
 import contextlib
+import dataclasses
+import inspect
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,9 +38,17 @@ from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
 from vllm.v1.worker.gpu.sample.penalties import PenaltiesState
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
-from vllm.v1.worker.gpu.states import RequestState
 
 PathsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], RowPaths]
+
+# vLLM 0.33 made the penalties one of the sampler's logits processors
+# (`PenaltiesState(vllm_config, req_states)`, `apply(logits, ctx)`, listed in
+# `Sampler.logits_processors`) and `Sampler.sample` takes the batch's
+# `idx_mapping` and sequence-length bounds; vLLM 0.26 has
+# `PenaltiesState(req_states)`, `apply_penalties(...)` and the shorter
+# `sample`. Both are read off the upstream classes, once.
+PENALTIES_ARE_LOGITS_PROCESSOR = hasattr(PenaltiesState, "apply")
+SAMPLE_TAKES_IDX_MAPPING = "idx_mapping" in inspect.signature(Sampler.sample).parameters
 
 
 class TreePenaltiesState(PenaltiesState):
@@ -51,8 +62,9 @@ class TreePenaltiesState(PenaltiesState):
     before any request is added.
     """
 
-    def __init__(self, req_states: RequestState):
-        super().__init__(req_states)
+    def __init__(self, *args: Any):
+        # Upstream's arguments: (req_states), or (vllm_config, req_states).
+        super().__init__(*args)
         self._paths_fn: PathsFn | None = None
 
     @contextlib.contextmanager
@@ -65,6 +77,27 @@ class TreePenaltiesState(PenaltiesState):
         finally:
             self._paths_fn = None
 
+    def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """The logits-processor entry point (vLLM 0.33+)."""
+        paths_fn = self._paths_fn
+        if paths_fn is None or not np.any(self.use_penalty[ctx.idx_mapping_np]):
+            return super().apply(logits, ctx)
+
+        def upstream(local_pos: torch.Tensor) -> None:
+            PenaltiesState.apply(
+                self, logits, dataclasses.replace(ctx, expanded_local_pos=local_pos)
+            )
+
+        self._apply_tree(
+            logits,
+            ctx.expanded_idx_mapping,
+            ctx.input_ids,
+            ctx.expanded_local_pos,
+            paths_fn,
+            upstream,
+        )
+        return logits
+
     def apply_penalties(
         self,
         logits: torch.Tensor,
@@ -73,6 +106,7 @@ class TreePenaltiesState(PenaltiesState):
         input_ids: torch.Tensor,
         expanded_local_pos: torch.Tensor,
     ) -> None:
+        """The penalties entry point of the vLLM 0.26 sampler."""
         paths_fn = self._paths_fn
         if paths_fn is None or not np.any(self.use_penalty[idx_mapping_np]):
             super().apply_penalties(
@@ -83,17 +117,36 @@ class TreePenaltiesState(PenaltiesState):
                 expanded_local_pos,
             )
             return
+
+        def upstream(local_pos: torch.Tensor) -> None:
+            PenaltiesState.apply_penalties(
+                self, logits, expanded_idx_mapping, idx_mapping_np, input_ids, local_pos
+            )
+
+        self._apply_tree(
+            logits,
+            expanded_idx_mapping,
+            input_ids,
+            expanded_local_pos,
+            paths_fn,
+            upstream,
+        )
+
+    def _apply_tree(
+        self,
+        logits: torch.Tensor,
+        expanded_idx_mapping: torch.Tensor,
+        input_ids: torch.Tensor,
+        expanded_local_pos: torch.Tensor,
+        paths_fn: PathsFn,
+        upstream: Callable[[torch.Tensor], None],
+    ) -> None:
+        """The tree rule; ``upstream(local_pos)`` runs upstream's penalties."""
         paths = paths_fn(input_ids, expanded_idx_mapping, expanded_local_pos)
         orig = gather_path_logits(logits, paths)
         # History only: with every local position 0 the kernel adds no
         # draft tokens; the path tokens are then recomputed exactly.
-        super().apply_penalties(
-            logits,
-            expanded_idx_mapping,
-            idx_mapping_np,
-            input_ids,
-            torch.zeros_like(expanded_local_pos),
-        )
+        upstream(torch.zeros_like(expanded_local_pos))
         hist, in_prompt = path_history_stats(
             self.output_bin_counts,
             self.prompt_bin_mask,
@@ -137,7 +190,10 @@ def sample_nodes(
     """
     idx_mapping_np = input_batch.idx_mapping_np
     expanded_idx_mapping = input_batch.expanded_idx_mapping
-    return_logprobs = sampler.returns_logprobs(idx_mapping_np)
+    if SAMPLE_TAKES_IDX_MAPPING:
+        return_logprobs = sampler.get_logprobs_dims(idx_mapping_np) is not None
+    else:
+        return_logprobs = sampler.returns_logprobs(idx_mapping_np)
 
     def paths_fn(row_tokens, row_req, row_node):
         return row_path_tokens(
@@ -157,15 +213,28 @@ def sample_nodes(
             "DDTreeVerifier.bind_sampler must run before sampling."
         )
     with penalties.counting_tree_paths(paths_fn):
-        sampled, processed_logits = sampler.sample(
-            logits,
-            expanded_idx_mapping,
-            idx_mapping_np,
-            pos,
-            input_ids,
-            input_batch.expanded_local_pos,
-            return_logprobs=return_logprobs,
-        )
+        if SAMPLE_TAKES_IDX_MAPPING:
+            sampled, processed_logits = sampler.sample(
+                logits,
+                expanded_idx_mapping,
+                input_batch.idx_mapping,
+                idx_mapping_np,
+                pos,
+                input_ids,
+                input_batch.expanded_local_pos,
+                input_batch.seq_lens_cpu_upper_bound.numpy(),
+                return_logprobs=return_logprobs,
+            )
+        else:
+            sampled, processed_logits = sampler.sample(
+                logits,
+                expanded_idx_mapping,
+                idx_mapping_np,
+                pos,
+                input_ids,
+                input_batch.expanded_local_pos,
+                return_logprobs=return_logprobs,
+            )
     if not return_logprobs:
         return sampled, None
 

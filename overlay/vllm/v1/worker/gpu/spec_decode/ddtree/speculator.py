@@ -10,6 +10,7 @@ adds no host synchronisation.
 """
 
 import copy
+import inspect
 from typing import Any
 
 import torch
@@ -23,6 +24,14 @@ from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import (
     DFlashSpeculator,
     prepare_dflash_inputs,
+)
+
+# vLLM 0.33's DFlashSpeculator.propose takes the next step's draft count and
+# with 0 stores the step's context K/V only (what DDTree's no-speculation step
+# needs), and takes the DP sync state instead of num_tokens_across_dp; vLLM
+# 0.26's does neither, and DDTree stores the context itself there.
+PROPOSE_TAKES_NUM_SPECULATIVE_TOKENS = (
+    "num_speculative_tokens" in inspect.signature(DFlashSpeculator.propose).parameters
 )
 
 
@@ -68,9 +77,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.sample_pos = torch.zeros(
             max_num_sampled_tokens, dtype=torch.int64, device=device
         )
-        self.sample_idx_mapping = torch.zeros(
-            max_num_sampled_tokens, dtype=torch.int32, device=device
-        )
+        # Upstream's dtype and initial value for inert rows (vLLM 0.26: int32
+        # zeros; 0.33: int64 -1, which the capture's scatter skips).
+        inert = self.sample_idx_mapping[:1]
+        self.sample_idx_mapping = inert.expand(max_num_sampled_tokens).clone()
         self.sample_col = torch.arange(
             self.draft_depth, dtype=torch.int32, device=device
         ).repeat(self.max_num_reqs)
@@ -150,13 +160,19 @@ class DDTreeSpeculator(DFlashSpeculator):
         next_prefill_tokens: torch.Tensor,
         temperature: torch.Tensor,
         seeds: torch.Tensor,
-        num_tokens_across_dp: torch.Tensor | None = None,
+        *,
         dummy_run: bool = False,
-        skip_attn_for_dummy_run: bool = False,
-        mm_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
-        is_profile: bool = False,
+        **kwargs: Any,
     ) -> torch.Tensor:
-        if self.draft_next_step or dummy_run:
+        """Upstream's propose; ``kwargs`` are the upstream keyword arguments
+        (0.26: num_tokens_across_dp, ...; 0.33: dp_sync_state,
+        num_speculative_tokens, ...)."""
+        draft = self.draft_next_step or dummy_run
+        if draft or PROPOSE_TAKES_NUM_SPECULATIVE_TOKENS:
+            if not draft:
+                # Not verified: the next step schedules no drafts for these
+                # requests. Upstream stores the context K/V and skips the rest.
+                kwargs["num_speculative_tokens"] = 0
             return super().propose(
                 input_batch,
                 attn_metadata,
@@ -169,11 +185,8 @@ class DDTreeSpeculator(DFlashSpeculator):
                 next_prefill_tokens,
                 temperature,
                 seeds,
-                num_tokens_across_dp=num_tokens_across_dp,
                 dummy_run=dummy_run,
-                skip_attn_for_dummy_run=skip_attn_for_dummy_run,
-                mm_inputs=mm_inputs,
-                is_profile=is_profile,
+                **kwargs,
             )
         self._store_context(
             input_batch,

@@ -58,6 +58,7 @@ from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import (
     tree_bias_buffer,
 )
 from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import (
+    PENALTIES_ARE_LOGITS_PROCESSOR,
     TreePenaltiesState,
     node_logprobs,
     sample_nodes,
@@ -234,7 +235,15 @@ class DDTreeVerifier:
         """Give the target's sampler tree-aware penalties (a
         `TreePenaltiesState` in place of its `PenaltiesState`). Called once
         the sampler exists, before any request is added to it."""
-        sampler.penalties_state = TreePenaltiesState(sampler.req_states)
+        old = sampler.penalties_state
+        if PENALTIES_ARE_LOGITS_PROCESSOR:
+            # vLLM 0.33+: one of the sampler's logits processors, in order.
+            new = TreePenaltiesState(self.vllm_config, old.req_states)
+            processors = sampler.logits_processors
+            processors[processors.index(old)] = new
+        else:
+            new = TreePenaltiesState(sampler.req_states)
+        sampler.penalties_state = new
 
     def bind(
         self,
