@@ -163,6 +163,38 @@ def test_adaptive_verification_is_refused_under_ddtree():
         assert ok.num_speculative_tokens == 8
 
 
+def test_ddtree_on_a_release_line_without_gpu_checks_is_refused(monkeypatch):
+    """A build on a vLLM line whose DDTree has not passed its GPU checks
+    refuses DDTree in one line unless the user opts in; this build's own
+    line (0.26.0) runs."""
+    import vllm.version
+    from vllm.v1.spec_decode.ddtree import config
+
+    monkeypatch.delenv(config.ALLOW_UNVERIFIED_LINE_ENV, raising=False)
+    config.verify_release_line("0.26.0+ddtree.1")
+    config.verify_release_line("0.26.1")
+    for version in ("0.33.0+ddtree.1", "0.27.0", "dev"):
+        with pytest.raises(ValueError, match="CPU checks only") as info:
+            config.verify_release_line(version)
+        message = str(info.value)
+        assert "\n" not in message and version in message
+        assert f"{config.ALLOW_UNVERIFIED_LINE_ENV}=1" in message
+    monkeypatch.setenv(config.ALLOW_UNVERIFIED_LINE_ENV, "1")
+    config.verify_release_line("0.33.0+ddtree.1")
+    # resolve_ddtree_method checks the installed build's line.
+    monkeypatch.delenv(config.ALLOW_UNVERIFIED_LINE_ENV)
+    monkeypatch.setattr(vllm.version, "__version__", "0.33.0+ddtree.1")
+    spec = SimpleNamespace(
+        method="ddtree",
+        model="drafter",
+        tree_budget=8,
+        draft_depth=None,
+        num_speculative_tokens=None,
+    )
+    with pytest.raises(ValueError, match="0.33.0"):
+        config.resolve_ddtree_method(spec)
+
+
 def test_engine_level_checks_pick_triton_and_refuse_others():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.spec_decode.ddtree.config import verify_ddtree_vllm_config

@@ -92,6 +92,35 @@ def _check_positive_int(name: str, value: object) -> int:
     return value
 
 
+# The vLLM release lines whose DDTree has passed its GPU exactness and speed
+# checks. A build on another line (CPU-checked only) refuses DDTree unless
+# the user opts in, so that nobody serves an unverified tree path unknowingly.
+GPU_CHECKED_VLLM_LINES = ("0.26",)
+ALLOW_UNVERIFIED_LINE_ENV = "VLLM_DDTREE_ALLOW_UNVERIFIED_LINE"
+
+
+def verify_release_line(vllm_version: str) -> None:
+    """One-line refusal of DDTree on a vLLM line without GPU checks, unless
+    ``VLLM_DDTREE_ALLOW_UNVERIFIED_LINE=1``."""
+    line = ".".join(vllm_version.split("+")[0].split(".")[:2])
+    if line in GPU_CHECKED_VLLM_LINES:
+        return
+    if os.environ.get(ALLOW_UNVERIFIED_LINE_ENV) == "1":
+        logger.warning(
+            "DDTree on vLLM %s: this release line has passed its CPU checks "
+            "only, not its GPU exactness and speed checks (%s=1).",
+            vllm_version,
+            ALLOW_UNVERIFIED_LINE_ENV,
+        )
+        return
+    raise ValueError(
+        f"DDTree: this build's vLLM {vllm_version} release line has passed its "
+        "CPU checks only, not its GPU exactness and speed checks; use the "
+        "vllm-ddtree build on vLLM 0.26.0, serve with method 'dflash', or set "
+        f"{ALLOW_UNVERIFIED_LINE_ENV}=1 to try it."
+    )
+
+
 def resolve_ddtree_method(spec: "SpeculativeConfig") -> None:
     """Validate the DDTree fields and size the step by the tree budget.
 
@@ -111,6 +140,9 @@ def resolve_ddtree_method(spec: "SpeculativeConfig") -> None:
             "DDTree: tree_budget and draft_depth are only valid with "
             f"method='ddtree', got method={spec.method!r}."
         )
+    from vllm.version import __version__ as vllm_version
+
+    verify_release_line(vllm_version)
     if spec.model is None:
         raise ValueError(
             "DDTree: speculative_config needs 'model', the path of a DFlash "
