@@ -164,10 +164,16 @@ def run_engine(a) -> None:
     mode = a.tree_attention if a.method == "ddtree" else None
     if mode:
         os.environ["VLLM_DDTREE_TREE_ATTENTION"] = mode
-    # A stage that runs past --stack-dump-s prints every thread's Python
-    # stack to stderr (again each period), so that a slow or stuck engine
-    # says where it is; re-armed at each stage.
-    faulthandler.dump_traceback_later(a.stack_dump_s, repeat=True)
+
+    def stage_done(msg: str) -> None:
+        """Log a finished stage and re-arm the stack dump: a stage that runs
+        past --stack-dump-s prints every thread's Python stack to stderr
+        (again each period), so that a slow or stuck engine says where it is."""
+        if msg:
+            log(msg)
+        faulthandler.dump_traceback_later(a.stack_dump_s, repeat=True)
+
+    stage_done("")
     import ddtree_e2e
 
     from vllm import LLM, SamplingParams
@@ -207,8 +213,7 @@ def run_engine(a) -> None:
     t0 = time.time()
     llm = LLM(**kw)
     startup_s = round(time.time() - t0, 1)
-    log(f"engine up in {startup_s} s")
-    faulthandler.dump_traceback_later(a.stack_dump_s, repeat=True)
+    stage_done(f"engine up in {startup_s} s")
     vocab = llm.llm_engine.model_config.get_vocab_size()
     n = max(conc) * (a.timed_batches + a.profile_batches + 1)
     prompts = [
@@ -220,8 +225,7 @@ def run_engine(a) -> None:
     )
     t = time.time()
     llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
-    log(f"warm-up in {time.time() - t:.1f} s")
-    faulthandler.dump_traceback_later(a.stack_dump_s, repeat=True)
+    stage_done(f"warm-up in {time.time() - t:.1f} s")
     profile_args = argparse.Namespace(
         mode="ddtree" if a.method == "ddtree" else "dflash", budget=budget, k=a.chain_k
     )
@@ -234,8 +238,7 @@ def run_engine(a) -> None:
             outs = llm.generate(timed[i : i + c], sp, use_tqdm=False)
             toks += sum(len(o.outputs[0].token_ids) for o in outs)
         dt = time.time() - t
-        log(f"c={c}: timed {len(timed)} requests in {dt:.1f} s")
-        faulthandler.dump_traceback_later(a.stack_dump_s, repeat=True)
+        stage_done(f"c={c}: timed {len(timed)} requests in {dt:.1f} s")
         acc1, drafts1, _ = ddtree_e2e.spec_metrics(llm)
         steps = (drafts1 - drafts0) / c
         tag = f"{a.shape}-{a.method}-{a.runner}-{budget or a.chain_k}-c{c}"
@@ -245,7 +248,7 @@ def run_engine(a) -> None:
             c * a.timed_batches : c * (a.timed_batches + a.profile_batches)
         ]
         prof = ddtree_e2e.profile_steps(llm, profile_args, tag, profiled, sp, c)
-        faulthandler.dump_traceback_later(a.stack_dump_s, repeat=True)
+        stage_done("")
         row = dict(
             shape=a.shape,
             method=a.method,
