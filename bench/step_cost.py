@@ -60,6 +60,7 @@ FORWARDED_OPTIONS = (
     "profile_batches",
     "prompt_len",
     "max_tokens",
+    "profile_max_tokens",
     "max_model_len",
     "gpu_memory_utilization",
     "stack_dump_s",
@@ -223,6 +224,14 @@ def run_engine(a) -> None:
     sp = SamplingParams(
         temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True, detokenize=False
     )
+    # The profiler's trace analysis takes far longer than the steps it
+    # traces (minutes at c = 32 on the 27B shape): fewer steps suffice.
+    profile_sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=a.profile_max_tokens or a.max_tokens,
+        ignore_eos=True,
+        detokenize=False,
+    )
     t = time.time()
     llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
     stage_done(f"warm-up in {time.time() - t:.1f} s")
@@ -247,7 +256,7 @@ def run_engine(a) -> None:
         profiled = prompts[
             c * a.timed_batches : c * (a.timed_batches + a.profile_batches)
         ]
-        prof = ddtree_e2e.profile_steps(llm, profile_args, tag, profiled, sp, c)
+        prof = ddtree_e2e.profile_steps(llm, profile_args, tag, profiled, profile_sp, c)
         stage_done("")
         row = dict(
             shape=a.shape,
@@ -288,6 +297,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile-batches", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--profile-max-tokens",
+        type=int,
+        default=0,
+        help="new tokens per profiled request (0: --max-tokens)",
+    )
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--engine-timeout", type=int, default=900)
@@ -364,7 +379,11 @@ def main(argv: list[str] | None = None) -> None:
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else ""
             log(f"engine {k + 1} ran past {a.engine_timeout} s")
-        new = [json.loads(x[4:]) for x in out.splitlines() if x.startswith("ROW ")]
+        # vLLM logs to stdout: keep its lines (startup timings, PROFILE
+        # records) in this run's log, apart from the rows.
+        lines = out.splitlines()
+        sys.stderr.write("".join(x + "\n" for x in lines if not x.startswith("ROW ")))
+        new = [json.loads(x[4:]) for x in lines if x.startswith("ROW ")]
         if not new:
             result["engines"].append(dict(shape=shape, **e, error="no rows"))
         result["engines"] += new
