@@ -39,6 +39,15 @@ def test_engines_per_shape():
     ]
 
 
+def test_chain_last_moves_the_v2_chain_behind_ddtree():
+    hybrid = step_cost.engines_for("hybrid-27b", [1], 15, [], ("split",), True)
+    assert [(e["method"], e["runner"]) for e in hybrid] == [
+        ("ddtree", "v2"),
+        ("chain", "v2"),
+        ("chain", "v1"),
+    ]
+
+
 def test_random_prompts_are_seeded_and_in_range():
     a = step_cost.random_prompts(3, 50, 1000, seed=1)
     assert a == step_cost.random_prompts(3, 50, 1000, seed=1)
