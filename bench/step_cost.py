@@ -38,13 +38,14 @@ keeps what finished.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import os
 import random
 import subprocess
 import sys
+import threading
 import time
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAIRS = os.path.join(HERE, "pairs")
@@ -161,6 +162,40 @@ def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
 # ---------------------------------------------------------------- one engine
 
 
+class StageWatchdog:
+    """Print every thread's Python stack to stderr when a stage runs past
+    ``period_s`` (again each period), so that a slow or stuck engine says
+    where it is. The stacks are read by a Python thread holding the GIL
+    (``sys._current_frames``): faulthandler's watchdog reads them without
+    it, and crashed engines mid-compile when it fired."""
+
+    def __init__(self, period_s: float):
+        self.period_s = period_s
+        self.deadline = time.monotonic() + period_s
+        self.stopped = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def rearm(self) -> None:
+        self.deadline = time.monotonic() + self.period_s
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self.stopped.wait(1.0):
+            if time.monotonic() < self.deadline:
+                continue
+            self.rearm()
+            names = {t.ident: t.name for t in threading.enumerate()}
+            dump = [f"stage running past {self.period_s} s; stacks:"]
+            for ident, frame in sys._current_frames().items():
+                if ident != me:
+                    dump.append(f"--- thread {names.get(ident, ident)}")
+                    dump += [x.rstrip() for x in traceback.format_stack(frame)]
+            log("\n".join(dump))
+
+
 def run_engine(a) -> None:
     """One in-process engine: a timed decode, then a profiled one, per
     concurrency; one ``ROW {json}`` line each."""
@@ -171,13 +206,13 @@ def run_engine(a) -> None:
     if mode:
         os.environ["VLLM_DDTREE_TREE_ATTENTION"] = mode
 
+    watchdog = StageWatchdog(a.stack_dump_s)
+
     def stage_done(msg: str) -> None:
-        """Log a finished stage and re-arm the stack dump: a stage that runs
-        past --stack-dump-s prints every thread's Python stack to stderr
-        (again each period), so that a slow or stuck engine says where it is."""
+        """Log a finished stage and re-arm the watchdog."""
         if msg:
             log(msg)
-        faulthandler.dump_traceback_later(a.stack_dump_s, repeat=True)
+        watchdog.rearm()
 
     stage_done("")
     import ddtree_e2e
@@ -244,6 +279,9 @@ def run_engine(a) -> None:
         mode="ddtree" if a.method == "ddtree" else "dflash", budget=budget, k=a.chain_k
     )
     for c in conc:
+        # One untimed batch at this concurrency first: kernels specialised
+        # on its shapes compile here, not inside the timed decode.
+        llm.generate(prompts[-c:], sp, use_tqdm=False)
         timed = prompts[: c * a.timed_batches]
         acc0, drafts0, _ = ddtree_e2e.spec_metrics(llm)
         t = time.time()

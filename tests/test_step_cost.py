@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -160,3 +161,22 @@ def test_chain_engines_take_no_tree_attention_mode(monkeypatch):
         ("ddtree", "v2"): "split",
         ("chain", "v1"): None,
     }
+
+
+def test_watchdog_prints_the_stuck_stage_stack(capsys):
+    """A stage running past the period gets every thread's stack in the log
+    (read under the GIL); a re-armed watchdog stays quiet."""
+    watchdog = step_cost.StageWatchdog(1.0)
+
+    def stuck_in_engine_stage():
+        time.sleep(2.6)
+
+    stuck_in_engine_stage()
+    err = capsys.readouterr().err
+    assert "stage running past 1.0 s" in err
+    assert "stuck_in_engine_stage" in err
+    for _ in range(4):
+        watchdog.rearm()
+        time.sleep(0.5)
+    watchdog.stop()
+    assert "stage running past" not in capsys.readouterr().err
