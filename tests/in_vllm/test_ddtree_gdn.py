@@ -130,3 +130,77 @@ def test_tree_gdn_matches_the_sequential_kernel_on_every_path(
             state_after[int(final_idx[r])], ref_state, rtol=1e-5, atol=1e-5
         )
         assert torch.equal(state_after[int(state_idx[r])], committed[int(state_idx[r])])
+
+
+@pytest.mark.parametrize(
+    "seed, budgets, depth, scale",
+    [
+        # Draft-depth 15 trees of the production budgets: spiny (peaked
+        # drafts: one long path) and bushy (flat drafts), a 15-node tree next
+        # to a 3-node one, and the largest tree the chunked kernel takes
+        # (63 nodes + root = 64 rows).
+        (3, [15, 3], 15, 4.0),
+        (4, [15, 15], 15, 0.3),
+        (5, [63], 15, 1.5),
+    ],
+)
+def test_chunked_tree_gdn_matches_the_sequential_kernel(
+    seed, budgets, depth, scale, monkeypatch
+):
+    """The chunked (WY) kernel against upstream's sequential kernel over
+    every root-to-node path, and against the path-replay kernel; a batch row
+    without a state slot (CUDA-graph padding) gets zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    num_rows = len(budgets)
+    budget = max(budgets)
+    tree = build_tree(torch.randn(num_rows, depth, 5, generator=gen) * scale, budget)
+    assert tree_gdn.triton.next_power_of_2(budget + 1) <= tree_gdn.CHUNK_MAX_NODES
+    # One padding row (slot 0) after the real ones.
+    idx_mapping = torch.arange(num_rows + 1, dtype=torch.int32)
+    parent = torch.zeros(num_rows + 1, budget, dtype=torch.int64)
+    parent[:num_rows] = tree.parent_idx
+    counts = torch.tensor([1 + n for n in budgets] + [1])
+    qsl = torch.zeros(num_rows + 2, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(counts, 0)
+    T = int(qsl[-1])
+    inputs = dict(
+        A_log=torch.randn(HV, generator=gen) * 0.5,
+        a=torch.randn(T, HV, generator=gen),
+        b=torch.randn(T, HV, generator=gen),
+        dt_bias=torch.randn(HV, generator=gen) * 0.1,
+        q=torch.randn(T, H, K, generator=gen),
+        k=torch.randn(T, H, K, generator=gen),
+        v=torch.randn(T, HV, V, generator=gen),
+    )
+    state = torch.randn(num_rows + 1, HV, V, K, generator=gen) * 0.1
+    state_idx = torch.tensor(list(range(1, num_rows + 1)) + [0], dtype=torch.int32)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+
+    def run():
+        return tree_gdn.tree_gated_delta_rule(
+            **{n: to(t) for n, t in inputs.items()},
+            state=to(state),
+            state_idx=to(state_idx),
+            query_start_loc=to(qsl),
+            parent_idx=to(parent),
+            idx_mapping=to(idx_mapping),
+            draft_depth=depth,
+            use_qk_l2norm_in_kernel=True,
+        ).cpu()
+
+    o = run()
+    for r, n in enumerate(budgets):
+        # Every node of the small trees; of the 63-node one (slow in the
+        # interpreter) the 12 deepest and the 8 shallowest.
+        by_depth = sorted(range(1 + n), key=lambda i: -len(_path(parent[r], i)))
+        nodes = by_depth if n <= 15 else by_depth[:12] + by_depth[-8:]
+        for node in nodes:
+            rows = [int(qsl[r]) + i for i in _path(parent[r], node)]
+            ref_o, _ = _reference(inputs, state[r + 1], rows, True)
+            torch.testing.assert_close(
+                o[int(qsl[r]) + node], ref_o, rtol=2e-5, atol=2e-5
+            )
+    assert torch.count_nonzero(o[int(qsl[num_rows]) :]) == 0
+    if budget <= 15:
+        monkeypatch.setattr(tree_gdn, "CHUNK_MAX_NODES", 0)  # path replay
+        torch.testing.assert_close(run(), o, rtol=2e-5, atol=2e-5)

@@ -16,8 +16,9 @@ Per step:
    verify rows [root, node 1 .. node n]. Instead of upstream's chain kernels
    the layer calls `DDTreeGDN.conv` (`tree_causal_conv1d`: each node's window
    is its ancestors, then the committed window) and `DDTreeGDN.recurrent`
-   (`tree_gated_delta_rule`: each node's output replays its root -> node
-   path from the committed state). Neither writes the committed state. Both
+   (`tree_gated_delta_rule`: each node's output after its root -> node
+   path from the committed state, all nodes of a request at once in the
+   chunked form). Neither writes the committed state. Both
    copy their verify-row inputs into the layer's persistent buffers (the
    pre-conv ``mixed_qkv`` rows, ``a`` and ``b``), with fixed shapes and no
    host synchronisation, so the copies are captured in CUDA graphs too.

@@ -10,15 +10,21 @@ accepted position's. A tree breaks both: a node's state follows from its
 ``(B + 1) x HV x K x V`` floats per layer and request (B = 64, 48 value
 heads of 128 x 128: 65 x 48 x 128 x 128 x 4 bytes = 204 MB per layer).
 
-`tree_gated_delta_rule` computes every node's output by replaying the
-recurrence along the node's root-to-node path from the request's committed
-state, in one program per (value block, request x node, head): the same
-float32 operations in the same order as the sequential kernel
-(`fused_sigmoid_gating_delta_rule_update`) running over that path, so the
-outputs match it, with no per-node state memory. A node at depth d costs
-d + 1 state updates instead of 1: at most ``draft_depth + 1`` (16) times the
-chain's arithmetic per node, which is small next to the layer's
-projections at tree sizes. The committed state is only read.
+`tree_gated_delta_rule` computes every node's output without a state per
+node. Trees of up to `CHUNK_MAX_NODES` verify rows (the budgets batches of
+several requests run) take `_tree_gdn_chunk_kernel`: the chunked (WY) form
+of the delta rule, as upstream's chunked prefill computes a chain, with the
+causal mask replaced by the ancestor mask. One program per (value block,
+batch row, value head) reads the committed state once, solves the tree's
+corrected values by forward substitution in node order (parents precede
+children) and forms all outputs with two small matrix products. The
+arithmetic is the sequential recurrence's rearranged, so outputs equal it
+up to float32 rounding (the tests hold it to 2e-5 of upstream's sequential
+kernel on every root-to-node path). Larger trees replay each node's path
+from the committed state (`_tree_gdn_kernel`: the sequential kernel's
+operations in its order, d + 1 state updates for a node at depth d), one
+program per (value block, request x node, head). The committed state is
+only read.
 
 After the walk the accepted path's final state goes into the request's
 state slot, so the state memory per request stays one state per layer (plus
@@ -32,6 +38,13 @@ from __future__ import annotations
 import torch
 
 from vllm.triton_utils import tl, triton
+
+
+# Trees up to this many verify rows (root included, rounded up to a power of
+# two) take the chunked kernel; its per-program node matrices live in
+# registers, so larger trees (small batches under the default budget
+# policies) replay each node's path instead.
+CHUNK_MAX_NODES = 64
 
 
 @triton.jit
@@ -153,6 +166,139 @@ def _tree_gdn_kernel(
             tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), mask=mask_h)
 
 
+@triton.jit
+def _tree_gdn_chunk_kernel(
+    A_log,  # [HV]
+    a,  # [T, HV]
+    b,  # [T, HV]
+    dt_bias,  # [HV]
+    q,  # [T, H, K]
+    k,  # [T, H, K]
+    v,  # [T, HV, V]
+    o,  # [T, HV, V]
+    state,  # [num_slots, HV, V, K] committed states (read only)
+    state_stride,  # elements between two slots
+    state_idx_ptr,  # [R] slot of each batch row's committed state
+    query_start_ptr,  # [R + 1] first verify row of each batch row
+    parent_ptr,  # [S, B] parent verify index of node i + 1 (0 = root)
+    parent_stride,
+    idx_mapping_ptr,  # [R] batch row -> request state (tree row)
+    softplus_beta,
+    softplus_threshold,
+    scale,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BN: tl.constexpr,  # power of 2 >= 1 + B, at least 16 (tl.dot)
+    MAX_PATH: tl.constexpr,  # draft_depth + 1 (root included)
+    USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
+):
+    """All nodes of one (value block, batch row, value head) at once, in the
+    chunked (WY) form of the delta rule with the causal mask replaced by the
+    ancestor mask: one read of the committed state, a triangular solve over
+    the tree's nodes and two small matrix products, instead of one state
+    update per node and ancestor."""
+    i_v = tl.program_id(0)
+    r = tl.program_id(1)
+    i_hv = tl.program_id(2)
+    row0 = tl.load(query_start_ptr + r).to(tl.int64)
+    num_rows = tl.load(query_start_ptr + r + 1).to(tl.int64) - row0
+    slot = tl.load(state_idx_ptr + r).to(tl.int64)
+    if (num_rows <= 0) | (slot <= 0):
+        return
+    req = tl.load(idx_mapping_ptr + r).to(tl.int64)
+    i_h = i_hv // (HV // H)
+
+    n = tl.arange(0, BN)
+    valid = n < num_rows
+    # anc[i, j]: node j is on node i's root -> node path (i itself included).
+    # Parents precede their children (every prefix of the rank order is a
+    # tree), so anc is lower triangular in node order.
+    anc = n[:, None] == n[None, :]
+    cur = n.to(tl.int64)
+    for _ in range(MAX_PATH - 1):
+        has_parent = valid & (cur > 0)
+        cur = tl.load(
+            parent_ptr + req * parent_stride + cur - 1, mask=has_parent, other=-1
+        ).to(tl.int64)
+        cur = tl.where(has_parent, cur, -1)
+        anc = anc | (n[None, :] == cur[:, None])
+    anc = anc & valid[:, None] & valid[None, :]
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    rows = row0 + n
+    mask_nk = valid[:, None] & mask_k[None, :]
+    b_q = tl.load(
+        q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mask_nk, other=0
+    ).to(tl.float32)
+    b_k = tl.load(
+        k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mask_nk, other=0
+    ).to(tl.float32)
+    mask_nv = valid[:, None] & mask_v[None, :]
+    b_v = tl.load(
+        v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mask_nv, other=0
+    ).to(tl.float32)
+    b_b = tl.load(b + rows * HV + i_hv, mask=valid, other=0).to(tl.float32)
+    x = tl.load(a + rows * HV + i_hv, mask=valid, other=0).to(tl.float32)
+    x += tl.load(dt_bias + i_hv).to(tl.float32)
+    softplus_x = tl.where(
+        softplus_beta * x <= softplus_threshold,
+        (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)),
+        x,
+    )
+    b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus_x
+    b_beta = tl.sigmoid(b_b)
+    if USE_QK_L2NORM_IN_KERNEL:
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None]
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
+    b_q = b_q * scale
+
+    # Log decay from the root through each node (inclusive), and the decay
+    # from node j to node i on i's path.
+    cum_g = tl.sum(tl.where(anc, b_g[None, :], 0.0), 1)
+    decay = tl.exp(tl.where(anc, cum_g[:, None] - cum_g[None, :], float("-inf")))
+
+    p_h = state + slot * state_stride + i_hv * V * K
+    b_h = tl.load(
+        p_h + o_v[:, None] * K + o_k[None, :],
+        mask=mask_v[:, None] & mask_k[None, :],
+        other=0,
+    ).to(tl.float32)  # [BV, BK]
+    h_t = tl.trans(b_h)  # [BK, BV]
+    k_h = tl.dot(b_k, h_t, input_precision="ieee")  # row i: S0 k_i
+    q_h = tl.dot(b_q, h_t, input_precision="ieee")  # row i: S0 q_i
+    kk = tl.dot(b_k, tl.trans(b_k), input_precision="ieee")
+    qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
+
+    # The delta rule's corrected values u_i = beta_i (v_i - h_{i-1} k_i),
+    # h_{i-1} the decayed state after i's parent, satisfy
+    # (I + L) u = beta (v - exp(cum_g) S0 k) with
+    # L[i, j] = beta_i exp(cum_g_i - cum_g_j) (k_i . k_j) over i's strict
+    # ancestors j: forward substitution in node order.
+    strict = anc & (n[:, None] != n[None, :])
+    lower = tl.where(strict, b_beta[:, None] * decay * kk, 0.0)
+    u = b_beta[:, None] * (b_v - tl.exp(cum_g)[:, None] * k_h)
+    for i in range(1, num_rows):
+        l_row = tl.sum(tl.where(n[:, None] == i, lower, 0.0), 0)  # [BN]
+        u_i = tl.sum(tl.where(n[:, None] == i, u, 0.0), 0) - tl.sum(
+            l_row[:, None] * u, 0
+        )
+        u = tl.where(n[:, None] == i, u_i[None, :], u)
+
+    # o_i = h_i q_i = exp(cum_g_i) S0 q_i + sum over i's path (i included) of
+    # exp(cum_g_i - cum_g_j) (q_i . k_j) u_j.
+    attn = tl.where(anc, qk * decay, 0.0)
+    b_o = tl.exp(cum_g)[:, None] * q_h + tl.dot(attn, u, input_precision="ieee")
+    p_o = o + (rows[:, None] * HV + i_hv) * V + o_v[None, :]
+    tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_nv)
+
+
 def tree_gated_delta_rule(
     A_log: torch.Tensor,
     a: torch.Tensor,
@@ -216,6 +362,39 @@ def tree_gated_delta_rule(
     if num_rows == 0:
         return None if store_final else o
     max_path = draft_depth + 1
+    num_nodes = triton.next_power_of_2(max(parent_idx.shape[1] + 1, 16))
+    if not store_final and num_nodes <= CHUNK_MAX_NODES:
+        _tree_gdn_chunk_kernel[(triton.cdiv(V, BV), num_rows, HV)](
+            A_log,
+            a.contiguous(),
+            b.contiguous(),
+            dt_bias,
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            o,
+            state,
+            state.stride(0),
+            state_idx,
+            query_start_loc,
+            parent_idx,
+            parent_idx.stride(0),
+            idx_mapping,
+            softplus_beta,
+            softplus_threshold,
+            scale,
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            BK=BK,
+            BV=BV,
+            BN=num_nodes,
+            MAX_PATH=max_path,
+            USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
+            num_warps=4,
+        )
+        return o
     grid = (triton.cdiv(V, BV), num_rows * num_targets, HV)
     _tree_gdn_kernel[grid](
         A_log,
