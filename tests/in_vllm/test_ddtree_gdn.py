@@ -144,12 +144,15 @@ def test_tree_gdn_matches_the_sequential_kernel_on_every_path(
         (5, [31], 15, 1.5),
     ],
 )
+@pytest.mark.parametrize("strong", [False, True])
 def test_chunked_tree_gdn_matches_the_sequential_kernel(
-    seed, budgets, depth, scale, monkeypatch
+    seed, budgets, depth, scale, strong, monkeypatch
 ):
     """The chunked (WY) kernel against upstream's sequential kernel over
     every root-to-node path, and against the path-replay kernel; a batch row
-    without a state slot (CUDA-graph padding) gets zeros."""
+    without a state slot (CUDA-graph padding) gets zeros. ``strong``: nearly
+    parallel keys, beta near 1 and almost no decay, so that long paths'
+    terms of the triangular inverse matter."""
     gen = torch.Generator().manual_seed(seed)
     num_rows = len(budgets)
     budget = max(budgets)
@@ -172,6 +175,10 @@ def test_chunked_tree_gdn_matches_the_sequential_kernel(
         k=torch.randn(T, H, K, generator=gen),
         v=torch.randn(T, HV, V, generator=gen),
     )
+    if strong:
+        inputs["A_log"] = torch.full((HV,), -4.0)
+        inputs["b"] = torch.full((T, HV), 4.0)
+        inputs["k"] = torch.randn(1, H, K, generator=gen) + 0.05 * inputs["k"]
     state = torch.randn(num_rows + 1, HV, V, K, generator=gen) * 0.1
     state_idx = torch.tensor(list(range(1, num_rows + 1)) + [0], dtype=torch.int32)
     to = lambda t: t.to(DEVICE)  # noqa: E731
