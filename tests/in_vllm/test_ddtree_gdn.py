@@ -138,10 +138,10 @@ def test_tree_gdn_matches_the_sequential_kernel_on_every_path(
         # Draft-depth 15 trees of the production budgets: spiny (peaked
         # drafts: one long path) and bushy (flat drafts), a 15-node tree next
         # to a 3-node one, and the largest tree the chunked kernel takes
-        # (31 nodes + root = 32 rows).
+        # (63 nodes + root = 64 rows).
         (3, [15, 3], 15, 4.0),
         (4, [15, 15], 15, 0.3),
-        (5, [31], 15, 1.5),
+        (5, [63], 15, 1.5),
     ],
 )
 @pytest.mark.parametrize("strong", [False, True])
@@ -197,7 +197,7 @@ def test_chunked_tree_gdn_matches_the_sequential_kernel(
 
     o = run()
     for r, n in enumerate(budgets):
-        # Every node of the small trees; of the 31-node one (slow in the
+        # Every node of the small trees; of the 63-node one (slow in the
         # interpreter) the 12 deepest and the 8 shallowest.
         by_depth = sorted(range(1 + n), key=lambda i: -len(_path(parent[r], i)))
         nodes = by_depth if n <= 15 else by_depth[:12] + by_depth[-8:]

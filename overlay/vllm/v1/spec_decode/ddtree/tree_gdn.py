@@ -15,10 +15,9 @@ node. Trees of up to `CHUNK_MAX_NODES` verify rows (the budgets batches of
 several requests run) take `_tree_gdn_chunk_kernel`: the chunked (WY) form
 of the delta rule, as upstream's chunked prefill computes a chain, with the
 causal mask replaced by the ancestor mask. One program per (value block,
-batch row, value head) reads the committed state once, builds the
-ancestor mask by repeated squaring of the parent relation, inverts the
-tree's unit lower-triangular system as a product of log2(rows) factors and
-forms all outputs with small matrix products. The
+batch row, value head) reads the committed state once, solves the tree's
+corrected values by forward substitution in node order (parents precede
+children) and forms all outputs with two small matrix products. The
 arithmetic is the sequential recurrence's rearranged, so outputs equal it
 up to float32 rounding (the tests hold it to 2e-5 of upstream's sequential
 kernel on every root-to-node path). Larger trees replay each node's path
@@ -45,7 +44,7 @@ from vllm.triton_utils import tl, triton
 # two) take the chunked kernel; its per-program node matrices live in
 # registers, so larger trees (small batches under the default budget
 # policies) replay each node's path instead.
-CHUNK_MAX_NODES = 32
+CHUNK_MAX_NODES = 64
 
 
 @triton.jit
@@ -194,8 +193,7 @@ def _tree_gdn_chunk_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     BN: tl.constexpr,  # power of 2 >= 1 + B, at least 16 (tl.dot)
-    PATH_SQUARINGS: tl.constexpr,  # 2^PATH_SQUARINGS >= draft_depth edges
-    INVERSE_FACTORS: tl.constexpr,  # log2(BN) - 1
+    MAX_PATH: tl.constexpr,  # draft_depth + 1 (root included)
     USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
 ):
     """All nodes of one (value block, batch row, value head) at once, in the
@@ -216,19 +214,19 @@ def _tree_gdn_chunk_kernel(
 
     n = tl.arange(0, BN)
     valid = n < num_rows
-    # anc[i, j]: node j is on node i's root -> node path (i itself included),
-    # from one load of the parents: the reflexive parent relation raised to
-    # the longest path by repeated squaring (paths of 2^s edges after s
-    # squarings). Parents precede their children (every prefix of the rank
-    # order is a tree), so anc is lower triangular in node order.
-    parent = tl.load(
-        parent_ptr + req * parent_stride + n - 1, mask=valid & (n > 0), other=-1
-    )
-    eye = n[:, None] == n[None, :]
-    anc = tl.where(eye | (parent[:, None] == n[None, :]), 1.0, 0.0)
-    for _ in range(PATH_SQUARINGS):
-        anc = tl.minimum(tl.dot(anc, anc, input_precision="ieee"), 1.0)
-    anc = (anc > 0.5) & valid[:, None] & valid[None, :]
+    # anc[i, j]: node j is on node i's root -> node path (i itself included).
+    # Parents precede their children (every prefix of the rank order is a
+    # tree), so anc is lower triangular in node order.
+    anc = n[:, None] == n[None, :]
+    cur = n.to(tl.int64)
+    for _ in range(MAX_PATH - 1):
+        has_parent = valid & (cur > 0)
+        cur = tl.load(
+            parent_ptr + req * parent_stride + cur - 1, mask=has_parent, other=-1
+        ).to(tl.int64)
+        cur = tl.where(has_parent, cur, -1)
+        anc = anc | (n[None, :] == cur[:, None])
+    anc = anc & valid[:, None] & valid[None, :]
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -282,19 +280,16 @@ def _tree_gdn_chunk_kernel(
     # h_{i-1} the decayed state after i's parent, satisfy
     # (I + L) u = beta (v - exp(cum_g) S0 k) with
     # L[i, j] = beta_i exp(cum_g_i - cum_g_j) (k_i . k_j) over i's strict
-    # ancestors j. L is strictly lower triangular (L^BN = 0), so
-    # (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...(I + L^(BN / 2)): log2(BN)
-    # small matrix products instead of a row-by-row substitution.
+    # ancestors j: forward substitution in node order.
     strict = anc & (n[:, None] != n[None, :])
     lower = tl.where(strict, b_beta[:, None] * decay * kk, 0.0)
-    eye_f = tl.where(eye, 1.0, 0.0)
-    inv = eye_f - lower
-    power = lower
-    for _ in range(INVERSE_FACTORS):
-        power = tl.dot(power, power, input_precision="ieee")
-        inv = tl.dot(inv, eye_f + power, input_precision="ieee")
-    rhs = b_beta[:, None] * (b_v - tl.exp(cum_g)[:, None] * k_h)
-    u = tl.dot(inv, rhs, input_precision="ieee")
+    u = b_beta[:, None] * (b_v - tl.exp(cum_g)[:, None] * k_h)
+    for i in range(1, num_rows):
+        l_row = tl.sum(tl.where(n[:, None] == i, lower, 0.0), 0)  # [BN]
+        u_i = tl.sum(tl.where(n[:, None] == i, u, 0.0), 0) - tl.sum(
+            l_row[:, None] * u, 0
+        )
+        u = tl.where(n[:, None] == i, u_i[None, :], u)
 
     # o_i = h_i q_i = exp(cum_g_i) S0 q_i + sum over i's path (i included) of
     # exp(cum_g_i - cum_g_j) (q_i . k_j) u_j.
@@ -395,8 +390,7 @@ def tree_gated_delta_rule(
             BK=BK,
             BV=BV,
             BN=num_nodes,
-            PATH_SQUARINGS=max(draft_depth - 1, 0).bit_length(),
-            INVERSE_FACTORS=num_nodes.bit_length() - 2,
+            MAX_PATH=max_path,
             USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
             num_warps=4,
         )
