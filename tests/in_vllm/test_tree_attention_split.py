@@ -722,7 +722,21 @@ def test_for_builder_follows_the_resolved_mode(monkeypatch):
 
 
 def sinks_layer(dtype):
-    return SimpleNamespace(impl=SimpleNamespace(sinks=torch.zeros(8, dtype=dtype)))
+    """A built attention layer with sinks: the TRITON_ATTN impl holds them
+    where the check reads them."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    impl = TritonAttentionImpl(
+        num_heads=8,
+        head_size=128,
+        scale=128**-0.5,
+        num_kv_heads=2,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+        sinks=torch.zeros(8, dtype=dtype),
+    )
+    return SimpleNamespace(impl=impl)
 
 
 SINKS_LAYER = "model.layers.0.self_attn.attn"

@@ -226,10 +226,11 @@ def tree_attention_mode(vllm_config: "VllmConfig") -> str:
 def verify_tree_attention(vllm_config: "VllmConfig") -> None:
     """Startup check of ``VLLM_DDTREE_TREE_ATTENTION`` on the config (one-line
     ``ValueError``s): a known value, and for ``split`` a target that FA3
-    takes, on a machine where FA3 runs. The layers' part of the check, and
-    the log line of the mode, come once they are built
-    (`verify_tree_attention_layers`)."""
-    resolve_tree_attention(vllm_config)
+    takes, on a machine where FA3 runs. ``auto`` and ``unified`` refuse
+    nothing; the mode is resolved, its layers' part checked and its log line
+    written once the layers are built (`verify_tree_attention_layers`)."""
+    if requested_tree_attention() == "split":
+        resolve_tree_attention(vllm_config)
 
 
 def verify_tree_attention_layers(vllm_config: "VllmConfig") -> None:
