@@ -17,8 +17,10 @@ vLLM picks by default and V2 as DDTree always runs), DDTree with
 ``budget_policy: fixed`` at ``--equal-budget`` nodes (as many verified tokens
 per request as the chain) at every ``--conc``, and DDTree at each
 ``--c1-budgets`` at concurrency 1; the DDTree engines once per
-``--tree-attention`` mode (``VLLM_DDTREE_TREE_ATTENTION``: the default
-``unified`` Triton kernel and the ``split`` FA3 prefix + tree kernel).
+``--tree-attention`` mode, set as ``VLLM_DDTREE_TREE_ATTENTION`` in each DDTree
+engine (by default ``unified``, the Triton kernel, and ``split``, the FA3 prefix
++ tree kernel: both timed, whichever the engine's own default, ``auto``, would
+take).
 
 Each engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the torch
 profiler sees its kernels) and, per concurrency: a timed decode (wall time per
@@ -363,8 +365,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--tree-attention",
         default="unified,split",
-        help="DDTree's target tree attention modes (VLLM_DDTREE_TREE_ATTENTION), "
-        "one set of DDTree engines each",
+        help="DDTree's target tree attention modes (VLLM_DDTREE_TREE_ATTENTION: "
+        "unified, split or auto), one set of DDTree engines each; the default "
+        "times both kernels",
     )
     # one engine (internal)
     ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)

@@ -105,7 +105,7 @@ BAD_BACKEND = (
 SPLIT_NEEDS = "DDTree: VLLM_DDTREE_TREE_ATTENTION=split needs FlashAttention 3, "
 BAD_TREE_ATTENTION = (
     "DDTree: VLLM_DDTREE_TREE_ATTENTION='flash' is not a tree attention mode; "
-    "set it to 'unified' or 'split', or unset it."
+    "set it to 'auto', 'unified' or 'split', or unset it."
 )
 SPLIT_FLOAT32 = (
     SPLIT_NEEDS + "which takes float16 or bfloat16, got dtype=float32; pass "
@@ -289,12 +289,22 @@ def test_built_target_layers_are_checked_again():
 def test_ddtree_speculator_checks_the_target_before_loading_the_drafter(
     monkeypatch,
 ):
+    """The target's layers before the drafter loads; the tree attention (its
+    sinks check and its log line) once every layer is built."""
+    import vllm.v1.worker.gpu.spec_decode.ddtree.speculator as speculator_module
     from vllm.v1.worker.gpu.spec_decode.ddtree.speculator import DDTreeSpeculator
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
     loaded = []
     monkeypatch.setattr(
-        DFlashSpeculator, "load_model", lambda self, target: loaded.append(target)
+        DFlashSpeculator,
+        "load_model",
+        lambda self, target: loaded.append(("drafter", target)),
+    )
+    monkeypatch.setattr(
+        speculator_module,
+        "verify_tree_attention_layers",
+        lambda config: loaded.append(("tree attention", config)),
     )
     speculator = object.__new__(DDTreeSpeculator)
     speculator.vllm_config = _built({"l.0.attn": _attention_layer(sliding_window=64)})
@@ -303,7 +313,10 @@ def test_ddtree_speculator_checks_the_target_before_loading_the_drafter(
     assert loaded == []
     speculator.vllm_config = _built({"l.0.attn": _attention_layer()})
     speculator.load_model("target")
-    assert loaded == ["target"]
+    assert loaded == [
+        ("drafter", "target"),
+        ("tree attention", speculator.vllm_config),
+    ]
 
 
 # ------------------------------------------------------ tree-build backend

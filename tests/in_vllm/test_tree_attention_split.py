@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The split tree attention (``vllm/v1/spec_decode/ddtree/tree_attention.py``,
-``VLLM_DDTREE_TREE_ATTENTION=split``): FA3 over each request's committed
-prefix, a Triton kernel over the step's own keys under the packed ancestor
-mask, merged by log-sum-exp.
+``VLLM_DDTREE_TREE_ATTENTION=split``, or ``auto`` where FA3 takes the target):
+FA3 over each request's committed prefix, a Triton kernel over the step's own
+keys under the packed ancestor mask, merged by log-sum-exp.
 
 CPU (Triton interpreter; tests/in_vllm/conftest.py sets it up without a GPU):
 
@@ -19,7 +19,9 @@ CPU (Triton interpreter; tests/in_vllm/conftest.py sets it up without a GPU):
   empty prefixes) poisoned;
 * the TRITON_ATTN backend's hook (`TritonAttentionImpl.forward` takes the
   split when the metadata carries it and the batch fits), the per-step
-  prefix lengths, and the startup checks of the variable;
+  prefix lengths, the mode's resolution (``auto``: split where FA3 takes the
+  target, with FA3 faked as present; the sinks only known once the layers
+  are built), its refusals and its startup line;
 * bench/bench_tree_attention.py's CPU smoke run (the plumbing, not a timing).
 
 GPU (``-m gpu``, an H200: FA3): the split against the unified kernel in bf16
@@ -614,8 +616,11 @@ def test_applies_rule():
     assert not meta.applies(attn(mm_prefix_range_tensor=torch.zeros(4, 1, 2)), None)
 
 
-def fake_vllm_config(full_cuda_graphs=False, method="ddtree", max_capture_size=64):
+def fake_vllm_config(
+    full_cuda_graphs=False, method="ddtree", max_capture_size=64, dtype=torch.bfloat16
+):
     return SimpleNamespace(
+        model_config=SimpleNamespace(dtype=dtype, get_head_size=lambda: 128),
         scheduler_config=SimpleNamespace(max_num_seqs=8),
         compilation_config=SimpleNamespace(
             cudagraph_mode=SimpleNamespace(
@@ -664,20 +669,51 @@ def test_build_writes_prefix_lengths_into_one_buffer():
     assert split.build(common) is None
 
 
-def test_for_builder_only_under_ddtree_split(monkeypatch):
+def fa3_available(monkeypatch, reason=None):
+    """FA3 faked as runnable (reason None) or not: this host has no Hopper
+    GPU."""
+    monkeypatch.setattr(ta, "_fa3_unsupported_reason", lambda: reason)
+
+
+def set_mode(monkeypatch, mode):
+    if mode is None:
+        monkeypatch.delenv(ta.TREE_ATTENTION_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ta.TREE_ATTENTION_ENV, mode)
+
+
+def test_for_builder_follows_the_resolved_mode(monkeypatch):
     args = (8, 2, 128, 16, torch.bfloat16, torch.device("cpu"))
-    monkeypatch.delenv(ta.TREE_ATTENTION_ENV, raising=False)
-    assert ta.SplitTreeAttention.for_builder(fake_vllm_config(), *args) is None
-    monkeypatch.setenv(ta.TREE_ATTENTION_ENV, "unified")
-    assert ta.SplitTreeAttention.for_builder(fake_vllm_config(), *args) is None
-    monkeypatch.setenv(ta.TREE_ATTENTION_ENV, "split")
-    config = fake_vllm_config(method="dflash")
-    assert ta.SplitTreeAttention.for_builder(config, *args) is None
+
+    def split_for(config=None):
+        config = config or fake_vllm_config()
+        return ta.SplitTreeAttention.for_builder(config, *args)
+
+    # This host (no FA3): the default is unified, an explicit split refused.
+    for mode in (None, "auto", "unified"):
+        set_mode(monkeypatch, mode)
+        assert split_for() is None, mode
+    set_mode(monkeypatch, "split")
+    with pytest.raises(ValueError, match="needs FlashAttention 3, which is not"):
+        split_for()
+    # FA3 runnable: the default and an explicit split take it.
+    fa3_available(monkeypatch)
+    for mode in (None, "auto", "split"):
+        set_mode(monkeypatch, mode)
+        split = split_for()
+        assert isinstance(split, ta.SplitTreeAttention), mode
+        assert split.prefix_attention is ta.fa3_prefix_attention
+    set_mode(monkeypatch, "unified")
+    assert split_for() is None
+    # Resolved from the config: a float32 target stays unified by default.
+    set_mode(monkeypatch, None)
+    assert split_for(fake_vllm_config(dtype=torch.float32)) is None
+    # Not DDTree: no split, and the variable is not DDTree's to read.
+    set_mode(monkeypatch, "flash")
+    assert split_for(fake_vllm_config(method="dflash")) is None
+    config = fake_vllm_config()
     config.speculative_config = None
-    assert ta.SplitTreeAttention.for_builder(config, *args) is None
-    split = ta.SplitTreeAttention.for_builder(fake_vllm_config(), *args)
-    assert isinstance(split, ta.SplitTreeAttention)
-    assert split.prefix_attention is ta.fa3_prefix_attention
+    assert split_for(config) is None
 
 
 # ----------------------------------------------------------------------------
@@ -685,14 +721,128 @@ def test_for_builder_only_under_ddtree_split(monkeypatch):
 # ----------------------------------------------------------------------------
 
 
-def startup_config(dtype=torch.bfloat16, head_size=128, cache_dtype="auto"):
+def sinks_layer(dtype):
+    """A built attention layer with sinks: the TRITON_ATTN impl holds them
+    where the check reads them."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    impl = TritonAttentionImpl(
+        num_heads=8,
+        head_size=128,
+        scale=128**-0.5,
+        num_kv_heads=2,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+        sinks=torch.zeros(8, dtype=dtype),
+    )
+    return SimpleNamespace(impl=impl)
+
+
+SINKS_LAYER = "model.layers.0.self_attn.attn"
+
+
+def startup_config(dtype=torch.bfloat16, head_size=128, cache_dtype="auto", sinks=None):
+    """A config at startup; ``sinks``: the dtype of the attention sinks of
+    one built layer (None: the layers have none, or are not built)."""
+    layers = {"model.layers.0.mlp": SimpleNamespace()}
+    if sinks is not None:
+        layers[SINKS_LAYER] = sinks_layer(sinks)
     return SimpleNamespace(
         model_config=SimpleNamespace(dtype=dtype, get_head_size=lambda: head_size),
         cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+        compilation_config=SimpleNamespace(static_forward_context=layers),
     )
 
 
 NEEDS = "DDTree: VLLM_DDTREE_TREE_ATTENTION=split needs FlashAttention 3, "
+NO_FA3 = "it needs compute capability 9.x, the GPU has 8.0"
+DTYPE_REASON = "which takes float16 or bfloat16, got dtype=float32"
+SINKS_REASON = (
+    "which takes attention sinks in bfloat16 only, got float16 sinks on layer "
+    + SINKS_LAYER
+)
+
+
+@pytest.mark.parametrize(
+    "mode, config, fa3, expected",
+    [
+        # The default: split where FA3 takes the target.
+        (None, startup_config(), None, ("split", "auto", None)),
+        ("auto", startup_config(), None, ("split", "auto", None)),
+        (None, startup_config(torch.float16), None, ("split", "auto", None)),
+        (None, startup_config(head_size=256), None, ("split", "auto", None)),
+        (None, startup_config(cache_dtype="bfloat16"), None, ("split", "auto", None)),
+        # bf16 sinks: what FA3's s_aux takes.
+        (None, startup_config(sinks=torch.bfloat16), None, ("split", "auto", None)),
+        # Else unified, with the first condition the target fails.
+        (None, startup_config(torch.float32), None, ("unified", "auto", DTYPE_REASON)),
+        (
+            None,
+            startup_config(head_size=100),
+            None,
+            (
+                "unified",
+                "auto",
+                "which takes head sizes that are multiples of 8 up to 256, got "
+                "head_size=100",
+            ),
+        ),
+        (
+            None,
+            startup_config(cache_dtype="fp8"),
+            None,
+            (
+                "unified",
+                "auto",
+                "which reads the KV cache in the model's own dtype, got "
+                "kv_cache_dtype='fp8'",
+            ),
+        ),
+        (
+            None,
+            startup_config(torch.float16, sinks=torch.float16),
+            None,
+            ("unified", "auto", SINKS_REASON),
+        ),
+        (
+            None,
+            startup_config(),
+            NO_FA3,
+            ("unified", "auto", f"which is not available here ({NO_FA3})"),
+        ),
+        # The first failing condition, in the order of the checks.
+        (
+            "auto",
+            startup_config(torch.float32, cache_dtype="fp8"),
+            NO_FA3,
+            ("unified", "auto", DTYPE_REASON),
+        ),
+        (
+            None,
+            startup_config(torch.float16, sinks=torch.float16),
+            NO_FA3,
+            ("unified", "auto", SINKS_REASON),
+        ),
+        # Explicit values.
+        ("unified", startup_config(), None, ("unified", "unified", None)),
+        (
+            "unified",
+            startup_config(torch.float32),
+            NO_FA3,
+            ("unified", "unified", None),
+        ),
+        ("split", startup_config(), None, ("split", "split", None)),
+        ("split", startup_config(torch.float16), None, ("split", "split", None)),
+    ],
+)
+def test_resolve_tree_attention(monkeypatch, mode, config, fa3, expected):
+    set_mode(monkeypatch, mode)
+    fa3_available(monkeypatch, fa3)
+    choice = ta.resolve_tree_attention(config)
+    assert (choice.mode, choice.requested, choice.reason) == expected
+    assert ta.tree_attention_mode(config) == expected[0]
+    ta.verify_tree_attention(config)
 
 
 @pytest.mark.parametrize(
@@ -704,7 +854,7 @@ NEEDS = "DDTree: VLLM_DDTREE_TREE_ATTENTION=split needs FlashAttention 3, "
             "flash",
             startup_config(),
             "DDTree: VLLM_DDTREE_TREE_ATTENTION='flash' is not a tree attention "
-            "mode; set it to 'unified' or 'split', or unset it.",
+            "mode; set it to 'auto', 'unified' or 'split', or unset it.",
         ),
         (
             "split",
@@ -732,28 +882,50 @@ NEEDS = "DDTree: VLLM_DDTREE_TREE_ATTENTION=split needs FlashAttention 3, "
             "kv_cache_dtype='float16'; pass --kv-cache-dtype auto or unset "
             "VLLM_DDTREE_TREE_ATTENTION.",
         ),
+        # Sinks in the model's dtype follow --dtype; float32 sinks do not.
+        (
+            "split",
+            startup_config(torch.float16, sinks=torch.float16),
+            NEEDS + SINKS_REASON + "; pass --dtype bfloat16 or unset "
+            "VLLM_DDTREE_TREE_ATTENTION.",
+        ),
+        (
+            "split",
+            startup_config(sinks=torch.float32),
+            NEEDS + "which takes attention sinks in bfloat16 only, got float32 "
+            f"sinks on layer {SINKS_LAYER}; unset VLLM_DDTREE_TREE_ATTENTION.",
+        ),
     ],
 )
 def test_verify_tree_attention(monkeypatch, mode, config, expected):
-    if mode is None:
-        monkeypatch.delenv(ta.TREE_ATTENTION_ENV, raising=False)
-    else:
-        monkeypatch.setenv(ta.TREE_ATTENTION_ENV, mode)
+    """One-line refusals; FA3 faked as runnable, so that only the target
+    refuses."""
+    set_mode(monkeypatch, mode)
+    fa3_available(monkeypatch)
     if expected is None:
         ta.verify_tree_attention(config)
         return
     with pytest.raises(ValueError) as e:
         ta.verify_tree_attention(config)
     assert str(e.value) == expected
+    assert "\n" not in str(e.value)
 
 
 def test_verify_split_needs_fa3_here(monkeypatch):
-    """Without a Hopper GPU the split is refused, never silently unified."""
-    monkeypatch.setenv(ta.TREE_ATTENTION_ENV, "split")
+    """Without a Hopper GPU an explicit split is refused, never silently
+    unified; the default resolves to unified and says why."""
     reason = ta._fa3_unsupported_reason()
+    set_mode(monkeypatch, None)
+    choice = ta.resolve_tree_attention(startup_config())
+    monkeypatch.setenv(ta.TREE_ATTENTION_ENV, "split")
     if reason is None:
+        assert choice.mode == "split"
         ta.verify_tree_attention(startup_config())
         return
+    assert (choice.mode, choice.reason) == (
+        "unified",
+        f"which is not available here ({reason})",
+    )
     with pytest.raises(ValueError) as e:
         ta.verify_tree_attention(startup_config())
     assert str(e.value) == (
@@ -761,6 +933,112 @@ def test_verify_split_needs_fa3_here(monkeypatch):
         "VLLM_DDTREE_TREE_ATTENTION (the unified Triton kernel runs everywhere)."
     )
     assert "\n" not in str(e.value)
+
+
+def test_sinks_only_known_once_the_layers_are_built(monkeypatch):
+    """An fp16 target with sinks passes the config-time check (its config
+    does not show them) and is caught once its layers exist: unified by
+    default, refused with an explicit split."""
+    fa3_available(monkeypatch)
+    config = startup_config(torch.float16)
+    set_mode(monkeypatch, "split")
+    ta.verify_tree_attention(config)
+    config.compilation_config.static_forward_context[SINKS_LAYER] = sinks_layer(
+        torch.float16
+    )
+    with pytest.raises(ValueError, match="bfloat16 only, got float16 sinks"):
+        ta.verify_tree_attention_layers(config)
+    set_mode(monkeypatch, None)
+    assert ta.tree_attention_mode(config) == "unified"
+    args = (8, 2, 128, 16, torch.float16, torch.device("cpu"))
+    builder_config = fake_vllm_config(dtype=torch.float16)
+    builder_config.compilation_config.static_forward_context = (
+        config.compilation_config.static_forward_context
+    )
+    assert ta.SplitTreeAttention.for_builder(builder_config, *args) is None
+    del builder_config.compilation_config.static_forward_context[SINKS_LAYER]
+    assert ta.SplitTreeAttention.for_builder(builder_config, *args) is not None
+
+
+@pytest.mark.parametrize(
+    "mode, config, fa3, expected",
+    [
+        (
+            None,
+            startup_config(),
+            None,
+            "DDTree: split tree attention (VLLM_DDTREE_TREE_ATTENTION=auto): "
+            "FlashAttention 3 over each request's prefix + a Triton kernel over "
+            "its tree, merged by LSE, in batches whose requests have at most 1 "
+            "+ tree_budget query tokens each; a batch with a longer request (a "
+            "prefill chunk) runs the unified Triton kernel with the same mask.",
+        ),
+        (
+            None,
+            startup_config(torch.float16, sinks=torch.float16),
+            None,
+            "DDTree: unified tree attention (VLLM_DDTREE_TREE_ATTENTION=auto): "
+            "the Triton unified attention kernel with a per-request tree mask; "
+            f"split needs FlashAttention 3, {SINKS_REASON}.",
+        ),
+        (
+            "auto",
+            startup_config(),
+            NO_FA3,
+            "DDTree: unified tree attention (VLLM_DDTREE_TREE_ATTENTION=auto): "
+            "the Triton unified attention kernel with a per-request tree mask; "
+            f"split needs FlashAttention 3, which is not available here ({NO_FA3}).",
+        ),
+        (
+            "unified",
+            startup_config(),
+            None,
+            "DDTree: unified tree attention (VLLM_DDTREE_TREE_ATTENTION=unified): "
+            "the Triton unified attention kernel with a per-request tree mask.",
+        ),
+        (
+            "split",
+            startup_config(),
+            None,
+            "DDTree: split tree attention (VLLM_DDTREE_TREE_ATTENTION=split): "
+            "FlashAttention 3 over each request's prefix + a Triton kernel over "
+            "its tree, merged by LSE, in batches whose requests have at most 1 "
+            "+ tree_budget query tokens each; a batch with a longer request (a "
+            "prefill chunk) runs the unified Triton kernel with the same mask.",
+        ),
+    ],
+)
+def test_the_mode_in_use_is_logged_once_the_layers_are_built(
+    monkeypatch, mode, config, fa3, expected
+):
+    """One INFO line, whatever the mode: never a silent fallback."""
+    set_mode(monkeypatch, mode)
+    fa3_available(monkeypatch, fa3)
+    lines = []
+    monkeypatch.setattr(
+        ta,
+        "logger",
+        SimpleNamespace(info_once=lambda msg, *args: lines.append(msg % args)),
+    )
+    ta.verify_tree_attention_layers(config)
+    assert lines == [expected]
+
+
+def test_readme_shows_the_logged_line(monkeypatch):
+    """The README's example of the startup line is the code's."""
+    from pathlib import Path
+
+    set_mode(monkeypatch, None)
+    fa3_available(monkeypatch)
+    lines = []
+    monkeypatch.setattr(
+        ta,
+        "logger",
+        SimpleNamespace(info_once=lambda msg, *args: lines.append(msg % args)),
+    )
+    ta.verify_tree_attention_layers(startup_config(torch.float32))
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert len(lines) == 1 and f"\n    {lines[0]}\n" in readme, lines
 
 
 # ----------------------------------------------------------------------------

@@ -27,8 +27,9 @@ That is what the unified Triton kernel computes with the same mask, for any
 request: (b) covers any number of query tokens (a prefill chunk's causal
 attention over its own tokens), and the mask covers the first ``T`` query
 rows and keys only, as in the unified kernel. The TRITON_ATTN backend takes
-the split when DDTree runs with ``VLLM_DDTREE_TREE_ATTENTION=split`` and
-every request of the batch has at most ``T`` query tokens (decode and tree
+the split when DDTree runs it (``VLLM_DDTREE_TREE_ATTENTION``: ``split``, or
+``auto``, the default, where FA3 takes the target: `resolve_tree_attention`)
+and every request of the batch has at most ``T`` query tokens (decode and tree
 verification steps: the batches the decode CUDA graphs capture); a batch
 with a longer request (a prefill chunk) runs the unified kernel. The rule is
 only about speed: a graph captured on the split path stays exact whatever
@@ -63,24 +64,45 @@ logger = init_logger(__name__)
 
 # ``VLLM_DDTREE_TREE_ATTENTION``: how the target's attention applies the tree
 # mask. ``unified``: the patched Triton unified attention kernel, the mask as
-# its per-request ``qq_bias``; ``split``: FA3 over the prefix + `tree_attention`.
+# its per-request ``qq_bias``; ``split``: FA3 over the prefix + `tree_attention`;
+# ``auto`` (the default): ``split`` where FA3 takes the target, else ``unified``.
+# ``auto`` is a value of its own, as VLLM_DDTREE_BACKEND's, so that a script can
+# set the default explicitly.
 TREE_ATTENTION_ENV = "VLLM_DDTREE_TREE_ATTENTION"
-TREE_ATTENTION_MODES = ("unified", "split")
+TREE_ATTENTION_MODES = ("auto", "unified", "split")
 # What FA3 takes (vllm_flash_attn's Hopper kernels): 16-bit queries and KV
-# caches of the same dtype, head sizes that are multiples of 8 up to 256.
+# caches of the same dtype, head sizes that are multiples of 8 up to 256,
+# attention sinks (``s_aux``) in bfloat16.
 SPLIT_DTYPES = (torch.float16, torch.bfloat16)
 SPLIT_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 SPLIT_MAX_HEAD_SIZE = 256
+SPLIT_SINKS_DTYPE = torch.bfloat16
+# The remedy of a refused split: the default then resolves to unified.
+_UNSET = f"unset {TREE_ATTENTION_ENV}"
 
 
-def tree_attention_mode() -> str:
-    """The configured mode; a bad value is refused at startup
-    (`verify_tree_attention`)."""
-    mode = os.environ.get(TREE_ATTENTION_ENV, "unified")
+@dataclass(frozen=True)
+class TreeAttentionChoice:
+    """The tree attention an engine runs (`resolve_tree_attention`)."""
+
+    # "unified" or "split".
+    mode: str
+    # The value of VLLM_DDTREE_TREE_ATTENTION: "auto" (also when unset),
+    # "unified" or "split".
+    requested: str
+    # Under "auto" resolved to "unified": the first condition of the split the
+    # engine fails ("which takes ..., got ..."); None otherwise.
+    reason: str | None = None
+
+
+def requested_tree_attention() -> str:
+    """The value of ``VLLM_DDTREE_TREE_ATTENTION`` ("auto" when unset); any
+    other value is a one-line ``ValueError``."""
+    mode = os.environ.get(TREE_ATTENTION_ENV, "auto")
     if mode not in TREE_ATTENTION_MODES:
         raise ValueError(
             f"DDTree: {TREE_ATTENTION_ENV}={mode!r} is not a tree attention "
-            "mode; set it to 'unified' or 'split', or unset it."
+            "mode; set it to 'auto', 'unified' or 'split', or unset it."
         )
     return mode
 
@@ -104,54 +126,145 @@ def _fa3_unsupported_reason() -> str | None:
     return fa_version_unsupported_reason(3)
 
 
-def verify_tree_attention(vllm_config: "VllmConfig") -> None:
-    """Startup check of ``VLLM_DDTREE_TREE_ATTENTION`` (one-line
-    ``ValueError``s): a known mode, and for ``split`` a target that FA3 takes,
-    on a machine where FA3 runs. Nothing falls back: a split that cannot run
-    is refused."""
-    if tree_attention_mode() != "split":
-        return
-    needs = f"DDTree: {TREE_ATTENTION_ENV}=split needs FlashAttention 3"
-    unset = f"unset {TREE_ATTENTION_ENV}"
-    model_config = vllm_config.model_config
+def _sinks_unsupported(
+    vllm_config: "VllmConfig", model_dtype: torch.dtype | None
+) -> tuple[str, str] | None:
+    """Attention sinks FA3 cannot take, on the layers built so far (none at
+    config time: a model creates its sinks in code, its config does not say).
+    Every attention layer counts, the drafter's too (the forward context does
+    not say which model built a layer): a drafter's batches carry no tree mask
+    and never take the split, so counting its layers can cost the split's
+    speed, never exactness."""
+    compilation_config = getattr(vllm_config, "compilation_config", None)
+    layers = getattr(compilation_config, "static_forward_context", None) or {}
+    for name, layer in layers.items():
+        sinks = getattr(getattr(layer, "impl", None), "sinks", None)
+        if sinks is not None and sinks.dtype != SPLIT_SINKS_DTYPE:
+            dtype = str(sinks.dtype).removeprefix("torch.")
+            # Sinks held in the model's dtype follow --dtype.
+            remedy = _UNSET
+            if sinks.dtype == model_dtype:
+                remedy = f"pass --dtype bfloat16 or {_UNSET}"
+            return (
+                "which takes attention sinks in bfloat16 only, got "
+                f"{dtype} sinks on layer {name}",
+                remedy,
+            )
+    return None
+
+
+def split_unsupported(vllm_config: "VllmConfig") -> tuple[str, str] | None:
+    """The first condition of the split that this engine fails, as (why:
+    "which takes ..., got ...", the remedy), or None where the split runs.
+    Deterministic from the config, its layers once built and the machine, so
+    that every process resolves the same."""
+    model_config = getattr(vllm_config, "model_config", None)
     model_dtype = ""
     if model_config is not None:
         model_dtype = str(model_config.dtype).removeprefix("torch.")
         if model_config.dtype not in SPLIT_DTYPES:
-            raise ValueError(
-                f"{needs}, which takes float16 or bfloat16, got dtype="
-                f"{model_dtype}; pass --dtype bfloat16 or {unset}."
+            return (
+                f"which takes float16 or bfloat16, got dtype={model_dtype}",
+                f"pass --dtype bfloat16 or {_UNSET}",
             )
         head_size = model_config.get_head_size()
         if head_size % 8 != 0 or head_size > SPLIT_MAX_HEAD_SIZE:
-            raise ValueError(
-                f"{needs}, which takes head sizes that are multiples of 8 up "
-                f"to {SPLIT_MAX_HEAD_SIZE}, got head_size={head_size}; {unset}."
+            return (
+                "which takes head sizes that are multiples of 8 up to "
+                f"{SPLIT_MAX_HEAD_SIZE}, got head_size={head_size}",
+                _UNSET,
             )
     cache_config = getattr(vllm_config, "cache_config", None)
     cache_dtype = getattr(cache_config, "cache_dtype", "auto")
     if cache_dtype not in SPLIT_KV_CACHE_DTYPES or (
         cache_dtype != "auto" and model_dtype and cache_dtype != model_dtype
     ):
-        raise ValueError(
-            f"{needs}, which reads the KV cache in the model's own dtype, got "
-            f"kv_cache_dtype={cache_dtype!r}; pass --kv-cache-dtype auto or "
-            f"{unset}."
+        return (
+            "which reads the KV cache in the model's own dtype, got "
+            f"kv_cache_dtype={cache_dtype!r}",
+            f"pass --kv-cache-dtype auto or {_UNSET}",
         )
+    sinks = _sinks_unsupported(
+        vllm_config, model_config.dtype if model_config is not None else None
+    )
+    if sinks is not None:
+        return sinks
     reason = _fa3_unsupported_reason()
     if reason is not None:
-        raise ValueError(
-            f"{needs}, which is not available here ({reason}); {unset} (the "
-            "unified Triton kernel runs everywhere)."
+        return (
+            f"which is not available here ({reason})",
+            f"{_UNSET} (the unified Triton kernel runs everywhere)",
         )
-    logger.info(
-        "DDTree: split tree attention (%s=split): FlashAttention 3 over each "
-        "request's prefix + a Triton kernel over its tree, merged by LSE, in "
-        "batches whose requests have at most 1 + tree_budget query tokens "
-        "each; a batch with a longer request (a prefill chunk) runs the "
-        "unified Triton kernel with the same mask.",
-        TREE_ATTENTION_ENV,
-    )
+    return None
+
+
+def resolve_tree_attention(vllm_config: "VllmConfig") -> TreeAttentionChoice:
+    """The tree attention of this engine: ``split`` where every condition of
+    the split holds and ``VLLM_DDTREE_TREE_ATTENTION`` is ``auto`` (or unset)
+    or ``split``, else ``unified``. An explicit ``split`` that cannot run is
+    refused in one line, never replaced by the unified kernel."""
+    requested = requested_tree_attention()
+    if requested == "unified":
+        return TreeAttentionChoice("unified", requested)
+    unsupported = split_unsupported(vllm_config)
+    if unsupported is None:
+        return TreeAttentionChoice("split", requested)
+    reason, remedy = unsupported
+    if requested == "split":
+        raise ValueError(
+            f"DDTree: {TREE_ATTENTION_ENV}=split needs FlashAttention 3, "
+            f"{reason}; {remedy}."
+        )
+    return TreeAttentionChoice("unified", requested, reason)
+
+
+def tree_attention_mode(vllm_config: "VllmConfig") -> str:
+    """``"unified"`` or ``"split"``: the resolved mode (`resolve_tree_attention`)."""
+    return resolve_tree_attention(vllm_config).mode
+
+
+def verify_tree_attention(vllm_config: "VllmConfig") -> None:
+    """Startup check of ``VLLM_DDTREE_TREE_ATTENTION`` on the config (one-line
+    ``ValueError``s): a known value, and for ``split`` a target that FA3
+    takes, on a machine where FA3 runs. ``auto`` and ``unified`` refuse
+    nothing; the mode is resolved, its layers' part checked and its log line
+    written once the layers are built (`verify_tree_attention_layers`)."""
+    if requested_tree_attention() == "split":
+        resolve_tree_attention(vllm_config)
+
+
+def verify_tree_attention_layers(vllm_config: "VllmConfig") -> None:
+    """`verify_tree_attention` again once the target's and the drafter's
+    layers are built (attention sinks are only known on the layers; an
+    explicit ``split`` with sinks FA3 cannot take stops here, in one line),
+    and one startup line with the mode in use: the one every TRITON_ATTN
+    metadata builder of the process resolves (`SplitTreeAttention.for_builder`),
+    from the same config and layers."""
+    choice = resolve_tree_attention(vllm_config)
+    setting = f"{TREE_ATTENTION_ENV}={choice.requested}"
+    if choice.mode == "split":
+        logger.info_once(
+            "DDTree: split tree attention (%s): FlashAttention 3 over each "
+            "request's prefix + a Triton kernel over its tree, merged by LSE, "
+            "in batches whose requests have at most 1 + tree_budget query "
+            "tokens each; a batch with a longer request (a prefill chunk) "
+            "runs the unified Triton kernel with the same mask.",
+            setting,
+        )
+    elif choice.reason is None:
+        logger.info_once(
+            "DDTree: unified tree attention (%s): the Triton unified "
+            "attention kernel with a per-request tree mask.",
+            setting,
+        )
+    else:
+        logger.info_once(
+            "DDTree: unified tree attention (%s): the Triton unified "
+            "attention kernel with a per-request tree mask; split needs "
+            "FlashAttention 3, %s.",
+            setting,
+            choice.reason,
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -637,8 +750,8 @@ class SplitTreeAttentionMetadata:
 
 
 class SplitTreeAttention:
-    """Per TRITON_ATTN metadata builder, under DDTree with
-    ``VLLM_DDTREE_TREE_ATTENTION=split``: the persistent buffers of the
+    """Per TRITON_ATTN metadata builder, under DDTree with the split tree
+    attention (`resolve_tree_attention`): the persistent buffers of the
     prefix pass (prefix lengths; FA3's scheduler metadata when CUDA graphs
     are full), filled each step when the metadata is built, outside any
     graph, as the FLASH_ATTN backend fills its own."""
@@ -698,10 +811,13 @@ class SplitTreeAttention:
         device: torch.device,
     ) -> "SplitTreeAttention | None":
         """The split for a TRITON_ATTN metadata builder, or None (no DDTree,
-        or the unified mode). Startup checked the mode
-        (`verify_tree_attention`)."""
+        or the unified mode). The mode is resolved here from the config and
+        its built layers, as at startup (`verify_tree_attention_layers`, which
+        logged it), so every builder of every process takes the same."""
         spec = vllm_config.speculative_config
-        if spec is None or not spec.use_ddtree() or tree_attention_mode() != "split":
+        if spec is None or not spec.use_ddtree():
+            return None
+        if tree_attention_mode(vllm_config) != "split":
             return None
         return cls(
             vllm_config,

@@ -20,6 +20,7 @@ from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.spec_decode.ddtree.config import verify_ddtree_target_layers
 from vllm.v1.spec_decode.ddtree.tree import build_tree
+from vllm.v1.spec_decode.ddtree.tree_attention import verify_tree_attention_layers
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import (
     DFlashSpeculator,
@@ -108,6 +109,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         # refuse a window, chunk or ALiBi bias its config did not show.
         verify_ddtree_target_layers(self.vllm_config)
         super().load_model(target_model)
+        # Every attention layer is built: the tree attention's sinks check,
+        # and its one startup line.
+        verify_tree_attention_layers(self.vllm_config)
 
     def tree_buffers(self) -> tuple[torch.Tensor, ...]:
         """The persistent buffers DDTree adds to the DFlash drafter's (the
