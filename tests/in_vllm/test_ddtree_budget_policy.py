@@ -4,6 +4,7 @@ verifier counts from its walk, the configuration surface, the planner on
 the worker (step costs, re-planning, the schedule it hands the scheduler),
 the scheduler applying it, and its metrics."""
 
+import functools
 from types import SimpleNamespace
 
 import numpy as np
@@ -72,6 +73,8 @@ def _two_tree_batch():
         cu_num_logits=torch.tensor([0, 1, 6, 11], dtype=torch.int32),
         query_start_loc=torch.tensor([0, 3, 8, 13], dtype=torch.int32),
         seq_lens=torch.tensor([3, 25, 45], dtype=torch.int32),
+        # vLLM 0.33+: the sampler's per-request sequence-length bound.
+        seq_lens_cpu_upper_bound=torch.tensor([3, 25, 45], dtype=torch.int32),
     )
 
 
@@ -472,8 +475,16 @@ def test_scheduler_applies_each_new_version_and_reports_it_once():
         running=[],
         waiting=[],
         skipped_waiting=[],
+        # vLLM 0.33's make_stats counts the queues through get_request_counts
+        # (upstream's, below) and reads these too.
+        kv_holding_waiting=[],
+        deferred_waiting=set(),
+        _kv_fetch_counts={},
         num_spec_tokens=64,
         _dynamic_sd_to_report=[(1, 8, 15, 3.0)],
+    )
+    stats_self.get_request_counts = functools.partial(
+        Scheduler.get_request_counts, stats_self
     )
     stats = Scheduler.make_stats(stats_self)
     spec_stats = stats.spec_decoding_stats
@@ -509,6 +520,7 @@ def test_runner_outputs_and_stats_carry_the_schedule_types():
 # ---------------------------------------------------- CUDA-graph capture
 def test_decode_graphs_are_captured_for_every_measured_budget(monkeypatch):
     from vllm.config import (
+        CacheConfig,
         CompilationConfig,
         CUDAGraphMode,
         ParallelConfig,
@@ -545,6 +557,7 @@ def test_decode_graphs_are_captured_for_every_measured_budget(monkeypatch):
             compilation_config=compilation_config,
             scheduler_config=SchedulerConfig.default_factory(max_num_seqs=64),
             parallel_config=ParallelConfig(),
+            cache_config=CacheConfig(),  # vLLM 0.33 reads its recoverSSM flag
             num_speculative_tokens=64,
             speculative_config=spec,
         )

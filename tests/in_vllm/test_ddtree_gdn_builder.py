@@ -53,13 +53,18 @@ def builder(num_speculative_blocks, cudagraph_mode=CUDAGraphMode.NONE):
         compilation_config=SimpleNamespace(
             cudagraph_mode=cudagraph_mode, max_cudagraph_capture_size=None
         ),
+        # use_eagle_block_drop (vLLM 0.33's prefill checkpoints): DDTree drafts
+        # with DFlash, which keeps the trailing prefix-cache block.
         speculative_config=SimpleNamespace(
-            num_speculative_tokens=B, parallel_drafting=False
+            num_speculative_tokens=B,
+            parallel_drafting=False,
+            use_eagle_block_drop=lambda: False,
         ),
         scheduler_config=SimpleNamespace(max_num_seqs=8),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1),
         cache_config=SimpleNamespace(mamba_cache_mode="none"),
         additional_config={},
+        use_v2_model_runner=True,  # DDTree's runner (read by vLLM 0.33)
         model_config=SimpleNamespace(
             hf_text_config=SimpleNamespace(linear_key_head_dim=K)
         ),

@@ -188,7 +188,7 @@ def test_real_hybrid_config_is_accepted(hybrid_model_config):
 def test_mamba_state_is_sized_for_one_committed_state_under_ddtree(
     hybrid_model_config,
 ):
-    from vllm.config import ParallelConfig
+    from vllm.config import CacheConfig, ParallelConfig
     from vllm.model_executor.layers.mamba.abstract import MambaBase
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
@@ -205,11 +205,7 @@ def test_mamba_state_is_sized_for_one_committed_state_under_ddtree(
             model_config=hybrid_model_config,
             parallel_config=ParallelConfig(),
             speculative_config=spec,
-            cache_config=SimpleNamespace(
-                mamba_block_size=2048,
-                mamba_page_size_padded=None,
-                mamba_cache_mode="none",
-            ),
+            cache_config=CacheConfig(mamba_block_size=2048, mamba_cache_mode="none"),
         )
 
     def conv_columns(spec):
@@ -221,7 +217,9 @@ def test_mamba_state_is_sized_for_one_committed_state_under_ddtree(
     assert conv_columns(ddtree) == 3  # linear_conv_kernel_dim - 1
     assert conv_columns(chain) == 3 + 15
 
-    class FakeMamba:
+    # A MambaBase: upstream's defaults for what the test does not set (vLLM
+    # 0.33's MambaSpec takes the layer's is_kv_cache_tp_replicated).
+    class FakeMamba(MambaBase):
         mamba_type = MambaAttentionBackendEnum.GDN_ATTN
 
         def get_state_shape(self):
@@ -231,7 +229,7 @@ def test_mamba_state_is_sized_for_one_committed_state_under_ddtree(
             return (torch.float32, torch.float32)
 
     def spec_blocks(spec):
-        kv_spec = MambaBase.get_kv_cache_spec(FakeMamba(), vllm_config(spec))
+        kv_spec = FakeMamba().get_kv_cache_spec(vllm_config(spec))
         return kv_spec.num_speculative_blocks
 
     assert spec_blocks(ddtree) == 0
@@ -374,6 +372,9 @@ def test_one_verifier_step_advances_the_gdn_states_along_the_walk(monkeypatch):
             num_scheduled_tokens=np.array([1 + B, 1 + B], dtype=np.int32),
         )
     )
+    # vLLM 0.33+: the sampler's per-request sequence-length bound, a host
+    # tensor.
+    batch.seq_lens_cpu_upper_bound = torch.tensor([35, 13], dtype=torch.int32)
     verifier.prepare_verify(batch)
     assert ctx.num_spec == 2
     assert ctx.tree_rows[:2].tolist() == [2, 0]

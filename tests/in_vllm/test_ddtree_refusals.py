@@ -345,10 +345,62 @@ def test_triton_backend_without_triton_is_refused_at_startup(monkeypatch):
 
 
 # ------------------------------------------------------- KV-cache dtypes
+def _triton_kv_caches(name, dtype, blocks, block_size, heads, head_size):
+    """Two TRITON_ATTN layers' KV caches of kv-cache dtype ``name`` (element
+    type ``dtype``) as the release's runner makes them, logical order
+    (blocks, heads, block_size, row): ``[(layout, [kv0, kv1])]``.
+
+    vLLM 0.26: one contiguous tensor per layer, of the backend's
+    `get_kv_cache_shape`. vLLM 0.33+: per-layer views over one int8
+    allocation (`create_kv_cache_views`), in every `KVCacheLayout` (the
+    backend takes any), pages sized by its `customize_spec`."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+    if hasattr(TritonAttentionBackend, "get_kv_cache_shape"):
+        shape = TritonAttentionBackend.get_kv_cache_shape(
+            blocks, block_size, heads, head_size, name
+        )
+        return [("contiguous", [torch.empty(shape, dtype=dtype) for _ in range(2)])]
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+        create_kv_cache_views,
+        get_kv_quant_mode,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    spec = TritonAttentionBackend.customize_spec(
+        FullAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=heads,
+            head_size=head_size,
+            dtype=dtype,
+            kv_quant_mode=get_kv_quant_mode(name),
+        )
+    )
+    out = []
+    for layout in KVCacheLayout:
+        layer_stride, block_stride, *_ = compute_layout_strides(spec, blocks, 2, layout)
+        size = 2 * blocks * spec.page_size_bytes
+        tensor = KVCacheTensor(
+            size=size,
+            layers=["l0", "l1"],
+            layer_stride=layer_stride,
+            block_stride=block_stride,
+        )
+        raw = torch.zeros(size, dtype=torch.int8)
+        out.append(
+            (layout.name, create_kv_cache_views(raw, spec, blocks, layout, tensor))
+        )
+    return out
+
+
 def test_accepted_kv_cache_dtypes_are_triton_attn_dtypes_the_compactor_moves():
     """Every accepted dtype is one TRITON_ATTN takes, and the compaction
     copies its whole (block, head, slot) row: for the per-token-head dtypes
-    the row holds the inline float32 scales after the quantised data."""
+    the row holds the inline float32 scales after the quantised data. Two
+    layers in one launch, in each layout the release's runner may give them."""
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
     from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import KVCompactor
@@ -363,18 +415,24 @@ def test_accepted_kv_cache_dtypes_are_triton_attn_dtypes_the_compactor_moves():
     src = torch.tensor([[3, 5, 8]])
     dst = torch.tensor([[3, 4, 5]])
     for name in accepted:
-        shape = TritonAttentionBackend.get_kv_cache_shape(
-            blocks, block_size, heads, head_size, name
-        )
         dtype = torch.float32 if name == "auto" else STR_DTYPE_TO_TORCH_DTYPE[name]
-        if name.endswith("_per_token_head"):
-            assert shape[-1] > 2 * head_size  # inline scales
-        kv = (torch.arange(torch.Size(shape).numel()) % 97).to(dtype).view(shape)
-        expected = kv.clone()
-        expected[0, :, 4] = kv[0, :, 5]
-        expected[0, :, 5] = kv[0, :, 8]
-        KVCompactor([kv])(slots, src, dst, torch.tensor([3], dtype=torch.int32))
-        assert torch.equal(kv, expected), name
+        layouts = _triton_kv_caches(name, dtype, blocks, block_size, heads, head_size)
+        for layout, kvs in layouts:
+            shape = kvs[0].shape
+            assert shape[:3] == (blocks, heads, block_size), (name, layout)
+            if name.endswith("_per_token_head"):
+                assert shape[-1] > 2 * head_size  # inline scales
+            expected = []
+            for i, kv in enumerate(kvs):
+                values = (torch.arange(kv.numel()) + 31 * i) % 97
+                kv.copy_(values.to(dtype).view(shape))
+                want = kv.clone()
+                want[0, :, 4] = kv[0, :, 5]
+                want[0, :, 5] = kv[0, :, 8]
+                expected.append(want)
+            KVCompactor(kvs)(slots, src, dst, torch.tensor([3], dtype=torch.int32))
+            for kv, want in zip(kvs, expected):
+                assert torch.equal(kv, want), (name, layout)
 
 
 def test_int4_kernel_takes_no_per_request_bias():

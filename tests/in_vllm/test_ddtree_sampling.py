@@ -4,6 +4,7 @@
 through DDTreeVerifier.sample, logprobs of the emitted tokens, and seeded
 draws keyed by (seed, tree position)."""
 
+import inspect
 from types import SimpleNamespace
 
 import numpy as np
@@ -102,11 +103,9 @@ def _penalties(rep, freq, pres, counts, prompt_mask):
     """The verifier's real TreePenaltiesState (upstream's state and Triton
     penalties kernel underneath) holding these per-state penalties, history
     counts and prompt tokens."""
-    from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import TreePenaltiesState
+    from verifier_fakes import tree_penalties
 
-    state = TreePenaltiesState(
-        SimpleNamespace(max_num_reqs=4, vocab_size=VOCAB, device=torch.device("cpu"))
-    )
+    state = tree_penalties(VOCAB)
     for uva, values in (
         (state.repetition_penalty, rep),
         (state.frequency_penalty, freq),
@@ -133,33 +132,87 @@ def _no_penalties():
     )
 
 
+def _apply_penalties(state, logits, eim, idx_mapping_np, input_ids, local_pos):
+    """``state``'s penalties on ``logits`` in place, through the entry point
+    the release's sampler calls: `apply(logits, LogitsContext)` of a logits
+    processor (vLLM 0.33+) or `apply_penalties` (0.26)."""
+    from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import (
+        PENALTIES_ARE_LOGITS_PROCESSOR,
+    )
+
+    if not PENALTIES_ARE_LOGITS_PROCESSOR:
+        state.apply_penalties(logits, eim, idx_mapping_np, input_ids, local_pos)
+        return
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
+
+    ctx = LogitsContext(
+        expanded_idx_mapping=eim,
+        idx_mapping=torch.from_numpy(idx_mapping_np),
+        idx_mapping_np=idx_mapping_np,
+        expanded_local_pos=local_pos,
+        input_ids=input_ids,
+        pos=torch.zeros_like(local_pos),  # not read by the penalties
+        seq_lens_upper_bound_np=np.zeros_like(idx_mapping_np),  # nor this
+    )
+    assert state.apply(logits, ctx) is logits
+
+
+def _sample_arguments(logits, batch, pos, input_ids):
+    """Positional arguments of upstream's `Sampler.sample` for ``batch``, in
+    the release's order (vLLM 0.33 adds idx_mapping and the host
+    sequence-length bound)."""
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    values = dict(
+        logits=logits,
+        expanded_idx_mapping=batch.expanded_idx_mapping,
+        idx_mapping=batch.idx_mapping,
+        idx_mapping_np=batch.idx_mapping_np,
+        pos=pos,
+        input_ids=input_ids,
+        expanded_local_pos=batch.expanded_local_pos,
+        seq_lens_upper_bound_np=batch.seq_lens_cpu_upper_bound.numpy(),
+    )
+    names = list(inspect.signature(Sampler.sample).parameters)[1:]
+    return [values[name] for name in names if name != "return_logprobs"]
+
+
 class _FakeSampler:
     """Greedy after the real penalties state: records the processed logits
-    (the logprobs test swaps compute_topk_scores for a torch twin)."""
+    (the logprobs test swaps compute_topk_scores for a torch twin). Its
+    logprobs queries and `sample`'s arguments are upstream's `Sampler`'s."""
 
     def __init__(self, penalties, logprobs=False):
+        from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+
         self.penalties_state = penalties
-        self.logprobs = logprobs
         self.logprobs_mode = "processed_logprobs"
-        self.sampling_states = SimpleNamespace(max_num_logprobs=lambda _: 2)
+        num_logprobs = 2 if logprobs else NO_LOGPROBS
+        self.sampling_states = SimpleNamespace(max_num_logprobs=lambda _: num_logprobs)
         self.logprob_token_ids_state = SimpleNamespace(max_num_token_ids=lambda _: 0)
 
-    def returns_logprobs(self, idx_mapping_np):
-        return self.logprobs
+    def returns_logprobs(self, idx_mapping_np):  # vLLM 0.26
+        from vllm.v1.worker.gpu.sample.sampler import Sampler
 
-    def sample(
-        self,
-        logits,
-        eim,
-        idx_mapping_np,
-        pos,
-        input_ids,
-        local_pos,
-        return_logprobs=False,
-    ):
-        logits = logits.clone()
-        self.penalties_state.apply_penalties(
-            logits, eim, idx_mapping_np, input_ids, local_pos
+        return Sampler.returns_logprobs(self, idx_mapping_np)
+
+    def get_logprobs_dims(self, idx_mapping_np):  # vLLM 0.33+
+        from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+        return Sampler.get_logprobs_dims(self, idx_mapping_np)
+
+    def sample(self, *args, **kwargs):
+        from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+        arg = inspect.signature(Sampler.sample).bind(self, *args, **kwargs).arguments
+        logits = arg["logits"].clone()
+        _apply_penalties(
+            self.penalties_state,
+            logits,
+            arg["expanded_idx_mapping"],
+            arg["idx_mapping_np"],
+            arg["input_ids"],
+            arg["expanded_local_pos"],
         )
         self.processed = logits.clone()
         return logits.argmax(dim=-1), logits
@@ -218,7 +271,8 @@ def test_verifier_penalties_count_each_nodes_ancestor_path():
     # Outside a tree step the state is upstream's: chain penalties.
     state = sampler.penalties_state
     plain = logits.clone()
-    state.apply_penalties(
+    _apply_penalties(
+        state,
         plain,
         torch.tensor([2] * 6, dtype=torch.int32),
         np.array([2]),
@@ -297,7 +351,7 @@ def _real_sampler(seeds):
         vocab_size=VOCAB,
         device=device,
     )
-    sampler = Sampler(
+    kwargs = dict(
         max_num_reqs=4,
         vocab_size=VOCAB,
         device=device,
@@ -305,11 +359,21 @@ def _real_sampler(seeds):
         num_speculative_tokens=B + 1,
         use_fp64_gumbel=True,
     )
+    if "vllm_config" in inspect.signature(Sampler).parameters:
+        # vLLM 0.33+: the sampler reads the reasoning config (none here).
+        kwargs["vllm_config"] = SimpleNamespace(reasoning_config=None)
+    sampler = Sampler(**kwargs)
     sampler.use_flashinfer = False
     verifier = _verifier()
     verifier.bind_sampler(sampler)
+    # vLLM 0.26: add_request(req_idx, prompt_len, params); 0.33: no prompt_len.
+    takes_prompt_len = "prompt_len" in inspect.signature(sampler.add_request).parameters
     for state, seed in seeds.items():
-        sampler.add_request(state, 3, SamplingParams(temperature=1.0, seed=seed))
+        params = SamplingParams(temperature=1.0, seed=seed)
+        if takes_prompt_len:
+            sampler.add_request(state, 3, params)
+        else:
+            sampler.add_request(state, params)
     sampler.apply_staged_writes()
     return verifier, sampler
 
@@ -323,10 +387,9 @@ def _seeded_run(seed, monkeypatch):
     seen = {}
     real_sample = sampler.sample
 
-    def recording_sample(logits, eim, idx_mapping_np, pos, *args, **kwargs):
-        sampled, processed = real_sample(
-            logits, eim, idx_mapping_np, pos, *args, **kwargs
-        )
+    def recording_sample(*args, **kwargs):
+        sampled, processed = real_sample(*args, **kwargs)
+        pos = inspect.signature(real_sample).bind(*args, **kwargs).arguments["pos"]
         seen.update(pos=pos.clone(), draws=sampled.clone())
         return sampled, processed
 
@@ -346,12 +409,12 @@ def test_seeded_draws_are_keyed_by_tree_position_and_reproducible(monkeypatch):
     assert draws[2] == draws[3] and draws[4] == draws[5]
     # The same draws as the sampler's own call at those positions.
     again, _ = real_sample(
-        torch.zeros(6, VOCAB),
-        batch.expanded_idx_mapping,
-        batch.idx_mapping_np,
-        torch.tensor(pos),
-        batch.input_ids[batch.logits_indices],
-        batch.expanded_local_pos,
+        *_sample_arguments(
+            torch.zeros(6, VOCAB),
+            batch,
+            torch.tensor(pos),
+            batch.input_ids[batch.logits_indices],
+        )
     )
     assert again.tolist() == draws
     # The emitted tokens follow the draws from the root.

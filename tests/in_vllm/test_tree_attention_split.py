@@ -29,6 +29,7 @@ at the Qwen3-8B and Qwen3.6-27B attention shapes, and under CUDA-graph
 replay with new trees and longer contexts.
 """
 
+import dataclasses
 import os
 from types import SimpleNamespace
 
@@ -497,6 +498,15 @@ def triton_metadata(batch, tree_split):
     device = batch["query"].device
     hs_pad = 1 << (head_size - 1).bit_length()
     segm_max = torch.empty(num_tokens, num_heads, 4, device=device)
+    # Cascade attention off: vLLM 0.26's metadata has its fields, 0.33's none.
+    fields = {f.name for f in dataclasses.fields(TritonAttentionMetadata)}
+    cascade = dict(
+        use_cascade=False,
+        common_prefix_len=0,
+        cu_prefix_query_lens=None,
+        prefix_kv_lens=None,
+        suffix_kv_lens=None,
+    )
     return TritonAttentionMetadata(
         num_actual_tokens=num_tokens,
         max_query_len=max(batch["query_lens"]),
@@ -513,13 +523,9 @@ def triton_metadata(batch, tree_split):
         softmax_segm_max=segm_max,
         softmax_segm_expsum=torch.empty_like(segm_max),
         causal=True,
-        use_cascade=False,
-        common_prefix_len=0,
-        cu_prefix_query_lens=None,
-        prefix_kv_lens=None,
-        suffix_kv_lens=None,
         tree_attn_bias=batch["tree_mask"],
         tree_split=tree_split,
+        **{name: value for name, value in cascade.items() if name in fields},
     )
 
 

@@ -59,15 +59,66 @@ SCRIPT = textwrap.dedent(
          "NUM_GROUPS": "i32", "K": C, "GROUP": C, "BLOCK": C},
         {"K": 64, "GROUP": 1024, "BLOCK": 1024},
     )
+    # The threshold filter (`_vocab_threshold_plan` at V = 151936, K = 64:
+    # 1024-token sub-blocks, 149 of them, room for 256 keys) and the
+    # tournament's kernels for the rows that overflow it.
     compile_kernel(
-        tt._vocab_merge_kernel,
-        {"part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "cand_ptr": "*i64",
-         "token_lp_ptr": "*fp32", "token_ids_ptr": "*i64", "lse_ptr": "*fp32",
-         "NC": "i32", "NCAND": "i32", "K": C, "NC_BLOCK": C, "CAND_BLOCK": C,
-         "IS_LOGPROBS": C, "HAS_LSE": C},
-        {"K": 64, "NC_BLOCK": 256, "CAND_BLOCK": 1024, "IS_LOGPROBS": False,
-         "HAS_LSE": False},
+        tt._vocab_stats_kernel,
+        {"logits_ptr": "*bf16", "part_max_ptr": "*fp32",
+         "part_sum_ptr": "*fp32", "cand_ptr": "*i64", "submax_ptr": "*i64",
+         "V": "i32", "stride": "i32", "NC": "i32", "NSUB": "i32",
+         "no_store": "i32", "K": C, "CHUNK": C, "SUB": C, "IS_LOGPROBS": C,
+         "COMPUTE_LSE": C},
+        {"K": 64, "CHUNK": 1024, "SUB": 1024, "IS_LOGPROBS": False,
+         "COMPUTE_LSE": True},
     )
+    compile_kernel(
+        tt._vocab_threshold_kernel,
+        {"submax_ptr": "*i64", "thresh_ptr": "*i64", "blocks_ptr": "*i32",
+         "count_ptr": "*i32", "num_over_ptr": "*i32", "NSUB": "i32",
+         "K": C, "SUB": C, "MP": C, "TOP": C},
+        {"K": 64, "SUB": 1024, "MP": 256, "TOP": 64 if tt.HAS_TOPK else 256},
+    )
+    compile_kernel(
+        tt._vocab_filter_kernel,
+        {"logits_ptr": "*bf16", "thresh_ptr": "*i64", "blocks_ptr": "*i32",
+         "count_ptr": "*i32", "small_ptr": "*i64", "num_over_ptr": "*i32",
+         "over_rows_ptr": "*i32", "V": "i32", "stride": "i32", "K": C,
+         "SUB": C, "G": C, "CAP": C, "IS_LOGPROBS": C},
+        {"K": 64, "SUB": 1024, "G": 2, "CAP": 256, "IS_LOGPROBS": False},
+    )
+    compile_kernel(
+        tt._fallback_chunk_kernel,
+        {"logits_ptr": "*bf16", "cand_ptr": "*i64", "num_over_ptr": "*i32",
+         "over_rows_ptr": "*i32", "V": "i32", "stride": "i32", "NC": "i32",
+         "K": C, "CHUNK": C, "IS_LOGPROBS": C, "KEY16": C},
+        {"K": 64, "CHUNK": 1024, "IS_LOGPROBS": False, "KEY16": True},
+    )
+    compile_kernel(
+        tt._fallback_merge_kernel,
+        {"cand_ptr": "*i64", "out_ptr": "*i64", "num_over_ptr": "*i32",
+         "over_rows_ptr": "*i32", "NCAND": "i32", "NUM_GROUPS": "i32",
+         "K": C, "GROUP": C, "BLOCK": C},
+        {"K": 64, "GROUP": 1024, "BLOCK": 1024},
+    )
+    # Every parameter in the signature (Triton 3.8 refuses a kernel whose
+    # signature leaves parameters out), with the pointers `_triton_vocab`
+    # passes: without the filter, the candidates stand in for its buffers.
+    for threshold in (False, True):
+        compile_kernel(
+            tt._vocab_merge_kernel,
+            {"part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+             "cand_ptr": "*i64", "token_lp_ptr": "*fp32",
+             "token_ids_ptr": "*i64", "lse_ptr": "*fp32", "small_ptr": "*i64",
+             "count_ptr": "*i32" if threshold else "*i64", "NC": "i32",
+             "NCAND": "i32", "K": C, "NC_BLOCK": C, "CAND_BLOCK": C,
+             "IS_LOGPROBS": C, "HAS_LSE": C, "THRESHOLD": C, "CAP": C,
+             "CAP_TOP": C},
+            {"K": 64, "NC_BLOCK": 256, "CAND_BLOCK": 1024,
+             "IS_LOGPROBS": False, "HAS_LSE": False, "THRESHOLD": threshold,
+             "CAP": 256 if threshold else 1,
+             "CAP_TOP": (64 if tt.HAS_TOPK else 256) if threshold else 1},
+        )
     tree_sig = {name: "*i64" for name in (
         "top_tokens_ptr", "col_depth_ptr", "col_cand_offset_ptr",
         "cand_token_slot_ptr", "cand_parent_col_ptr", "col_position_ptr",
