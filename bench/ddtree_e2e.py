@@ -452,11 +452,19 @@ def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> dict:
             k: round(v / steps, 1)
             for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]
         },
-        # Host side: where the step's CPU time goes (self time per op).
+        # Host side: where the step's CPU time goes (self time per op), and
+        # how often each op runs per step (an op called once per layer
+        # means that layer's part runs outside the CUDA graphs).
         top_cpu_ops_us_per_step={
             e.key[:60]: round(e.self_cpu_time_total / steps, 1)
             for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[
                 :15
+            ]
+        },
+        top_cpu_ops_calls_per_step={
+            e.key[:60]: round(e.count / steps, 1)
+            for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[
+                :25
             ]
         },
     )

@@ -294,7 +294,7 @@ SCRIPT = textwrap.dedent(
         )
     chunk_sig = {n: t for n, t in gdn_sig.items()
                  if n not in ("final_state_idx_ptr", "target_ptr")}
-    for num_nodes in (16, 64):
+    for num_nodes in (16,):
         compile_kernel(
             tg._tree_gdn_chunk_kernel, dict(chunk_sig, **{n: C for n in (
                 "H", "HV", "K", "V", "BK", "BV", "BN", "MAX_PATH",

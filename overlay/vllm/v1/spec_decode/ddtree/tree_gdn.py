@@ -41,10 +41,12 @@ from vllm.triton_utils import tl, triton
 
 
 # Trees up to this many verify rows (root included, rounded up to a power of
-# two) take the chunked kernel; its per-program node matrices live in
-# registers, so larger trees (small batches under the default budget
-# policies) replay each node's path instead.
-CHUNK_MAX_NODES = 64
+# two) take the chunked kernel: the 16-row trees of batches of several
+# requests, where it costs a third of the path replay (H200, the 27B
+# shape). Its row-by-row substitution over register matrices is slower than
+# the replay from 32 rows on, so larger trees (small batches under the
+# default budget policies) replay each node's path instead.
+CHUNK_MAX_NODES = 16
 
 
 @triton.jit
