@@ -39,7 +39,6 @@ import torch
 
 from vllm.triton_utils import tl, triton
 
-
 # Trees up to this many verify rows (root included, rounded up to a power of
 # two) take the chunked kernel: the 16-row trees of batches of several
 # requests, where it costs a third of the path replay (H200, the 27B
