@@ -44,6 +44,7 @@ def _measured_verifier(max_reqs=4, max_tokens=64, **spec_fields):
         scheduler_config=SimpleNamespace(
             max_num_seqs=max_reqs, max_num_batched_tokens=max_tokens
         ),
+        max_concurrent_batches=2,
     )
     return DDTreeVerifier(cfg, torch.device("cpu"))
 

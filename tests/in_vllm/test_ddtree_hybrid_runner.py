@@ -425,6 +425,7 @@ def test_verifier_sizes_the_gdn_buffers_from_the_hybrid_config(
         parallel_config=ParallelConfig(),
         speculative_config=spec,
         scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=256),
+        max_concurrent_batches=2,
     )
     verifier = DDTreeVerifier(cfg, torch.device(DEVICE))
     gdn = verifier.gdn

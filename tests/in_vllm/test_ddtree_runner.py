@@ -649,6 +649,7 @@ def _memory_verifier(monkeypatch, max_reqs, budget, max_tokens, speculator):
         scheduler_config=SimpleNamespace(
             max_num_seqs=max_reqs, max_num_batched_tokens=max_tokens
         ),
+        max_concurrent_batches=2,
     )
     verifier = verifier_module.DDTreeVerifier(cfg, torch.device("cpu"), speculator)
     return verifier, recorder.lines
@@ -658,19 +659,21 @@ def _memory_verifier(monkeypatch, max_reqs, budget, max_tokens, speculator):
 MEMORY_LINES = {
     (1024, 64): (
         "DDTree: extra GPU memory for max_num_seqs=1024, tree_budget=64: "
-        "4.3 MiB = tree attention bias 0.8 MiB (1024 x 65 nodes x 3 int32 "
-        "words, 1 bit per node pair) + tree/walk/compaction buffers 3.5 MiB "
+        "4.6 MiB = tree attention bias 0.8 MiB (1024 x 65 nodes x 3 int32 "
+        "words, 1 bit per node pair) + tree/walk/compaction buffers 3.8 MiB "
         "(parents, depths and valid flags of 1024 x 64 nodes per request and "
-        "per batch row; the walk's paths and scratch; tree positions of "
-        "max_num_batched_tokens=8192 logits rows)."
+        "per batch row; the walk's paths and scratch, its tokens and counts "
+        "for 2 steps in flight; tree positions of max_num_batched_tokens=8192 "
+        "logits rows)."
     ),
     (1024, 256): (
         "DDTree: extra GPU memory for max_num_seqs=1024, tree_budget=256: "
-        "22.0 MiB = tree attention bias 9.0 MiB (1024 x 257 nodes x 9 int32 "
-        "words, 1 bit per node pair) + tree/walk/compaction buffers 12.9 MiB "
+        "22.2 MiB = tree attention bias 9.0 MiB (1024 x 257 nodes x 9 int32 "
+        "words, 1 bit per node pair) + tree/walk/compaction buffers 13.2 MiB "
         "(parents, depths and valid flags of 1024 x 256 nodes per request and "
-        "per batch row; the walk's paths and scratch; tree positions of "
-        "max_num_batched_tokens=8192 logits rows)."
+        "per batch row; the walk's paths and scratch, its tokens and counts "
+        "for 2 steps in flight; tree positions of max_num_batched_tokens=8192 "
+        "logits rows)."
     ),
 }
 

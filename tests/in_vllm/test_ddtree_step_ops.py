@@ -218,44 +218,94 @@ class FixedSampler(ArgmaxSampler):
         return self.tokens, logits
 
 
+# Every tree accepts root -> 1 -> 4 (the target says 11 at the root, 14 at
+# node 1, then 9), or root -> 2 (12 at the root, then 7 at node 2).
+DRAWS_1_4 = [11, 14, 30, 30, 9]
+DRAWS_2 = [12, 30, 7, 30, 30]
+
+
+def sample_step(step, draws):
+    """sample() of ``step`` with the target's draws ``draws`` for every tree
+    (the prefill row draws 5), counted."""
+    sampler = FixedSampler(torch.tensor([5] + draws * len(step.tree_states)))
+    logits = torch.zeros(len(step.logits_indices), 32)
+    prefill_len = torch.tensor([3, 3, 10, 0], dtype=torch.int32)
+    with count_dispatch() as counts:
+        out = step.verifier.sample(
+            sampler, logits, step.batch, step.draft_tokens, prefill_len
+        )
+    return out, counts
+
+
 @pytest.mark.parametrize("tree_states", [[2], [2, 0, 3]])
-def test_sample_allocates_only_what_leaves_the_step(tree_states):
+def test_sample_allocates_nothing(tree_states):
     """sample() around the sampler: the walk (its path and scratch in
-    persistent buffers) and upstream's num_sampled / num_rejected kernel;
-    it allocates only the emitted tokens and the two counts the runner
-    copies to the host, and runs no other operator."""
+    persistent buffers) and upstream's num_sampled / num_rejected kernel.
+    The emitted tokens and both counts, which the runner copies to the host,
+    are views of the walk buffers' output slots too: nothing is allocated,
+    and no other operator runs."""
     from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import (
         SAMPLE_TAKES_IDX_MAPPING,
     )
 
     step = Step(tree_states)
-    verifier, batch = step.verifier, step.batch
-    verifier.prepare_verify(batch)
-    num_logits = len(step.logits_indices)
-    # Every tree accepts root -> 1 -> 4 (the target says 11 at the root,
-    # 14 at node 1, then 9); the prefill row draws 5.
-    draws = [5] + [11, 14, 30, 30, 9] * len(tree_states)
-    sampler = FixedSampler(torch.tensor(draws))
-    logits = torch.zeros(num_logits, 32)
-    prefill_len = torch.tensor([3, 3, 10, 0], dtype=torch.int32)
-    with count_dispatch() as counts:
-        out = verifier.sample(sampler, logits, batch, step.draft_tokens, prefill_len)
-    assert out.num_sampled.tolist() == [1] + [3] * len(tree_states)
-    assert out.sampled_token_ids[1:, :3].tolist() == [[11, 14, 9]] * len(tree_states)
-    num_accepted, src_row, _ = verifier._walk
-    assert num_accepted.data_ptr() == verifier.walk_buffers.num_accepted.data_ptr()
-    assert src_row.data_ptr() == verifier.walk_buffers.src_row.data_ptr()
-
+    verifier = step.verifier
+    verifier.prepare_verify(step.batch)
+    out, counts = sample_step(step, DRAWS_1_4)
+    k = len(tree_states)
+    assert out.num_sampled.tolist() == [1] + [3] * k
+    # Prefill row: 1 logit, 1 sampled; trees: 5 logits, 3 sampled.
+    assert out.num_rejected.tolist() == [0] + [2] * k
+    assert out.sampled_token_ids[0].tolist() == [5, -1, -1, -1]
+    assert out.sampled_token_ids[1:].tolist() == [[11, 14, 9, -1]] * k
     assert dict(counts.launches) == {
         "_ddtree_walk_kernel": 1,
         "_get_num_sampled_and_rejected_kernel": 1,
     }
-    # The emitted tokens, num_sampled, and num_rejected (upstream's helper).
-    assert work_ops(counts) == [
-        "aten.empty.memory_format",
-        "aten.empty.memory_format",
-        "aten.empty_like.default",
-    ], counts.ops
+    assert work_ops(counts) == [], counts.ops
     # vLLM 0.33's Sampler.sample takes the batch's host sequence-length bound
     # as an array: one more op, the alias of a host tensor.
     assert len(counts.ops) <= 10 + SAMPLE_TAKES_IDX_MAPPING, counts.ops
+
+    num_accepted, src_row, _ = verifier._walk
+    buffers = verifier.walk_buffers
+    assert num_accepted.data_ptr() == buffers.num_accepted.data_ptr()
+    assert src_row.data_ptr() == buffers.src_row.data_ptr()
+    assert out.sampled_token_ids.data_ptr() == buffers.output_token_ids[0].data_ptr()
+    assert out.num_sampled.data_ptr() == buffers.num_sampled[0].data_ptr()
+    assert out.num_rejected.data_ptr() == buffers.num_rejected[0].data_ptr()
+
+
+@pytest.mark.parametrize("tree_states", [[2], [2, 0, 3]])
+def test_sample_outputs_rotate_through_the_steps_in_flight(tree_states):
+    """The runner copies a step's outputs to the host on its copy stream,
+    which the next step does not wait for: the next step writes the next
+    output slot and leaves this one as it was. With async scheduling
+    (2 steps in flight) the third step reuses the first step's slot."""
+    step = Step(tree_states)
+    verifier = step.verifier
+    assert verifier.num_output_slots == 2
+    k = len(tree_states)
+    verifier.prepare_verify(step.batch)
+    first, _ = sample_step(step, DRAWS_1_4)
+    second, counts = sample_step(step, DRAWS_2)
+    assert work_ops(counts) == [], counts.ops
+    assert second.sampled_token_ids[1:].tolist() == [[12, 7, -1, -1]] * k
+    assert second.num_sampled.tolist() == [1] + [2] * k
+    assert second.num_rejected.tolist() == [0] + [3] * k
+    # The first step's outputs, still in flight, are untouched.
+    assert first.sampled_token_ids[1:].tolist() == [[11, 14, 9, -1]] * k
+    assert first.num_sampled.tolist() == [1] + [3] * k
+    assert first.num_rejected.tolist() == [0] + [2] * k
+    for a, b in [
+        (first.sampled_token_ids, second.sampled_token_ids),
+        (first.num_sampled, second.num_sampled),
+        (first.num_rejected, second.num_rejected),
+    ]:
+        assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+
+    third, _ = sample_step(step, DRAWS_2)
+    assert third.sampled_token_ids.data_ptr() == first.sampled_token_ids.data_ptr()
+    assert third.num_sampled.data_ptr() == first.num_sampled.data_ptr()
+    assert third.num_rejected.data_ptr() == first.num_rejected.data_ptr()
+    assert first.sampled_token_ids[1:].tolist() == [[12, 7, -1, -1]] * k

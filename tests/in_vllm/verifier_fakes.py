@@ -47,6 +47,8 @@ def make_verifier(device="cpu", max_reqs=4, max_tokens=64):
         scheduler_config=SimpleNamespace(
             max_num_seqs=max_reqs, max_num_batched_tokens=max_tokens
         ),
+        # Async scheduling without pipeline parallelism (VllmConfig's).
+        max_concurrent_batches=2,
     )
     return DDTreeVerifier(cfg, torch.device(device))
 

@@ -123,14 +123,27 @@ def _walk_block(budget: int) -> int:
 
 
 class WalkBuffers:
-    """Persistent outputs of `ddtree_walk` that stay on the device for the
-    step (the path the compaction and the GDN commit read) and its scratch,
-    sized for ``max_num_reqs`` batch rows: no allocation per step for them.
-    The emitted tokens and ``num_sampled`` leave the step (the runner copies
-    them to the host asynchronously), so they are allocated per step."""
+    """Persistent buffers of `ddtree_walk`, sized for ``max_num_reqs`` batch
+    rows: no allocation per step.
+
+    The path (read by the compaction and the GDN commit) and the scratch stay
+    on the device for the step: one copy. The emitted tokens and the counts
+    (``num_sampled``, ``num_rejected``) leave the step: the runner copies
+    them to the host on its output copy stream, which no later step waits
+    for, and only the host's wait for that copy (the step's output) orders
+    it. Like upstream's staged host buffers (`UvaBufferPool`), they rotate
+    through ``num_output_slots`` copies, at least the number of steps in
+    flight (``max_concurrent_batches``): the engine schedules a step only
+    with fewer steps than that in flight, so a slot is written again only
+    after the step that last used it has delivered its output."""
 
     def __init__(
-        self, max_num_reqs: int, budget: int, draft_depth: int, device: torch.device
+        self,
+        max_num_reqs: int,
+        budget: int,
+        draft_depth: int,
+        device: torch.device,
+        num_output_slots: int = 1,
     ):
         self.num_accepted = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.src_row = torch.zeros(
@@ -140,9 +153,43 @@ class WalkBuffers:
         self.scratch = torch.zeros(
             max_num_reqs, 2, _walk_block(budget), dtype=torch.int32, device=device
         )
+        assert num_output_slots >= 1
+        self.output_token_ids = [
+            torch.full(
+                (max_num_reqs, draft_depth + 1), -1, dtype=torch.int64, device=device
+            )
+            for _ in range(num_output_slots)
+        ]
+        self.num_sampled = [
+            torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+            for _ in range(num_output_slots)
+        ]
+        self.num_rejected = [torch.zeros_like(n) for n in self.num_sampled]
+        self._output_slot = 0
+
+    def next_outputs(
+        self, num_reqs: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The next slot's ``(output_token_ids [num_reqs, D + 1],
+        num_sampled [num_reqs], num_rejected [num_reqs])``, round robin."""
+        slot = self._output_slot
+        self._output_slot = (slot + 1) % len(self.output_token_ids)
+        return (
+            self.output_token_ids[slot][:num_reqs],
+            self.num_sampled[slot][:num_reqs],
+            self.num_rejected[slot][:num_reqs],
+        )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.num_accepted, self.src_row, self.dst_row, self.scratch)
+        return (
+            self.num_accepted,
+            self.src_row,
+            self.dst_row,
+            self.scratch,
+            *self.output_token_ids,
+            *self.num_sampled,
+            *self.num_rejected,
+        )
 
 
 def ddtree_walk(
@@ -157,23 +204,27 @@ def ddtree_walk(
     draft_depth: int,
     buffers: WalkBuffers | None = None,
     num_sampled: torch.Tensor | None = None,
+    out_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk every request's tree in one launch.
 
     Returns ``(output_token_ids [R, D + 1] (-1 padded), num_accepted [R]
     int32, src_row [R, D + 1], dst_row [R, D + 1])``; rows index the
     flattened verify batch. With ``buffers``, the last three are views of
-    them (and the scratch theirs); ``num_sampled [R]`` int32, if given,
-    gets a copy of ``num_accepted`` (for the runner, which updates it in
-    place).
+    them (and the scratch theirs); ``out_tokens`` [R, D + 1] int64, if
+    given, receives the emitted tokens (else a new tensor does);
+    ``num_sampled [R]`` int32, if given, gets a copy of ``num_accepted``
+    (for the runner, which updates it in place).
     """
     num_reqs = idx_mapping.shape[0]
     budget = parent_idx.shape[1]
     device = target_token_ids.device
     block = _walk_block(budget)
-    out_tokens = torch.empty(
-        num_reqs, draft_depth + 1, dtype=torch.int64, device=device
-    )
+    if out_tokens is None:
+        out_tokens = torch.empty(
+            num_reqs, draft_depth + 1, dtype=torch.int64, device=device
+        )
+    assert out_tokens.shape == (num_reqs, draft_depth + 1)
     if buffers is None:
         num_accepted = torch.empty(num_reqs, dtype=torch.int32, device=device)
         src_row = torch.empty(

@@ -41,7 +41,7 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.worker.gpu.input_batch import (
     InputBatch,
-    get_num_sampled_and_rejected,
+    _get_num_sampled_and_rejected_kernel,
 )
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
@@ -111,9 +111,17 @@ class DDTreeVerifier:
             max_num_tokens, dtype=torch.int32, device=device
         )
         self.node_range = torch.arange(num_nodes, dtype=torch.int64, device=device)
-        # The walk's path (read by compact) and scratch.
+        # The walk's path (read by compact), scratch, and its outputs (the
+        # emitted tokens and counts), one copy per step that may be in flight
+        # while the runner copies them to the host (as upstream's UVA buffer
+        # pools: at least 2; WalkBuffers says why).
+        self.num_output_slots = max(2, vllm_config.max_concurrent_batches)
         self.walk_buffers = WalkBuffers(
-            max_num_reqs, self.tree_budget, self.draft_depth, device
+            max_num_reqs,
+            self.tree_budget,
+            self.draft_depth,
+            device,
+            self.num_output_slots,
         )
 
         # Target attention layers whose KV the accepted path is compacted in,
@@ -163,11 +171,11 @@ class DDTreeVerifier:
         """Bytes of DDTree's persistent device buffers for the target, by
         kind: ``bias`` (the tree attention masks), ``tree`` (per-request and
         per-batch-row trees, the logits rows' position shifts, tree positions
-        and input ids, the node index, the walk's path and scratch, the
-        measured budget policy's counters), ``gdn``
+        and input ids, the node index, the walk's path, scratch and outputs,
+        the measured budget policy's counters), ``gdn``
         (hybrid targets: the Gated DeltaNet verify rows; 0 otherwise).
-        Allocated at startup, before memory profiling; the walk's emitted
-        tokens and counts (per step) come from the caching allocator."""
+        Allocated at startup, before memory profiling (the walk's outputs
+        too: the walk allocates nothing per step)."""
         tree = [
             self.req_parent_idx,
             self.req_depth,
@@ -196,7 +204,8 @@ class DDTreeVerifier:
             "%.1f MiB = tree attention bias %.1f MiB (%d x %d nodes x %d int32 "
             "words, 1 bit per node pair) + tree/walk/compaction buffers %.1f "
             "MiB (parents, depths and valid flags of %d x %d nodes %s; the "
-            "walk's paths and scratch; tree positions of "
+            "walk's paths and scratch, its tokens and counts for %d steps in "
+            "flight; tree positions of "
             "max_num_batched_tokens=%d logits rows)"
         )
         args: list[Any] = [
@@ -211,6 +220,7 @@ class DDTreeVerifier:
             "per request and per batch row"
             if self._drafter_tree_buffers
             else "per request",
+            self.num_output_slots,
             max_num_tokens,
         ]
         if self.gdn is not None:
@@ -425,13 +435,17 @@ class DDTreeVerifier:
         num_reqs = input_batch.num_reqs
         cu_num_logits = input_batch.cu_num_logits[: num_reqs + 1]
         idx_mapping = input_batch.idx_mapping
+        # The step's outputs: the next of the walk buffers' round-robin slots
+        # (the runner copies them to the host after this returns).
+        output_token_ids, num_sampled, num_rejected = self.walk_buffers.next_outputs(
+            num_reqs
+        )
         # One launch: the walk over the scheduled nodes (a request may verify
         # fewer than tree_budget nodes near max_model_len; parents precede
         # children, so those form a prefix-closed subtree), the emitted tokens
         # and the compaction rows (in the persistent walk buffers, read by
         # compact); num_sampled is the runner's copy, updated in place below.
-        num_sampled = torch.empty(num_reqs, dtype=torch.int32, device=self.device)
-        output_token_ids, num_accepted, src_row, dst_row = ddtree_walk(
+        _, num_accepted, src_row, dst_row = ddtree_walk(
             target_flat,
             cu_num_logits,
             idx_mapping,
@@ -443,14 +457,18 @@ class DDTreeVerifier:
             self.draft_depth,
             self.walk_buffers,
             num_sampled,
+            output_token_ids,
         )
         self._walk = (num_accepted, src_row, dst_row)
         if self.budget is not None:
             self.budget.observe_walk(
                 num_accepted, src_row, input_batch.query_start_loc, cu_num_logits
             )
-        num_sampled, num_rejected = get_num_sampled_and_rejected(
+        # Upstream's get_num_sampled_and_rejected: its kernel, into the slot's
+        # num_rejected (the helper allocates one per step).
+        _get_num_sampled_and_rejected_kernel[(num_reqs,)](
             num_sampled,
+            num_rejected,
             input_batch.seq_lens,
             cu_num_logits,
             idx_mapping,
