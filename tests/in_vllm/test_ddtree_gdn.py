@@ -16,6 +16,19 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, HV, K, V = 2, 4, 16, 48  # V > 32: two value blocks, the second masked
 
 
+def _inputs(gen, T, k_scale=1.0):
+    """A GDN layer's verify inputs for T rows."""
+    return dict(
+        A_log=torch.randn(HV, generator=gen) * 0.5,
+        a=torch.randn(T, HV, generator=gen),
+        b=torch.randn(T, HV, generator=gen),
+        dt_bias=torch.randn(HV, generator=gen) * 0.1,
+        q=torch.randn(T, H, K, generator=gen),
+        k=torch.randn(T, H, K, generator=gen) * k_scale,
+        v=torch.randn(T, HV, V, generator=gen),
+    )
+
+
 def _case(seed, budgets, depth, l2norm):
     gen = torch.Generator().manual_seed(seed)
     num_rows = len(budgets)
@@ -30,15 +43,7 @@ def _case(seed, budgets, depth, l2norm):
     qsl = torch.zeros(num_rows + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(counts, 0)
     T = int(qsl[-1])
-    inputs = dict(
-        A_log=torch.randn(HV, generator=gen) * 0.5,
-        a=torch.randn(T, HV, generator=gen),
-        b=torch.randn(T, HV, generator=gen),
-        dt_bias=torch.randn(HV, generator=gen) * 0.1,
-        q=torch.randn(T, H, K, generator=gen),
-        k=torch.randn(T, H, K, generator=gen) * (1.0 if l2norm else 0.3),
-        v=torch.randn(T, HV, V, generator=gen),
-    )
+    inputs = _inputs(gen, T, k_scale=1.0 if l2norm else 0.3)
     state = torch.randn(2 * num_rows + 2, HV, V, K, generator=gen) * 0.1
     state_idx = torch.arange(1, num_rows + 1, dtype=torch.int32)  # slot 0: null
     return tree, idx_mapping, parent, qsl, inputs, state, state_idx
@@ -165,15 +170,7 @@ def test_chunked_tree_gdn_matches_the_sequential_kernel(
     qsl = torch.zeros(num_rows + 2, dtype=torch.int32)
     qsl[1:] = torch.cumsum(counts, 0)
     T = int(qsl[-1])
-    inputs = dict(
-        A_log=torch.randn(HV, generator=gen) * 0.5,
-        a=torch.randn(T, HV, generator=gen),
-        b=torch.randn(T, HV, generator=gen),
-        dt_bias=torch.randn(HV, generator=gen) * 0.1,
-        q=torch.randn(T, H, K, generator=gen),
-        k=torch.randn(T, H, K, generator=gen),
-        v=torch.randn(T, HV, V, generator=gen),
-    )
+    inputs = _inputs(gen, T)
     if strong:
         inputs["A_log"] = torch.full((HV,), -4.0)
         inputs["b"] = torch.full((T, HV), 4.0)

@@ -363,33 +363,19 @@ def tree_gated_delta_rule(
     if num_rows == 0:
         return None if store_final else o
     max_path = draft_depth + 1
+    # Arguments both kernels take, in their order.
+    inputs = (A_log, a.contiguous(), b.contiguous(), dt_bias, q.contiguous())
+    inputs += (k.contiguous(), v.contiguous(), o, state, state.stride(0), state_idx)
+    tree = (query_start_loc, parent_idx, parent_idx.stride(0), idx_mapping)
+    gating = (softplus_beta, softplus_threshold, scale)
+    shape = dict(H=H, HV=HV, K=K, V=V, BK=BK, BV=BV)
     num_nodes = triton.next_power_of_2(max(parent_idx.shape[1] + 1, 16))
     if not store_final and num_nodes <= CHUNK_MAX_NODES:
         _tree_gdn_chunk_kernel[(triton.cdiv(V, BV), num_rows, HV)](
-            A_log,
-            a.contiguous(),
-            b.contiguous(),
-            dt_bias,
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            o,
-            state,
-            state.stride(0),
-            state_idx,
-            query_start_loc,
-            parent_idx,
-            parent_idx.stride(0),
-            idx_mapping,
-            softplus_beta,
-            softplus_threshold,
-            scale,
-            H=H,
-            HV=HV,
-            K=K,
-            V=V,
-            BK=BK,
-            BV=BV,
+            *inputs,
+            *tree,
+            *gating,
+            **shape,
             BN=num_nodes,
             MAX_PATH=max_path,
             USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
@@ -398,34 +384,14 @@ def tree_gated_delta_rule(
         return o
     grid = (triton.cdiv(V, BV), num_rows * num_targets, HV)
     _tree_gdn_kernel[grid](
-        A_log,
-        a.contiguous(),
-        b.contiguous(),
-        dt_bias,
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        o,
-        state,
-        state.stride(0),
-        state_idx,
+        *inputs,
         final_state_idx if final_state_idx is not None else state_idx,
-        query_start_loc,
-        parent_idx,
-        parent_idx.stride(0),
-        idx_mapping,
+        *tree,
         targets if targets is not None else idx_mapping,  # unused without
-        softplus_beta,
-        softplus_threshold,
-        scale,
+        *gating,
         NUM_TARGETS=num_targets,
         HAS_TARGETS=store_final,
-        H=H,
-        HV=HV,
-        K=K,
-        V=V,
-        BK=BK,
-        BV=BV,
+        **shape,
         MAX_PATH=max_path,
         PATH_BLOCK=triton.next_power_of_2(max_path),
         USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
