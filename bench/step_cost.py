@@ -67,6 +67,7 @@ FORWARDED_OPTIONS = (
     "max_model_len",
     "gpu_memory_utilization",
     "stack_dump_s",
+    "host_profile_conc",
 )
 HYBRID_LLM_KWARGS = {
     "enable_prefix_caching": False,
@@ -86,12 +87,13 @@ def engines_for(
     c1_budgets: list[int],
     tree_attention: tuple[str, ...] = ("unified",),
     chain_last: bool = False,
+    v1_chain: bool = True,
 ) -> list[dict]:
     """The engines of one shape: the V2 chain, then per tree-attention mode
     DDTree at the equal budget at every concurrency and at each larger budget
     at concurrency 1, and on the hybrid shape the V1 chain. ``chain_last``
     puts the V2 chain after the DDTree engines (a run cut short then still
-    has DDTree's figures)."""
+    has DDTree's figures); ``v1_chain`` False leaves the V1 chain out."""
     engines = [dict(method="chain", runner="v2", conc=conc)]
     for mode in tree_attention:
         engines.append(
@@ -112,7 +114,7 @@ def engines_for(
     # rows compare with the V2 chain, so a run cut short keeps those first.
     if chain_last:
         engines = engines[1:] + engines[:1]
-    if shape.startswith("hybrid"):
+    if shape.startswith("hybrid") and v1_chain:
         engines.append(dict(method="chain", runner="v1", conc=conc))
     return engines
 
@@ -198,6 +200,52 @@ class StageWatchdog:
             log("\n".join(dump))
 
 
+def host_profile(llm, prompts, sp, conc: int, steps_of, top: int = 40) -> dict:
+    """Decode ``prompts`` ``conc`` at a time under cProfile (the engine runs
+    in this thread): where the host time of a step goes, by Python function.
+    ``steps_of()`` counts engine steps (the draft counter). Per step: the
+    functions' own time (``self_us``), their time with callees (``cum_us``)
+    and their calls; the top ``top`` by each."""
+    import cProfile
+    import pstats
+
+    s0 = steps_of()
+    prof = cProfile.Profile()
+    t = time.time()
+    prof.enable()
+    for i in range(0, len(prompts), conc):
+        llm.generate(prompts[i : i + conc], sp, use_tqdm=False)
+    prof.disable()
+    dt = time.time() - t
+    steps = max(steps_of() - s0, 1.0)
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tt, ct, _)
+
+    def name(key: tuple) -> str:
+        file, line, func = key
+        parts = file.replace("\\", "/").split("/")
+        return f"{'/'.join(parts[-2:])}:{line}:{func}"[-90:]
+
+    def rows(col: int) -> dict:
+        ranked = sorted(stats.items(), key=lambda kv: -kv[1][col])[:top]
+        return {
+            name(k): dict(
+                self_us=round(v[2] * 1e6 / steps, 1),
+                cum_us=round(v[3] * 1e6 / steps, 1),
+                calls=round(v[1] / steps, 2),
+            )
+            for k, v in ranked
+        }
+
+    return dict(
+        conc=conc,
+        prompts=len(prompts),
+        steps=round(steps, 1),
+        wall_ms_per_step=round(dt * 1e3 / steps, 3),
+        by_self=rows(2),
+        by_cum=rows(3),
+    )
+
+
 def run_engine(a) -> None:
     """One in-process engine: a timed decode, then a profiled one, per
     concurrency; one ``ROW {json}`` line each."""
@@ -258,6 +306,7 @@ def run_engine(a) -> None:
     startup_s = round(time.time() - t0, 1)
     stage_done(f"engine up in {startup_s} s")
     vocab = llm.llm_engine.model_config.get_vocab_size()
+    host_conc = [int(c) for c in a.host_profile_conc.split(",") if c]
     n = max(conc) * (a.timed_batches + a.profile_batches + 1)
     prompts = [
         TokensPrompt(prompt_token_ids=p)
@@ -303,6 +352,21 @@ def run_engine(a) -> None:
         ]
         prof = ddtree_e2e.profile_steps(llm, profile_args, tag, profiled, profile_sp, c)
         stage_done("")
+        host = None
+        if c in host_conc:
+            # The profiled prompts again (their prefix is not cached): the
+            # same decode under cProfile instead of the torch profiler.
+            host = host_profile(
+                llm,
+                profiled,
+                profile_sp,
+                c,
+                lambda: ddtree_e2e.spec_metrics(llm)[1] / c,
+            )
+            stage_done(
+                f"c={c}: host profile {host['wall_ms_per_step']} ms/step "
+                f"over {host['steps']} steps"
+            )
         row = dict(
             shape=a.shape,
             method=a.method,
@@ -319,6 +383,8 @@ def run_engine(a) -> None:
             startup_s=startup_s,
             profile=prof,
         )
+        if host is not None:
+            row["host_profile"] = host
         print("ROW " + json.dumps(row), flush=True)
         log(
             f"{tag}: {row['ms_per_step']} ms/step, GPU busy {row['gpu_busy']}, "
@@ -342,6 +408,17 @@ def main(argv: list[str] | None = None) -> None:
         "--chain-last",
         action="store_true",
         help="run the V2 chain after the DDTree engines",
+    )
+    ap.add_argument(
+        "--no-v1-chain",
+        action="store_true",
+        help="leave out the hybrid shape's V1-runner chain",
+    )
+    ap.add_argument(
+        "--host-profile-conc",
+        default="",
+        help="concurrencies at which each engine also decodes the profiled "
+        "batches under cProfile (host time per step by Python function)",
     )
     ap.add_argument("--timed-batches", type=int, default=4)
     ap.add_argument("--profile-batches", type=int, default=2)
@@ -391,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
             c1_budgets,
             tuple(m for m in a.tree_attention.split(",") if m),
             a.chain_last,
+            not a.no_v1_chain,
         )
     ]
     result = dict(

@@ -180,3 +180,45 @@ def test_watchdog_prints_the_stuck_stage_stack(capsys):
         time.sleep(0.5)
     watchdog.stop()
     assert "stage running past" not in capsys.readouterr().err
+
+
+def test_no_v1_chain_leaves_the_hybrid_v1_chain_out():
+    hybrid = step_cost.engines_for("hybrid-27b", [1], 15, [], ("auto",), False, False)
+    assert [(e["method"], e["runner"]) for e in hybrid] == [
+        ("chain", "v2"),
+        ("ddtree", "v2"),
+    ]
+
+
+def _busy_host_work(n: int) -> int:
+    return sum(i * i for i in range(n))
+
+
+def test_host_profile_attributes_time_per_step_to_functions():
+    """cProfile over a fake engine: each generate() runs 4 steps, each step
+    calls the busy function once; per step that function has one call and
+    most of the self time."""
+
+    class FakeLLM:
+        def __init__(self):
+            self.steps = 0
+
+        def generate(self, prompts, sp, use_tqdm=False):
+            for _ in range(4):
+                _busy_host_work(20000)
+                self.steps += len(prompts)
+
+    llm = FakeLLM()
+    prompts = list(range(6))
+    res = step_cost.host_profile(llm, prompts, None, 2, lambda: llm.steps / 2)
+    assert res["steps"] == 12.0
+    assert res["prompts"] == 6 and res["conc"] == 2
+    busy = [k for k in res["by_cum"] if k.endswith(":_busy_host_work")]
+    assert busy, res["by_cum"]
+    entry = res["by_cum"][busy[0]]
+    assert entry["calls"] == 1.0
+    assert entry["cum_us"] > 0
+    assert entry["cum_us"] <= res["wall_ms_per_step"] * 1e3
+    # The generator expression inside it holds the self time.
+    top_self = next(iter(res["by_self"]))
+    assert "test_step_cost.py" in top_self
