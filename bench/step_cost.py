@@ -361,7 +361,7 @@ def run_engine(a) -> None:
                 profiled,
                 profile_sp,
                 c,
-                lambda: ddtree_e2e.spec_metrics(llm)[1] / c,
+                lambda c=c: ddtree_e2e.spec_metrics(llm)[1] / c,
             )
             stage_done(
                 f"c={c}: host profile {host['wall_ms_per_step']} ms/step "
