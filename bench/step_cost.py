@@ -68,6 +68,7 @@ FORWARDED_OPTIONS = (
     "gpu_memory_utilization",
     "stack_dump_s",
     "host_profile_conc",
+    "profile_conc",
 )
 HYBRID_LLM_KWARGS = {
     "enable_prefix_caching": False,
@@ -307,6 +308,9 @@ def run_engine(a) -> None:
     stage_done(f"engine up in {startup_s} s")
     vocab = llm.llm_engine.model_config.get_vocab_size()
     host_conc = [int(c) for c in a.host_profile_conc.split(",") if c]
+    profile_conc = (
+        [int(c) for c in a.profile_conc.split(",") if c] if a.profile_conc else conc
+    )
     n = max(conc) * (a.timed_batches + a.profile_batches + 1)
     prompts = [
         TokensPrompt(prompt_token_ids=p)
@@ -350,8 +354,12 @@ def run_engine(a) -> None:
         profiled = prompts[
             c * a.timed_batches : c * (a.timed_batches + a.profile_batches)
         ]
-        prof = ddtree_e2e.profile_steps(llm, profile_args, tag, profiled, profile_sp, c)
-        stage_done("")
+        prof = None
+        if c in profile_conc:
+            prof = ddtree_e2e.profile_steps(
+                llm, profile_args, tag, profiled, profile_sp, c
+            )
+            stage_done("")
         host = None
         if c in host_conc:
             # The profiled prompts again (their prefix is not cached): the
@@ -378,8 +386,10 @@ def run_engine(a) -> None:
             tok_s=round(toks / dt, 1),
             tau=round(1 + (acc1 - acc0) / (drafts1 - drafts0), 3),
             steps=round(steps, 1),
-            gpu_busy=prof["gpu_busy_share"],
-            profiled_ms_per_step=round(prof["wall_us_per_step"] / 1e3, 3),
+            gpu_busy=prof["gpu_busy_share"] if prof else None,
+            profiled_ms_per_step=round(prof["wall_us_per_step"] / 1e3, 3)
+            if prof
+            else None,
             startup_s=startup_s,
             profile=prof,
         )
@@ -419,6 +429,12 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         help="concurrencies at which each engine also decodes the profiled "
         "batches under cProfile (host time per step by Python function)",
+    )
+    ap.add_argument(
+        "--profile-conc",
+        default="",
+        help="concurrencies profiled under the torch profiler (default: all "
+        "of --conc; the others are timed only)",
     )
     ap.add_argument("--timed-batches", type=int, default=4)
     ap.add_argument("--profile-batches", type=int, default=2)
