@@ -221,6 +221,57 @@ def test_engine_level_checks_pick_triton_and_refuse_others():
         verify_ddtree_vllm_config(fake(None, hybrid=True))
 
 
+def test_the_drafters_derived_config_keeps_its_own_attention_backend():
+    """Upstream derives the DFlash drafter's VllmConfig from the target's
+    (`load_dflash_model`: ``use_non_causal`` and the drafter's backend), and
+    the derived config's __post_init__ runs DDTree's checks again. The target
+    gets TRITON_ATTN; the drafter keeps what it asked for (None: chosen
+    automatically, FlashAttention on an H100/H200, as in the chain), and an
+    explicit drafter backend is not refused."""
+    import inspect
+    from dataclasses import replace
+
+    from vllm.config import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.spec_decode.ddtree.config import verify_ddtree_vllm_config
+    from vllm.v1.worker.gpu.spec_decode.dflash import utils as dflash_utils
+
+    # The derivation this relies on (a rebase that drops it fails here).
+    source = inspect.getsource(dflash_utils.load_dflash_model)
+    assert "use_non_causal=" in source
+    assert "backend=speculative_config.attention_backend" in source
+
+    def config(attention_config):
+        return SimpleNamespace(
+            use_v2_model_runner=True,
+            attention_config=attention_config,
+            model_config=None,
+            speculative_config=SimpleNamespace(max_num_new_slots_for_drafting=0),
+            scheduler_config=SimpleNamespace(
+                max_num_seqs=8,
+                max_num_batched_tokens=8192,
+                max_num_scheduled_tokens=None,
+            ),
+        )
+
+    target = AttentionConfig()
+    verify_ddtree_vllm_config(config(target))
+    assert target.backend == AttentionBackendEnum.TRITON_ATTN
+    drafter = replace(target, use_non_causal=True, backend=None)
+    verify_ddtree_vllm_config(config(drafter))
+    assert drafter.backend is None
+    flash = replace(
+        target, use_non_causal=True, backend=AttentionBackendEnum.FLASH_ATTN
+    )
+    verify_ddtree_vllm_config(config(flash))
+    assert flash.backend == AttentionBackendEnum.FLASH_ATTN
+    # The target itself is still refused another backend.
+    with pytest.raises(ValueError, match="TRITON_ATTN"):
+        verify_ddtree_vllm_config(
+            config(AttentionConfig(backend=AttentionBackendEnum.FLASH_ATTN))
+        )
+
+
 def test_drafting_slots_that_leave_no_room_fail_in_one_line():
     """`vllm serve` on an H200 defaults to 1024 sequences and 8192 batched
     tokens: 1024 x 14 drafting slots leave nothing to schedule. DDTree says

@@ -382,6 +382,14 @@ def _draft_block_size(hf_config: object) -> int | None:
     return None
 
 
+def is_drafter_attention_config(attention_config: object) -> bool:
+    """Whether an attention config is the DFlash drafter's: upstream derives
+    the drafter's VllmConfig from the target's with ``use_non_causal`` set
+    (DFlash drafters attend to their block non-causally), which a causal
+    target's never has."""
+    return bool(getattr(attention_config, "use_non_causal", False))
+
+
 def verify_ddtree_vllm_config(vllm_config: "VllmConfig") -> None:
     """Engine-level checks: the V2 model runner, the Triton target backend
     (and ``VLLM_DDTREE_TREE_ATTENTION``), and what the tree verification
@@ -391,12 +399,20 @@ def verify_ddtree_vllm_config(vllm_config: "VllmConfig") -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.spec_decode.ddtree.tree_attention import verify_tree_attention
 
+    attention_config = vllm_config.attention_config
+    if is_drafter_attention_config(attention_config):
+        # The DFlash drafter's own config, derived from the target's when the
+        # drafter loads (with the drafter's backend, `speculative_config.
+        # attention_backend`, or None: chosen automatically). The tree is the
+        # target's to verify; the drafter attends as in the chain (on an
+        # H100/H200 FlashAttention: its context K/V store is one C++ op per
+        # layer, where TRITON_ATTN's is a Triton launch each).
+        return
     if not vllm_config.use_v2_model_runner:
         raise ValueError(
             "DDTree runs on the V2 model runner only; unset "
             "VLLM_USE_V2_MODEL_RUNNER=0 or use method='dflash'."
         )
-    attention_config = vllm_config.attention_config
     triton = AttentionBackendEnum[DDTREE_TARGET_ATTENTION_BACKEND]
     if attention_config.backend is None:
         attention_config.backend = triton
