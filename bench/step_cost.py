@@ -125,6 +125,18 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(16, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def gpu_busy_timed(engine_row: dict) -> float | None:
+    """The profiled GPU time per step over the timed (unprofiled) step: the
+    GPU's busy share of a real step. The profiled decode's own busy share
+    (``gpu_busy``) counts the profiler's host overhead and, on short
+    profiled decodes, the prefill's host work as idle time."""
+    prof = engine_row.get("profile")
+    if not prof or not engine_row.get("ms_per_step"):
+        return None
+    gpu_us = sum(prof["gpu_us_per_step"].values())
+    return round(gpu_us / 1e3 / engine_row["ms_per_step"], 3)
+
+
 def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
     """One step-cost row per DDTree measurement, against the chain of the
     runner DDTree uses (V2) at the same shape and concurrency."""
@@ -152,6 +164,8 @@ def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
             equal_tokens=r["budget"] == chain_k,
             chain_gpu_busy=chain.get("gpu_busy"),
             ddtree_gpu_busy=r.get("gpu_busy"),
+            chain_gpu_busy_timed=gpu_busy_timed(chain),
+            ddtree_gpu_busy_timed=gpu_busy_timed(r),
         )
         v1 = by_key.get((r["shape"], "chain", "v1", r["concurrency"]))
         if v1 is not None:

@@ -222,3 +222,31 @@ def test_host_profile_attributes_time_per_step_to_functions():
     # The generator expression inside it holds the self time.
     top_self = next(iter(res["by_self"]))
     assert "test_step_cost.py" in top_self
+
+
+def test_gpu_busy_of_the_timed_step():
+    """The profiled GPU time per step over the unprofiled step time; None
+    without a profile (a timed-only concurrency)."""
+    row = dict(
+        ms_per_step=20.0,
+        profile=dict(gpu_us_per_step={"tree_build": 500.0, "other": 17500.0}),
+    )
+    assert step_cost.gpu_busy_timed(row) == 0.9
+    assert step_cost.gpu_busy_timed(dict(ms_per_step=20.0, profile=None)) is None
+    rows = step_cost.summarize(
+        [
+            dict(shape="s", method="chain", runner="v2", concurrency=1, **row),
+            dict(
+                shape="s",
+                method="ddtree",
+                runner="v2",
+                concurrency=1,
+                budget=15,
+                ms_per_step=25.0,
+                profile=None,
+            ),
+        ],
+        15,
+    )
+    assert rows[0]["chain_gpu_busy_timed"] == 0.9
+    assert rows[0]["ddtree_gpu_busy_timed"] is None
