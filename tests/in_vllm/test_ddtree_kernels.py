@@ -113,6 +113,57 @@ def test_walk_kernel_prefill_rows_emit_one_token():
     assert src[0].cpu().tolist() == [7] * (depth + 1) == dst[0].cpu().tolist()
 
 
+def test_walk_kernel_counts_and_restore_equal_upstreams_and_the_restore_kernel():
+    """The walk's fused extras against what they replace: upstream's
+    get_num_sampled_and_rejected on the walk's num_accepted (a prefill chunk
+    mid-prompt counts nothing, a finished prompt its one token, trees their
+    path), and `ddtree_restore_positions` on the same shifted positions."""
+    from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+
+    budget, depth = 6, 4
+    tree, target, _ = _case(4, budget, depth, 5, 1)
+    # Batch rows: a prefill chunk (0 nodes, its prompt not done), a finished
+    # prefill (0 nodes), two trees (one partially scheduled).
+    scheduled = [0, 0, budget, 3]
+    max_reqs = 6
+    idx, tok, par, dep, val, cu, flat, qsl = _flatten(
+        tree, target, scheduled, max_reqs, rows_before=0
+    )
+    seq_lens = torch.tensor([40, 12, 30, 31], dtype=torch.int32)
+    prefill_len = torch.zeros(max_reqs, dtype=torch.int32)
+    prefill_len[idx.long()] = torch.tensor([100, 12, 20, 20], dtype=torch.int32)
+    num_logits = int(cu[-1])
+    logits_indices = torch.randperm(num_logits + 5)[:num_logits].to(torch.int32)
+    shift = torch.randint(-3, 9, (num_logits,), dtype=torch.int64)
+    positions = torch.randint(0, 500, (num_logits + 5,), dtype=torch.int64)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    args = [to(t) for t in (flat, cu, idx, qsl, tok, par, dep, val)] + [depth]
+
+    plain_sampled = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    _, plain_acc, _, _ = kernels.ddtree_walk(*args, num_sampled=plain_sampled)
+    ref_sampled, ref_rejected = get_num_sampled_and_rejected(
+        plain_sampled.clone(), to(seq_lens), to(cu), to(idx), to(prefill_len)
+    )
+    ref_positions = to(positions.clone())
+    kernels.ddtree_restore_positions(ref_positions, to(logits_indices), to(shift))
+
+    num_sampled = torch.full((4,), -7, dtype=torch.int32, device=DEVICE)
+    num_rejected = torch.full((4,), -7, dtype=torch.int32, device=DEVICE)
+    fused_positions = to(positions.clone())
+    _, num_acc, _, _ = kernels.ddtree_walk(
+        *args,
+        num_sampled=num_sampled,
+        counts=(num_rejected, to(seq_lens), to(prefill_len)),
+        restore=(fused_positions, to(logits_indices), to(shift)),
+    )
+    assert num_acc.tolist() == plain_acc.tolist()
+    assert num_sampled.tolist() == ref_sampled.tolist()
+    assert num_rejected.tolist() == ref_rejected.tolist()
+    assert num_sampled.tolist()[:2] == [0, 1]
+    assert torch.equal(fused_positions, ref_positions)
+    assert not torch.equal(fused_positions, to(positions))
+
+
 @pytest.mark.parametrize("packed", [True, False], ids=["bits", "float"])
 @pytest.mark.parametrize(
     "num_reqs, budget, depth, vocab",

@@ -147,12 +147,16 @@ SCRIPT = textwrap.dedent(
                 "valid_ptr": "*i1", "valid_stride": "i32", "scratch_ptr": "*i32",
                 "out_tokens_ptr": "*i64", "out_tokens_stride": "i32",
                 "num_accepted_ptr": "*i32", "num_sampled_ptr": "*i32",
+                "num_rejected_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "prefill_len_ptr": "*i32", "positions_ptr": "*i64",
+                "logits_indices_ptr": "*i32", "shift_ptr": "*i64",
                 "src_row_ptr": "*i64",
                 "dst_row_ptr": "*i64", "DRAFT_DEPTH": C, "NUM_JUMPS": C,
-                "BLOCK": C, "PATH_BLOCK": C}
-    compile_kernel(kk._ddtree_walk_kernel, walk_sig,
-                   {"DRAFT_DEPTH": 15, "NUM_JUMPS": 4, "BLOCK": 128,
-                    "PATH_BLOCK": 16})
+                "BLOCK": C, "PATH_BLOCK": C, "COUNTS": C, "RESTORE": C}
+    for fused in (False, True):
+        compile_kernel(kk._ddtree_walk_kernel, walk_sig,
+                       {"DRAFT_DEPTH": 15, "NUM_JUMPS": 4, "BLOCK": 128,
+                        "PATH_BLOCK": 16, "COUNTS": fused, "RESTORE": fused})
     for restore in (False, True):
         compile_kernel(
             kk._ddtree_tree_positions_kernel,

@@ -11,7 +11,9 @@ launch here:
   target's token at its parent, keep the nodes whose whole ancestor chain
   matches (pointer jumping), and write the emitted tokens, the number
   accepted and the compaction indices (source and destination rows of the
-  accepted path; off-path entries are self-copies of the root).
+  accepted path; off-path entries are self-copies of the root); in the same
+  launch, the runner's sampled / rejected counts and the restore of the
+  request's tree positions.
 - ``ddtree_tree_bias``: per request, the ancestor mask of its tree (query
   node i may see node j iff j is i or an ancestor of i), built from the
   parent indices straight into the buffer the attention kernel reads: one
@@ -20,8 +22,8 @@ launch here:
   bias (0 / -inf). Only the parents are kept per request, not a mask.
 - ``ddtree_tree_positions`` / ``ddtree_restore_positions``: every logits
   row's position shifted to its tree position (root + depth) in place, and
-  back after the walk; the shifted rows' positions and input ids are kept
-  for the sampler.
+  back after the walk (by the walk's own launch when it runs); the shifted
+  rows' positions and input ids are kept for the sampler.
 - ``ddtree_store_trees``: the drafter's new trees and their node tokens,
   from batch order to per-request state.
 - ``KVCompactor``: per (request, layer), copy the accepted path's KV
@@ -57,13 +59,21 @@ def _ddtree_walk_kernel(
     out_tokens_ptr,  # [num_reqs, D + 1] emitted tokens, -1 padded
     out_tokens_stride,
     num_accepted_ptr,  # [num_reqs] int32
-    num_sampled_ptr,  # [num_reqs] int32: a second copy of num_accepted
+    num_sampled_ptr,  # [num_reqs] int32: num_accepted (0 in a prefill chunk)
+    num_rejected_ptr,  # [num_reqs] int32 (COUNTS)
+    seq_lens_ptr,  # [num_reqs] (COUNTS)
+    prefill_len_ptr,  # [max_num_reqs] prompt length per request state (COUNTS)
+    positions_ptr,  # [num_tokens] int64, tree positions restored (RESTORE)
+    logits_indices_ptr,  # [num_logits] token of each logits row (RESTORE)
+    shift_ptr,  # [num_logits] int64 depth - local position (RESTORE)
     src_row_ptr,  # [num_reqs, D + 1] int64
     dst_row_ptr,  # [num_reqs, D + 1] int64
     DRAFT_DEPTH: tl.constexpr,
     NUM_JUMPS: tl.constexpr,
     BLOCK: tl.constexpr,
     PATH_BLOCK: tl.constexpr,
+    COUNTS: tl.constexpr,
+    RESTORE: tl.constexpr,
 ):
     r = tl.program_id(0)
     req = tl.load(idx_mapping_ptr + r).to(tl.int64)
@@ -101,7 +111,27 @@ def _ddtree_walk_kernel(
     on_path = (accepted != 0) & in_tree
     num_accepted = tl.sum(on_path.to(tl.int32), axis=0)
     tl.store(num_accepted_ptr + r, num_accepted)
-    tl.store(num_sampled_ptr + r, num_accepted)
+    if COUNTS:
+        # Upstream's num_sampled / num_rejected (its
+        # get_num_sampled_and_rejected): none of either while the request's
+        # prompt is still being prefilled in chunks.
+        seq_len = tl.load(seq_lens_ptr + r)
+        chunked_prefill = seq_len < tl.load(prefill_len_ptr + req)
+        num_sampled = tl.where(chunked_prefill, 0, num_accepted)
+        num_rejected = tl.where(
+            chunked_prefill, 0, num_nodes.to(tl.int32) - num_sampled
+        )
+        tl.store(num_sampled_ptr + r, num_sampled)
+        tl.store(num_rejected_ptr + r, num_rejected)
+    else:
+        tl.store(num_sampled_ptr + r, num_accepted)
+    if RESTORE:
+        # The request's logits rows back to their sequential positions
+        # (`ddtree_restore_positions`' work, here for its rows).
+        tok = tl.load(logits_indices_ptr + start + i, mask=in_tree, other=0)
+        shift = tl.load(shift_ptr + start + i, mask=in_tree, other=0)
+        pos = tl.load(positions_ptr + tok.to(tl.int64), mask=in_tree, other=0)
+        tl.store(positions_ptr + tok.to(tl.int64), pos - shift, mask=in_tree)
 
     # The accepted node of depth k goes to column k (one per depth).
     depth = tl.load(depth_ptr + req * depth_stride + i, mask=in_tree, other=0)
@@ -205,6 +235,8 @@ def ddtree_walk(
     buffers: WalkBuffers | None = None,
     num_sampled: torch.Tensor | None = None,
     out_tokens: torch.Tensor | None = None,
+    counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    restore: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk every request's tree in one launch.
 
@@ -213,8 +245,15 @@ def ddtree_walk(
     flattened verify batch. With ``buffers``, the last three are views of
     them (and the scratch theirs); ``out_tokens`` [R, D + 1] int64, if
     given, receives the emitted tokens (else a new tensor does);
-    ``num_sampled [R]`` int32, if given, gets a copy of ``num_accepted``
-    (for the runner, which updates it in place).
+    ``num_sampled [R]`` int32, if given, gets a copy of ``num_accepted``.
+
+    The same launch can do the runner's next two pieces of per-step work:
+    ``counts = (num_rejected [R] int32, seq_lens [R], prefill_len
+    [max_num_reqs])`` makes ``num_sampled`` / ``num_rejected`` upstream's
+    (``get_num_sampled_and_rejected``: 0 and 0 for a request whose prompt is
+    still being prefilled in chunks, else ``num_accepted`` and its logits
+    rows minus that); ``restore = (positions, logits_indices, shift)`` undoes
+    `ddtree_tree_positions` (what `ddtree_restore_positions` does).
     """
     num_reqs = idx_mapping.shape[0]
     budget = parent_idx.shape[1]
@@ -225,6 +264,12 @@ def ddtree_walk(
             num_reqs, draft_depth + 1, dtype=torch.int64, device=device
         )
     assert out_tokens.shape == (num_reqs, draft_depth + 1)
+    if counts is not None:
+        assert num_sampled is not None, "counts go to the caller's num_sampled"
+    if restore is not None:
+        positions, logits_indices, shift = restore
+        assert positions.dtype == shift.dtype == torch.int64
+        assert logits_indices.shape[0] == shift.shape[0]
     if buffers is None:
         num_accepted = torch.empty(num_reqs, dtype=torch.int32, device=device)
         src_row = torch.empty(
@@ -257,12 +302,16 @@ def ddtree_walk(
         out_tokens.stride(0),
         num_accepted,
         num_accepted if num_sampled is None else num_sampled,
+        *(counts or (num_accepted,) * 3),  # unused without
+        *(restore or (num_accepted,) * 3),  # unused without
         src_row,
         dst_row,
         DRAFT_DEPTH=draft_depth,
         NUM_JUMPS=max(1, (draft_depth - 1).bit_length()),
         BLOCK=block,
         PATH_BLOCK=triton.next_power_of_2(draft_depth + 1),
+        COUNTS=counts is not None,
+        RESTORE=restore is not None,
         num_warps=4 if block >= 128 else 1,
     )
     return out_tokens, num_accepted, src_row, dst_row

@@ -39,10 +39,7 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.v1.worker.gpu.input_batch import (
-    InputBatch,
-    _get_num_sampled_and_rejected_kernel,
-)
+from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.spec_decode.ddtree.budget import DDTreeBudgetPlanner
@@ -444,7 +441,9 @@ class DDTreeVerifier:
         # fewer than tree_budget nodes near max_model_len; parents precede
         # children, so those form a prefix-closed subtree), the emitted tokens
         # and the compaction rows (in the persistent walk buffers, read by
-        # compact); num_sampled is the runner's copy, updated in place below.
+        # compact), upstream's num_sampled / num_rejected, and the sequential
+        # positions back (nothing after the sampler reads the tree ones).
+        logits_indices, shift = self._tree_pos
         _, num_accepted, src_row, dst_row = ddtree_walk(
             target_flat,
             cu_num_logits,
@@ -458,22 +457,15 @@ class DDTreeVerifier:
             self.walk_buffers,
             num_sampled,
             output_token_ids,
+            counts=(num_rejected, input_batch.seq_lens, prefill_len),
+            restore=(input_batch.positions, logits_indices, shift),
         )
+        self._tree_pos = None
         self._walk = (num_accepted, src_row, dst_row)
         if self.budget is not None:
             self.budget.observe_walk(
                 num_accepted, src_row, input_batch.query_start_loc, cu_num_logits
             )
-        # Upstream's get_num_sampled_and_rejected: its kernel, into the slot's
-        # num_rejected (the helper allocates one per step).
-        _get_num_sampled_and_rejected_kernel[(num_reqs,)](
-            num_sampled,
-            num_rejected,
-            input_batch.seq_lens,
-            cu_num_logits,
-            idx_mapping,
-            prefill_len,
-        )
         logprobs = None
         if row_logprobs is not None:
             logprobs = node_logprobs(
@@ -497,7 +489,8 @@ class DDTreeVerifier:
         slot_mappings_by_layer: dict[str, torch.Tensor] | None,
         aux_hidden_states: list[torch.Tensor] | None,
     ) -> None:
-        """Move the accepted path to the front: KV, hidden states, positions."""
+        """Move the accepted path to the front: KV, hidden states, positions
+        (those of a step without a walk; the walk restores its own)."""
         if self._tree_pos is not None:
             logits_indices, shift = self._tree_pos
             ddtree_restore_positions(input_batch.positions, logits_indices, shift)
