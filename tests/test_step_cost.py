@@ -195,7 +195,7 @@ def _busy_host_work(n: int) -> int:
 
 
 def test_host_profile_attributes_time_per_step_to_functions():
-    """cProfile over a fake engine: each generate() runs 4 steps, each step
+    """A cProfile pass over a fake engine: each generate() runs 4 steps, each step
     calls the busy function once; per step that function has one call and
     most of the self time."""
 
