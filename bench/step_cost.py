@@ -23,8 +23,10 @@ engine (by default ``unified``, the Triton kernel, and ``split``, the FA3 prefix
 take).
 
 Each engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the torch
-profiler sees its kernels) and, per concurrency: a timed decode (wall time per
-engine step, no profiler), then ``--profile-batches`` batches under the
+profiler sees its kernels) and, per concurrency: an untimed batch (kernels
+specialised on its shapes compile there), ``--timed-repeats`` timed decodes of
+the same prompts (wall time per engine step, no profiler; the row takes the
+median and keeps them all), then ``--profile-batches`` batches under the
 profiler (ddtree_e2e.py's ``profile_steps``: the share of the step the GPU is
 busy, GPU time by kernel class and by phase, the top kernels and host ops).
 
@@ -48,6 +50,7 @@ import sys
 import threading
 import time
 import traceback
+from statistics import median_low
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAIRS = os.path.join(HERE, "pairs")
@@ -60,6 +63,7 @@ FORWARDED_OPTIONS = (
     "out",
     "chain_k",
     "timed_batches",
+    "timed_repeats",
     "profile_batches",
     "prompt_len",
     "max_tokens",
@@ -261,6 +265,21 @@ def host_profile(llm, prompts, sp, conc: int, steps_of, top: int = 40) -> dict:
     )
 
 
+def timed_decode(llm, prompts, sp, conc: int) -> tuple[float, int, float]:
+    """Decode ``prompts`` ``conc`` at a time: (seconds, new tokens, engine
+    steps; the draft counter counts one per request and step)."""
+    import ddtree_e2e
+
+    drafts0 = ddtree_e2e.spec_metrics(llm)[1]
+    t = time.time()
+    toks = 0
+    for i in range(0, len(prompts), conc):
+        outs = llm.generate(prompts[i : i + conc], sp, use_tqdm=False)
+        toks += sum(len(o.outputs[0].token_ids) for o in outs)
+    dt = time.time() - t
+    return dt, toks, (ddtree_e2e.spec_metrics(llm)[1] - drafts0) / conc
+
+
 def run_engine(a) -> None:
     """One in-process engine: a timed decode, then a profiled one, per
     concurrency; one ``ROW {json}`` line each."""
@@ -353,15 +372,17 @@ def run_engine(a) -> None:
         llm.generate(prompts[-c:], sp, use_tqdm=False)
         timed = prompts[: c * a.timed_batches]
         acc0, drafts0, _ = ddtree_e2e.spec_metrics(llm)
-        t = time.time()
-        toks = 0
-        for i in range(0, len(timed), c):
-            outs = llm.generate(timed[i : i + c], sp, use_tqdm=False)
-            toks += sum(len(o.outputs[0].token_ids) for o in outs)
-        dt = time.time() - t
-        stage_done(f"c={c}: timed {len(timed)} requests in {dt:.1f} s")
+        repeats = [
+            timed_decode(llm, timed, sp, c) for _ in range(max(1, a.timed_repeats))
+        ]
         acc1, drafts1, _ = ddtree_e2e.spec_metrics(llm)
-        steps = (drafts1 - drafts0) / c
+        ms_repeats = [round(dt * 1e3 / steps, 3) for dt, _, steps in repeats]
+        # The repeat of the median step time (the same prompts each time; no
+        # prefix caching): one slow repeat does not move the figure.
+        dt, toks, steps = repeats[ms_repeats.index(median_low(ms_repeats))]
+        stage_done(
+            f"c={c}: timed {len(timed)} requests x {len(repeats)}: {ms_repeats} ms/step"
+        )
         tag = f"{a.shape}-{a.method}-{a.runner}-{budget or a.chain_k}-c{c}"
         if mode:
             tag += f"-{mode}"
@@ -397,6 +418,7 @@ def run_engine(a) -> None:
             tree_attention=mode,
             concurrency=c,
             ms_per_step=round(dt * 1e3 / steps, 3),
+            ms_per_step_repeats=ms_repeats,
             tok_s=round(toks / dt, 1),
             tau=round(1 + (acc1 - acc0) / (drafts1 - drafts0), 3),
             steps=round(steps, 1),
@@ -451,6 +473,13 @@ def main(argv: list[str] | None = None) -> None:
         "of --conc; the others are timed only)",
     )
     ap.add_argument("--timed-batches", type=int, default=4)
+    ap.add_argument(
+        "--timed-repeats",
+        type=int,
+        default=3,
+        help="timed decodes per concurrency (the same prompts); the row takes "
+        "the median step time and keeps them all",
+    )
     ap.add_argument("--profile-batches", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)

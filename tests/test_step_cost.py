@@ -250,3 +250,28 @@ def test_gpu_busy_of_the_timed_step():
     )
     assert rows[0]["chain_gpu_busy_timed"] == 0.9
     assert rows[0]["ddtree_gpu_busy_timed"] is None
+
+
+def test_timed_decode_counts_steps_from_the_draft_counter():
+    """Seconds, new tokens and engine steps of one timed decode: the draft
+    counter grows by one per request and step, so 3 prompts at concurrency 2
+    (batches of 2 and 1 requests, 5 steps each) are 7.5 engine steps of 2."""
+
+    class Metric(SimpleNamespace):
+        pass
+
+    class FakeLLM:
+        def __init__(self):
+            self.drafts = 0.0
+
+        def get_metrics(self):
+            return [Metric(name="vllm:spec_decode_num_drafts", value=self.drafts)]
+
+        def generate(self, prompts, sp, use_tqdm=False):
+            self.drafts += 5 * len(prompts)
+            out = SimpleNamespace(token_ids=[1] * 6)
+            return [SimpleNamespace(outputs=[out]) for _ in prompts]
+
+    llm = FakeLLM()
+    dt, toks, steps = step_cost.timed_decode(llm, [0, 1, 2], None, 2)
+    assert dt >= 0 and toks == 18 and steps == 7.5
