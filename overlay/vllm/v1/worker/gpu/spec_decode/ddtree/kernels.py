@@ -129,9 +129,10 @@ def _ddtree_walk_kernel(
         # The request's logits rows back to their sequential positions
         # (`ddtree_restore_positions`' work, here for its rows).
         tok = tl.load(logits_indices_ptr + start + i, mask=in_tree, other=0)
+        p_pos = positions_ptr + tok.to(tl.int64)
         shift = tl.load(shift_ptr + start + i, mask=in_tree, other=0)
-        pos = tl.load(positions_ptr + tok.to(tl.int64), mask=in_tree, other=0)
-        tl.store(positions_ptr + tok.to(tl.int64), pos - shift, mask=in_tree)
+        pos = tl.load(p_pos, mask=in_tree, other=0)
+        tl.store(p_pos, pos - shift, mask=in_tree)
 
     # The accepted node of depth k goes to column k (one per depth).
     depth = tl.load(depth_ptr + req * depth_stride + i, mask=in_tree, other=0)
