@@ -298,13 +298,18 @@ SCRIPT = textwrap.dedent(
         )
     chunk_sig = {n: t for n, t in gdn_sig.items()
                  if n not in ("final_state_idx_ptr", "target_ptr")}
-    for num_nodes in (16,):
+    for num_nodes, products in ((16, False), (16, True), (32, True)):
         compile_kernel(
             tg._tree_gdn_chunk_kernel, dict(chunk_sig, **{n: C for n in (
-                "H", "HV", "K", "V", "BK", "BV", "BN", "MAX_PATH",
-                "USE_QK_L2NORM_IN_KERNEL")}),
-            {"H": 16, "HV": 48, "K": 128, "V": 128, "BK": 128, "BV": 32,
-             "BN": num_nodes, "MAX_PATH": 16, "USE_QK_L2NORM_IN_KERNEL": True},
+                "H", "HV", "K", "V", "BK", "BV", "BN", "MAX_PATH", "PRODUCTS",
+                "PATH_SQUARINGS", "INVERSE_FACTORS", "USE_QK_L2NORM_IN_KERNEL",
+                "DOT_PRECISION")}),
+            {"H": 16, "HV": 48, "K": 128, "V": 128, "BK": 128,
+             "BV": tg.CHUNK_BLOCK_V, "BN": num_nodes, "MAX_PATH": 16,
+             "PRODUCTS": products, "PATH_SQUARINGS": 4,
+             "INVERSE_FACTORS": num_nodes.bit_length() - 2,
+             "USE_QK_L2NORM_IN_KERNEL": True,
+             "DOT_PRECISION": "tf32" if products else "ieee"},
         )
     strides = {n: "i64" for n in (
         "stride_x_tok", "stride_x_dim", "stride_s_seq", "stride_s_dim", "stride_s_tok")}

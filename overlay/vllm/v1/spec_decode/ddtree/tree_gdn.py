@@ -16,14 +16,16 @@ several requests run) take `_tree_gdn_chunk_kernel`: the chunked (WY) form
 of the delta rule, as upstream's chunked prefill computes a chain, with the
 causal mask replaced by the ancestor mask. One program per (value block,
 batch row, value head) reads the committed state once, solves the tree's
-corrected values by forward substitution in node order (parents precede
-children) and forms all outputs with two small matrix products. The
-arithmetic is the sequential recurrence's rearranged, so outputs equal it
-up to float32 rounding (the tests hold it to 2e-5 of upstream's sequential
-kernel on every root-to-node path). Larger trees replay each node's path
-from the committed state (`_tree_gdn_kernel`: the sequential kernel's
-operations in its order, d + 1 state updates for a node at depth d), one
-program per (value block, request x node, head). The committed state is
+unit lower-triangular system for the corrected values (parents precede
+children: as a product of log2(rows) factors for bf16 / fp16 inputs, by
+forward substitution for float32 ones) and forms all outputs with small
+matrix products. The arithmetic is the sequential recurrence's
+rearranged, so outputs equal it up to rounding (the tests hold float32
+outputs to 2e-5 of upstream's sequential kernel on every root-to-node path,
+bf16 ones to their rounding). Larger trees
+replay each node's path from the committed state (`_tree_gdn_kernel`: the
+sequential kernel's operations in its order, d + 1 state updates for a node
+at depth d), one program per (value block, request x node, head). The committed state is
 only read.
 
 After the walk the accepted path's final state goes into the request's
@@ -39,13 +41,23 @@ import torch
 
 from vllm.triton_utils import tl, triton
 
-# Trees up to this many verify rows (root included, rounded up to a power of
-# two) take the chunked kernel: the 16-row trees of batches of several
-# requests, where it costs a third of the path replay (H200, the 27B
-# shape). Its row-by-row substitution over register matrices is slower than
-# the replay from 32 rows on, so larger trees (small batches under the
-# default budget policies) replay each node's path instead.
-CHUNK_MAX_NODES = 16
+# The chunked kernel's two forms (H200, the 27B shape, one GDN layer):
+# - bf16 / fp16 inputs: tf32 matrix products, the ancestor mask by repeated
+#   squaring and the triangular inverse as log2(rows) products. 24 us at 8
+#   requests of 16 rows (the chain's kernel: 139 us) and 18 us for one
+#   32-row tree (the path replay: 163 us), outputs within bf16 rounding of
+#   the replay's, so it takes trees of up to CHUNK_MAX_NODES rows;
+# - float32 inputs (the exactness runs against no speculation): exact
+#   float32 products and forward substitution row by row, 87 us at 8 x 16
+#   rows; its products of the small node matrices in float32 cost 5-9x
+#   that, and from 32 rows on the substitution is slower than the replay,
+#   so float32 trees take it up to CHUNK_MAX_NODES_FLOAT32 rows.
+# Larger trees replay each node's path.
+CHUNK_MAX_NODES = 32
+CHUNK_MAX_NODES_FLOAT32 = 16
+# The chunked kernel's launch (the fastest of 8 value-block / warp pairs).
+CHUNK_BLOCK_V = 64
+CHUNK_NUM_WARPS = 4
 
 
 @triton.jit
@@ -195,7 +207,11 @@ def _tree_gdn_chunk_kernel(
     BV: tl.constexpr,
     BN: tl.constexpr,  # power of 2 >= 1 + B, at least 16 (tl.dot)
     MAX_PATH: tl.constexpr,  # draft_depth + 1 (root included)
+    PRODUCTS: tl.constexpr,  # squaring / inverse products (else row loops)
+    PATH_SQUARINGS: tl.constexpr,  # 2^PATH_SQUARINGS >= longest path
+    INVERSE_FACTORS: tl.constexpr,  # log2(BN) - 1
     USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" (float32 models) or "tf32"
 ):
     """All nodes of one (value block, batch row, value head) at once, in the
     chunked (WY) form of the delta rule with the causal mask replaced by the
@@ -218,15 +234,29 @@ def _tree_gdn_chunk_kernel(
     # anc[i, j]: node j is on node i's root -> node path (i itself included).
     # Parents precede their children (every prefix of the rank order is a
     # tree), so anc is lower triangular in node order.
-    anc = n[:, None] == n[None, :]
-    cur = n.to(tl.int64)
-    for _ in range(MAX_PATH - 1):
-        has_parent = valid & (cur > 0)
-        cur = tl.load(
-            parent_ptr + req * parent_stride + cur - 1, mask=has_parent, other=-1
-        ).to(tl.int64)
-        cur = tl.where(has_parent, cur, -1)
-        anc = anc | (n[None, :] == cur[:, None])
+    eye = n[:, None] == n[None, :]
+    if PRODUCTS:
+        # From one load of the parents: the reflexive parent relation raised
+        # to the longest path by repeated squaring (paths of 2^s edges after
+        # s squarings).
+        parent = tl.load(
+            parent_ptr + req * parent_stride + n - 1, mask=valid & (n > 0), other=-1
+        )
+        anc_f = tl.where(eye | (parent[:, None] == n[None, :]), 1.0, 0.0)
+        for _ in range(PATH_SQUARINGS):
+            anc_f = tl.minimum(tl.dot(anc_f, anc_f, input_precision="ieee"), 1.0)
+        anc = anc_f > 0.5
+    else:
+        # One ancestor per iteration.
+        anc = eye
+        cur = n.to(tl.int64)
+        for _ in range(MAX_PATH - 1):
+            has_parent = valid & (cur > 0)
+            cur = tl.load(
+                parent_ptr + req * parent_stride + cur - 1, mask=has_parent, other=-1
+            ).to(tl.int64)
+            cur = tl.where(has_parent, cur, -1)
+            anc = anc | (n[None, :] == cur[:, None])
     anc = anc & valid[:, None] & valid[None, :]
 
     o_k = tl.arange(0, BK)
@@ -272,30 +302,43 @@ def _tree_gdn_chunk_kernel(
         other=0,
     ).to(tl.float32)  # [BV, BK]
     h_t = tl.trans(b_h)  # [BK, BV]
-    k_h = tl.dot(b_k, h_t, input_precision="ieee")  # row i: S0 k_i
-    q_h = tl.dot(b_q, h_t, input_precision="ieee")  # row i: S0 q_i
-    kk = tl.dot(b_k, tl.trans(b_k), input_precision="ieee")
-    qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
+    k_h = tl.dot(b_k, h_t, input_precision=DOT_PRECISION)  # row i: S0 k_i
+    q_h = tl.dot(b_q, h_t, input_precision=DOT_PRECISION)  # row i: S0 q_i
+    kk = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
+    qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
 
     # The delta rule's corrected values u_i = beta_i (v_i - h_{i-1} k_i),
     # h_{i-1} the decayed state after i's parent, satisfy
     # (I + L) u = beta (v - exp(cum_g) S0 k) with
     # L[i, j] = beta_i exp(cum_g_i - cum_g_j) (k_i . k_j) over i's strict
-    # ancestors j: forward substitution in node order.
+    # ancestors j.
     strict = anc & (n[:, None] != n[None, :])
     lower = tl.where(strict, b_beta[:, None] * decay * kk, 0.0)
-    u = b_beta[:, None] * (b_v - tl.exp(cum_g)[:, None] * k_h)
-    for i in range(1, num_rows):
-        l_row = tl.sum(tl.where(n[:, None] == i, lower, 0.0), 0)  # [BN]
-        u_i = tl.sum(tl.where(n[:, None] == i, u, 0.0), 0) - tl.sum(
-            l_row[:, None] * u, 0
-        )
-        u = tl.where(n[:, None] == i, u_i[None, :], u)
+    rhs = b_beta[:, None] * (b_v - tl.exp(cum_g)[:, None] * k_h)
+    if PRODUCTS:
+        # L is strictly lower triangular (L^BN = 0), so (I + L)^-1 =
+        # (I - L)(I + L^2)(I + L^4)...(I + L^(BN / 2)).
+        eye_f = tl.where(eye, 1.0, 0.0)
+        inv = eye_f - lower
+        power = lower
+        for _ in range(INVERSE_FACTORS):
+            power = tl.dot(power, power, input_precision="ieee")
+            inv = tl.dot(inv, eye_f + power, input_precision="ieee")
+        u = tl.dot(inv, rhs, input_precision=DOT_PRECISION)
+    else:
+        # Forward substitution in node order.
+        u = rhs
+        for i in range(1, num_rows):
+            l_row = tl.sum(tl.where(n[:, None] == i, lower, 0.0), 0)  # [BN]
+            u_i = tl.sum(tl.where(n[:, None] == i, u, 0.0), 0) - tl.sum(
+                l_row[:, None] * u, 0
+            )
+            u = tl.where(n[:, None] == i, u_i[None, :], u)
 
     # o_i = h_i q_i = exp(cum_g_i) S0 q_i + sum over i's path (i included) of
     # exp(cum_g_i - cum_g_j) (q_i . k_j) u_j.
     attn = tl.where(anc, qk * decay, 0.0)
-    b_o = tl.exp(cum_g)[:, None] * q_h + tl.dot(attn, u, input_precision="ieee")
+    b_o = tl.exp(cum_g)[:, None] * q_h + tl.dot(attn, u, input_precision=DOT_PRECISION)
     p_o = o + (rows[:, None] * HV + i_hv) * V + o_v[None, :]
     tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_nv)
 
@@ -321,6 +364,7 @@ def tree_gated_delta_rule(
     softplus_threshold: float = 20.0,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    dot_precision: str | None = None,
 ) -> torch.Tensor | None:
     """Gated delta rule over every request's draft tree.
 
@@ -330,6 +374,11 @@ def tree_gated_delta_rule(
     parent ``parent_idx[idx_mapping[r], i - 1]``). ``state [slots, HV, V, K]``
     holds the committed states, ``state_idx [R]`` their slots (<= 0: skip
     the row).
+
+    ``dot_precision``: the chunked kernel's matrix products, "ieee" (exact
+    float32 arithmetic) or "tf32" (tensor cores; about 1e-3 relative, below
+    the rounding of a bf16 output). None: "ieee" for float32 inputs (the
+    exactness runs compare with no speculation there), "tf32" otherwise.
 
     Without ``targets``: returns ``o [T, HV, V]``, each row's output after
     its root -> node path. With ``targets [R, M]`` (verify indices, -1 for
@@ -370,16 +419,25 @@ def tree_gated_delta_rule(
     gating = (softplus_beta, softplus_threshold, scale)
     shape = dict(H=H, HV=HV, K=K, V=V, BK=BK, BV=BV)
     num_nodes = triton.next_power_of_2(max(parent_idx.shape[1] + 1, 16))
-    if not store_final and num_nodes <= CHUNK_MAX_NODES:
-        _tree_gdn_chunk_kernel[(triton.cdiv(V, BV), num_rows, HV)](
+    exact = v.dtype == torch.float32
+    if dot_precision is None:
+        dot_precision = "ieee" if exact else "tf32"
+    chunk_max_nodes = CHUNK_MAX_NODES_FLOAT32 if exact else CHUNK_MAX_NODES
+    if not store_final and num_nodes <= chunk_max_nodes:
+        chunk_bv = min(triton.next_power_of_2(V), CHUNK_BLOCK_V)
+        _tree_gdn_chunk_kernel[(triton.cdiv(V, chunk_bv), num_rows, HV)](
             *inputs,
             *tree,
             *gating,
-            **shape,
+            **dict(shape, BV=chunk_bv),
             BN=num_nodes,
             MAX_PATH=max_path,
+            PRODUCTS=not exact,
+            PATH_SQUARINGS=max(draft_depth - 1, 0).bit_length(),
+            INVERSE_FACTORS=num_nodes.bit_length() - 2,
             USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
-            num_warps=4,
+            DOT_PRECISION=dot_precision,
+            num_warps=CHUNK_NUM_WARPS,
         )
         return o
     grid = (triton.cdiv(V, BV), num_rows * num_targets, HV)
