@@ -22,11 +22,10 @@ forward substitution for float32 ones) and forms all outputs with small
 matrix products. The arithmetic is the sequential recurrence's
 rearranged, so outputs equal it up to rounding (the tests hold float32
 outputs to 2e-5 of upstream's sequential kernel on every root-to-node path,
-bf16 ones to their rounding). Larger trees
-replay each node's path from the committed state (`_tree_gdn_kernel`: the
-sequential kernel's operations in its order, d + 1 state updates for a node
-at depth d), one program per (value block, request x node, head). The committed state is
-only read.
+bf16 ones to their rounding). Larger trees replay each node's path from the
+committed state (`_tree_gdn_kernel`: the sequential kernel's operations in
+its order, d + 1 state updates for a node at depth d), one program per
+(value block, request x node, head). The committed state is only read.
 
 After the walk the accepted path's final state goes into the request's
 state slot, so the state memory per request stays one state per layer (plus
@@ -55,7 +54,7 @@ from vllm.triton_utils import tl, triton
 # Larger trees replay each node's path.
 CHUNK_MAX_NODES = 32
 CHUNK_MAX_NODES_FLOAT32 = 16
-# The chunked kernel's launch (the fastest of 8 value-block / warp pairs).
+# The chunked kernel's launch (the fastest of 5 value-block / warp pairs).
 CHUNK_BLOCK_V = 64
 CHUNK_NUM_WARPS = 4
 
@@ -364,7 +363,6 @@ def tree_gated_delta_rule(
     softplus_threshold: float = 20.0,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
-    dot_precision: str | None = None,
 ) -> torch.Tensor | None:
     """Gated delta rule over every request's draft tree.
 
@@ -374,11 +372,6 @@ def tree_gated_delta_rule(
     parent ``parent_idx[idx_mapping[r], i - 1]``). ``state [slots, HV, V, K]``
     holds the committed states, ``state_idx [R]`` their slots (<= 0: skip
     the row).
-
-    ``dot_precision``: the chunked kernel's matrix products, "ieee" (exact
-    float32 arithmetic) or "tf32" (tensor cores; about 1e-3 relative, below
-    the rounding of a bf16 output). None: "ieee" for float32 inputs (the
-    exactness runs compare with no speculation there), "tf32" otherwise.
 
     Without ``targets``: returns ``o [T, HV, V]``, each row's output after
     its root -> node path. With ``targets [R, M]`` (verify indices, -1 for
@@ -420,8 +413,6 @@ def tree_gated_delta_rule(
     shape = dict(H=H, HV=HV, K=K, V=V, BK=BK, BV=BV)
     num_nodes = triton.next_power_of_2(max(parent_idx.shape[1] + 1, 16))
     exact = v.dtype == torch.float32
-    if dot_precision is None:
-        dot_precision = "ieee" if exact else "tf32"
     chunk_max_nodes = CHUNK_MAX_NODES_FLOAT32 if exact else CHUNK_MAX_NODES
     if not store_final and num_nodes <= chunk_max_nodes:
         chunk_bv = min(triton.next_power_of_2(V), CHUNK_BLOCK_V)
@@ -436,7 +427,7 @@ def tree_gated_delta_rule(
             PATH_SQUARINGS=max(draft_depth - 1, 0).bit_length(),
             INVERSE_FACTORS=num_nodes.bit_length() - 2,
             USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
-            DOT_PRECISION=dot_precision,
+            DOT_PRECISION="ieee" if exact else "tf32",
             num_warps=CHUNK_NUM_WARPS,
         )
         return o
