@@ -93,12 +93,16 @@ def engines_for(
     tree_attention: tuple[str, ...] = ("unified",),
     chain_last: bool = False,
     v1_chain: bool = True,
+    chain_twice: bool = False,
 ) -> list[dict]:
     """The engines of one shape: the V2 chain, then per tree-attention mode
     DDTree at the equal budget at every concurrency and at each larger budget
     at concurrency 1, and on the hybrid shape the V1 chain. ``chain_last``
     puts the V2 chain after the DDTree engines (a run cut short then still
-    has DDTree's figures); ``v1_chain`` False leaves the V1 chain out."""
+    has DDTree's figures); ``v1_chain`` False leaves the V1 chain out;
+    ``chain_twice`` runs the V2 chain both before and after the DDTree engines
+    (a drift of the GPU's clocks over the run then shows as two chain
+    figures apart)."""
     engines = [dict(method="chain", runner="v2", conc=conc)]
     for mode in tree_attention:
         engines.append(
@@ -117,7 +121,9 @@ def engines_for(
         ]
     # The V1 chain (what vLLM picks for a hybrid target by default) last: the
     # rows compare with the V2 chain, so a run cut short keeps those first.
-    if chain_last:
+    if chain_twice:
+        engines.append(dict(engines[0]))
+    elif chain_last:
         engines = engines[1:] + engines[:1]
     if shape.startswith("hybrid") and v1_chain:
         engines.append(dict(method="chain", runner="v1", conc=conc))
@@ -145,9 +151,17 @@ def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
     """One step-cost row per DDTree measurement, against the chain of the
     runner DDTree uses (V2) at the same shape and concurrency."""
     by_key: dict[tuple, dict] = {}
+    v2_passes: dict[tuple, list[float]] = {}
     for r in engine_rows:
         if r["method"] == "chain":
-            by_key[(r["shape"], "chain", r["runner"], r["concurrency"])] = r
+            key = (r["shape"], "chain", r["runner"], r["concurrency"])
+            if key in by_key and r["runner"] == "v2":
+                # The chain ran before and after the DDTree engines: their
+                # mean is the figure, both are kept.
+                passes = v2_passes.setdefault(key, [by_key[key]["ms_per_step"]])
+                passes.append(r["ms_per_step"])
+                r = dict(r, ms_per_step=round(sum(passes) / len(passes), 3))
+            by_key[key] = r
     rows = []
     for r in engine_rows:
         if r["method"] != "ddtree":
@@ -171,6 +185,13 @@ def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
             chain_gpu_busy_timed=gpu_busy_timed(chain),
             ddtree_gpu_busy_timed=gpu_busy_timed(r),
         )
+        key = (r["shape"], "chain", "v2", r["concurrency"])
+        if key in v2_passes:
+            row["chain_ms_per_step_passes"] = v2_passes[key]
+        for name in ("sm_clock_mhz", "power_w"):
+            if chain.get("gpu") and r.get("gpu"):
+                row[f"chain_{name}"] = chain["gpu"][name]
+                row[f"ddtree_{name}"] = r["gpu"][name]
         v1 = by_key.get((r["shape"], "chain", "v1", r["concurrency"]))
         if v1 is not None:
             row.update(
@@ -217,6 +238,69 @@ class StageWatchdog:
                     dump.append(f"--- thread {names.get(ident, ident)}")
                     dump += [x.rstrip() for x in traceback.format_stack(frame)]
             log("\n".join(dump))
+
+
+class GpuSampler:
+    """GPU 0's SM clock, board power and temperature, sampled from a thread
+    while a timed decode runs. Two engines' step times compare only at the
+    same clocks: a GPU held at its power or heat limit runs the same kernels
+    slower (the figures of a run that drifted say so)."""
+
+    def __init__(self, period_s: float = 0.02):
+        self.period_s = period_s
+        self.samples: list[tuple[int, float, int, int]] = []
+        try:
+            from vllm.third_party import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception as exc:  # no NVML: the rows go without the figures
+            log(f"no GPU clock samples ({exc})")
+            self.nvml = None
+
+    def __enter__(self) -> GpuSampler:
+        self.samples = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        if self.nvml is not None:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def _run(self) -> None:
+        nvml, h = self.nvml, self.handle
+        while not self.stopped.wait(self.period_s):
+            self.samples.append(
+                (
+                    nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM),
+                    nvml.nvmlDeviceGetPowerUsage(h) / 1e3,
+                    nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU),
+                    nvml.nvmlDeviceGetCurrentClocksThrottleReasons(h),
+                )
+            )
+
+    def summary(self) -> dict | None:
+        """Mean and lowest SM clock, mean power, highest temperature and the
+        throttle reasons seen (NVML's bit mask, OR over the samples)."""
+        if not self.samples:
+            return None
+        clocks, power, temp, reasons = zip(*self.samples)
+        mask = 0
+        for bits in reasons:
+            mask |= bits
+        return dict(
+            sm_clock_mhz=round(sum(clocks) / len(clocks)),
+            sm_clock_min_mhz=min(clocks),
+            power_w=round(sum(power) / len(power), 1),
+            temp_max_c=max(temp),
+            throttle_reasons=hex(mask),
+            samples=len(clocks),
+        )
 
 
 def host_profile(llm, prompts, sp, conc: int, steps_of, top: int = 40) -> dict:
@@ -363,6 +447,7 @@ def run_engine(a) -> None:
     t = time.time()
     llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
     stage_done(f"warm-up in {time.time() - t:.1f} s")
+    sampler = GpuSampler()
     profile_args = argparse.Namespace(
         mode="ddtree" if a.method == "ddtree" else "dflash", budget=budget, k=a.chain_k
     )
@@ -372,16 +457,20 @@ def run_engine(a) -> None:
         llm.generate(prompts[-c:], sp, use_tqdm=False)
         timed = prompts[: c * a.timed_batches]
         acc0, drafts0, _ = ddtree_e2e.spec_metrics(llm)
-        repeats = [
-            timed_decode(llm, timed, sp, c) for _ in range(max(1, a.timed_repeats))
-        ]
+        repeats, gpu_repeats = [], []
+        for _ in range(max(1, a.timed_repeats)):
+            with sampler:
+                repeats.append(timed_decode(llm, timed, sp, c))
+            gpu_repeats.append(sampler.summary())
         acc1, drafts1, _ = ddtree_e2e.spec_metrics(llm)
         ms_repeats = [round(dt * 1e3 / steps, 3) for dt, _, steps in repeats]
         # The repeat of the median step time (the same prompts each time; no
         # prefix caching): one slow repeat does not move the figure.
-        dt, toks, steps = repeats[ms_repeats.index(median_low(ms_repeats))]
+        median = ms_repeats.index(median_low(ms_repeats))
+        dt, toks, steps = repeats[median]
         stage_done(
             f"c={c}: timed {len(timed)} requests x {len(repeats)}: {ms_repeats} ms/step"
+            + (f", GPU {gpu_repeats[median]}" if gpu_repeats[median] else "")
         )
         tag = f"{a.shape}-{a.method}-{a.runner}-{budget or a.chain_k}-c{c}"
         if mode:
@@ -419,6 +508,7 @@ def run_engine(a) -> None:
             concurrency=c,
             ms_per_step=round(dt * 1e3 / steps, 3),
             ms_per_step_repeats=ms_repeats,
+            gpu=gpu_repeats[median],
             tok_s=round(toks / dt, 1),
             tau=round(1 + (acc1 - acc0) / (drafts1 - drafts0), 3),
             steps=round(steps, 1),
@@ -454,6 +544,12 @@ def main(argv: list[str] | None = None) -> None:
         "--chain-last",
         action="store_true",
         help="run the V2 chain after the DDTree engines",
+    )
+    ap.add_argument(
+        "--chain-twice",
+        action="store_true",
+        help="run the V2 chain before and after the DDTree engines; the rows "
+        "take the mean of the two and keep both",
     )
     ap.add_argument(
         "--no-v1-chain",
@@ -528,6 +624,7 @@ def main(argv: list[str] | None = None) -> None:
             tuple(m for m in a.tree_attention.split(",") if m),
             a.chain_last,
             not a.no_v1_chain,
+            a.chain_twice,
         )
     ]
     result = dict(

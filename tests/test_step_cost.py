@@ -275,3 +275,59 @@ def test_timed_decode_counts_steps_from_the_draft_counter():
     llm = FakeLLM()
     dt, toks, steps = step_cost.timed_decode(llm, [0, 1, 2], None, 2)
     assert dt >= 0 and toks == 18 and steps == 7.5
+
+
+def test_chain_twice_runs_the_v2_chain_around_ddtree():
+    dense = step_cost.engines_for(
+        "dense-8b", [1], 15, [64], ("auto",), chain_twice=True
+    )
+    assert [(e["method"], e.get("budget")) for e in dense] == [
+        ("chain", None),
+        ("ddtree", 15),
+        ("ddtree", 64),
+        ("chain", None),
+    ]
+
+
+def test_two_chain_passes_give_their_mean_and_keep_both():
+    def row(method, ms, budget=None, gpu=None):
+        return dict(
+            shape="dense-8b",
+            method=method,
+            runner="v2",
+            budget=budget,
+            concurrency=8,
+            ms_per_step=ms,
+            gpu=gpu,
+        )
+
+    clocks = dict(sm_clock_mhz=1980, power_w=500.0)
+    rows = step_cost.summarize(
+        [
+            row("chain", 7.0, gpu=clocks),
+            row("ddtree", 7.7, 15, gpu=dict(sm_clock_mhz=1900, power_w=600.0)),
+            row("chain", 8.0, gpu=dict(sm_clock_mhz=1850, power_w=650.0)),
+        ],
+        15,
+    )
+    assert len(rows) == 1
+    r = rows[0]
+    assert r["chain_ms_per_step"] == 7.5 and r["chain_ms_per_step_passes"] == [7.0, 8.0]
+    assert r["ratio"] == round(7.7 / 7.5, 3)
+    # The clocks of the last chain pass (the one the row's chain dict holds).
+    assert (r["chain_sm_clock_mhz"], r["ddtree_sm_clock_mhz"]) == (1850, 1900)
+
+
+def test_gpu_sampler_summary_without_nvml():
+    s = step_cost.GpuSampler.__new__(step_cost.GpuSampler)
+    s.samples = [(1900, 600.0, 50, 0x4), (1800, 650.0, 55, 0x1)]
+    assert s.summary() == dict(
+        sm_clock_mhz=1850,
+        sm_clock_min_mhz=1800,
+        power_w=625.0,
+        temp_max_c=55,
+        throttle_reasons="0x5",
+        samples=2,
+    )
+    s.samples = []
+    assert s.summary() is None
