@@ -20,6 +20,12 @@ Qwen3.6-27B (24 / 4 of 256, 16 attention layers) shapes:
 * ``fa3_causal`` FA3 causal over the same tokens without a tree, as the
                FLASH_ATTN backend runs the chain's verification.
 
+``--tree-configs`` adds the Triton tree kernel alone (part (b) of the split,
+merging into a prefix output with its log-sum-exp) at each launch shape
+``<query tokens per program or auto>:<warps>``, e.g. ``auto:4,16:4,16:8``;
+its rows are ``tree:<config>`` with their largest difference from the first
+configuration's output.
+
 Each method is captured in a CUDA graph (decode batches replay full
 graphs); ``--iters`` replays between CUDA events, the median of
 ``--repeats`` such runs, in microseconds per call, and per step (times the
@@ -246,6 +252,40 @@ def split_fn(case: dict, out: torch.Tensor, reference: bool) -> Callable[[], Non
     return run
 
 
+def tree_kernel_fn(case: dict, out: torch.Tensor, config: str) -> Callable[[], None]:
+    """The split's part (b) alone at launch shape ``config``
+    (``<query tokens per program or auto>:<warps>``): the tree's own keys,
+    merged in place into ``out`` under a fixed prefix log-sum-exp."""
+    from vllm.v1.spec_decode.ddtree.tree_attention import tree_attention
+
+    block, warps = config.split(":")
+    query_block = None if block == "auto" else int(block)
+    num_tokens, num_q, _ = case["query"].shape
+    gen = torch.Generator().manual_seed(1)
+    prefix_out = torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
+    prefix_lse = torch.randn(num_q, num_tokens, generator=gen).to(out.device)
+
+    def run() -> None:
+        # The merge reads and writes ``out``: the same prefix output each call.
+        out.copy_(prefix_out)
+        tree_attention(
+            case["query"],
+            case["key_cache"],
+            case["value_cache"],
+            out,
+            case["cu_seqlens_q"],
+            case["seq_lens"],
+            case["block_table"],
+            case["tree_mask"],
+            case["scale"],
+            prefix_lse=prefix_lse,
+            query_block=query_block,
+            num_warps=int(warps),
+        )
+
+    return run
+
+
 def fa3_causal_fn(case: dict, out: torch.Tensor) -> Callable[[], None]:
     """FLASH_ATTN's call for T causal tokens under full CUDA graphs (AOT
     schedule, the CUDA-graph split bound)."""
@@ -348,6 +388,8 @@ def bench_case(
             fn = unified_fn(case, out)
         elif method == "split":
             fn = split_fn(case, out, reference=not on_gpu)
+        elif method.startswith("tree:"):
+            fn = tree_kernel_fn(case, out, method.removeprefix("tree:"))
         else:
             assert method == "fa3_causal" and on_gpu
             fn = fa3_causal_fn(case, out)
@@ -361,6 +403,11 @@ def bench_case(
     if "split" in outputs and "unified" in outputs:
         diff = (outputs["split"].float() - outputs["unified"].float()).abs().max()
         diff = float(diff)
+    tree = [m for m in outputs if m.startswith("tree:")]
+    tree_diff = {
+        m: float((outputs[m].float() - outputs[tree[0]].float()).abs().max())
+        for m in tree
+    }
     num_q, num_kv, head_size = case["shape"]
     return [
         dict(
@@ -376,6 +423,11 @@ def bench_case(
             attention_layers=layers,
             us_per_step=round(us * layers, 1),
             split_vs_unified_max_abs_diff=diff,
+            **(
+                dict(tree_vs_first_config_max_abs_diff=tree_diff[method])
+                if method in tree_diff
+                else {}
+            ),
         )
         for method, us in times.items()
     ]
@@ -392,13 +444,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree-tokens", type=ints, default=[16, 65])
     parser.add_argument("--batch", type=ints, default=[1, 8, 32])
     parser.add_argument("--methods", default="unified,split,fa3_causal")
+    parser.add_argument(
+        "--tree-configs",
+        default="",
+        help="also time the tree kernel alone at these launch shapes, "
+        "<query tokens per program or auto>:<warps>, e.g. auto:4,16:4,16:8",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    methods = args.methods.split(",")
+    methods = [m for m in args.methods.split(",") if m]
+    methods += [f"tree:{c}" for c in args.tree_configs.split(",") if c]
     if device.type != "cuda":
         # No FA3 off a GPU: the split runs its torch reference prefix pass.
         methods = [m for m in methods if m != "fa3_causal"]

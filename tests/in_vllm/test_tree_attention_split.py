@@ -267,7 +267,7 @@ def run_split(batch, softcap=0.0, sinks=None, prefix_attention=None):
     return out
 
 
-def run_own_keys(batch, softcap=0.0):
+def run_own_keys(batch, softcap=0.0, **launch):
     out = torch.full_like(batch["query"], SENTINEL)
     num_tokens, num_heads, _ = out.shape
     lse = torch.full(
@@ -285,6 +285,7 @@ def run_own_keys(batch, softcap=0.0):
         batch["scale"],
         softcap,
         out_lse=lse,
+        **launch,
     )
     return out, lse
 
@@ -342,6 +343,37 @@ def test_own_keys_match_brute_force(t, heads, specs):
     # Not vacuous: without the tree masks the result differs.
     batch["tree_masks"] = [None] * len(specs)
     assert (out[:n].cpu() - ref_own_keys(batch)[0]).abs().max() > 0.1
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "t, heads, query_block, num_warps",
+    [
+        pytest.param(16, GQA4, 16, 4, id="t16-gqa4-whole-tree"),
+        pytest.param(33, GQA6, 8, 8, id="t33-gqa6-q8-w8"),
+        pytest.param(5, MHA, 3, 4, id="t5-mha-q3"),
+    ],
+)
+def test_own_keys_launch_shapes_match_brute_force(t, heads, query_block, num_warps):
+    """The tuning knobs change the launch, not the result: more query tokens
+    per program (a whole tree, a block that is not a power of two) on every
+    kind of row."""
+    batch = make_batch(
+        t,
+        MIXED,
+        *heads,
+        128,
+        torch.float32,
+        KERNEL_DEVICE,
+        seed=70 + t,
+        padded_tokens=3,
+    )
+    out, lse = run_own_keys(batch, query_block=query_block, num_warps=num_warps)
+    ref_out, ref_lse = ref_own_keys(batch)
+    n = sum(batch["query_lens"])
+    torch.testing.assert_close(out[:n].cpu(), ref_out, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(lse[:, :n].cpu(), ref_lse, atol=TOL, rtol=TOL)
+    assert_untouched(out, batch)
 
 
 @needs_kernel

@@ -472,6 +472,8 @@ def tree_attention(
     softcap: float = 0.0,
     prefix_lse: torch.Tensor | None = None,
     out_lse: torch.Tensor | None = None,
+    query_block: int | None = None,
+    num_warps: int = 4,
 ) -> None:
     """Attention of every request's query tokens over themselves (causal)
     under the packed tree mask, keys and values read from the paged cache.
@@ -490,6 +492,11 @@ def tree_attention(
     already holds the attention over the prefix with that log-sum-exp; the
     result is merged in place. ``out_lse``: also write the log-sum-exp of the
     result (same layout). Tokens past ``cu_seqlens_q[-1]`` are not touched.
+
+    ``query_block``: query tokens per program (each with its KV head's group
+    of query heads); by default as many as fill 16 rows. ``query_block`` and
+    ``num_warps`` are the launch's tuning knobs (`bench_tree_attention.py
+    --tree-configs` times them); the result does not depend on them.
     """
     num_tokens, num_query_heads, head_size = query.shape
     num_seqs = seq_lens.shape[0]
@@ -509,8 +516,13 @@ def tree_attention(
     if num_tokens == 0 or num_seqs == 0:
         return
     num_queries_per_kv = num_query_heads // num_kv_heads
-    block_m = max(16, triton.next_power_of_2(num_queries_per_kv))
-    block_q = block_m // num_queries_per_kv
+    if query_block is None:
+        block_m = max(16, triton.next_power_of_2(num_queries_per_kv))
+        block_q = block_m // num_queries_per_kv
+    else:
+        assert query_block >= 1, query_block
+        block_q = query_block
+        block_m = max(16, triton.next_power_of_2(block_q * num_queries_per_kv))
     # A tree row has at most T keys. Head size 256 with 32-key tiles spills
     # registers on sm_90 (ptxas); 16-key tiles do not.
     tile_size = 16 if mask_len <= 16 or head_size > 128 else 32
@@ -567,7 +579,7 @@ def tree_attention(
         USE_SOFTCAP=softcap > 0,
         MERGE_PREFIX=merge,
         OUTPUT_LSE=out_lse is not None,
-        num_warps=4,
+        num_warps=num_warps,
     )
 
 
