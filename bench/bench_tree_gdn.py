@@ -11,7 +11,8 @@ nodes at draft depth 15 (``build_tree`` of random per-depth logits; peaked
 logits give deep, spiny trees):
 
 * ``chunk``   `tree_gated_delta_rule` as the verifier runs it (the chunked
-              kernel up to `CHUNK_MAX_NODES` rows, else the path replay);
+              kernel up to `CHUNK_MAX_NODES` rows, the blocked kernel up to
+              `BLOCKED_MAX_NODES`, else the path replay);
 * ``replay``  the path-replay kernel (`_tree_gdn_kernel`) on the same tree;
 * ``chain``   upstream's `fused_sigmoid_gating_delta_rule_update` over
               1 + budget tokens per request with a state slot per token, as
@@ -81,16 +82,17 @@ def _path(parent_row, node):
 def tree_call(case, replay: bool):
     from vllm.v1.spec_decode.ddtree import tree_gdn
 
-    limit = tree_gdn.CHUNK_MAX_NODES
+    limits = tree_gdn.CHUNK_MAX_NODES, tree_gdn.BLOCKED_MAX_NODES
 
     def run():
-        tree_gdn.CHUNK_MAX_NODES = 0 if replay else limit
+        if replay:
+            tree_gdn.CHUNK_MAX_NODES = tree_gdn.BLOCKED_MAX_NODES = 0
         try:
             return tree_gdn.tree_gated_delta_rule(
                 **case, draft_depth=DRAFT_DEPTH, use_qk_l2norm_in_kernel=True
             )
         finally:
-            tree_gdn.CHUNK_MAX_NODES = limit
+            tree_gdn.CHUNK_MAX_NODES, tree_gdn.BLOCKED_MAX_NODES = limits
 
     return run
 

@@ -146,8 +146,12 @@ def test_tree_gdn_matches_the_sequential_kernel_on_every_path(
         (3, [15, 3], 15, 4.0),
         (4, [15, 15], 15, 0.3),
         (5, [9], 15, 1.5),
-        # The largest tree the bf16 form takes (31 nodes + root = 32 rows).
+        # The largest tree the bf16 form takes in one block (31 nodes + root
+        # = 32 rows; two blocks of 16 in float32).
         (6, [31], 15, 1.5),
+        # The default budget at one request (65 rows: 3 blocks of 32 in bf16,
+        # 5 of 16 in float32), and a 21-row tree batched with it (one block).
+        (7, [64, 20], 15, 1.5),
     ],
 )
 @pytest.mark.parametrize("strong", [False, True])
@@ -155,8 +159,9 @@ def test_tree_gdn_matches_the_sequential_kernel_on_every_path(
 def test_chunked_tree_gdn_matches_the_sequential_kernel(
     seed, budgets, depth, scale, strong, dtype, monkeypatch
 ):
-    """The chunked (WY) kernel against upstream's sequential kernel over
-    every root-to-node path, and against the path-replay kernel; a batch row
+    """The chunked (WY) kernel, in one block or block by block for trees
+    of more rows, against upstream's sequential kernel over every
+    root-to-node path, and against the path-replay kernel; a batch row
     without a state slot (CUDA-graph padding) gets zeros. ``strong``: nearly
     parallel keys, beta near 1 and almost no decay, so that long paths'
     terms of the triangular inverse matter. float32 inputs take the forward
@@ -167,9 +172,6 @@ def test_chunked_tree_gdn_matches_the_sequential_kernel(
     num_rows = len(budgets)
     budget = max(budgets)
     exact = dtype == torch.float32
-    limit = tree_gdn.CHUNK_MAX_NODES_FLOAT32 if exact else tree_gdn.CHUNK_MAX_NODES
-    if tree_gdn.triton.next_power_of_2(budget + 1) > limit:
-        pytest.skip(f"{budget + 1} rows: the path replay's for {dtype}")
     tree = build_tree(torch.randn(num_rows, depth, 5, generator=gen) * scale, budget)
     # One padding row (slot 0) after the real ones.
     idx_mapping = torch.arange(num_rows + 1, dtype=torch.int32)
@@ -207,10 +209,10 @@ def test_chunked_tree_gdn_matches_the_sequential_kernel(
     tol = 2e-5 if exact else 2e-2
     reference_inputs = {n: t.float() for n, t in inputs.items()}
     for r, n in enumerate(budgets):
-        # Every node of the small trees; of the 31-node one (slow in the
+        # Every node of the small trees; of the larger ones (slow in the
         # interpreter) the 8 deepest and the 4 shallowest.
         by_depth = sorted(range(1 + n), key=lambda i: -len(_path(parent[r], i)))
-        nodes = by_depth if n <= 15 else by_depth[:8] + by_depth[-4:]
+        nodes = by_depth if n <= 20 else by_depth[:8] + by_depth[-4:]
         for node in nodes:
             rows = [int(qsl[r]) + i for i in _path(parent[r], node)]
             ref_o, _ = _reference(reference_inputs, state[r + 1], rows, True)
@@ -221,4 +223,5 @@ def test_chunked_tree_gdn_matches_the_sequential_kernel(
     # The path replay.
     monkeypatch.setattr(tree_gdn, "CHUNK_MAX_NODES", 0)
     monkeypatch.setattr(tree_gdn, "CHUNK_MAX_NODES_FLOAT32", 0)
+    monkeypatch.setattr(tree_gdn, "BLOCKED_MAX_NODES", 0)
     torch.testing.assert_close(run().float(), o.float(), rtol=tol, atol=tol)

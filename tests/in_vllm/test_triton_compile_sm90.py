@@ -311,6 +311,20 @@ SCRIPT = textwrap.dedent(
              "USE_QK_L2NORM_IN_KERNEL": True,
              "DOT_PRECISION": "tf32" if products else "ieee"},
         )
+    blocked_sig = dict(chunk_sig, u_ws="*fp32", g_ws="*fp32")
+    for block, products in ((16, False), (32, True)):
+        compile_kernel(
+            tg._tree_gdn_blocked_kernel, dict(blocked_sig, **{n: C for n in (
+                "H", "HV", "K", "V", "BK", "BV", "BC", "MAX_PATH", "PATH_BLOCK",
+                "PRODUCTS", "INVERSE_FACTORS", "USE_QK_L2NORM_IN_KERNEL",
+                "DOT_PRECISION")}),
+            {"H": 16, "HV": 48, "K": 128, "V": 128, "BK": 128,
+             "BV": tg.CHUNK_BLOCK_V, "BC": block, "MAX_PATH": 16,
+             "PATH_BLOCK": 16, "PRODUCTS": products,
+             "INVERSE_FACTORS": block.bit_length() - 2,
+             "USE_QK_L2NORM_IN_KERNEL": True,
+             "DOT_PRECISION": "tf32" if products else "ieee"},
+        )
     strides = {n: "i64" for n in (
         "stride_x_tok", "stride_x_dim", "stride_s_seq", "stride_s_dim", "stride_s_tok")}
     conv_sig = dict(strides, x="*bf16", w="*bf16", stride_w_dim="i64",

@@ -51,9 +51,12 @@ from vllm.triton_utils import tl, triton
 #   rows; its products of the small node matrices in float32 cost 5-9x
 #   that, and from 32 rows on the substitution is slower than the replay,
 #   so float32 trees take it up to CHUNK_MAX_NODES_FLOAT32 rows.
-# Larger trees replay each node's path.
+# Larger trees take the same system block by block, blocks of those sizes
+# (`_tree_gdn_blocked_kernel`), up to BLOCKED_MAX_NODES rows; beyond that
+# (and for the per-layer final-state mode) each node's path is replayed.
 CHUNK_MAX_NODES = 32
 CHUNK_MAX_NODES_FLOAT32 = 16
+BLOCKED_MAX_NODES = 512
 # The chunked kernel's launch (the fastest of 5 value-block / warp pairs).
 CHUNK_BLOCK_V = 64
 CHUNK_NUM_WARPS = 4
@@ -176,6 +179,40 @@ def _tree_gdn_kernel(
         if final_slot > 0:
             p_ht = p_state + final_slot * state_stride
             tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), mask=mask_h)
+
+
+@triton.jit
+def _unit_lower_solve(
+    lower,  # [BN, BN] strictly lower triangular in node order
+    rhs,  # [BN, BV]
+    n,  # arange(BN)
+    num_rows,  # rows in use (the others are zero)
+    PRODUCTS: tl.constexpr,
+    INVERSE_FACTORS: tl.constexpr,  # log2(BN) - 1
+    DOT_PRECISION: tl.constexpr,
+):
+    """``(I + lower)^-1 rhs``: as a product of log2(BN) factors, or by
+    forward substitution row by row (float32: exact order of operations)."""
+    if PRODUCTS:
+        # L is strictly lower triangular (L^BN = 0), so (I + L)^-1 =
+        # (I - L)(I + L^2)(I + L^4)...(I + L^(BN / 2)).
+        eye_f = tl.where(n[:, None] == n[None, :], 1.0, 0.0)
+        inv = eye_f - lower
+        power = lower
+        for _ in range(INVERSE_FACTORS):
+            power = tl.dot(power, power, input_precision="ieee")
+            inv = tl.dot(inv, eye_f + power, input_precision="ieee")
+        u = tl.dot(inv, rhs, input_precision=DOT_PRECISION)
+    else:
+        # Forward substitution in node order.
+        u = rhs
+        for i in range(1, num_rows):
+            l_row = tl.sum(tl.where(n[:, None] == i, lower, 0.0), 0)  # [BN]
+            u_i = tl.sum(tl.where(n[:, None] == i, u, 0.0), 0) - tl.sum(
+                l_row[:, None] * u, 0
+            )
+            u = tl.where(n[:, None] == i, u_i[None, :], u)
+    return u
 
 
 @triton.jit
@@ -314,25 +351,9 @@ def _tree_gdn_chunk_kernel(
     strict = anc & (n[:, None] != n[None, :])
     lower = tl.where(strict, b_beta[:, None] * decay * kk, 0.0)
     rhs = b_beta[:, None] * (b_v - tl.exp(cum_g)[:, None] * k_h)
-    if PRODUCTS:
-        # L is strictly lower triangular (L^BN = 0), so (I + L)^-1 =
-        # (I - L)(I + L^2)(I + L^4)...(I + L^(BN / 2)).
-        eye_f = tl.where(eye, 1.0, 0.0)
-        inv = eye_f - lower
-        power = lower
-        for _ in range(INVERSE_FACTORS):
-            power = tl.dot(power, power, input_precision="ieee")
-            inv = tl.dot(inv, eye_f + power, input_precision="ieee")
-        u = tl.dot(inv, rhs, input_precision=DOT_PRECISION)
-    else:
-        # Forward substitution in node order.
-        u = rhs
-        for i in range(1, num_rows):
-            l_row = tl.sum(tl.where(n[:, None] == i, lower, 0.0), 0)  # [BN]
-            u_i = tl.sum(tl.where(n[:, None] == i, u, 0.0), 0) - tl.sum(
-                l_row[:, None] * u, 0
-            )
-            u = tl.where(n[:, None] == i, u_i[None, :], u)
+    u = _unit_lower_solve(
+        lower, rhs, n, num_rows, PRODUCTS, INVERSE_FACTORS, DOT_PRECISION
+    )
 
     # o_i = h_i q_i = exp(cum_g_i) S0 q_i + sum over i's path (i included) of
     # exp(cum_g_i - cum_g_j) (q_i . k_j) u_j.
@@ -340,6 +361,191 @@ def _tree_gdn_chunk_kernel(
     b_o = tl.exp(cum_g)[:, None] * q_h + tl.dot(attn, u, input_precision=DOT_PRECISION)
     p_o = o + (rows[:, None] * HV + i_hv) * V + o_v[None, :]
     tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_nv)
+
+
+@triton.jit
+def _block_ancestors(path, nodes, MAX_PATH: tl.constexpr, PATH_BLOCK: tl.constexpr):
+    """anc[i, j]: node ``nodes[j]`` is on the root -> node path of row ``i``
+    of ``path`` ([rows, PATH_BLOCK]: the node, its parent, ..., -1 past the
+    root; so ``nodes`` marks columns of no node below -1)."""
+    s_offs = tl.arange(0, PATH_BLOCK)
+    node = tl.sum(tl.where(s_offs[None, :] == 0, path, 0), 1)
+    anc = nodes[None, :] == node[:, None]
+    for s in range(1, MAX_PATH):
+        up = tl.sum(tl.where(s_offs[None, :] == s, path, 0), 1)
+        anc = anc | (nodes[None, :] == up[:, None])
+    return anc
+
+
+@triton.jit
+def _tree_gdn_blocked_kernel(
+    A_log,  # [HV]
+    a,  # [T, HV]
+    b,  # [T, HV]
+    dt_bias,  # [HV]
+    q,  # [T, H, K]
+    k,  # [T, H, K]
+    v,  # [T, HV, V]
+    o,  # [T, HV, V]
+    state,  # [num_slots, HV, V, K] committed states (read only)
+    state_stride,  # elements between two slots
+    state_idx_ptr,  # [R] slot of each batch row's committed state
+    query_start_ptr,  # [R + 1] first verify row of each batch row
+    parent_ptr,  # [S, B] parent verify index of node i + 1 (0 = root)
+    parent_stride,
+    idx_mapping_ptr,  # [R] batch row -> request state (tree row)
+    softplus_beta,
+    softplus_threshold,
+    scale,
+    u_ws,  # [T, HV, V] float32 scratch: the corrected values of done blocks
+    g_ws,  # [T, HV] float32 scratch: their log decays from the root
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BC: tl.constexpr,  # nodes per block, a power of 2 >= 16 (tl.dot)
+    MAX_PATH: tl.constexpr,  # draft_depth + 1 (root included)
+    PATH_BLOCK: tl.constexpr,  # power of 2 >= MAX_PATH
+    PRODUCTS: tl.constexpr,  # the diagonal blocks' inverse as products
+    INVERSE_FACTORS: tl.constexpr,  # log2(BC) - 1
+    USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" (float32 models) or "tf32"
+):
+    """`_tree_gdn_chunk_kernel`'s system for trees of more rows than one
+    block holds, solved block by block in node order. Parents precede their
+    children, so the ancestors of block p's nodes lie in blocks 0..p and
+    (I + L) u = rhs splits into (I + L_pp) u_p = rhs_p - sum_{q < p} L_pq u_q:
+    each block's corrected values are found after the earlier blocks', from
+    [BC, BC] matrices only (the whole system's would not fit in registers
+    at 65 rows and more). The done blocks' values and log decays go through
+    a scratch buffer that the same program reads back."""
+    i_v = tl.program_id(0)
+    r = tl.program_id(1)
+    i_hv = tl.program_id(2)
+    row0 = tl.load(query_start_ptr + r).to(tl.int64)
+    num_rows = tl.load(query_start_ptr + r + 1).to(tl.int64) - row0
+    slot = tl.load(state_idx_ptr + r).to(tl.int64)
+    if (num_rows <= 0) | (slot <= 0):
+        return
+    req = tl.load(idx_mapping_ptr + r).to(tl.int64)
+    i_h = i_hv // (HV // H)
+
+    c = tl.arange(0, BC)
+    s_offs = tl.arange(0, PATH_BLOCK)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    p_h = state + slot * state_stride + i_hv * V * K
+    b_h = tl.load(
+        p_h + o_v[:, None] * K + o_k[None, :],
+        mask=mask_v[:, None] & mask_k[None, :],
+        other=0,
+    ).to(tl.float32)  # [BV, BK]
+    h_t = tl.trans(b_h)  # [BK, BV]
+    neg_a = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    bias = tl.load(dt_bias + i_hv).to(tl.float32)
+
+    for p in range(0, tl.cdiv(num_rows, BC)):
+        nodes = p * BC + c
+        valid = nodes < num_rows
+        rows = row0 + nodes
+        # Each node's root -> node path, the node first: one parent load per
+        # level for the whole block.
+        path = tl.full([BC, PATH_BLOCK], -1, tl.int64)
+        cur = tl.where(valid, nodes, -1).to(tl.int64)
+        for s in range(MAX_PATH):
+            path = tl.where(s_offs[None, :] == s, cur[:, None], path)
+            has_parent = cur > 0
+            cur = tl.load(
+                parent_ptr + req * parent_stride + cur - 1, mask=has_parent, other=-1
+            ).to(tl.int64)
+            cur = tl.where(has_parent, cur, -1)
+        # Log decay from the root through each node (inclusive).
+        on_path = path >= 0
+        x = tl.load(a + (row0 + path) * HV + i_hv, mask=on_path, other=0)
+        x = x.to(tl.float32) + bias
+        softplus_x = tl.where(
+            softplus_beta * x <= softplus_threshold,
+            (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)),
+            x,
+        )
+        cum_g = tl.sum(tl.where(on_path, neg_a * softplus_x, 0.0), 1)  # [BC]
+
+        mask_ck = valid[:, None] & mask_k[None, :]
+        b_q = tl.load(
+            q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mask_ck, other=0
+        ).to(tl.float32)
+        b_k = tl.load(
+            k + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mask_ck, other=0
+        ).to(tl.float32)
+        mask_cv = valid[:, None] & mask_v[None, :]
+        b_v = tl.load(
+            v + (rows[:, None] * HV + i_hv) * V + o_v[None, :], mask=mask_cv, other=0
+        ).to(tl.float32)
+        b_beta = tl.sigmoid(
+            tl.load(b + rows * HV + i_hv, mask=valid, other=0).to(tl.float32)
+        )
+        if USE_QK_L2NORM_IN_KERNEL:
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None]
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
+        b_q = b_q * scale
+
+        k_h = tl.dot(b_k, h_t, input_precision=DOT_PRECISION)
+        q_h = tl.dot(b_q, h_t, input_precision=DOT_PRECISION)
+        rhs = b_beta[:, None] * (b_v - tl.exp(cum_g)[:, None] * k_h)
+        b_o = tl.exp(cum_g)[:, None] * q_h
+        # The earlier blocks' part: their corrected values are known.
+        for pq in range(0, p):
+            nodes_q = pq * BC + c
+            rows_q = row0 + nodes_q
+            k_q = tl.load(
+                k + (rows_q[:, None] * H + i_h) * K + o_k[None, :],
+                mask=mask_k[None, :],
+                other=0,
+            ).to(tl.float32)
+            if USE_QK_L2NORM_IN_KERNEL:
+                k_q = k_q * tl.rsqrt(tl.sum(k_q * k_q, 1) + 1e-6)[:, None]
+            cum_g_q = tl.load(g_ws + rows_q * HV + i_hv)
+            u_q = tl.load(
+                u_ws + (rows_q[:, None] * HV + i_hv) * V + o_v[None, :],
+                mask=mask_v[None, :],
+                other=0,
+            )
+            anc_q = _block_ancestors(path, nodes_q, MAX_PATH, PATH_BLOCK)
+            decay_q = tl.exp(
+                tl.where(anc_q, cum_g[:, None] - cum_g_q[None, :], float("-inf"))
+            )
+            kk_q = tl.dot(b_k, tl.trans(k_q), input_precision=DOT_PRECISION)
+            qk_q = tl.dot(b_q, tl.trans(k_q), input_precision=DOT_PRECISION)
+            lower_q = b_beta[:, None] * decay_q * kk_q
+            rhs -= tl.dot(lower_q, u_q, input_precision=DOT_PRECISION)
+            b_o += tl.dot(qk_q * decay_q, u_q, input_precision=DOT_PRECISION)
+        # The block's own nodes, as `_tree_gdn_chunk_kernel` solves a tree.
+        anc = _block_ancestors(path, tl.where(valid, nodes, -2), MAX_PATH, PATH_BLOCK)
+        decay = tl.exp(tl.where(anc, cum_g[:, None] - cum_g[None, :], float("-inf")))
+        kk = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
+        qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+        strict = anc & (c[:, None] != c[None, :])
+        lower = tl.where(strict, b_beta[:, None] * decay * kk, 0.0)
+        u = _unit_lower_solve(
+            lower,
+            rhs,
+            c,
+            tl.minimum(num_rows - p * BC, BC),
+            PRODUCTS,
+            INVERSE_FACTORS,
+            DOT_PRECISION,
+        )
+        tl.store(u_ws + (rows[:, None] * HV + i_hv) * V + o_v[None, :], u, mask=mask_cv)
+        tl.store(g_ws + rows * HV + i_hv, cum_g, mask=valid)
+        # The next blocks read these back, through other threads' loads.
+        tl.debug_barrier()
+        b_o += tl.dot(tl.where(anc, qk * decay, 0.0), u, input_precision=DOT_PRECISION)
+        p_o = o + (rows[:, None] * HV + i_hv) * V + o_v[None, :]
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_cv)
 
 
 def tree_gated_delta_rule(
@@ -414,8 +620,30 @@ def tree_gated_delta_rule(
     num_nodes = triton.next_power_of_2(max(parent_idx.shape[1] + 1, 16))
     exact = v.dtype == torch.float32
     chunk_max_nodes = CHUNK_MAX_NODES_FLOAT32 if exact else CHUNK_MAX_NODES
+    chunk_bv = min(triton.next_power_of_2(V), CHUNK_BLOCK_V)
+    if not store_final and chunk_max_nodes < num_nodes <= BLOCKED_MAX_NODES:
+        # Scratch for the done blocks (each program reads back only what it
+        # wrote itself): no zeroing needed.
+        u_ws = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        g_ws = torch.empty(v.shape[:2], dtype=torch.float32, device=v.device)
+        _tree_gdn_blocked_kernel[(triton.cdiv(V, chunk_bv), num_rows, HV)](
+            *inputs,
+            *tree,
+            *gating,
+            u_ws,
+            g_ws,
+            **dict(shape, BV=chunk_bv),
+            BC=chunk_max_nodes,
+            MAX_PATH=max_path,
+            PATH_BLOCK=triton.next_power_of_2(max_path),
+            PRODUCTS=not exact,
+            INVERSE_FACTORS=chunk_max_nodes.bit_length() - 2,
+            USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
+            DOT_PRECISION="ieee" if exact else "tf32",
+            num_warps=CHUNK_NUM_WARPS,
+        )
+        return o
     if not store_final and num_nodes <= chunk_max_nodes:
-        chunk_bv = min(triton.next_power_of_2(V), CHUNK_BLOCK_V)
         _tree_gdn_chunk_kernel[(triton.cdiv(V, chunk_bv), num_rows, HV)](
             *inputs,
             *tree,
