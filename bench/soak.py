@@ -1397,6 +1397,8 @@ class Soak:
             "identical": 0,
             "near_ties": [],
             "mismatches": [],
+            "num_near_ties": 0,
+            "num_mismatches": 0,
             "reference_errors": [],
             "eligible": len(todo),
         }
@@ -1472,6 +1474,9 @@ class Soak:
 
         await asyncio.gather(*(one(o) for o in todo))
         res["ok"] = not res["mismatches"] and not res["reference_errors"]
+        # The counts cover every output; the rows kept are the first 50 by id.
+        res["num_mismatches"] = len(res["mismatches"])
+        res["num_near_ties"] = len(res["near_ties"])
         res["mismatches"] = sorted(res["mismatches"], key=lambda r: r["id"])[:50]
         res["near_ties"] = sorted(res["near_ties"], key=lambda r: r["id"])[:50]
         return res
@@ -1700,8 +1705,8 @@ class Soak:
             crit["greedy_reference"] = {
                 "ok": greedy["ok"],
                 "detail": f"{greedy['identical']}/{greedy['compared']} identical, "
-                f"{len(greedy['near_ties'])} near-ties, "
-                f"{len(greedy['mismatches'])} mismatches, "
+                f"{greedy['num_near_ties']} near-ties, "
+                f"{greedy['num_mismatches']} mismatches, "
                 f"{len(greedy['reference_errors'])} not compared",
             }
 
