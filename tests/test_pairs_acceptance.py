@@ -66,3 +66,72 @@ def test_tree_walk_follows_siblings_the_chain_cannot():
     tree = acceptance.best_prefixes(vals[0], 6)
     assert {(1,), (1, 0), (1, 0, 0)} <= tree
     assert acceptance.tree_steps(vals, idx, tokens, 0, 3, 6) == [4]
+
+
+def test_replaying_a_sampled_continuation_gives_rejection_samplings_tau():
+    """acceptance.py's claim for temperature > 0: walking the argmax chain
+    down one sample of the target accepts as many tokens, in distribution, as
+    vLLM's rejection sampling of greedy drafts (accept a draft with the
+    target's probability of it, else draw from the target without it). A
+    first-order Markov target over 5 tokens, drafts the argmax chain of a
+    perturbed copy of it; both processes run long enough that their tau agree
+    to a few percent (fixed seeds: the figures do not move between runs)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, k, n_tokens = 5, 4, 40_000
+    target = torch.softmax(2.0 * torch.randn(vocab, vocab, generator=gen), -1)
+    drafter = target + 0.3 * torch.rand(vocab, vocab, generator=gen)
+    nxt = drafter.argmax(-1)
+
+    def draft_after(tok: int) -> list[int]:
+        out = []
+        for _ in range(k):
+            tok = int(nxt[tok])
+            out.append(tok)
+        return out
+
+    # vLLM's process: rejection sampling with one-hot draft probabilities.
+    steps, tok, emitted = [], 0, 0
+    while emitted < n_tokens:
+        n = 0
+        for d in draft_after(tok):
+            p = target[tok]
+            if torch.rand((), generator=gen) < p[d]:
+                tok, n = d, n + 1
+                continue
+            resid = p.clone()
+            resid[d] = 0
+            tok = int(torch.multinomial(resid / resid.sum(), 1, generator=gen))
+            break
+        else:
+            tok = int(torch.multinomial(target[tok], 1, generator=gen))
+        steps.append(n + 1)
+        emitted += n + 1
+    tau_rejection = acceptance.tau([steps])
+
+    # The replay: one sample of the target, the chain walked down it.
+    seq = [0]
+    for _ in range(n_tokens):
+        seq.append(int(torch.multinomial(target[seq[-1]], 1, generator=gen)))
+
+    def drafts_of(seq: list[int]) -> torch.Tensor:
+        return torch.tensor([draft_after(t) for t in seq])
+
+    tau_replay = acceptance.tau(
+        [acceptance.chain_steps(drafts_of(seq), seq, 0, len(seq) - 1)]
+    )
+
+    # The greedy replay (the target's argmax sequence) is not it: the check
+    # tells the two apart.
+    greedy = [0]
+    for _ in range(n_tokens):
+        greedy.append(int(target[greedy[-1]].argmax()))
+    tau_greedy = acceptance.tau(
+        [acceptance.chain_steps(drafts_of(greedy), greedy, 0, len(greedy) - 1)]
+    )
+    print(
+        f"tau: rejection {tau_rejection:.3f} replay {tau_replay:.3f} "
+        f"greedy {tau_greedy:.3f}"
+    )
+    assert 1.3 < tau_rejection < k + 1
+    assert tau_replay == pytest.approx(tau_rejection, rel=0.03)
+    assert abs(tau_greedy - tau_rejection) > 0.2

@@ -50,7 +50,9 @@ def test_committed_results_have_the_rows_the_yardstick_needs():
     for r in measured:
         assert {"pair", "dtype", "method", "concurrency", "tok_s", "tau"} <= set(r)
         if r["method"] in ("chain", "chain_v2", "ddtree"):
-            assert r["identical_to_nospec"] is not None and r["tau"] > 1
+            assert r["tau"] > 1
+            if r.get("temperature", 0.0) == 0.0:
+                assert r["identical_to_nospec"] is not None
     embedded = {r["pair"] for r in rows if "embedding_max_abs_logit_diff" in r}
     assert embedded == {"dense-8b", "hybrid-27b"}
     assert all(
@@ -58,3 +60,40 @@ def test_committed_results_have_the_rows_the_yardstick_needs():
         for r in rows
         if "embedding_max_abs_logit_diff" in r
     )
+
+
+def test_annotate_compares_greedy_rows_only(tmp_path):
+    def save(method, toks):
+        path = tmp_path / f"tokens_dense-8b_bfloat16_{method}_c1.json"
+        path.write_text(json.dumps(toks))
+
+    save("nospec", [[1, 2], [3]])
+    save("ddtree", [[1, 2], [4]])
+    save("small", [[1, 2], [3]])
+    base = dict(pair="dense-8b", dtype="bfloat16", concurrency=1)
+    rows = [
+        dict(base, method="nospec", temperature=0.0),
+        dict(base, method="ddtree", temperature=0.0),
+        dict(base, method="ddtree", temperature=1.0),
+        dict(base, method="chain"),  # rows of earlier runs carry no temperature
+        {"pair": "dense-8b", "embedding_max_abs_logit_diff": 1e-5},
+    ]
+    run_pairs.annotate(rows, str(tmp_path))
+    assert rows[0]["identical_to_small"] == "2/2"
+    assert rows[1]["identical_to_nospec"] == "1/2"
+    assert "identical_to_nospec" not in rows[2]
+    assert rows[3]["identical_to_nospec"] is None  # no chain tokens saved
+    assert len(rows[4]) == 2
+
+
+def test_engine_command_passes_the_sampled_concurrencies():
+    ap = run_pairs.argparse.ArgumentParser()
+    run_pairs.add_engine_options(ap)
+    ap.add_argument("--out", default="x.json")
+    ap.add_argument("--workdir", default="w")
+    a = ap.parse_args(["--sampled-conc", "1,4", "--prompts", "p.jsonl"])
+    cmd = run_pairs.engine_command(a, "dense-8b", "bfloat16", "ddtree", "1,8")
+    assert cmd[cmd.index("--sampled-conc") + 1] == "1,4"
+    assert run_pairs.sampled_conc(a) == [1, 4]
+    a.sampled_conc = ""
+    assert run_pairs.sampled_conc(a) == []

@@ -1,12 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Offline acceptance of a drafter against its target's greedy continuation.
+"""Offline acceptance of a drafter against its target's continuation.
 
-Given the target's greedy continuation of a prompt and the drafter's per-depth
+Given the target's continuation of a prompt and the drafter's per-depth
 log-probabilities at every possible anchor (bonus-token position), replay what
-vLLM does at temperature 0: the DFlash chain accepts the longest prefix of its
-argmax draft that the target agrees with; DDTree builds the B most probable
-prefixes of the factorised draft distribution and walks the target's tokens
-down it. Both return tau: tokens emitted per step (accepted + the bonus).
+vLLM does: the DFlash chain accepts the longest prefix of its argmax draft
+that the target agrees with; DDTree builds the B most probable prefixes of the
+factorised draft distribution and walks the target's tokens down it. Both
+return tau: tokens emitted per step (accepted + the bonus).
+
+At temperature 0 the continuation is the target's greedy one. At temperature
+T > 0 it is one sample from the target at T, and the same replay gives the
+accepted lengths of sampled verification: DDTree draws the target's token at
+every node and walks, which emits a true target sample and leaves the tree
+exactly where that sample does; vLLM's chain drafts argmax tokens (its default
+``draft_sample_method="greedy"``: one-hot draft probabilities), and rejection
+sampling then accepts a draft token with the target's probability of it and
+otherwise draws from the target with that token removed, which is the same as
+drawing from the target and accepting when the draw equals the draft.
 """
 
 from __future__ import annotations
@@ -21,8 +31,8 @@ def chain_steps(
 ) -> list[int]:
     """Accepted-plus-one per step of the chain. ``draft[p]`` [K] is the argmax draft
     after a bonus token at position p (predicting positions p+1..p+K); ``tokens``
-    the target's greedy sequence; decoding starts with the bonus at ``start`` and
-    stops once position ``end`` is emitted."""
+    the target's sequence (greedy, or sampled: see above); decoding starts with
+    the bonus at ``start`` and stops once position ``end`` is emitted."""
     out, p = [], start
     k = draft.shape[1]
     while p < end:

@@ -34,7 +34,13 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     with open(a.results) as f:
-        rows = [r for r in json.load(f) if "tok_s" in r and r.get("dtype") == a.dtype]
+        rows = [
+            r
+            for r in json.load(f)
+            if "tok_s" in r
+            and r.get("dtype") == a.dtype
+            and r.get("temperature", 0.0) == 0.0
+        ]
     pairs = sorted({r["pair"] for r in rows})
     if not pairs:
         raise SystemExit(f"no {a.dtype} rows with tok_s in {a.results}")

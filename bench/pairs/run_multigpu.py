@@ -104,6 +104,7 @@ def annotate(rows: list[dict], workdir: str) -> None:
                     and c.get("dtype") == "bfloat16"
                     and (c.get("tp"), c.get("pp")) == (tp, pp)
                     and c.get("concurrency") == r["concurrency"]
+                    and c.get("temperature", 0.0) == r.get("temperature", 0.0)
                 ),
                 None,
             )

@@ -15,7 +15,9 @@ production-{target,drafter} hold the configs), the trained pair written into it
 in place (pair_worker.py), then greedy decoding (temperature 0, ``ignore_eos``)
 at each concurrency: ``c`` prompts at a time. Rows: tokens/s, tau (vLLM's
 spec-decode counters), ms per engine step and whether each output equals the
-no-speculation output of the same pair, dtype and concurrency. ``--small``
+no-speculation output of the same pair, dtype and concurrency; each bf16
+engine then decodes ``--sampled-conc`` again at temperature 1 (rows with
+``"temperature": 1.0``: tokens/s and tau, nothing compared). ``--small``
 also runs the small pair itself (no speculation, float32): the production
 shape's greedy outputs must equal it. Progress goes to stderr; the JSON (a list
 of rows) is rewritten after every engine, so a cut run keeps what finished;
@@ -49,6 +51,11 @@ def log(msg: str) -> None:
 def load_prompts(path: str) -> list[list[int]]:
     with open(path) as f:
         return [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
+
+
+def sampled_conc(a) -> list[int]:
+    """The concurrencies an engine decodes again at temperature 1."""
+    return [int(c) for c in a.sampled_conc.split(",") if c]
 
 
 def prompts_for(conc: int, prompts: list[list[int]], c1: int) -> list[list[int]]:
@@ -89,7 +96,7 @@ def run_engine(a) -> None:
         seed=0,
         skip_tokenizer_init=True,
         disable_log_stats=False,
-        max_num_seqs=max(a.conc),
+        max_num_seqs=max(a.conc + sampled_conc(a)),
         enable_prefix_caching=False,
     )
     if not small:
@@ -122,20 +129,39 @@ def run_engine(a) -> None:
         )[0]
         log(f"{a.pair} {a.dtype} {a.method}: embedded weights written {load}")
     prompts = load_prompts(a.prompts)
-    sp = SamplingParams(
+    greedy = SamplingParams(
         temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True, detokenize=False
     )
     warm = [TokensPrompt(prompt_token_ids=p) for p in prompts[:2]]
-    llm.generate(warm, sp, use_tqdm=False)
-    for conc in a.conc:
+    llm.generate(warm, greedy, use_tqdm=False)
+    # Temperature 1 (vLLM's default sampling) after the greedy sweep, in the
+    # same engine: bf16 only, since float32 engines check exactness.
+    sampled = [] if a.dtype == "float32" else sampled_conc(a)
+    plan = [(c, 0.0) for c in a.conc] + [(c, 1.0) for c in sampled]
+    for conc, temperature in plan:
         batch = prompts_for(conc, prompts, a.c1_prompts)
+        # Sampled: one seed per prompt, so every method draws from the same
+        # stream of seeds (outputs still differ: speculation changes which
+        # random numbers each token consumes).
+        sps = [
+            greedy
+            if temperature == 0
+            else SamplingParams(
+                temperature=temperature,
+                seed=j,
+                max_tokens=a.max_tokens,
+                ignore_eos=True,
+                detokenize=False,
+            )
+            for j in range(len(batch))
+        ]
         acc0, drafts0 = spec_counters(llm)
         toks: list[list[int]] = []
         t = time.time()
         for i in range(0, len(batch), conc):
             outs = llm.generate(
                 [TokensPrompt(prompt_token_ids=p) for p in batch[i : i + conc]],
-                sp,
+                sps[i : i + conc],
                 use_tqdm=False,
             )
             toks += [list(o.outputs[0].token_ids) for o in outs]
@@ -147,6 +173,7 @@ def run_engine(a) -> None:
             pair=a.pair,
             dtype=a.dtype,
             method=a.method,
+            temperature=temperature,
             concurrency=conc,
             prompts=len(batch),
             tok_s=round(sum(map(len, toks)) / dt, 1),
@@ -161,15 +188,16 @@ def run_engine(a) -> None:
         if load:
             row["weights_written"] = load
         print("ROW " + json.dumps(row), flush=True)
-        with open(
-            os.path.join(
-                a.workdir, f"tokens_{a.pair}_{a.dtype}_{a.method}_c{conc}.json"
-            ),
-            "w",
-        ) as f:
-            json.dump(toks, f)
+        if temperature == 0:
+            with open(
+                os.path.join(
+                    a.workdir, f"tokens_{a.pair}_{a.dtype}_{a.method}_c{conc}.json"
+                ),
+                "w",
+            ) as f:
+                json.dump(toks, f)
         log(
-            f"{a.pair} {a.dtype} {a.method} c={conc}: "
+            f"{a.pair} {a.dtype} {a.method} c={conc} T={temperature:g}: "
             f"{row['tok_s']} tok/s, tau {row['tau']}"
         )
 
@@ -192,6 +220,22 @@ def compare(
             dest += json.load(f)
     same = sum(x == y for x, y in zip(ref, got))
     return f"{same}/{len(got)}"
+
+
+def annotate(rows: list[dict], workdir: str) -> None:
+    """Each greedy row's outputs against no speculation's (and no
+    speculation's against the small pair's); sampled rows compare nothing."""
+    for r in rows:
+        if "concurrency" not in r or r.get("temperature", 0.0) > 0:
+            continue
+        if r["method"] not in ("nospec", "small"):
+            r["identical_to_nospec"] = compare(
+                workdir, r["pair"], r["dtype"], r["method"], r["concurrency"], "nospec"
+            )
+        if r["method"] == "nospec":
+            r["identical_to_small"] = compare(
+                workdir, r["pair"], r["dtype"], "nospec", r["concurrency"], "small"
+            )
 
 
 def add_engine_options(ap: argparse.ArgumentParser) -> None:
@@ -218,6 +262,12 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
         "--llm-kwargs", default=None, help="extra LLM(...) keyword arguments (JSON)"
     )
     ap.add_argument("--engine-timeout", type=int, default=900)
+    ap.add_argument(
+        "--sampled-conc",
+        default="1,8",
+        help="concurrencies decoded again at temperature 1 in each bf16 engine "
+        "('' for none)",
+    )
 
 
 def engine_command(
@@ -261,6 +311,8 @@ def engine_command(
         str(a.chain_k),
         "--ddtree",
         a.ddtree,
+        "--sampled-conc",
+        a.sampled_conc,
         "--workdir",
         workdir or a.workdir,
     ]
@@ -378,25 +430,7 @@ def main() -> None:
             if (r.get("pair"), r.get("dtype"), r.get("method")) != (pair, dtype, method)
         ]
         rows += new
-        for r in rows:
-            if "concurrency" in r and r["method"] not in ("nospec", "small"):
-                r["identical_to_nospec"] = compare(
-                    a.workdir,
-                    r["pair"],
-                    r["dtype"],
-                    r["method"],
-                    r["concurrency"],
-                    "nospec",
-                )
-            if r.get("method") == "nospec" and "concurrency" in r:
-                r["identical_to_small"] = compare(
-                    a.workdir,
-                    r["pair"],
-                    r["dtype"],
-                    "nospec",
-                    r["concurrency"],
-                    "small",
-                )
+        annotate(rows, a.workdir)
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
     if a.embedding != "none":

@@ -320,6 +320,18 @@ def save_drafter(name: str, drafter, out_dir: str) -> None:
         json.dump(pc.pair(name)["small_drafter"], f, indent=1)
 
 
+def load_drafter(drafter, path: str) -> None:
+    """Weights saved by save_drafter (the starting point of a further
+    training run)."""
+    from safetensors.torch import load_file
+
+    sd = {
+        k: v.float()
+        for k, v in load_file(os.path.join(path, "model.safetensors")).items()
+    }
+    drafter.load_state_dict(sd)
+
+
 def round_to_bf16_(module) -> None:
     """Keep float32 compute but the weights as saved (bf16), so that the
     continuations and the evaluation see the model vLLM will load."""
@@ -381,20 +393,29 @@ def train_target(a, model, ids, device, deadline: float, rec: dict) -> None:
     )
 
 
-def greedy_continue(model, prompts, new_tokens: int, amp: bool):
+def greedy_continue(
+    model, prompts, new_tokens: int, amp: bool, temperature: float = 0.0
+):
     """The target's greedy continuation (EOS does not stop it: vLLM's benchmarks
-    run with ignore_eos)."""
+    run with ignore_eos); with ``temperature`` > 0 a sample at that temperature
+    from the whole distribution (no top-k / top-p), from torch's global
+    generator (seed it first)."""
     import torch
 
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = pc.PAD_ID
+    sampling = (
+        dict(do_sample=True, temperature=temperature, top_k=None, top_p=None)
+        if temperature > 0
+        else dict(do_sample=False)
+    )
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
         out = model.generate(
             input_ids=prompts,
             attention_mask=torch.ones_like(prompts),
             max_new_tokens=new_tokens,
-            do_sample=False,
             eos_token_id=None,
+            **sampling,
         )
     return out
 
@@ -438,7 +459,7 @@ def train_drafter(
     embed = model.model.embed_tokens.weight
     lm_head = model.lm_head.weight
     opt = torch.optim.AdamW(
-        drafter.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01
+        drafter.parameters(), lr=a.drafter_lr, betas=(0.9, 0.95), weight_decay=0.01
     )
     gen = torch.Generator().manual_seed(a.seed + 11)
     dbs = 2 if a.smoke else a.drafter_batch
@@ -472,7 +493,7 @@ def train_drafter(
         )
         hard = tgt_logp.argmax(-1)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, (time.time() - t1) / budget, 1e-3, 50, 0.05)
+            g["lr"] = lr_at(step, (time.time() - t1) / budget, a.drafter_lr, 50, 0.05)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             logits = draft_logits(drafter, feats, x, anc, embed, lm_head).float()
         logits = logits.reshape(dbs, -1, logits.shape[-1])
@@ -505,16 +526,28 @@ def train_drafter(
         "steps": step,
         "batch": dbs,
         "anchors_per_seq": anchors_per_seq,
+        "peak_lr": a.drafter_lr,
         "seconds": round(time.time() - t1, 1),
         "curve": curve,
     }
     log(f"{a.pair}: drafter done, {step} steps")
 
 
-def evaluate(a, model, drafter, prompts_path: str, device, n_prompts: int) -> dict:
-    """Offline tau at temperature 0: the prompts of ``prompts_path`` with at least
+def evaluate(
+    a,
+    model,
+    drafter,
+    prompts_path: str,
+    device,
+    n_prompts: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> dict:
+    """Offline tau: the prompts of ``prompts_path`` with at least
     EVAL_PROMPT_LEN tokens, cut to their last EVAL_PROMPT_LEN (one batch, no
-    padding), continued greedily by the target."""
+    padding), continued by the target greedily or, with ``temperature`` > 0,
+    sampled at that temperature (seeded by ``seed``): acceptance.py says why the
+    same replay then gives the tau of sampled verification."""
     import acceptance
     import torch
     from dflash_ref import draft_logits, target_forward
@@ -527,7 +560,10 @@ def evaluate(a, model, drafter, prompts_path: str, device, n_prompts: int) -> di
     with open(prompts_path) as f:
         rows = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
     rows = [r[-plen:] for r in rows if len(r) >= plen][:n_prompts]
-    seqs = greedy_continue(model, torch.tensor(rows, device=device), new, amp)
+    torch.manual_seed(seed)
+    seqs = greedy_continue(
+        model, torch.tensor(rows, device=device), new, amp, temperature
+    )
     chain, trees = [], {b: [] for b in EVAL_BUDGETS}
     r = max(EVAL_BUDGETS)
     end = seqs.shape[1] - 1
@@ -566,6 +602,7 @@ def evaluate(a, model, drafter, prompts_path: str, device, n_prompts: int) -> di
             trees[b].append(acceptance.tree_steps(v_all, i_all, toks, plen, end, b))
     return {
         "prompts": len(chain),
+        "temperature": temperature,
         "prompt_tokens": plen,
         "new_tokens": new,
         "chain_k15_tau": round(acceptance.tau(chain), 3),
@@ -625,6 +662,9 @@ def run_pair(a) -> None:
         save_target(a.pair, model, os.path.join(pdir, "target"), a.seed)
     data, plen = make_continuations(a, model, ids, device, d_gen, rec)
     drafter = DFlashDrafter(pc.pair(a.pair)["small_drafter"]).to(device)
+    if a.init_drafter:
+        load_drafter(drafter, os.path.join(a.init_drafter, a.pair, "drafter"))
+        rec["init_drafter"] = os.path.join(a.init_drafter, a.pair, "drafter")
     train_drafter(a, model, drafter, data, plen, device, d_drafter, rec)
     drafter.eval()
     round_to_bf16_(drafter)
@@ -665,6 +705,13 @@ def main() -> None:
     ap.add_argument("--gen-batch", type=int, default=384)
     ap.add_argument("--max-sequences", type=int, default=8192)
     ap.add_argument("--drafter-batch", type=int, default=24)
+    ap.add_argument("--drafter-lr", type=float, default=1e-3, help="peak")
+    ap.add_argument(
+        "--init-drafter",
+        metavar="DIR",
+        help="start each drafter from <DIR>/<pair>/drafter (a trained set) "
+        "instead of random weights",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--reuse-target",

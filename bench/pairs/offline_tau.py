@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Offline tau of trained benchmark pairs on held-out prompts, at temperature 0
+and 1: the DFlash chain (K = 15) and DDTree at budgets 16 / 64 / 256, replayed
+as vLLM verifies them (acceptance.py), without vLLM.
+
+    python3 bench/pairs/offline_tau.py [--models bench/pairs/models] \\
+        [--pairs dense-8b,hybrid-27b] [--temperatures 0,1] [--prompts 48] \\
+        [--seed 0] [--out bench/results/pairs.json]
+
+Runs on the CPU (a few minutes per pair and temperature) or a GPU. Prints one
+``TAU {json}`` line per (pair, temperature); with ``--out`` it replaces that
+pair's ``offline_heldout_tau_t<T>`` row in the file (run_pairs.py's rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import types
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def log(msg: str) -> None:
+    print(
+        f"[offline_tau {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True
+    )
+
+
+def row_key(temperature: float) -> str:
+    return f"offline_heldout_tau_t{temperature:g}"
+
+
+def merge_rows(rows: list[dict], new: list[dict]) -> list[dict]:
+    """``rows`` with each of ``new`` replacing the row of the same pair and
+    key (appended when there is none)."""
+    out = list(rows)
+    for n in new:
+        key = next(k for k in n if k.startswith("offline_heldout_tau_t"))
+        out = [r for r in out if not (r.get("pair") == n["pair"] and key in r)]
+        out.append(n)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default=os.path.join(HERE, "models"))
+    ap.add_argument("--pairs", default="dense-8b,hybrid-27b")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0, help="of the sampled continuations")
+    ap.add_argument("--out", default=None, help="JSON rows to update (pairs.json)")
+    ap.add_argument("--cpu", action="store_true")
+    a = ap.parse_args(argv)
+
+    import torch
+    import train
+    from dflash_ref import DFlashDrafter
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.cpu else "cpu")
+    new: list[dict] = []
+    for pair in a.pairs.split(","):
+        pdir = os.path.join(a.models, pair)
+        model = train.build_target(pair, device)
+        train.load_target(model, os.path.join(pdir, "target"))
+        model.eval()
+        with open(os.path.join(pdir, "drafter", "config.json")) as f:
+            drafter = DFlashDrafter(json.load(f)).to(device)
+        train.load_drafter(drafter, os.path.join(pdir, "drafter"))
+        drafter.eval()
+        for t in (float(x) for x in a.temperatures.split(",") if x):
+            t0 = time.time()
+            res = train.evaluate(
+                types.SimpleNamespace(smoke=False),
+                model,
+                drafter,
+                os.path.join(a.models, "prompts", "heldout.jsonl"),
+                device,
+                a.prompts,
+                temperature=t,
+                seed=a.seed,
+            )
+            res["seed"] = a.seed
+            row = {"pair": pair, row_key(t): res}
+            print("TAU " + json.dumps(row), flush=True)
+            log(f"{pair} T={t:g}: {res} ({time.time() - t0:.0f} s on {device})")
+            new.append(row)
+    if a.out:
+        rows = []
+        if os.path.exists(a.out):
+            with open(a.out) as f:
+                rows = json.load(f)
+        with open(a.out, "w") as f:
+            json.dump(merge_rows(rows, new), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
