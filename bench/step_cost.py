@@ -30,6 +30,16 @@ median and keeps them all), then ``--profile-batches`` batches under the
 profiler (ddtree_e2e.py's ``profile_steps``: the share of the step the GPU is
 busy, GPU time by kernel class and by phase, the top kernels and host ops).
 
+With ``--weights dummy,pair`` each engine, once its dummy-weight figures are
+taken, gets the shape's trained benchmark pair written in place
+(bench/pairs/pair_worker.py) and measures again on the pairs' held-out
+prompts (rows with ``"weights": "pair"`` and both taus). Dummy weights give
+tau = 1, but the chain's drafts are then likely one token repeated (every
+mask position of a near-zero drafter reads alike): a verify batch that the
+GPU, at its power cap, runs faster than the distinct tokens of a tree
+(measured with bench/gemm_power.py). Trained weights give both methods real
+drafts.
+
 ``--out`` holds ``{"command", "rows", "profiles"}``: one row per (shape,
 concurrency, tree budget) with ``chain_ms_per_step``, ``ddtree_ms_per_step``,
 their ratio, ``equal_tokens`` and both GPU-busy shares (``chain_runner`` says
@@ -73,6 +83,7 @@ FORWARDED_OPTIONS = (
     "stack_dump_s",
     "host_profile_conc",
     "profile_conc",
+    "weights",
 )
 HYBRID_LLM_KWARGS = {
     "enable_prefix_caching": False,
@@ -147,6 +158,12 @@ def gpu_busy_timed(engine_row: dict) -> float | None:
     return round(gpu_us / 1e3 / engine_row["ms_per_step"], 3)
 
 
+def weights_of(engine_row: dict) -> str:
+    """The weights an engine row was measured with (rows of runs before
+    ``--weights`` existed were all dummy)."""
+    return engine_row.get("weights", "dummy")
+
+
 def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
     """One step-cost row per DDTree measurement, against the chain of the
     runner DDTree uses (V2) at the same shape and concurrency."""
@@ -154,7 +171,7 @@ def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
     v2_passes: dict[tuple, list[float]] = {}
     for r in engine_rows:
         if r["method"] == "chain":
-            key = (r["shape"], "chain", r["runner"], r["concurrency"])
+            key = (r["shape"], weights_of(r), "chain", r["runner"], r["concurrency"])
             if key in by_key and r["runner"] == "v2":
                 # The chain ran before and after the DDTree engines: their
                 # mean is the figure, both are kept.
@@ -166,11 +183,13 @@ def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
     for r in engine_rows:
         if r["method"] != "ddtree":
             continue
-        chain = by_key.get((r["shape"], "chain", "v2", r["concurrency"]))
+        w = weights_of(r)
+        chain = by_key.get((r["shape"], w, "chain", "v2", r["concurrency"]))
         if chain is None:
             continue
         row = dict(
             shape=r["shape"],
+            weights=w,
             concurrency=r["concurrency"],
             tree_budget=r["budget"],
             tree_attention=r.get("tree_attention", "unified"),
@@ -185,14 +204,18 @@ def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
             chain_gpu_busy_timed=gpu_busy_timed(chain),
             ddtree_gpu_busy_timed=gpu_busy_timed(r),
         )
-        key = (r["shape"], "chain", "v2", r["concurrency"])
+        if w != "dummy":
+            # Trained weights: both methods accept tokens (tau > 1), from
+            # real drafts on both sides.
+            row.update(chain_tau=chain.get("tau"), ddtree_tau=r.get("tau"))
+        key = (r["shape"], w, "chain", "v2", r["concurrency"])
         if key in v2_passes:
             row["chain_ms_per_step_passes"] = v2_passes[key]
         for name in ("sm_clock_mhz", "power_w"):
             if chain.get("gpu") and r.get("gpu"):
                 row[f"chain_{name}"] = chain["gpu"][name]
                 row[f"ddtree_{name}"] = r["gpu"][name]
-        v1 = by_key.get((r["shape"], "chain", "v1", r["concurrency"]))
+        v1 = by_key.get((r["shape"], w, "chain", "v1", r["concurrency"]))
         if v1 is not None:
             row.update(
                 chain_v1_ms_per_step=v1["ms_per_step"],
@@ -383,8 +406,6 @@ def run_engine(a) -> None:
         watchdog.rearm()
 
     stage_done("")
-    import ddtree_e2e
-
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -407,6 +428,13 @@ def run_engine(a) -> None:
     )
     if a.shape.startswith("hybrid"):
         kw.update(HYBRID_LLM_KWARGS)
+    weights_modes = [w for w in a.weights.split(",") if w]
+    if "pair" in weights_modes:
+        # The trained pair is written into the dummy engine in place
+        # (bench/pairs/pair_worker.py) after the dummy-weight measurements.
+        sys.path.insert(0, PAIRS)
+        os.environ["PYTHONPATH"] = PAIRS + os.pathsep + os.environ.get("PYTHONPATH", "")
+        kw["worker_extension_cls"] = "pair_worker.EmbeddedPairWorker"
     if a.method == "chain":
         kw["speculative_config"] = dict(
             method="dflash", model=drafter, num_speculative_tokens=a.chain_k
@@ -429,7 +457,7 @@ def run_engine(a) -> None:
         [int(c) for c in a.profile_conc.split(",") if c] if a.profile_conc else conc
     )
     n = max(conc) * (a.timed_batches + a.profile_batches + 1)
-    prompts = [
+    random_set = [
         TokensPrompt(prompt_token_ids=p)
         for p in random_prompts(n, a.prompt_len, min(vocab, 150000))
     ]
@@ -445,13 +473,55 @@ def run_engine(a) -> None:
         detokenize=False,
     )
     t = time.time()
-    llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
+    llm.generate(random_set[:2], sp, use_tqdm=False)  # warm-up
     stage_done(f"warm-up in {time.time() - t:.1f} s")
     sampler = GpuSampler()
     profile_args = argparse.Namespace(
         mode="ddtree" if a.method == "ddtree" else "dflash", budget=budget, k=a.chain_k
     )
-    for c in conc:
+    ctx = argparse.Namespace(
+        llm=llm,
+        sp=sp,
+        profile_sp=profile_sp,
+        profile_args=profile_args,
+        sampler=sampler,
+        conc=conc,
+        profile_conc=profile_conc,
+        host_conc=host_conc,
+        budget=budget,
+        mode=mode,
+        startup_s=startup_s,
+        stage_done=stage_done,
+    )
+    for weights in weights_modes:
+        prompts = random_set
+        if weights == "pair":
+            loads = llm.collective_rpc("load_embedded_pair", args=(pdir, a.shape))
+            stage_done(f"pair weights written: {loads[0]}")
+            prompts = heldout_prompts(a.models, n, a.prompt_len)
+        measure(a, ctx, weights, prompts)
+
+
+def heldout_prompts(models: str, n: int, length: int) -> list:
+    """``n`` of the pairs' held-out prompts (in file order, repeated when
+    there are fewer), each cut to its last ``length`` tokens."""
+    from vllm.inputs import TokensPrompt
+
+    with open(os.path.join(models, "prompts", "heldout.jsonl")) as f:
+        ids = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
+    ids = [p[-length:] for p in ids if p]
+    return [TokensPrompt(prompt_token_ids=ids[i % len(ids)]) for i in range(n)]
+
+
+def measure(a, ctx, weights: str, prompts: list) -> None:
+    """Per concurrency of ``ctx.conc``: an untimed batch, the timed decodes,
+    then the profiled ones; one ``ROW {json}`` line each. ``ctx`` holds the
+    engine and what run_engine set up for it."""
+    import ddtree_e2e
+
+    llm, sp, profile_sp, sampler = ctx.llm, ctx.sp, ctx.profile_sp, ctx.sampler
+    budget, mode, stage_done = ctx.budget, ctx.mode, ctx.stage_done
+    for c in ctx.conc:
         # One untimed batch at this concurrency first: kernels specialised
         # on its shapes compile here, not inside the timed decode.
         llm.generate(prompts[-c:], sp, use_tqdm=False)
@@ -475,17 +545,19 @@ def run_engine(a) -> None:
         tag = f"{a.shape}-{a.method}-{a.runner}-{budget or a.chain_k}-c{c}"
         if mode:
             tag += f"-{mode}"
+        if weights != "dummy":
+            tag += f"-{weights}"
         profiled = prompts[
             c * a.timed_batches : c * (a.timed_batches + a.profile_batches)
         ]
         prof = None
-        if c in profile_conc:
+        if c in ctx.profile_conc:
             prof = ddtree_e2e.profile_steps(
-                llm, profile_args, tag, profiled, profile_sp, c
+                llm, ctx.profile_args, tag, profiled, profile_sp, c
             )
             stage_done("")
         host = None
-        if c in host_conc:
+        if c in ctx.host_conc:
             # The profiled prompts again (their prefix is not cached): the
             # same decode under cProfile instead of the torch profiler.
             host = host_profile(
@@ -501,6 +573,7 @@ def run_engine(a) -> None:
             )
         row = dict(
             shape=a.shape,
+            weights=weights,
             method=a.method,
             runner=a.runner,
             budget=budget,
@@ -516,7 +589,7 @@ def run_engine(a) -> None:
             profiled_ms_per_step=round(prof["wall_us_per_step"] / 1e3, 3)
             if prof
             else None,
-            startup_s=startup_s,
+            startup_s=ctx.startup_s,
             profile=prof,
         )
         if host is not None:
@@ -593,6 +666,14 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=240,
         help="an engine stage running longer prints its Python stacks",
+    )
+    ap.add_argument(
+        "--weights",
+        default="dummy",
+        help="'dummy', 'pair' or 'dummy,pair': 'pair' writes the trained "
+        "benchmark pair of the shape into each engine (after its dummy-weight "
+        "measurements, if any: one engine start for both) and decodes held-out "
+        "prompts, so that both methods verify real drafts",
     )
     ap.add_argument(
         "--tree-attention",

@@ -331,3 +331,64 @@ def test_gpu_sampler_summary_without_nvml():
     )
     s.samples = []
     assert s.summary() is None
+
+
+def test_rows_compare_chain_and_ddtree_of_the_same_weights(tmp_path, monkeypatch):
+    """--weights dummy,pair: each engine is passed the modes and reports rows
+    for both; a DDTree row compares with the chain of its own weights, and
+    the pair rows carry both taus."""
+    calls = []
+
+    def fake(cmd, stdout=None, text=None, timeout=None):
+        calls.append(cmd)
+        method = cmd[cmd.index("--method") + 1]
+        modes = cmd[cmd.index("--weights") + 1].split(",")
+        rows = [
+            "ROW "
+            + json.dumps(
+                dict(
+                    shape="dense-8b",
+                    weights=w,
+                    method=method,
+                    runner="v2",
+                    budget=15 if method == "ddtree" else None,
+                    concurrency=8,
+                    ms_per_step={
+                        ("chain", "dummy"): 7.5,
+                        ("chain", "pair"): 8.0,
+                        ("ddtree", "dummy"): 7.9,
+                        ("ddtree", "pair"): 8.1,
+                    }[(method, w)],
+                    tau=1.0 if w == "dummy" else {"chain": 2.8, "ddtree": 3.4}[method],
+                )
+            )
+            for w in modes
+        ]
+        return SimpleNamespace(stdout="\n".join(rows) + "\n")
+
+    monkeypatch.setattr(subprocess, "run", fake)
+    out = tmp_path / "step-cost.json"
+    step_cost.main(
+        ["--out", str(out), "--shapes", "dense-8b", "--conc", "8", "--c1-budgets", "",
+         "--tree-attention", "auto", "--weights", "dummy,pair"]
+    )  # fmt: skip
+    assert all(c[c.index("--weights") + 1] == "dummy,pair" for c in calls)
+    rows = {r["weights"]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == ["dummy", "pair"]
+    assert rows["dummy"]["ratio"] == round(7.9 / 7.5, 3)
+    assert "chain_tau" not in rows["dummy"]
+    assert rows["pair"]["ratio"] == round(8.1 / 8.0, 3)
+    assert (rows["pair"]["chain_tau"], rows["pair"]["ddtree_tau"]) == (2.8, 3.4)
+
+
+def test_rows_of_earlier_runs_without_weights_count_as_dummy():
+    rows = step_cost.summarize(
+        [
+            dict(shape="dense-8b", method="chain", runner="v2", concurrency=1,
+                 ms_per_step=6.0),
+            dict(shape="dense-8b", method="ddtree", runner="v2", budget=15,
+                 concurrency=1, ms_per_step=6.3),
+        ],
+        15,
+    )  # fmt: skip
+    assert [(r["weights"], r["ratio"]) for r in rows] == [("dummy", 1.05)]
