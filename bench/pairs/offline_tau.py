@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
                 temperature=t,
                 seed=a.seed,
             )
-            res["seed"] = a.seed
+            res.update(seed=a.seed, device=device.type, torch=torch.__version__)
             row = {"pair": pair, row_key(t): res}
             print("TAU " + json.dumps(row), flush=True)
             log(f"{pair} T={t:g}: {res} ({time.time() - t0:.0f} s on {device})")
