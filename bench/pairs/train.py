@@ -393,10 +393,10 @@ def train_target(a, model, ids, device, deadline: float, rec: dict) -> None:
     )
 
 
-def greedy_continue(
+def target_continue(
     model, prompts, new_tokens: int, amp: bool, temperature: float = 0.0
 ):
-    """The target's greedy continuation (EOS does not stop it: vLLM's benchmarks
+    """The target's continuation, greedy (EOS does not stop it: vLLM's benchmarks
     run with ignore_eos); with ``temperature`` > 0 a sample at that temperature
     from the whole distribution (no top-k / top-p), from torch's global
     generator (seed it first)."""
@@ -430,7 +430,7 @@ def make_continuations(a, model, ids, device, deadline: float, rec: dict):
     while time.time() < deadline and len(seqs) * bs < a.max_sequences:
         st = torch.randint(0, ids.numel() - plen - 1, (bs,), generator=gen)
         p = torch.stack([ids[s : s + plen] for s in st.tolist()]).long().to(device)
-        seqs.append(greedy_continue(model, p, clen, device.type == "cuda").cpu())
+        seqs.append(target_continue(model, p, clen, device.type == "cuda").cpu())
     data = torch.cat(seqs)
     rec["continuations"] = {
         "sequences": data.shape[0],
@@ -561,7 +561,7 @@ def evaluate(
         rows = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
     rows = [r[-plen:] for r in rows if len(r) >= plen][:n_prompts]
     torch.manual_seed(seed)
-    seqs = greedy_continue(
+    seqs = target_continue(
         model, torch.tensor(rows, device=device), new, amp, temperature
     )
     chain, trees = [], {b: [] for b in EVAL_BUDGETS}
