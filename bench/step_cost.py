@@ -498,19 +498,20 @@ def run_engine(a) -> None:
         if weights == "pair":
             loads = llm.collective_rpc("load_embedded_pair", args=(pdir, a.shape))
             stage_done(f"pair weights written: {loads[0]}")
-            prompts = heldout_prompts(a.models, n, a.prompt_len)
+            prompts = [
+                TokensPrompt(prompt_token_ids=p)
+                for p in heldout_prompts(a.models, n, a.prompt_len)
+            ]
         measure(a, ctx, weights, prompts)
 
 
-def heldout_prompts(models: str, n: int, length: int) -> list:
+def heldout_prompts(models: str, n: int, length: int) -> list[list[int]]:
     """``n`` of the pairs' held-out prompts (in file order, repeated when
     there are fewer), each cut to its last ``length`` tokens."""
-    from vllm.inputs import TokensPrompt
-
     with open(os.path.join(models, "prompts", "heldout.jsonl")) as f:
         ids = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
     ids = [p[-length:] for p in ids if p]
-    return [TokensPrompt(prompt_token_ids=ids[i % len(ids)]) for i in range(n)]
+    return [ids[i % len(ids)] for i in range(n)]
 
 
 def measure(a, ctx, weights: str, prompts: list) -> None:

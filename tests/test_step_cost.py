@@ -392,3 +392,19 @@ def test_rows_of_earlier_runs_without_weights_count_as_dummy():
         15,
     )  # fmt: skip
     assert [(r["weights"], r["ratio"]) for r in rows] == [("dummy", 1.05)]
+
+
+def test_heldout_prompts_cut_and_repeat(tmp_path):
+    (tmp_path / "prompts").mkdir()
+    lines = [{"prompt_token_ids": list(range(i, i + 10))} for i in range(3)]
+    (tmp_path / "prompts" / "heldout.jsonl").write_text(
+        "".join(json.dumps(x) + "\n" for x in lines) + "\n"
+    )
+    got = step_cost.heldout_prompts(str(tmp_path), 5, 4)
+    assert got == [[6, 7, 8, 9], [7, 8, 9, 10], [8, 9, 10, 11], [6, 7, 8, 9],
+                   [7, 8, 9, 10]]  # fmt: skip
+    # The committed pairs' prompts: enough for a c = 32 engine without repeats.
+    committed = step_cost.heldout_prompts(step_cost.os.path.join(
+        step_cost.PAIRS, "models"), 128, 128)  # fmt: skip
+    assert len({tuple(p) for p in committed}) == 128
+    assert max(map(len, committed)) == 128 and min(map(len, committed)) > 0
