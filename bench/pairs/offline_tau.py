@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args(argv)
 
+    import pair_configs as pc
     import torch
     import train
     from dflash_ref import DFlashDrafter
@@ -85,7 +86,12 @@ def main(argv: list[str] | None = None) -> None:
                 temperature=t,
                 seed=a.seed,
             )
-            res.update(seed=a.seed, device=device.type, torch=torch.__version__)
+            res.update(
+                seed=a.seed,
+                device=device.type,
+                torch=torch.__version__,
+                drafter_id=pc.weights_id(a.models, pair),
+            )
             row = {"pair": pair, row_key(t): res}
             print("TAU " + json.dumps(row), flush=True)
             log(f"{pair} T={t:g}: {res} ({time.time() - t0:.0f} s on {device})")

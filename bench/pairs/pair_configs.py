@@ -347,6 +347,19 @@ def scaled(cfg: dict, **text_overrides) -> dict:
     return out
 
 
+def weights_id(models: str, name: str, part: str = "drafter") -> str:
+    """The first 12 hex digits of the sha256 of ``<models>/<name>/<part>``'s
+    weights: which trained weights a result row was measured with."""
+    import hashlib
+    import os
+
+    h = hashlib.sha256()
+    with open(os.path.join(models, name, part, "model.safetensors"), "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:12]
+
+
 def write_model_dirs(models: str, name: str) -> None:
     """Write ``<models>/<name>/production-{target,drafter}/config.json`` (the
     production shapes, for ``load_format="dummy"``) and link the shared tokenizer

@@ -181,6 +181,8 @@ def run_engine(a) -> None:
             ms_per_step=round(dt * 1e3 / steps, 3),
             startup_s=round(startup, 1),
         )
+        if a.method not in ("nospec", "small"):
+            row["drafter_id"] = pc.weights_id(a.models, a.pair)
         if a.method == "ddtree":
             row["speculative_config"] = kw["speculative_config"]
         elif a.method in ("chain", "chain_v2"):
