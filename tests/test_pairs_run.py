@@ -77,6 +77,9 @@ def test_annotate_compares_greedy_rows_only(tmp_path):
         dict(base, method="ddtree", temperature=1.0),
         dict(base, method="chain"),  # rows of earlier runs carry no temperature
         {"pair": "dense-8b", "embedding_max_abs_logit_diff": 1e-5},
+        # a row of an earlier run whose token files are elsewhere keeps its count
+        dict(base, method="chain_v2", identical_to_nospec="5/6"),
+        dict(base, pair="hybrid-27b", method="nospec", identical_to_small="4/4"),
     ]
     run_pairs.annotate(rows, str(tmp_path))
     assert rows[0]["identical_to_small"] == "2/2"
@@ -84,6 +87,8 @@ def test_annotate_compares_greedy_rows_only(tmp_path):
     assert "identical_to_nospec" not in rows[2]
     assert rows[3]["identical_to_nospec"] is None  # no chain tokens saved
     assert len(rows[4]) == 2
+    assert rows[5]["identical_to_nospec"] == "5/6"
+    assert rows[6]["identical_to_small"] == "4/4"
 
 
 def test_engine_command_passes_the_sampled_concurrencies():

@@ -226,18 +226,26 @@ def compare(
 
 def annotate(rows: list[dict], workdir: str) -> None:
     """Each greedy row's outputs against no speculation's (and no
-    speculation's against the small pair's); sampled rows compare nothing."""
+    speculation's against the small pair's); sampled rows compare nothing. A
+    row whose token files are not in ``workdir`` (rows of an earlier run in
+    the same --out) keeps what it has."""
     for r in rows:
         if "concurrency" not in r or r.get("temperature", 0.0) > 0:
             continue
         if r["method"] not in ("nospec", "small"):
-            r["identical_to_nospec"] = compare(
-                workdir, r["pair"], r["dtype"], r["method"], r["concurrency"], "nospec"
+            key, ref = "identical_to_nospec", "nospec"
+            got = compare(
+                workdir, r["pair"], r["dtype"], r["method"], r["concurrency"], ref
             )
-        if r["method"] == "nospec":
-            r["identical_to_small"] = compare(
-                workdir, r["pair"], r["dtype"], "nospec", r["concurrency"], "small"
+        elif r["method"] == "nospec":
+            key, ref = "identical_to_small", "small"
+            got = compare(
+                workdir, r["pair"], r["dtype"], "nospec", r["concurrency"], ref
             )
+        else:
+            continue
+        if got is not None or key not in r:
+            r[key] = got
 
 
 def add_engine_options(ap: argparse.ArgumentParser) -> None:
