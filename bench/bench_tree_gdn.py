@@ -21,8 +21,11 @@ logits give deep, spiny trees):
 Each call is captured ``--iters`` times in one CUDA graph; the median of
 ``--repeats`` replays between CUDA events, in microseconds per call and per
 step (times 48 layers). Each row also has the largest difference of the
-chunked kernel's output from the replay kernel's. Prints a table, writes
-JSON rows with ``--out``.
+chunked kernel's output from the replay kernel's. ``--table-budget 64``
+gives the trees a parent table of 64 columns, as the engine has with
+``tree_budget`` 64 when its batch policy verifies 15-node trees (the kernel
+form follows the table's width). Prints a table, writes JSON rows with
+``--out``.
 
     python3 bench/bench_tree_gdn.py --out bench/results/tree-gdn.json
 """
@@ -41,13 +44,28 @@ GDN_LAYERS = 48
 DRAFT_DEPTH = 15
 
 
-def make_case(batch: int, budget: int, scale: float, device: str, seed: int = 0):
+def make_case(
+    batch: int,
+    budget: int,
+    scale: float,
+    device: str,
+    seed: int = 0,
+    table_budget: int | None = None,
+):
+    """One layer's verify inputs; ``table_budget`` widens the parent table
+    past the trees' ``budget`` nodes, as the engine's table is as wide as
+    ``tree_budget`` when the budget policy gives smaller trees."""
     from vllm.v1.spec_decode.ddtree.tree import build_tree
 
     gen = torch.Generator().manual_seed(seed)
     tree = build_tree(
         torch.randn(batch, DRAFT_DEPTH, 32, generator=gen) * scale, budget
     )
+    parent_idx = tree.parent_idx.to(torch.int64)
+    if table_budget is not None and table_budget > budget:
+        table = torch.zeros(batch, table_budget, dtype=torch.int64)
+        table[:, :budget] = parent_idx
+        parent_idx = table
     T = batch * (budget + 1)
     qsl = torch.arange(0, T + 1, budget + 1, dtype=torch.int32)
     bf16 = dict(dtype=torch.bfloat16)
@@ -64,7 +82,7 @@ def make_case(batch: int, budget: int, scale: float, device: str, seed: int = 0)
         state=torch.randn(1 + batch * (budget + 2), HV, V, K, generator=gen) * 0.1,
         state_idx=torch.arange(1, batch + 1, dtype=torch.int32),
         query_start_loc=qsl,
-        parent_idx=tree.parent_idx.to(torch.int64),
+        parent_idx=parent_idx,
         idx_mapping=torch.arange(batch, dtype=torch.int32),
     )
     case = {n: t.to(device) for n, t in case.items()}
@@ -162,6 +180,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scales", default="8,1", help="draft logit scales")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--table-budget",
+        type=int,
+        default=None,
+        help="parent table width (the engine's tree_budget) when wider than a "
+        "row's budget: e.g. 64 times the 15-node trees of the default batch "
+        "policy as the engine runs them (the kernel form follows the table)",
+    )
     a = ap.parse_args(argv)
     rows = []
     header = (
@@ -173,7 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     for batch in map(int, a.batches.split(",")):
         for budget in map(int, a.budgets.split(",")):
             for scale in map(float, a.scales.split(",")):
-                case, depth = make_case(batch, budget, scale, "cuda")
+                case, depth = make_case(
+                    batch, budget, scale, "cuda", table_budget=a.table_budget
+                )
                 chunk = tree_call(case, replay=False)
                 replay = tree_call(case, replay=True)
                 diff = (chunk().float() - replay().float()).abs().max().item()
@@ -188,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
                     shape="hybrid-27b",
                     batch=batch,
                     budget=budget,
+                    table_budget=max(budget, a.table_budget or 0),
                     logit_scale=scale,
                     tree_depth=depth,
                     us_per_call={m: round(t, 1) for m, t in us.items()},

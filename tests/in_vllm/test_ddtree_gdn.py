@@ -225,3 +225,37 @@ def test_chunked_tree_gdn_matches_the_sequential_kernel(
     monkeypatch.setattr(tree_gdn, "CHUNK_MAX_NODES_FLOAT32", 0)
     monkeypatch.setattr(tree_gdn, "BLOCKED_MAX_NODES", 0)
     torch.testing.assert_close(run().float(), o.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_small_tree_in_a_wide_parent_table(dtype):
+    """The engine's parent table is as wide as ``tree_budget`` while the
+    batch policy verifies smaller trees: a 15-node tree in a 64-column
+    table (the blocked kernel's form, one block) gives the outputs of the
+    same tree in a 15-column table (the one-block kernel)."""
+    gen = torch.Generator().manual_seed(11)
+    budget, depth = 15, 15
+    tree = build_tree(torch.randn(2, depth, 5, generator=gen) * 1.5, budget)
+    qsl = torch.tensor([0, 16, 32], dtype=torch.int32)
+    inputs = {n: t.to(dtype) if t.dim() > 1 else t for n, t in _inputs(gen, 32).items()}
+    state = torch.randn(3, HV, V, K, generator=gen) * 0.1
+    wide = torch.zeros(2, 64, dtype=torch.int64)
+    wide[:, :budget] = tree.parent_idx
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+
+    def run(parent):
+        return tree_gdn.tree_gated_delta_rule(
+            **{n: to(t) for n, t in inputs.items()},
+            state=to(state),
+            state_idx=to(torch.tensor([1, 2], dtype=torch.int32)),
+            query_start_loc=to(qsl),
+            parent_idx=to(parent),
+            idx_mapping=to(torch.arange(2, dtype=torch.int32)),
+            draft_depth=depth,
+            use_qk_l2norm_in_kernel=True,
+        ).cpu()
+
+    narrow_o = run(tree.parent_idx.to(torch.int64))
+    wide_o = run(wide)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(wide_o.float(), narrow_o.float(), rtol=tol, atol=tol)
