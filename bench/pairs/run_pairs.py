@@ -86,6 +86,9 @@ def run_engine(a) -> None:
 
     spec = pc.load_pair(a.models, a.pair)
     small = a.method == "small"
+    drafter_id = (
+        None if a.method == "nospec" or small else pc.weights_id(a.models, a.pair)
+    )
     pdir = os.path.join(a.models, a.pair)
     target = os.path.join(pdir, "target" if small else "production-target")
     kw = dict(
@@ -181,8 +184,8 @@ def run_engine(a) -> None:
             ms_per_step=round(dt * 1e3 / steps, 3),
             startup_s=round(startup, 1),
         )
-        if a.method not in ("nospec", "small"):
-            row["drafter_id"] = pc.weights_id(a.models, a.pair)
+        if drafter_id is not None:
+            row["drafter_id"] = drafter_id
         if a.method == "ddtree":
             row["speculative_config"] = kw["speculative_config"]
         elif a.method in ("chain", "chain_v2"):
