@@ -146,11 +146,16 @@ def test_tree_gdn_matches_the_sequential_kernel_on_every_path(
         (3, [15, 3], 15, 4.0),
         (4, [15, 15], 15, 0.3),
         (5, [9], 15, 1.5),
-        # The largest tree the bf16 form takes in one block (31 nodes + root
-        # = 32 rows; two blocks of 16 in float32).
+        # The largest tree the bf16 form takes in one block with the root
+        # (31 nodes + root = 32 rows; two blocks of 16 in float32), and 32
+        # nodes, which fill it with the root taken apart.
         (6, [31], 15, 1.5),
-        # The default budget at one request (65 rows: 3 blocks of 32 in bf16,
-        # 5 of 16 in float32), and a 21-row tree batched with it (one block).
+        (8, [32, 7], 15, 1.5),
+        # 16 nodes, the root apart: one block of 16 in both dtypes.
+        (9, [16], 15, 1.5),
+        # The default budget at one request (64 nodes, the root apart: 2
+        # blocks of 32 in bf16, 4 of 16 in float32), and a 20-node tree
+        # batched with it.
         (7, [64, 20], 15, 1.5),
     ],
 )
@@ -259,3 +264,82 @@ def test_a_small_tree_in_a_wide_parent_table(dtype):
     wide_o = run(wide)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(wide_o.float(), narrow_o.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_longest_query_picks_the_form_of_the_trees(dtype, monkeypatch):
+    """With the step's longest query given, 15-node trees in a 64-column
+    table take the one-block kernel (the blocked one is not launched) and
+    give the outputs of the table-wide form."""
+    gen = torch.Generator().manual_seed(12)
+    budget, depth = 15, 15
+    tree = build_tree(torch.randn(2, depth, 5, generator=gen) * 1.5, budget)
+    qsl = torch.tensor([0, 16, 32], dtype=torch.int32)
+    inputs = {n: t.to(dtype) if t.dim() > 1 else t for n, t in _inputs(gen, 32).items()}
+    state = torch.randn(3, HV, V, K, generator=gen) * 0.1
+    wide = torch.zeros(2, 64, dtype=torch.int64)
+    wide[:, :budget] = tree.parent_idx
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+
+    def run(max_query_len):
+        return tree_gdn.tree_gated_delta_rule(
+            **{n: to(t) for n, t in inputs.items()},
+            state=to(state),
+            state_idx=to(torch.tensor([1, 2], dtype=torch.int32)),
+            query_start_loc=to(qsl),
+            parent_idx=to(wide),
+            idx_mapping=to(torch.arange(2, dtype=torch.int32)),
+            draft_depth=depth,
+            use_qk_l2norm_in_kernel=True,
+            max_query_len=max_query_len,
+        ).cpu()
+
+    table_o = run(None)
+
+    class NotLaunched:
+        def __getitem__(self, grid):
+            raise AssertionError("the blocked kernel was launched")
+
+    monkeypatch.setattr(tree_gdn, "_tree_gdn_blocked_kernel", NotLaunched())
+    with pytest.raises(AssertionError, match="blocked kernel"):
+        run(None)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(run(16).float(), table_o.float(), rtol=tol, atol=tol)
+
+
+def test_sixty_four_nodes_in_one_block(monkeypatch):
+    """The bf16 form in one 64-row block (a 64-node tree once the root is
+    taken apart) against upstream's sequential kernel on the deepest and
+    shallowest paths and against the blocked form (2 blocks of 32)."""
+    gen = torch.Generator().manual_seed(13)
+    budget, depth = 64, 15
+    tree = build_tree(torch.randn(1, depth, 5, generator=gen) * 1.5, budget)
+    qsl = torch.tensor([0, 65], dtype=torch.int32)
+    inputs = _inputs(gen, 65)
+    for n in ("a", "b", "q", "k", "v"):
+        inputs[n] = inputs[n].to(torch.bfloat16)
+    state = torch.randn(2, HV, V, K, generator=gen) * 0.1
+    parent = tree.parent_idx.to(torch.int64)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+
+    def run():
+        return tree_gdn.tree_gated_delta_rule(
+            **{n: to(t) for n, t in inputs.items()},
+            state=to(state),
+            state_idx=to(torch.tensor([1], dtype=torch.int32)),
+            query_start_loc=to(qsl),
+            parent_idx=to(parent),
+            idx_mapping=to(torch.zeros(1, dtype=torch.int32)),
+            draft_depth=depth,
+            use_qk_l2norm_in_kernel=True,
+        ).cpu()
+
+    blocked_o = run()
+    monkeypatch.setattr(tree_gdn, "CHUNK_MAX_NODES", 64)
+    o = run()
+    torch.testing.assert_close(o.float(), blocked_o.float(), rtol=2e-2, atol=2e-2)
+    reference_inputs = {n: t.float() for n, t in inputs.items()}
+    by_depth = sorted(range(65), key=lambda i: -len(_path(parent[0], i)))
+    for node in by_depth[:6] + by_depth[-3:]:
+        ref_o, _ = _reference(reference_inputs, state[1], _path(parent[0], node), True)
+        torch.testing.assert_close(o[node].float(), ref_o, rtol=2e-2, atol=2e-2)

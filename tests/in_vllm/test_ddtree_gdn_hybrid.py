@@ -287,6 +287,40 @@ def test_tree_branch_outputs_match_upstream_decode_over_every_path(
             )
 
 
+def test_the_steps_longest_query_reaches_the_tree_kernel(monkeypatch):
+    """attach keeps the longest query of the step's attention metadata (the
+    GDN metadata has none) and the tree kernel gets it: trees of 5 and 3
+    nodes in a 40-column parent table (the blocked form without it) give
+    the same outputs in the form of their own size."""
+    case = Case(0, [5, 3], 3)
+    layer = make_layer(0)
+    wide = torch.zeros(case.max_reqs, 40, dtype=torch.int64, device=DEVICE)
+    wide[:, :5] = case.parent
+    ctx = case.context(layer, parent=wide)
+    seen = []
+    kernel = gdn_verify.tree_gated_delta_rule
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["max_query_len"])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(gdn_verify, "tree_gated_delta_rule", spy)
+    md = case.md()
+    table_out = run_core(
+        monkeypatch, layer, md, case.mixed_qkv, case.b, case.a, case.num_actual
+    )
+    attention_md = SimpleNamespace(max_query_len=6)
+    ctx.attach({layer.prefix: md, "model.layers.3.self_attn": attention_md})
+    assert ctx.max_query_len == 6
+    out = run_core(
+        monkeypatch, layer, md, case.mixed_qkv, case.b, case.a, case.num_actual
+    )
+    assert seen == [None, 6]
+    torch.testing.assert_close(out, table_out, rtol=1e-5, atol=1e-5)
+    ctx.attach({layer.prefix: md})
+    assert ctx.max_query_len is None
+
+
 def test_chain_parent_mutant_is_caught(monkeypatch):
     """The comparison above fails when the kernels see chain parents (each
     node the child of the previous row, upstream's chain semantics)."""

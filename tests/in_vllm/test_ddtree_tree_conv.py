@@ -111,6 +111,16 @@ def test_tree_conv_matches_upstream_on_every_path(
                 o[int(qsl[r]) + node], ref_o, rtol=1e-6, atol=1e-6
             )
 
+    # A parent table wider than the trees (the engine's is tree_budget wide)
+    # with the step's longest query: only the rows' programs run, the same
+    # outputs.
+    wide = torch.zeros(parent.shape[0], parent.shape[1] + 20, dtype=torch.int64)
+    wide[:, : parent.shape[1]] = parent
+    o_wide = tree_conv.tree_causal_conv1d(
+        **args, parent_idx=to(wide), max_query_len=max(budgets) + 1
+    ).cpu()
+    assert torch.equal(o_wide, o)
+
     # Mutant: the same rows read as a chain (parent = i - 1) must differ, or
     # the comparison above could not see a wrong window.
     chain = torch.arange(parent.shape[1]).expand_as(parent).contiguous()

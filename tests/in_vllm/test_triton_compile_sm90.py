@@ -298,30 +298,32 @@ SCRIPT = textwrap.dedent(
         )
     chunk_sig = {n: t for n, t in gdn_sig.items()
                  if n not in ("final_state_idx_ptr", "target_ptr")}
-    for num_nodes, products in ((16, False), (16, True), (32, True)):
+    for num_nodes, products, apart in (
+        (16, False, 0), (16, True, 0), (16, True, 1), (32, True, 1), (64, True, 1)
+    ):
         compile_kernel(
             tg._tree_gdn_chunk_kernel, dict(chunk_sig, **{n: C for n in (
-                "H", "HV", "K", "V", "BK", "BV", "BN", "MAX_PATH", "PRODUCTS",
-                "PATH_SQUARINGS", "INVERSE_FACTORS", "USE_QK_L2NORM_IN_KERNEL",
-                "DOT_PRECISION")}),
+                "H", "HV", "K", "V", "BK", "BV", "BN", "MAX_PATH", "ROOT_APART",
+                "PRODUCTS", "PATH_SQUARINGS", "INVERSE_FACTORS",
+                "USE_QK_L2NORM_IN_KERNEL", "DOT_PRECISION")}),
             {"H": 16, "HV": 48, "K": 128, "V": 128, "BK": 128,
              "BV": tg.CHUNK_BLOCK_V, "BN": num_nodes, "MAX_PATH": 16,
-             "PRODUCTS": products, "PATH_SQUARINGS": 4,
-             "INVERSE_FACTORS": num_nodes.bit_length() - 2,
+             "ROOT_APART": apart, "PRODUCTS": products, "PATH_SQUARINGS": 4,
+             "INVERSE_FACTORS": 3,
              "USE_QK_L2NORM_IN_KERNEL": True,
              "DOT_PRECISION": "tf32" if products else "ieee"},
         )
     blocked_sig = dict(chunk_sig, u_ws="*fp32", g_ws="*fp32")
-    for block, products in ((16, False), (32, True)):
+    for block, products, apart in ((16, False, 1), (32, True, 1), (32, True, 0)):
         compile_kernel(
             tg._tree_gdn_blocked_kernel, dict(blocked_sig, **{n: C for n in (
                 "H", "HV", "K", "V", "BK", "BV", "BC", "MAX_PATH", "PATH_BLOCK",
-                "PRODUCTS", "INVERSE_FACTORS", "USE_QK_L2NORM_IN_KERNEL",
-                "DOT_PRECISION")}),
+                "ROOT_APART", "PRODUCTS", "INVERSE_FACTORS",
+                "USE_QK_L2NORM_IN_KERNEL", "DOT_PRECISION")}),
             {"H": 16, "HV": 48, "K": 128, "V": 128, "BK": 128,
              "BV": tg.CHUNK_BLOCK_V, "BC": block, "MAX_PATH": 16,
-             "PATH_BLOCK": 16, "PRODUCTS": products,
-             "INVERSE_FACTORS": block.bit_length() - 2,
+             "PATH_BLOCK": 16, "ROOT_APART": apart, "PRODUCTS": products,
+             "INVERSE_FACTORS": 3,
              "USE_QK_L2NORM_IN_KERNEL": True,
              "DOT_PRECISION": "tf32" if products else "ieee"},
         )

@@ -136,6 +136,9 @@ class DDTreeGDN:
         # The step's GDN metadata, one per KV-cache group (attach).
         self.group_metadata: list[Any] = []
         self._groups_checked = False
+        # The step's longest query (attach; None: unknown), which picks the
+        # tree kernel's form and block size.
+        self.max_query_len: int | None = None
 
     @classmethod
     def from_vllm_config(
@@ -252,7 +255,22 @@ class DDTreeGDN:
 
     def attach(self, attn_metadata: dict[str, Any]) -> None:
         """Keep the step's GDN metadata (state slots), one per KV-cache
-        group."""
+        group, and its longest query.
+
+        The attention layers' metadata of the same batch carries the longest
+        query on the host: the tree kernel takes the form of the step's trees
+        (the batch policy's 15-node trees in a 64-column parent table take
+        the 16-row kernel). It is bound at CUDA-graph capture too: a GDN
+        target's full graphs are uniform decode batches (GDN builds decode-
+        only capture metadata), replayed only for batches of exactly their
+        query length, so no replay has longer trees than its capture."""
+        # A host int in vLLM's metadata (anything else: the table's width).
+        lens = [
+            m.max_query_len
+            for m in _unique_metadata(attn_metadata)
+            if type(getattr(m, "max_query_len", None)) is int
+        ]
+        self.max_query_len = max(lens) if lens else None
         if not self.group_layers or self.group_layers[0] not in attn_metadata:
             return
         self.group_metadata = [attn_metadata.get(name) for name in self.group_layers]
@@ -350,6 +368,7 @@ class DDTreeGDN:
             query_start,
             self.parent_idx,
             tree_rows,
+            max_query_len=self.max_query_len,
         )
 
     def recurrent(
@@ -394,6 +413,7 @@ class DDTreeGDN:
             tree_rows,
             self.draft_depth,
             use_qk_l2norm_in_kernel=True,
+            max_query_len=self.max_query_len,
         )
         assert o is not None
         return o.unsqueeze(0)
@@ -449,6 +469,15 @@ class DDTreeGDN:
             query_start_loc,
             self.draft_depth,
         )
+
+
+def _unique_metadata(attn_metadata: dict[str, Any] | None) -> list[Any]:
+    """The distinct metadata objects of a step (layers of a group share
+    one)."""
+    seen: dict[int, Any] = {}
+    for m in (attn_metadata or {}).values():
+        seen.setdefault(id(m), m)
+    return list(seen.values())
 
 
 def _group_index(

@@ -223,6 +223,7 @@ def tree_causal_conv1d(
     query_start_loc: torch.Tensor,
     parent_idx: torch.Tensor,
     idx_mapping: torch.Tensor,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Causal conv1d (upstream `causal_conv1d_update`) over every request's
     draft tree.
@@ -240,6 +241,9 @@ def tree_causal_conv1d(
     the request's tokens were its root -> node path. Not in place (upstream
     writes into ``x``): a node's window reads its ancestors' rows of ``x``.
     ``conv_state`` is only read; one launch, no host synchronisation.
+    ``max_query_len``: at most this many verify rows in any batch row (a host
+    bound that holds for every replay of a CUDA graph): programs for rows
+    past it are not launched (default: the parent table's width).
     """
     num_rows = query_start_loc.shape[0] - 1
     T, dim = x.shape
@@ -254,6 +258,8 @@ def tree_causal_conv1d(
     # Every verify row of a batch row is a target: node t for program t
     # (ragged: nodes past the row's count are skipped in the kernel).
     num_targets = parent_idx.shape[1] + 1
+    if max_query_len is not None:
+        num_targets = max(min(num_targets, max_query_len), 1)
     block_n = min(_BLOCK_N, triton.next_power_of_2(dim))
     grid = (triton.cdiv(dim, block_n), num_rows * num_targets)
     _tree_conv1d_kernel[grid](

@@ -17,9 +17,13 @@ of the delta rule, as upstream's chunked prefill computes a chain, with the
 causal mask replaced by the ancestor mask. One program per (value block,
 batch row, value head) reads the committed state once, solves the tree's
 unit lower-triangular system for the corrected values (parents precede
-children: as a product of log2(rows) factors for bf16 / fp16 inputs, by
-forward substitution for float32 ones) and forms all outputs with small
-matrix products. The arithmetic is the sequential recurrence's
+children: as a product of log2(draft depth) factors for bf16 / fp16
+inputs, by forward substitution for float32 ones) and forms all outputs
+with small matrix products. The form and block size follow the step's
+longest query when the caller gives it (the batch policy's small trees sit
+in a parent table as wide as ``tree_budget``), and trees of 16 x m nodes
+take the root first on its own, so that they fill whole blocks (the default
+64 nodes: 64 rows, not 65). The arithmetic is the sequential recurrence's
 rearranged, so outputs equal it up to rounding (the tests hold float32
 outputs to 2e-5 of upstream's sequential kernel on every root-to-node path,
 bf16 ones to their rounding). Larger trees replay each node's path from the
@@ -42,7 +46,7 @@ from vllm.triton_utils import tl, triton
 
 # The chunked kernel's two forms (H200, the 27B shape, one GDN layer):
 # - bf16 / fp16 inputs: tf32 matrix products, the ancestor mask by repeated
-#   squaring and the triangular inverse as log2(rows) products. 24 us at 8
+#   squaring and the triangular inverse as log2(depth) products. 24 us at 8
 #   requests of 16 rows (the chain's kernel: 139 us) and 18 us for one
 #   32-row tree (the path replay: 163 us), outputs within bf16 rounding of
 #   the replay's, so it takes trees of up to CHUNK_MAX_NODES rows;
@@ -54,6 +58,9 @@ from vllm.triton_utils import tl, triton
 # Larger trees take the same system block by block, blocks of those sizes
 # (`_tree_gdn_blocked_kernel`), up to BLOCKED_MAX_NODES rows; beyond that
 # (and for the per-layer final-state mode) each node's path is replayed.
+# Measured at 64 nodes (the root apart), one request: 2 blocks of 32 rows
+# 85 us per layer, one block of 64 rows 110 us (73 us with 8 warps, but
+# 1.28x the blocked form at 4 requests).
 CHUNK_MAX_NODES = 32
 CHUNK_MAX_NODES_FLOAT32 = 16
 BLOCKED_MAX_NODES = 512
@@ -182,20 +189,78 @@ def _tree_gdn_kernel(
 
 
 @triton.jit
+def _root_step(
+    A_log,
+    a,
+    b,
+    dt_bias,
+    q,
+    k,
+    v,
+    o,
+    b_h,  # [BV, BK] the committed state's value block
+    row,  # the root's verify row
+    i_h,
+    i_hv,
+    o_k,
+    o_v,
+    mask_k,
+    mask_v,
+    softplus_beta,
+    softplus_threshold,
+    scale,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
+):
+    """The root's token as the sequential kernel takes it (its operations in
+    its order): stores the root's output and returns the state after it,
+    from which the root's subtrees start."""
+    b_q = tl.load(q + (row * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
+    b_k = tl.load(k + (row * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
+    b_v = tl.load(v + (row * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
+    b_b = tl.load(b + row * HV + i_hv).to(tl.float32)
+    x = tl.load(a + row * HV + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(
+        tl.float32
+    )
+    softplus_x = tl.where(
+        softplus_beta * x <= softplus_threshold,
+        (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)),
+        x,
+    )
+    b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus_x
+    b_beta = tl.sigmoid(b_b)
+    if USE_QK_L2NORM_IN_KERNEL:
+        b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q) + 1e-6))
+        b_k = b_k * (tl.rsqrt(tl.sum(b_k * b_k) + 1e-6))
+    b_q = b_q * scale
+    b_h *= tl.exp(b_g)
+    b_v -= tl.sum(b_h * b_k[None, :], 1)
+    b_v *= b_beta
+    b_h += b_v[:, None] * b_k[None, :]
+    b_o = tl.sum(b_h * b_q[None, :], 1)
+    p_o = o + (row * HV + i_hv) * V + o_v
+    tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
+    return b_h
+
+
+@triton.jit
 def _unit_lower_solve(
     lower,  # [BN, BN] strictly lower triangular in node order
     rhs,  # [BN, BV]
     n,  # arange(BN)
     num_rows,  # rows in use (the others are zero)
     PRODUCTS: tl.constexpr,
-    INVERSE_FACTORS: tl.constexpr,  # log2(BN) - 1
+    INVERSE_FACTORS: tl.constexpr,  # f: lower^(2^(f + 1)) = 0
     DOT_PRECISION: tl.constexpr,
 ):
-    """``(I + lower)^-1 rhs``: as a product of log2(BN) factors, or by
+    """``(I + lower)^-1 rhs``: as a product of INVERSE_FACTORS + 1 factors, or by
     forward substitution row by row (float32: exact order of operations)."""
     if PRODUCTS:
-        # L is strictly lower triangular (L^BN = 0), so (I + L)^-1 =
-        # (I - L)(I + L^2)(I + L^4)...(I + L^(BN / 2)).
+        # (I - L)(I + L^2)...(I + L^(2^f)) = I - L^(2^(f + 1)): the inverse
+        # of I + L once that power is 0 (the caller's f; L^BN = 0 always).
         eye_f = tl.where(n[:, None] == n[None, :], 1.0, 0.0)
         inv = eye_f - lower
         power = lower
@@ -241,11 +306,12 @@ def _tree_gdn_chunk_kernel(
     V: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    BN: tl.constexpr,  # power of 2 >= 1 + B, at least 16 (tl.dot)
+    BN: tl.constexpr,  # power of 2 >= the system's rows, at least 16 (tl.dot)
     MAX_PATH: tl.constexpr,  # draft_depth + 1 (root included)
+    ROOT_APART: tl.constexpr,  # 1: the root first on its own, row n = node n + 1
     PRODUCTS: tl.constexpr,  # squaring / inverse products (else row loops)
-    PATH_SQUARINGS: tl.constexpr,  # 2^PATH_SQUARINGS >= longest path
-    INVERSE_FACTORS: tl.constexpr,  # log2(BN) - 1
+    PATH_SQUARINGS: tl.constexpr,  # 2^PATH_SQUARINGS >= longest path's edges
+    INVERSE_FACTORS: tl.constexpr,  # f: L^(2^(f + 1)) = 0
     USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" (float32 models) or "tf32"
 ):
@@ -265,33 +331,35 @@ def _tree_gdn_chunk_kernel(
     req = tl.load(idx_mapping_ptr + r).to(tl.int64)
     i_h = i_hv // (HV // H)
 
+    # Row n of the system is node n + ROOT_APART: with the root taken first
+    # on its own (below), a tree of 2^m nodes fills 2^m rows, not 2^(m + 1).
     n = tl.arange(0, BN)
-    valid = n < num_rows
-    # anc[i, j]: node j is on node i's root -> node path (i itself included).
-    # Parents precede their children (every prefix of the rank order is a
-    # tree), so anc is lower triangular in node order.
+    valid = n < num_rows - ROOT_APART
+    p_parent = parent_ptr + req * parent_stride + ROOT_APART - 1  # [row + this]
+    # anc[i, j]: row j's node is on row i's node's path (i itself included;
+    # the root apart: below the root). Parents precede their children (every
+    # prefix of the rank order is a tree), so anc is lower triangular.
     eye = n[:, None] == n[None, :]
     if PRODUCTS:
-        # From one load of the parents: the reflexive parent relation raised
-        # to the longest path by repeated squaring (paths of 2^s edges after
-        # s squarings).
-        parent = tl.load(
-            parent_ptr + req * parent_stride + n - 1, mask=valid & (n > 0), other=-1
-        )
+        # From one load of the parents' rows (-1: none in the system): the
+        # reflexive parent relation raised to the longest path by repeated
+        # squaring (paths of 2^s edges after s squarings). Its entries are
+        # 0 / 1 and the sums at most BN, exact in tf32.
+        has_parent = valid & (n + ROOT_APART > 0)
+        parent = tl.load(p_parent + n, mask=has_parent, other=0) - ROOT_APART
+        parent = tl.where(has_parent, parent, -1)
         anc_f = tl.where(eye | (parent[:, None] == n[None, :]), 1.0, 0.0)
         for _ in range(PATH_SQUARINGS):
-            anc_f = tl.minimum(tl.dot(anc_f, anc_f, input_precision="ieee"), 1.0)
+            anc_f = tl.minimum(tl.dot(anc_f, anc_f, input_precision="tf32"), 1.0)
         anc = anc_f > 0.5
     else:
         # One ancestor per iteration.
         anc = eye
         cur = n.to(tl.int64)
-        for _ in range(MAX_PATH - 1):
-            has_parent = valid & (cur > 0)
-            cur = tl.load(
-                parent_ptr + req * parent_stride + cur - 1, mask=has_parent, other=-1
-            ).to(tl.int64)
-            cur = tl.where(has_parent, cur, -1)
+        for _ in range(MAX_PATH - 1 - ROOT_APART):
+            has_parent = valid & (cur + ROOT_APART > 0)
+            up = tl.load(p_parent + cur, mask=has_parent)
+            cur = tl.where(has_parent, (up - ROOT_APART).to(tl.int64), -1)
             anc = anc | (n[None, :] == cur[:, None])
     anc = anc & valid[:, None] & valid[None, :]
 
@@ -299,7 +367,7 @@ def _tree_gdn_chunk_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     mask_k = o_k < K
     mask_v = o_v < V
-    rows = row0 + n
+    rows = row0 + ROOT_APART + n
     mask_nk = valid[:, None] & mask_k[None, :]
     b_q = tl.load(
         q + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mask_nk, other=0
@@ -337,6 +405,17 @@ def _tree_gdn_chunk_kernel(
         mask=mask_v[:, None] & mask_k[None, :],
         other=0,
     ).to(tl.float32)  # [BV, BK]
+    if ROOT_APART:
+        # S0 below: the state after the root.
+        b_h = _root_step(
+            *(A_log, a, b, dt_bias, q, k, v, o, b_h, row0, i_h, i_hv),
+            *(o_k, o_v, mask_k, mask_v, softplus_beta, softplus_threshold, scale),
+            H,
+            HV,
+            K,
+            V,
+            USE_QK_L2NORM_IN_KERNEL,
+        )
     h_t = tl.trans(b_h)  # [BK, BV]
     k_h = tl.dot(b_k, h_t, input_precision=DOT_PRECISION)  # row i: S0 k_i
     q_h = tl.dot(b_q, h_t, input_precision=DOT_PRECISION)  # row i: S0 q_i
@@ -352,7 +431,7 @@ def _tree_gdn_chunk_kernel(
     lower = tl.where(strict, b_beta[:, None] * decay * kk, 0.0)
     rhs = b_beta[:, None] * (b_v - tl.exp(cum_g)[:, None] * k_h)
     u = _unit_lower_solve(
-        lower, rhs, n, num_rows, PRODUCTS, INVERSE_FACTORS, DOT_PRECISION
+        lower, rhs, n, num_rows - ROOT_APART, PRODUCTS, INVERSE_FACTORS, DOT_PRECISION
     )
 
     # o_i = h_i q_i = exp(cum_g_i) S0 q_i + sum over i's path (i included) of
@@ -364,14 +443,14 @@ def _tree_gdn_chunk_kernel(
 
 
 @triton.jit
-def _block_ancestors(path, nodes, MAX_PATH: tl.constexpr, PATH_BLOCK: tl.constexpr):
-    """anc[i, j]: node ``nodes[j]`` is on the root -> node path of row ``i``
-    of ``path`` ([rows, PATH_BLOCK]: the node, its parent, ..., -1 past the
-    root; so ``nodes`` marks columns of no node below -1)."""
+def _block_ancestors(path, nodes, LEVELS: tl.constexpr, PATH_BLOCK: tl.constexpr):
+    """anc[i, j]: node ``nodes[j]`` is on the path of row ``i`` of ``path``
+    ([rows, PATH_BLOCK]: the node, its parent, ..., -1 past the last of
+    ``LEVELS``; so ``nodes`` marks columns of no node below -1)."""
     s_offs = tl.arange(0, PATH_BLOCK)
     node = tl.sum(tl.where(s_offs[None, :] == 0, path, 0), 1)
     anc = nodes[None, :] == node[:, None]
-    for s in range(1, MAX_PATH):
+    for s in range(1, LEVELS):
         up = tl.sum(tl.where(s_offs[None, :] == s, path, 0), 1)
         anc = anc | (nodes[None, :] == up[:, None])
     return anc
@@ -405,11 +484,12 @@ def _tree_gdn_blocked_kernel(
     V: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    BC: tl.constexpr,  # nodes per block, a power of 2 >= 16 (tl.dot)
+    BC: tl.constexpr,  # rows per block, a power of 2 >= 16 (tl.dot)
     MAX_PATH: tl.constexpr,  # draft_depth + 1 (root included)
     PATH_BLOCK: tl.constexpr,  # power of 2 >= MAX_PATH
+    ROOT_APART: tl.constexpr,  # 1: the root first on its own, row n = node n + 1
     PRODUCTS: tl.constexpr,  # the diagonal blocks' inverse as products
-    INVERSE_FACTORS: tl.constexpr,  # log2(BC) - 1
+    INVERSE_FACTORS: tl.constexpr,  # f: L_pp^(2^(f + 1)) = 0
     USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" (float32 models) or "tf32"
 ):
@@ -444,28 +524,42 @@ def _tree_gdn_blocked_kernel(
         mask=mask_v[:, None] & mask_k[None, :],
         other=0,
     ).to(tl.float32)  # [BV, BK]
+    if ROOT_APART:
+        # S0 below: the state after the root.
+        b_h = _root_step(
+            *(A_log, a, b, dt_bias, q, k, v, o, b_h, row0, i_h, i_hv),
+            *(o_k, o_v, mask_k, mask_v, softplus_beta, softplus_threshold, scale),
+            H,
+            HV,
+            K,
+            V,
+            USE_QK_L2NORM_IN_KERNEL,
+        )
     h_t = tl.trans(b_h)  # [BK, BV]
     neg_a = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     bias = tl.load(dt_bias + i_hv).to(tl.float32)
 
-    for p in range(0, tl.cdiv(num_rows, BC)):
+    # Row n of the system is node n + ROOT_APART: with the root apart, a
+    # tree of 2^m nodes fills whole blocks.
+    num_nodes = num_rows - ROOT_APART
+    p_parent = parent_ptr + req * parent_stride + ROOT_APART - 1  # [row + this]
+    for p in range(0, tl.cdiv(num_nodes, BC)):
         nodes = p * BC + c
-        valid = nodes < num_rows
-        rows = row0 + nodes
-        # Each node's root -> node path, the node first: one parent load per
-        # level for the whole block.
+        valid = nodes < num_nodes
+        rows = row0 + ROOT_APART + nodes
+        # Each row's path as rows (the root's too unless apart), the row
+        # first: one parent load per level for the whole block.
         path = tl.full([BC, PATH_BLOCK], -1, tl.int64)
         cur = tl.where(valid, nodes, -1).to(tl.int64)
-        for s in range(MAX_PATH):
+        for s in range(MAX_PATH - ROOT_APART):
             path = tl.where(s_offs[None, :] == s, cur[:, None], path)
-            has_parent = cur > 0
-            cur = tl.load(
-                parent_ptr + req * parent_stride + cur - 1, mask=has_parent, other=-1
-            ).to(tl.int64)
-            cur = tl.where(has_parent, cur, -1)
-        # Log decay from the root through each node (inclusive).
+            has_parent = cur + ROOT_APART > 0
+            up = tl.load(p_parent + cur, mask=has_parent)
+            cur = tl.where(has_parent, (up - ROOT_APART).to(tl.int64), -1)
+        # Log decay from the system's initial state through each node
+        # (inclusive).
         on_path = path >= 0
-        x = tl.load(a + (row0 + path) * HV + i_hv, mask=on_path, other=0)
+        x = tl.load(a + (row0 + ROOT_APART + path) * HV + i_hv, mask=on_path, other=0)
         x = x.to(tl.float32) + bias
         softplus_x = tl.where(
             softplus_beta * x <= softplus_threshold,
@@ -500,7 +594,7 @@ def _tree_gdn_blocked_kernel(
         # The earlier blocks' part: their corrected values are known.
         for pq in range(0, p):
             nodes_q = pq * BC + c
-            rows_q = row0 + nodes_q
+            rows_q = row0 + ROOT_APART + nodes_q
             k_q = tl.load(
                 k + (rows_q[:, None] * H + i_h) * K + o_k[None, :],
                 mask=mask_k[None, :],
@@ -514,7 +608,7 @@ def _tree_gdn_blocked_kernel(
                 mask=mask_v[None, :],
                 other=0,
             )
-            anc_q = _block_ancestors(path, nodes_q, MAX_PATH, PATH_BLOCK)
+            anc_q = _block_ancestors(path, nodes_q, MAX_PATH - ROOT_APART, PATH_BLOCK)
             decay_q = tl.exp(
                 tl.where(anc_q, cum_g[:, None] - cum_g_q[None, :], float("-inf"))
             )
@@ -524,7 +618,9 @@ def _tree_gdn_blocked_kernel(
             rhs -= tl.dot(lower_q, u_q, input_precision=DOT_PRECISION)
             b_o += tl.dot(qk_q * decay_q, u_q, input_precision=DOT_PRECISION)
         # The block's own nodes, as `_tree_gdn_chunk_kernel` solves a tree.
-        anc = _block_ancestors(path, tl.where(valid, nodes, -2), MAX_PATH, PATH_BLOCK)
+        anc = _block_ancestors(
+            path, tl.where(valid, nodes, -2), MAX_PATH - ROOT_APART, PATH_BLOCK
+        )
         decay = tl.exp(tl.where(anc, cum_g[:, None] - cum_g[None, :], float("-inf")))
         kk = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
@@ -534,7 +630,7 @@ def _tree_gdn_blocked_kernel(
             lower,
             rhs,
             c,
-            tl.minimum(num_rows - p * BC, BC),
+            tl.minimum(num_nodes - p * BC, BC),
             PRODUCTS,
             INVERSE_FACTORS,
             DOT_PRECISION,
@@ -569,6 +665,7 @@ def tree_gated_delta_rule(
     softplus_threshold: float = 20.0,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    max_query_len: int | None = None,
 ) -> torch.Tensor | None:
     """Gated delta rule over every request's draft tree.
 
@@ -585,6 +682,13 @@ def tree_gated_delta_rule(
     path into ``state[final_state_idx[r]]`` (M = 1: the walk's last accepted
     node) and returns None. Committed states are only read, so the final
     write may target the committed slot itself once the outputs are done.
+
+    ``max_query_len``: at most this many verify rows in any batch row of
+    this call (a host bound, e.g. the step's attention metadata's; under a
+    CUDA graph it must hold for every replay). The kernel's form and block
+    follow it (default: the parent table's width), so the batch policy's
+    smaller trees in a table as wide as ``tree_budget`` take the form of
+    their own size.
     """
     num_rows = query_start_loc.shape[0] - 1
     T, H, K = k.shape
@@ -600,6 +704,8 @@ def tree_gated_delta_rule(
         # Every verify row of a batch row is a target: node t for program t
         # (ragged: nodes past the row's count are skipped in the kernel).
         num_targets = parent_idx.shape[1] + 1
+        if max_query_len is not None:
+            num_targets = max(min(num_targets, max_query_len), 1)
         # Zeros: rows no program writes (CUDA-graph padding, skipped rows)
         # must not feed garbage into the layer's output projection.
         o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
@@ -617,9 +723,23 @@ def tree_gated_delta_rule(
     tree = (query_start_loc, parent_idx, parent_idx.stride(0), idx_mapping)
     gating = (softplus_beta, softplus_threshold, scale)
     shape = dict(H=H, HV=HV, K=K, V=V, BK=BK, BV=BV)
-    num_nodes = triton.next_power_of_2(max(parent_idx.shape[1] + 1, 16))
+    max_nodes = parent_idx.shape[1]
+    if max_query_len is not None:
+        max_nodes = max(min(max_nodes, max_query_len - 1), 0)
+    # The chunked kernels take the root on its own first when a tree of
+    # 16 x m nodes would otherwise need one row past a power of 2 or a
+    # block (the default 64 nodes: 64 rows, not 65 in 128 or in 3 x 32).
+    root_apart = int(max_nodes >= 16 and max_nodes % 16 == 0)
+    # The system's rows, a power of 2 of at least 16 (tl.dot).
+    num_nodes = triton.next_power_of_2(max(max_nodes + 1 - root_apart, 16))
     exact = v.dtype == torch.float32
     chunk_max_nodes = CHUNK_MAX_NODES_FLOAT32 if exact else CHUNK_MAX_NODES
+    # Chains of strict ancestors in the system: at most draft_depth edges
+    # (draft_depth - 1 with the root apart). So the strict-ancestor matrix
+    # L has L^(edges + 1) = 0 and (I + L)^-1 = (I - L)(I + L^2)...
+    # (I + L^(2^f)) once 2^(f + 1) > edges, whatever the block's size.
+    edges = draft_depth - root_apart
+    depth_factors = max(edges.bit_length() - 1, 0)
     chunk_bv = min(triton.next_power_of_2(V), CHUNK_BLOCK_V)
     if not store_final and chunk_max_nodes < num_nodes <= BLOCKED_MAX_NODES:
         # Scratch for the done blocks (each program reads back only what it
@@ -636,8 +756,9 @@ def tree_gated_delta_rule(
             BC=chunk_max_nodes,
             MAX_PATH=max_path,
             PATH_BLOCK=triton.next_power_of_2(max_path),
+            ROOT_APART=root_apart,
             PRODUCTS=not exact,
-            INVERSE_FACTORS=chunk_max_nodes.bit_length() - 2,
+            INVERSE_FACTORS=min(chunk_max_nodes.bit_length() - 2, depth_factors),
             USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
             DOT_PRECISION="ieee" if exact else "tf32",
             num_warps=CHUNK_NUM_WARPS,
@@ -651,9 +772,10 @@ def tree_gated_delta_rule(
             **dict(shape, BV=chunk_bv),
             BN=num_nodes,
             MAX_PATH=max_path,
+            ROOT_APART=root_apart,
             PRODUCTS=not exact,
-            PATH_SQUARINGS=max(draft_depth - 1, 0).bit_length(),
-            INVERSE_FACTORS=num_nodes.bit_length() - 2,
+            PATH_SQUARINGS=max(edges - 1, 0).bit_length(),
+            INVERSE_FACTORS=min(num_nodes.bit_length() - 2, depth_factors),
             USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
             DOT_PRECISION="ieee" if exact else "tf32",
             num_warps=CHUNK_NUM_WARPS,
