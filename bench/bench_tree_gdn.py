@@ -23,9 +23,11 @@ Each call is captured ``--iters`` times in one CUDA graph; the median of
 step (times 48 layers). Each row also has the largest difference of the
 chunked kernel's output from the replay kernel's. ``--table-budget 64``
 gives the trees a parent table of 64 columns, as the engine has with
-``tree_budget`` 64 when its batch policy verifies 15-node trees (the kernel
-form follows the table's width). Prints a table, writes JSON rows with
-``--out``.
+``tree_budget`` 64 when its batch policy verifies 15-node trees; the call
+gets the step's longest query as the verifier passes it (``--table-form``:
+without it, the form then follows the table's width). ``--variants`` times
+other launch settings of `tree_gdn` beside the defaults. Prints a table,
+writes JSON rows with ``--out``.
 
     python3 bench/bench_tree_gdn.py --out bench/results/tree-gdn.json
 """
@@ -97,20 +99,55 @@ def _path(parent_row, node):
     return path
 
 
-def tree_call(case, replay: bool):
+def parse_variant(text: str) -> dict[str, int]:
+    """``"CHUNK_MAX_NODES=64,CHUNK_NUM_WARPS=8"`` -> the tree_gdn launch
+    settings it sets."""
+    settings = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in VARIANT_SETTINGS or not value.isdigit():
+            raise SystemExit(
+                f"bad variant setting {item!r}: NAME=INT with NAME one of "
+                f"{', '.join(VARIANT_SETTINGS)}"
+            )
+        settings[name] = int(value)
+    return settings
+
+
+VARIANT_SETTINGS = (
+    "CHUNK_MAX_NODES",
+    "CHUNK_BLOCK_V",
+    "CHUNK_NUM_WARPS",
+    "BLOCKED_MAX_NODES",
+)
+
+
+def tree_call(
+    case, replay: bool, settings: dict[str, int] | None = None, max_query_len=None
+):
+    """The verifier's call on ``case``; ``replay``: the path replay;
+    ``settings``: tree_gdn launch settings for this call only;
+    ``max_query_len``: the step's longest query, as the verifier passes it."""
     from vllm.v1.spec_decode.ddtree import tree_gdn
 
-    limits = tree_gdn.CHUNK_MAX_NODES, tree_gdn.BLOCKED_MAX_NODES
+    settings = dict(settings or {})
+    if replay:
+        settings.update(CHUNK_MAX_NODES=0, BLOCKED_MAX_NODES=0)
 
     def run():
-        if replay:
-            tree_gdn.CHUNK_MAX_NODES = tree_gdn.BLOCKED_MAX_NODES = 0
+        saved = {n: getattr(tree_gdn, n) for n in settings}
+        for n, value in settings.items():
+            setattr(tree_gdn, n, value)
         try:
             return tree_gdn.tree_gated_delta_rule(
-                **case, draft_depth=DRAFT_DEPTH, use_qk_l2norm_in_kernel=True
+                **case,
+                draft_depth=DRAFT_DEPTH,
+                use_qk_l2norm_in_kernel=True,
+                max_query_len=max_query_len,
             )
         finally:
-            tree_gdn.CHUNK_MAX_NODES, tree_gdn.BLOCKED_MAX_NODES = limits
+            for n, value in saved.items():
+                setattr(tree_gdn, n, value)
 
     return run
 
@@ -188,13 +225,27 @@ def main(argv: list[str] | None = None) -> None:
         "row's budget: e.g. 64 times the 15-node trees of the default batch "
         "policy as the engine runs them (the kernel form follows the table)",
     )
+    ap.add_argument(
+        "--table-form",
+        action="store_true",
+        help="call without the step's longest query, so that the kernel "
+        "takes the form of the parent table's width (as before the verifier "
+        "passed it)",
+    )
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="other launch settings to time beside the defaults, ';' between "
+        "variants, e.g. 'CHUNK_MAX_NODES=64;CHUNK_MAX_NODES=64,CHUNK_NUM_WARPS=8'",
+    )
     a = ap.parse_args(argv)
+    variants = {v: parse_variant(v) for v in a.variants.split(";") if v}
     rows = []
     header = (
         f"{'batch':>5} {'budget':>6} {'scale':>5} {'depth':>5} "
         f"{'chunk us':>9} {'replay us':>9} {'chain us':>9} "
         f"{'chunk/chain':>11} {'max|diff|':>9}"
-    )
+    ) + "".join(f"  {v} us" for v in variants)
     print(header, flush=True)
     for batch in map(int, a.batches.split(",")):
         for budget in map(int, a.budgets.split(",")):
@@ -202,8 +253,9 @@ def main(argv: list[str] | None = None) -> None:
                 case, depth = make_case(
                     batch, budget, scale, "cuda", table_budget=a.table_budget
                 )
-                chunk = tree_call(case, replay=False)
-                replay = tree_call(case, replay=True)
+                query_len = None if a.table_form else budget + 1
+                chunk = tree_call(case, False, max_query_len=query_len)
+                replay = tree_call(case, True, max_query_len=query_len)
                 diff = (chunk().float() - replay().float()).abs().max().item()
                 us = {
                     "chunk": time_graph(chunk, a.iters, a.repeats),
@@ -212,6 +264,13 @@ def main(argv: list[str] | None = None) -> None:
                         chain_call(case, batch, budget), a.iters, a.repeats
                     ),
                 }
+                variant_us, variant_diff = {}, {}
+                for name, settings in variants.items():
+                    fn = tree_call(case, False, settings, max_query_len=query_len)
+                    variant_diff[name] = (
+                        (fn().float() - replay().float()).abs().max().item()
+                    )
+                    variant_us[name] = time_graph(fn, a.iters, a.repeats)
                 row = dict(
                     shape="hybrid-27b",
                     batch=batch,
@@ -225,12 +284,22 @@ def main(argv: list[str] | None = None) -> None:
                     },
                     chunk_over_chain=round(us["chunk"] / us["chain"], 3),
                     chunk_max_abs_diff_from_replay=diff,
+                    step_query_len=query_len,
                 )
+                if variants:
+                    row["variants_us_per_call"] = {
+                        v: round(t, 1) for v, t in variant_us.items()
+                    }
+                    row["variants_max_abs_diff_from_replay"] = variant_diff
                 rows.append(row)
                 print(
                     f"{batch:>5} {budget:>6} {scale:>5} {depth:>5} "
                     f"{us['chunk']:>9.1f} {us['replay']:>9.1f} {us['chain']:>9.1f} "
-                    f"{row['chunk_over_chain']:>11.3f} {diff:>9.2e}",
+                    f"{row['chunk_over_chain']:>11.3f} {diff:>9.2e}"
+                    + "".join(
+                        f"  {variant_us[v]:.1f} ({variant_diff[v]:.1e})"
+                        for v in variants
+                    ),
                     flush=True,
                 )
                 del case
