@@ -288,10 +288,10 @@ def test_tree_branch_outputs_match_upstream_decode_over_every_path(
 
 
 def test_the_steps_longest_query_reaches_the_tree_kernel(monkeypatch):
-    """attach keeps the longest query of the step's attention metadata (the
-    GDN metadata has none) and the tree kernel gets it: trees of 5 and 3
-    nodes in a 40-column parent table (the blocked form without it) give
-    the same outputs in the form of their own size."""
+    """DDTreeGDN.attach keeps the longest query of the step's attention
+    metadata (the GDN metadata has none) and the tree kernel gets it: trees
+    of 5 and 3 nodes in a 40-column parent table (the blocked form without
+    it) give the same outputs in the form of their own size."""
     case = Case(0, [5, 3], 3)
     layer = make_layer(0)
     wide = torch.zeros(case.max_reqs, 40, dtype=torch.int64, device=DEVICE)

@@ -314,15 +314,22 @@ SCRIPT = textwrap.dedent(
              "DOT_PRECISION": "tf32" if products else "ieee"},
         )
     blocked_sig = dict(chunk_sig, u_ws="*fp32", g_ws="*fp32")
-    for block, products, apart in ((16, False, 1), (32, True, 1), (32, True, 0)):
+    blocked_sig["anc_ws"] = "*i8"
+    for block, products, apart, first in (
+        (16, False, 1, False), (32, True, 1, False), (32, True, 0, False),
+        (32, True, 1, True), (16, False, 0, True),
+    ):
         compile_kernel(
             tg._tree_gdn_blocked_kernel, dict(blocked_sig, **{n: C for n in (
                 "H", "HV", "K", "V", "BK", "BV", "BC", "MAX_PATH", "PATH_BLOCK",
-                "ROOT_APART", "PRODUCTS", "INVERSE_FACTORS",
-                "USE_QK_L2NORM_IN_KERNEL", "DOT_PRECISION")}),
+                "ROOT_APART", "ANCESTORS_FIRST", "BN_ALL", "PATH_SQUARINGS",
+                "PRODUCTS", "INVERSE_FACTORS", "USE_QK_L2NORM_IN_KERNEL",
+                "DOT_PRECISION")}),
             {"H": 16, "HV": 48, "K": 128, "V": 128, "BK": 128,
              "BV": tg.CHUNK_BLOCK_V, "BC": block, "MAX_PATH": 16,
-             "PATH_BLOCK": 16, "ROOT_APART": apart, "PRODUCTS": products,
+             "PATH_BLOCK": 16, "ROOT_APART": apart, "ANCESTORS_FIRST": first,
+             "BN_ALL": 64 if first else 1, "PATH_SQUARINGS": 4,
+             "PRODUCTS": products,
              "INVERSE_FACTORS": 3,
              "USE_QK_L2NORM_IN_KERNEL": True,
              "DOT_PRECISION": "tf32" if products else "ieee"},

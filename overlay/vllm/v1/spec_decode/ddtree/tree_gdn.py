@@ -64,6 +64,11 @@ from vllm.triton_utils import tl, triton
 CHUNK_MAX_NODES = 32
 CHUNK_MAX_NODES_FLOAT32 = 16
 BLOCKED_MAX_NODES = 512
+# The blocked kernel's ancestors and log decays: per block by a chase up the
+# parents (one dependent load per level), or, with this set, for the whole
+# tree at once by repeated squaring first (trees of up to 128 rows). Not yet
+# timed against each other: off until measured.
+BLOCKED_ANCESTORS_FIRST = False
 # The chunked kernel's launch (the fastest of 5 value-block / warp pairs).
 CHUNK_BLOCK_V = 64
 CHUNK_NUM_WARPS = 4
@@ -478,6 +483,7 @@ def _tree_gdn_blocked_kernel(
     scale,
     u_ws,  # [T, HV, V] float32 scratch: the corrected values of done blocks
     g_ws,  # [T, HV] float32 scratch: their log decays from the root
+    anc_ws,  # [R, BN_ALL, BN_ALL] int8 scratch (ANCESTORS_FIRST): anc
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -488,6 +494,9 @@ def _tree_gdn_blocked_kernel(
     MAX_PATH: tl.constexpr,  # draft_depth + 1 (root included)
     PATH_BLOCK: tl.constexpr,  # power of 2 >= MAX_PATH
     ROOT_APART: tl.constexpr,  # 1: the root first on its own, row n = node n + 1
+    ANCESTORS_FIRST: tl.constexpr,  # the whole tree's anc / log decays first
+    BN_ALL: tl.constexpr,  # (ANCESTORS_FIRST) power of 2 >= the rows, >= BC
+    PATH_SQUARINGS: tl.constexpr,  # (ANCESTORS_FIRST) as the one-block kernel's
     PRODUCTS: tl.constexpr,  # the diagonal blocks' inverse as products
     INVERSE_FACTORS: tl.constexpr,  # f: L_pp^(2^(f + 1)) = 0
     USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
@@ -543,30 +552,64 @@ def _tree_gdn_blocked_kernel(
     # tree of 2^m nodes fills whole blocks.
     num_nodes = num_rows - ROOT_APART
     p_parent = parent_ptr + req * parent_stride + ROOT_APART - 1  # [row + this]
-    for p in range(0, tl.cdiv(num_nodes, BC)):
-        nodes = p * BC + c
-        valid = nodes < num_nodes
-        rows = row0 + ROOT_APART + nodes
-        # Each row's path as rows (the root's too unless apart), the row
-        # first: one parent load per level for the whole block.
-        path = tl.full([BC, PATH_BLOCK], -1, tl.int64)
-        cur = tl.where(valid, nodes, -1).to(tl.int64)
-        for s in range(MAX_PATH - ROOT_APART):
-            path = tl.where(s_offs[None, :] == s, cur[:, None], path)
-            has_parent = cur + ROOT_APART > 0
-            up = tl.load(p_parent + cur, mask=has_parent)
-            cur = tl.where(has_parent, (up - ROOT_APART).to(tl.int64), -1)
-        # Log decay from the system's initial state through each node
-        # (inclusive).
-        on_path = path >= 0
-        x = tl.load(a + (row0 + ROOT_APART + path) * HV + i_hv, mask=on_path, other=0)
+    if ANCESTORS_FIRST:
+        # The whole tree's ancestor relation at once, as the one-block kernel
+        # builds it (one load of the parents, repeated squaring), and every
+        # row's log decay from it, into scratch that the blocks read back:
+        # no chase up the parents per block. Programs of the same batch row
+        # write the same values.
+        m = tl.arange(0, BN_ALL)
+        valid_m = m < num_nodes
+        has_parent = valid_m & (m + ROOT_APART > 0)
+        parent = tl.load(p_parent + m, mask=has_parent, other=0) - ROOT_APART
+        parent = tl.where(has_parent, parent, -1)
+        anc_f = tl.where(
+            (m[:, None] == m[None, :]) | (parent[:, None] == m[None, :]), 1.0, 0.0
+        )
+        for _ in range(PATH_SQUARINGS):
+            anc_f = tl.minimum(tl.dot(anc_f, anc_f, input_precision="tf32"), 1.0)
+        x = tl.load(a + (row0 + ROOT_APART + m) * HV + i_hv, mask=valid_m, other=0)
         x = x.to(tl.float32) + bias
         softplus_x = tl.where(
             softplus_beta * x <= softplus_threshold,
             (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)),
             x,
         )
-        cum_g = tl.sum(tl.where(on_path, neg_a * softplus_x, 0.0), 1)  # [BC]
+        g_m = tl.where(valid_m, neg_a * softplus_x, 0.0)
+        cum_m = tl.sum(tl.where(anc_f > 0.5, g_m[None, :], 0.0), 1)
+        tl.store(g_ws + (row0 + ROOT_APART + m) * HV + i_hv, cum_m, mask=valid_m)
+        p_anc = anc_ws + r * BN_ALL * BN_ALL
+        tl.store(p_anc + m[:, None] * BN_ALL + m[None, :], (anc_f > 0.5).to(tl.int8))
+        tl.debug_barrier()
+    for p in range(0, tl.cdiv(num_nodes, BC)):
+        nodes = p * BC + c
+        valid = nodes < num_nodes
+        rows = row0 + ROOT_APART + nodes
+        if ANCESTORS_FIRST:
+            cum_g = tl.load(g_ws + rows * HV + i_hv, mask=valid, other=0.0)
+        else:
+            # Each row's path as rows (the root's too unless apart), the row
+            # first: one parent load per level for the whole block.
+            path = tl.full([BC, PATH_BLOCK], -1, tl.int64)
+            cur = tl.where(valid, nodes, -1).to(tl.int64)
+            for s in range(MAX_PATH - ROOT_APART):
+                path = tl.where(s_offs[None, :] == s, cur[:, None], path)
+                has_parent = cur + ROOT_APART > 0
+                up = tl.load(p_parent + cur, mask=has_parent)
+                cur = tl.where(has_parent, (up - ROOT_APART).to(tl.int64), -1)
+            # Log decay from the system's initial state through each node
+            # (inclusive).
+            on_path = path >= 0
+            x = tl.load(
+                a + (row0 + ROOT_APART + path) * HV + i_hv, mask=on_path, other=0
+            )
+            x = x.to(tl.float32) + bias
+            softplus_x = tl.where(
+                softplus_beta * x <= softplus_threshold,
+                (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)),
+                x,
+            )
+            cum_g = tl.sum(tl.where(on_path, neg_a * softplus_x, 0.0), 1)  # [BC]
 
         mask_ck = valid[:, None] & mask_k[None, :]
         b_q = tl.load(
@@ -608,7 +651,17 @@ def _tree_gdn_blocked_kernel(
                 mask=mask_v[None, :],
                 other=0,
             )
-            anc_q = _block_ancestors(path, nodes_q, MAX_PATH - ROOT_APART, PATH_BLOCK)
+            if ANCESTORS_FIRST:
+                anc_q = tl.load(
+                    p_anc + nodes[:, None] * BN_ALL + nodes_q[None, :],
+                    mask=valid[:, None],
+                    other=0,
+                )
+                anc_q = anc_q != 0
+            else:
+                anc_q = _block_ancestors(
+                    path, nodes_q, MAX_PATH - ROOT_APART, PATH_BLOCK
+                )
             decay_q = tl.exp(
                 tl.where(anc_q, cum_g[:, None] - cum_g_q[None, :], float("-inf"))
             )
@@ -618,9 +671,17 @@ def _tree_gdn_blocked_kernel(
             rhs -= tl.dot(lower_q, u_q, input_precision=DOT_PRECISION)
             b_o += tl.dot(qk_q * decay_q, u_q, input_precision=DOT_PRECISION)
         # The block's own nodes, as `_tree_gdn_chunk_kernel` solves a tree.
-        anc = _block_ancestors(
-            path, tl.where(valid, nodes, -2), MAX_PATH - ROOT_APART, PATH_BLOCK
-        )
+        if ANCESTORS_FIRST:
+            anc = tl.load(
+                p_anc + nodes[:, None] * BN_ALL + nodes[None, :],
+                mask=valid[:, None] & valid[None, :],
+                other=0,
+            )
+            anc = anc != 0
+        else:
+            anc = _block_ancestors(
+                path, tl.where(valid, nodes, -2), MAX_PATH - ROOT_APART, PATH_BLOCK
+            )
         decay = tl.exp(tl.where(anc, cum_g[:, None] - cum_g[None, :], float("-inf")))
         kk = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
         qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
@@ -746,17 +807,30 @@ def tree_gated_delta_rule(
         # wrote itself): no zeroing needed.
         u_ws = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         g_ws = torch.empty(v.shape[:2], dtype=torch.float32, device=v.device)
+        ancestors_first = BLOCKED_ANCESTORS_FIRST and num_nodes <= 128
+        bn_all = num_nodes if ancestors_first else 1
+        anc_ws = torch.empty(
+            num_rows if ancestors_first else 1,
+            bn_all,
+            bn_all,
+            dtype=torch.int8,
+            device=v.device,
+        )
         _tree_gdn_blocked_kernel[(triton.cdiv(V, chunk_bv), num_rows, HV)](
             *inputs,
             *tree,
             *gating,
             u_ws,
             g_ws,
+            anc_ws,
             **dict(shape, BV=chunk_bv),
             BC=chunk_max_nodes,
             MAX_PATH=max_path,
             PATH_BLOCK=triton.next_power_of_2(max_path),
             ROOT_APART=root_apart,
+            ANCESTORS_FIRST=ancestors_first,
+            BN_ALL=bn_all,
+            PATH_SQUARINGS=max(edges - 1, 0).bit_length(),
             PRODUCTS=not exact,
             INVERSE_FACTORS=min(chunk_max_nodes.bit_length() - 2, depth_factors),
             USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
