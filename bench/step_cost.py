@@ -240,7 +240,9 @@ class StageWatchdog:
         self.period_s = period_s
         self.deadline = time.monotonic() + period_s
         self.stopped = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
+        # 0: off. A dump holds the GIL; one a second would perturb the timing.
+        if period_s > 0:
+            threading.Thread(target=self._run, daemon=True).start()
 
     def rearm(self) -> None:
         self.deadline = time.monotonic() + self.period_s
@@ -666,7 +668,8 @@ def main(argv: list[str] | None = None) -> None:
         "--stack-dump-s",
         type=int,
         default=240,
-        help="an engine stage running longer prints its Python stacks",
+        help="an engine stage running longer prints its Python stacks "
+        "(again each period; 0: never)",
     )
     ap.add_argument(
         "--weights",

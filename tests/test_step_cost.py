@@ -182,6 +182,15 @@ def test_watchdog_prints_the_stuck_stage_stack(capsys):
     assert "stage running past" not in capsys.readouterr().err
 
 
+def test_watchdog_period_zero_is_off(capsys):
+    """--stack-dump-s 0 turns the dumps off (not one a second during the
+    timed decodes)."""
+    watchdog = step_cost.StageWatchdog(0)
+    time.sleep(1.6)
+    watchdog.stop()
+    assert "stage running past" not in capsys.readouterr().err
+
+
 def test_no_v1_chain_leaves_the_hybrid_v1_chain_out():
     hybrid = step_cost.engines_for("hybrid-27b", [1], 15, [], ("auto",), False, False)
     assert [(e["method"], e["runner"]) for e in hybrid] == [

@@ -58,17 +58,18 @@ from vllm.triton_utils import tl, triton
 # Larger trees take the same system block by block, blocks of those sizes
 # (`_tree_gdn_blocked_kernel`), up to BLOCKED_MAX_NODES rows; beyond that
 # (and for the per-layer final-state mode) each node's path is replayed.
-# Measured at 64 nodes (the root apart), one request: 2 blocks of 32 rows
-# 85 us per layer, one block of 64 rows 110 us (73 us with 8 warps, but
-# 1.28x the blocked form at 4 requests).
+# Measured at 64 nodes (the root apart, each block's ancestors by the chase),
+# one request: 2 blocks of 32 rows 85 us per layer, one block of 64 rows
+# 110 us (73 us with 8 warps, but 1.28x the blocked form at 4 requests).
 CHUNK_MAX_NODES = 32
 CHUNK_MAX_NODES_FLOAT32 = 16
 BLOCKED_MAX_NODES = 512
-# The blocked kernel's ancestors and log decays: per block by a chase up the
-# parents (one dependent load per level), or, with this set, for the whole
-# tree at once by repeated squaring first (trees of up to 128 rows). Not yet
-# timed against each other: off until measured.
-BLOCKED_ANCESTORS_FIRST = False
+# The blocked kernel's ancestors and log decays: for the whole tree at once
+# by repeated squaring first (trees of up to 128 rows), or, with this unset,
+# per block by a chase up the parents (one dependent load per level). At 64
+# nodes (H200, the 27B shape) the squaring takes 58.7 us per layer at one
+# request against the chase's 85.4, 261 against 351 at 8 requests.
+BLOCKED_ANCESTORS_FIRST = True
 # The chunked kernel's launch (the fastest of 5 value-block / warp pairs).
 CHUNK_BLOCK_V = 64
 CHUNK_NUM_WARPS = 4
