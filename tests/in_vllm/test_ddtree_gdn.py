@@ -236,13 +236,11 @@ def test_chunked_tree_gdn_matches_the_sequential_kernel(
     torch.testing.assert_close(run().float(), o.float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_small_tree_in_a_wide_parent_table(dtype):
-    """The engine's parent table is as wide as ``tree_budget`` while the
-    batch policy verifies smaller trees: a 15-node tree in a 64-column
-    table (the blocked kernel's form, one block) gives the outputs of the
-    same tree in a 15-column table (the one-block kernel)."""
-    gen = torch.Generator().manual_seed(11)
+def _small_trees_in_a_wide_table(seed: int, dtype: torch.dtype):
+    """Two 15-node trees in a parent table as wide as the engine's
+    ``tree_budget`` (64) and in one of their own width; returns the call on
+    them: ``run(parent table, max_query_len)``."""
+    gen = torch.Generator().manual_seed(seed)
     budget, depth = 15, 15
     tree = build_tree(torch.randn(2, depth, 5, generator=gen) * 1.5, budget)
     qsl = torch.tensor([0, 16, 32], dtype=torch.int32)
@@ -250,9 +248,10 @@ def test_a_small_tree_in_a_wide_parent_table(dtype):
     state = torch.randn(3, HV, V, K, generator=gen) * 0.1
     wide = torch.zeros(2, 64, dtype=torch.int64)
     wide[:, :budget] = tree.parent_idx
+    narrow = tree.parent_idx.to(torch.int64)
     to = lambda t: t.to(DEVICE)  # noqa: E731
 
-    def run(parent):
+    def run(parent, max_query_len=None):
         return tree_gdn.tree_gated_delta_rule(
             **{n: to(t) for n, t in inputs.items()},
             state=to(state),
@@ -262,9 +261,20 @@ def test_a_small_tree_in_a_wide_parent_table(dtype):
             idx_mapping=to(torch.arange(2, dtype=torch.int32)),
             draft_depth=depth,
             use_qk_l2norm_in_kernel=True,
+            max_query_len=max_query_len,
         ).cpu()
 
-    narrow_o = run(tree.parent_idx.to(torch.int64))
+    return run, wide, narrow
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_small_tree_in_a_wide_parent_table(dtype):
+    """The engine's parent table is as wide as ``tree_budget`` while the
+    batch policy verifies smaller trees: a 15-node tree in a 64-column
+    table (the blocked kernel's form, one block) gives the outputs of the
+    same tree in a 15-column table (the one-block kernel)."""
+    run, wide, narrow = _small_trees_in_a_wide_table(11, dtype)
+    narrow_o = run(narrow)
     wide_o = run(wide)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(wide_o.float(), narrow_o.float(), rtol=tol, atol=tol)
@@ -275,30 +285,8 @@ def test_the_longest_query_picks_the_form_of_the_trees(dtype, monkeypatch):
     """With the step's longest query given, 15-node trees in a 64-column
     table take the one-block kernel (the blocked one is not launched) and
     give the outputs of the table-wide form."""
-    gen = torch.Generator().manual_seed(12)
-    budget, depth = 15, 15
-    tree = build_tree(torch.randn(2, depth, 5, generator=gen) * 1.5, budget)
-    qsl = torch.tensor([0, 16, 32], dtype=torch.int32)
-    inputs = {n: t.to(dtype) if t.dim() > 1 else t for n, t in _inputs(gen, 32).items()}
-    state = torch.randn(3, HV, V, K, generator=gen) * 0.1
-    wide = torch.zeros(2, 64, dtype=torch.int64)
-    wide[:, :budget] = tree.parent_idx
-    to = lambda t: t.to(DEVICE)  # noqa: E731
-
-    def run(max_query_len):
-        return tree_gdn.tree_gated_delta_rule(
-            **{n: to(t) for n, t in inputs.items()},
-            state=to(state),
-            state_idx=to(torch.tensor([1, 2], dtype=torch.int32)),
-            query_start_loc=to(qsl),
-            parent_idx=to(wide),
-            idx_mapping=to(torch.arange(2, dtype=torch.int32)),
-            draft_depth=depth,
-            use_qk_l2norm_in_kernel=True,
-            max_query_len=max_query_len,
-        ).cpu()
-
-    table_o = run(None)
+    run, wide, _ = _small_trees_in_a_wide_table(12, dtype)
+    table_o = run(wide)
 
     class NotLaunched:
         def __getitem__(self, grid):
@@ -306,9 +294,11 @@ def test_the_longest_query_picks_the_form_of_the_trees(dtype, monkeypatch):
 
     monkeypatch.setattr(tree_gdn, "_tree_gdn_blocked_kernel", NotLaunched())
     with pytest.raises(AssertionError, match="blocked kernel"):
-        run(None)
+        run(wide)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(run(16).float(), table_o.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        run(wide, 16).float(), table_o.float(), rtol=tol, atol=tol
+    )
 
 
 def test_sixty_four_nodes_in_one_block(monkeypatch):

@@ -76,6 +76,63 @@ CHUNK_NUM_WARPS = 4
 
 
 @triton.jit
+def _softplus(x, softplus_beta, softplus_threshold):
+    """softplus(x) as upstream's gating: linear past the threshold."""
+    return tl.where(
+        softplus_beta * x <= softplus_threshold,
+        (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)),
+        x,
+    )
+
+
+@triton.jit
+def _token_update(
+    q,
+    k,
+    v,
+    a,
+    b,
+    b_h,  # [BV, BK] the state's value block before the token
+    row,  # the token's verify row
+    i_h,
+    i_hv,
+    o_k,
+    o_v,
+    mask_k,
+    mask_v,
+    A,  # A_log[i_hv]
+    bias,  # dt_bias[i_hv]
+    softplus_beta,
+    softplus_threshold,
+    scale,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
+):
+    """One token of fused_sigmoid_gating_delta_rule_update_kernel (its
+    operations in its order): the state after the token and its output."""
+    b_q = tl.load(q + (row * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
+    b_k = tl.load(k + (row * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
+    b_v = tl.load(v + (row * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
+    b_b = tl.load(b + row * HV + i_hv).to(tl.float32)
+    x = tl.load(a + row * HV + i_hv).to(tl.float32) + bias
+    b_g = -tl.exp(A) * _softplus(x, softplus_beta, softplus_threshold)
+    b_beta = tl.sigmoid(b_b)
+    if USE_QK_L2NORM_IN_KERNEL:
+        b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q) + 1e-6))
+        b_k = b_k * (tl.rsqrt(tl.sum(b_k * b_k) + 1e-6))
+    b_q = b_q * scale
+    b_h *= tl.exp(b_g)
+    b_v -= tl.sum(b_h * b_k[None, :], 1)
+    b_v *= b_beta
+    b_h += b_v[:, None] * b_k[None, :]
+    b_o = tl.sum(b_h * b_q[None, :], 1)
+    return b_h, b_o
+
+
+@triton.jit
 def _tree_gdn_kernel(
     A_log,  # [HV]
     a,  # [T, HV]
@@ -155,34 +212,15 @@ def _tree_gdn_kernel(
     for j in range(MAX_PATH):
         t = tl.sum(tl.where(offs == j, path, 0))
         if t >= 0:
-            row = row0 + t
-            b_q = tl.load(q + (row * H + i_h) * K + o_k, mask=mask_k, other=0).to(
-                tl.float32
+            b_h, b_o = _token_update(
+                *(q, k, v, a, b, b_h, row0 + t, i_h, i_hv, o_k, o_v, mask_k, mask_v),
+                *(A, bias, softplus_beta, softplus_threshold, scale),
+                H,
+                HV,
+                K,
+                V,
+                USE_QK_L2NORM_IN_KERNEL,
             )
-            b_k = tl.load(k + (row * H + i_h) * K + o_k, mask=mask_k, other=0).to(
-                tl.float32
-            )
-            b_v = tl.load(v + (row * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(
-                tl.float32
-            )
-            b_b = tl.load(b + row * HV + i_hv).to(tl.float32)
-            x = tl.load(a + row * HV + i_hv).to(tl.float32) + bias
-            softplus_x = tl.where(
-                softplus_beta * x <= softplus_threshold,
-                (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)),
-                x,
-            )
-            b_g = -tl.exp(A) * softplus_x
-            b_beta = tl.sigmoid(b_b)
-            if USE_QK_L2NORM_IN_KERNEL:
-                b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q) + 1e-6))
-                b_k = b_k * (tl.rsqrt(tl.sum(b_k * b_k) + 1e-6))
-            b_q = b_q * scale
-            b_h *= tl.exp(b_g)
-            b_v -= tl.sum(b_h * b_k[None, :], 1)
-            b_v *= b_beta
-            b_h += b_v[:, None] * b_k[None, :]
-            b_o = tl.sum(b_h * b_q[None, :], 1)
 
     if STORE_OUTPUT:
         p_o = o + ((row0 + node) * HV + i_hv) * V + o_v
@@ -224,29 +262,17 @@ def _root_step(
     """The root's token as the sequential kernel takes it (its operations in
     its order): stores the root's output and returns the state after it,
     from which the root's subtrees start."""
-    b_q = tl.load(q + (row * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
-    b_k = tl.load(k + (row * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
-    b_v = tl.load(v + (row * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
-    b_b = tl.load(b + row * HV + i_hv).to(tl.float32)
-    x = tl.load(a + row * HV + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(
-        tl.float32
+    b_h, b_o = _token_update(
+        *(q, k, v, a, b, b_h, row, i_h, i_hv, o_k, o_v, mask_k, mask_v),
+        tl.load(A_log + i_hv).to(tl.float32),
+        tl.load(dt_bias + i_hv).to(tl.float32),
+        *(softplus_beta, softplus_threshold, scale),
+        H,
+        HV,
+        K,
+        V,
+        USE_QK_L2NORM_IN_KERNEL,
     )
-    softplus_x = tl.where(
-        softplus_beta * x <= softplus_threshold,
-        (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)),
-        x,
-    )
-    b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus_x
-    b_beta = tl.sigmoid(b_b)
-    if USE_QK_L2NORM_IN_KERNEL:
-        b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q) + 1e-6))
-        b_k = b_k * (tl.rsqrt(tl.sum(b_k * b_k) + 1e-6))
-    b_q = b_q * scale
-    b_h *= tl.exp(b_g)
-    b_v -= tl.sum(b_h * b_k[None, :], 1)
-    b_v *= b_beta
-    b_h += b_v[:, None] * b_k[None, :]
-    b_o = tl.sum(b_h * b_q[None, :], 1)
     p_o = o + (row * HV + i_hv) * V + o_v
     tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
     return b_h
@@ -388,11 +414,7 @@ def _tree_gdn_chunk_kernel(
     b_b = tl.load(b + rows * HV + i_hv, mask=valid, other=0).to(tl.float32)
     x = tl.load(a + rows * HV + i_hv, mask=valid, other=0).to(tl.float32)
     x += tl.load(dt_bias + i_hv).to(tl.float32)
-    softplus_x = tl.where(
-        softplus_beta * x <= softplus_threshold,
-        (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)),
-        x,
-    )
+    softplus_x = _softplus(x, softplus_beta, softplus_threshold)
     b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus_x
     b_beta = tl.sigmoid(b_b)
     if USE_QK_L2NORM_IN_KERNEL:
@@ -571,11 +593,7 @@ def _tree_gdn_blocked_kernel(
             anc_f = tl.minimum(tl.dot(anc_f, anc_f, input_precision="tf32"), 1.0)
         x = tl.load(a + (row0 + ROOT_APART + m) * HV + i_hv, mask=valid_m, other=0)
         x = x.to(tl.float32) + bias
-        softplus_x = tl.where(
-            softplus_beta * x <= softplus_threshold,
-            (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)),
-            x,
-        )
+        softplus_x = _softplus(x, softplus_beta, softplus_threshold)
         g_m = tl.where(valid_m, neg_a * softplus_x, 0.0)
         cum_m = tl.sum(tl.where(anc_f > 0.5, g_m[None, :], 0.0), 1)
         tl.store(g_ws + (row0 + ROOT_APART + m) * HV + i_hv, cum_m, mask=valid_m)
@@ -605,11 +623,7 @@ def _tree_gdn_blocked_kernel(
                 a + (row0 + ROOT_APART + path) * HV + i_hv, mask=on_path, other=0
             )
             x = x.to(tl.float32) + bias
-            softplus_x = tl.where(
-                softplus_beta * x <= softplus_threshold,
-                (1 / softplus_beta) * tl.log(1 + tl.exp(softplus_beta * x)),
-                x,
-            )
+            softplus_x = _softplus(x, softplus_beta, softplus_threshold)
             cum_g = tl.sum(tl.where(on_path, neg_a * softplus_x, 0.0), 1)  # [BC]
 
         mask_ck = valid[:, None] & mask_k[None, :]
