@@ -67,8 +67,8 @@ BLOCKED_MAX_NODES = 512
 # The blocked kernel's ancestors and log decays: for the whole tree at once
 # by repeated squaring first (trees of up to 128 rows), or, with this unset,
 # per block by a chase up the parents (one dependent load per level). At 64
-# nodes (H200, the 27B shape) the squaring takes 58.7 us per layer at one
-# request against the chase's 85.4, 261 against 351 at 8 requests.
+# nodes (H200, the 27B shape) the squaring takes 58.5 us per layer at one
+# request against the chase's 85.2, 263 against 352 at 8 requests.
 BLOCKED_ANCESTORS_FIRST = True
 # The chunked kernel's launch (the fastest of 5 value-block / warp pairs).
 CHUNK_BLOCK_V = 64
@@ -712,7 +712,8 @@ def _tree_gdn_blocked_kernel(
             DOT_PRECISION,
         )
         tl.store(u_ws + (rows[:, None] * HV + i_hv) * V + o_v[None, :], u, mask=mask_cv)
-        tl.store(g_ws + rows * HV + i_hv, cum_g, mask=valid)
+        if not ANCESTORS_FIRST:  # (otherwise the whole tree's are there)
+            tl.store(g_ws + rows * HV + i_hv, cum_g, mask=valid)
         # The next blocks read these back, through other threads' loads.
         tl.debug_barrier()
         b_o += tl.dot(tl.where(anc, qk * decay, 0.0), u, input_precision=DOT_PRECISION)
