@@ -99,32 +99,45 @@ def _path(parent_row, node):
     return path
 
 
-def parse_variant(text: str) -> dict[str, int]:
+def parse_variant(text: str) -> dict[str, int | str]:
     """``"CHUNK_MAX_NODES=64,CHUNK_NUM_WARPS=8"`` -> the tree_gdn launch
     settings it sets."""
-    settings = {}
+    settings: dict[str, int | str] = {}
     for item in text.split(","):
         name, _, value = item.partition("=")
-        if name not in VARIANT_SETTINGS or not value.isdigit():
+        choices = VARIANT_SETTINGS.get(name)
+        if choices is int and value.isdigit():
+            settings[name] = int(value)
+        elif isinstance(choices, tuple) and value in choices:
+            settings[name] = value
+        else:
             raise SystemExit(
-                f"bad variant setting {item!r}: NAME=INT with NAME one of "
-                f"{', '.join(VARIANT_SETTINGS)}"
+                f"bad variant setting {item!r}: NAME=VALUE with NAME one of "
+                f"{', '.join(VARIANT_SETTINGS)} (INVERSE_PRECISION: "
+                f"{' or '.join(VARIANT_SETTINGS['INVERSE_PRECISION'])}, the "
+                "others integers)"
             )
-        settings[name] = int(value)
     return settings
 
 
-VARIANT_SETTINGS = (
-    "CHUNK_MAX_NODES",
-    "CHUNK_BLOCK_V",
-    "CHUNK_NUM_WARPS",
-    "BLOCKED_MAX_NODES",
-    "BLOCKED_ANCESTORS_FIRST",
-)
+VARIANT_SETTINGS: dict[str, type | tuple[str, ...]] = {
+    "CHUNK_MAX_NODES": int,
+    "CHUNK_BLOCK_V": int,
+    "CHUNK_NUM_WARPS": int,
+    "BLOCKED_MAX_NODES": int,
+    "BLOCKED_ANCESTORS_FIRST": int,
+    "BLOCKED_ROWS": int,
+    "CHUNK_BLOCK_V_BATCHED": int,
+    "CHUNK_BATCHED_ROWS": int,
+    "INVERSE_PRECISION": ("ieee", "tf32x3"),
+}
 
 
 def tree_call(
-    case, replay: bool, settings: dict[str, int] | None = None, max_query_len=None
+    case,
+    replay: bool,
+    settings: dict[str, int | str] | None = None,
+    max_query_len=None,
 ):
     """The verifier's call on ``case``; ``replay``: the path replay;
     ``settings``: tree_gdn launch settings for this call only;

@@ -153,9 +153,9 @@ def test_tree_gdn_matches_the_sequential_kernel_on_every_path(
         (8, [32, 7], 15, 1.5),
         # 16 nodes, the root apart: one block of 16 in both dtypes.
         (9, [16], 15, 1.5),
-        # The default budget at one request (64 nodes, the root apart: 2
-        # blocks of 32 in bf16, 4 of 16 in float32), and a 20-node tree
-        # batched with it.
+        # The default budget at one request (64 nodes, the root apart: 4
+        # blocks of 16 rows; 2 of 32 among the other settings below), and a
+        # 20-node tree batched with it.
         (7, [64, 20], 15, 1.5),
     ],
 )
@@ -225,6 +225,17 @@ def test_chunked_tree_gdn_matches_the_sequential_kernel(
                 o[int(qsl[r]) + node].float(), ref_o, rtol=tol, atol=tol
             )
     assert torch.count_nonzero(o[int(qsl[num_rows]) :]) == 0
+    # The other launch settings: the triangular inverse's factor products in
+    # the other precision, the blocked kernel's other block size (16 or 32
+    # rows; float32 takes 16 either way) and the one-block kernel's value
+    # blocks of the other batch sizes.
+    with monkeypatch.context() as m:
+        precision = "ieee" if tree_gdn.INVERSE_PRECISION == "tf32x3" else "tf32x3"
+        m.setattr(tree_gdn, "INVERSE_PRECISION", precision)
+        m.setattr(tree_gdn, "BLOCKED_ROWS", 16 if tree_gdn.BLOCKED_ROWS == 32 else 32)
+        batched = 1 if num_rows + 1 < tree_gdn.CHUNK_BATCHED_ROWS else 1 << 20
+        m.setattr(tree_gdn, "CHUNK_BATCHED_ROWS", batched)
+        torch.testing.assert_close(run().float(), o.float(), rtol=tol, atol=tol)
     # The blocked kernel with each block's ancestors by a chase up the
     # parents (the same kernel for trees of one block).
     monkeypatch.setattr(tree_gdn, "BLOCKED_ANCESTORS_FIRST", False)
@@ -304,7 +315,7 @@ def test_the_longest_query_picks_the_form_of_the_trees(dtype, monkeypatch):
 def test_sixty_four_nodes_in_one_block(monkeypatch):
     """The bf16 form in one 64-row block (a 64-node tree once the root is
     taken apart) against upstream's sequential kernel on the deepest and
-    shallowest paths and against the blocked form (2 blocks of 32)."""
+    shallowest paths and against the blocked form."""
     gen = torch.Generator().manual_seed(13)
     budget, depth = 64, 15
     tree = build_tree(torch.randn(1, depth, 5, generator=gen) * 1.5, budget)

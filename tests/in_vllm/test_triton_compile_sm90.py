@@ -298,33 +298,39 @@ SCRIPT = textwrap.dedent(
         )
     chunk_sig = {n: t for n, t in gdn_sig.items()
                  if n not in ("final_state_idx_ptr", "target_ptr")}
-    for num_nodes, products, apart in (
-        (16, False, 0), (16, True, 0), (16, True, 1), (32, True, 1), (64, True, 1)
+    for num_nodes, products, apart, inverse, bv in (
+        (16, False, 0, "ieee", 64), (16, True, 0, "ieee", 64),
+        (16, True, 1, "ieee", 64), (32, True, 1, "ieee", 64),
+        (64, True, 1, "ieee", 64), (16, True, 0, "tf32x3", 64),
+        (32, True, 0, "ieee", tg.CHUNK_BLOCK_V_BATCHED),
     ):
         compile_kernel(
             tg._tree_gdn_chunk_kernel, dict(chunk_sig, **{n: C for n in (
                 "H", "HV", "K", "V", "BK", "BV", "BN", "MAX_PATH", "ROOT_APART",
                 "PRODUCTS", "PATH_SQUARINGS", "INVERSE_FACTORS",
-                "USE_QK_L2NORM_IN_KERNEL", "DOT_PRECISION")}),
+                "USE_QK_L2NORM_IN_KERNEL", "DOT_PRECISION", "INVERSE_PRECISION")}),
             {"H": 16, "HV": 48, "K": 128, "V": 128, "BK": 128,
-             "BV": tg.CHUNK_BLOCK_V, "BN": num_nodes, "MAX_PATH": 16,
+             "BV": bv, "BN": num_nodes, "MAX_PATH": 16,
              "ROOT_APART": apart, "PRODUCTS": products, "PATH_SQUARINGS": 4,
              "INVERSE_FACTORS": 3,
              "USE_QK_L2NORM_IN_KERNEL": True,
-             "DOT_PRECISION": "tf32" if products else "ieee"},
+             "DOT_PRECISION": "tf32" if products else "ieee",
+             "INVERSE_PRECISION": inverse},
         )
     blocked_sig = dict(chunk_sig, u_ws="*fp32", g_ws="*fp32")
     blocked_sig["anc_ws"] = "*i8"
-    for block, products, apart, first in (
-        (16, False, 1, False), (32, True, 1, False), (32, True, 0, False),
-        (32, True, 1, True), (16, False, 0, True),
+    for block, products, apart, first, inverse in (
+        (16, False, 1, False, "ieee"), (32, True, 1, False, "ieee"),
+        (32, True, 0, False, "ieee"), (32, True, 1, True, "ieee"),
+        (16, False, 0, True, "ieee"), (32, True, 1, True, "tf32x3"),
+        (16, True, 1, True, "ieee"),
     ):
         compile_kernel(
             tg._tree_gdn_blocked_kernel, dict(blocked_sig, **{n: C for n in (
                 "H", "HV", "K", "V", "BK", "BV", "BC", "MAX_PATH", "PATH_BLOCK",
                 "ROOT_APART", "ANCESTORS_FIRST", "BN_ALL", "PATH_SQUARINGS",
                 "PRODUCTS", "INVERSE_FACTORS", "USE_QK_L2NORM_IN_KERNEL",
-                "DOT_PRECISION")}),
+                "DOT_PRECISION", "INVERSE_PRECISION")}),
             {"H": 16, "HV": 48, "K": 128, "V": 128, "BK": 128,
              "BV": tg.CHUNK_BLOCK_V, "BC": block, "MAX_PATH": 16,
              "PATH_BLOCK": 16, "ROOT_APART": apart, "ANCESTORS_FIRST": first,
@@ -332,7 +338,8 @@ SCRIPT = textwrap.dedent(
              "PRODUCTS": products,
              "INVERSE_FACTORS": 3,
              "USE_QK_L2NORM_IN_KERNEL": True,
-             "DOT_PRECISION": "tf32" if products else "ieee"},
+             "DOT_PRECISION": "tf32" if products else "ieee",
+             "INVERSE_PRECISION": inverse},
         )
     strides = {n: "i64" for n in (
         "stride_x_tok", "stride_x_dim", "stride_s_seq", "stride_s_dim", "stride_s_tok")}

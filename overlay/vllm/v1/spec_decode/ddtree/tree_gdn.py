@@ -55,7 +55,7 @@ from vllm.triton_utils import tl, triton
 #   rows; its products of the small node matrices in float32 cost 5-9x
 #   that, and from 32 rows on the substitution is slower than the replay,
 #   so float32 trees take it up to CHUNK_MAX_NODES_FLOAT32 rows.
-# Larger trees take the same system block by block, blocks of those sizes
+# Larger trees take the same system block by block, blocks of BLOCKED_ROWS
 # (`_tree_gdn_blocked_kernel`), up to BLOCKED_MAX_NODES rows; beyond that
 # (and for the per-layer final-state mode) each node's path is replayed.
 # Measured at 64 nodes (the root apart, each block's ancestors by the chase),
@@ -67,12 +67,32 @@ BLOCKED_MAX_NODES = 512
 # The blocked kernel's ancestors and log decays: for the whole tree at once
 # by repeated squaring first (trees of up to 128 rows), or, with this unset,
 # per block by a chase up the parents (one dependent load per level). At 64
-# nodes (H200, the 27B shape) the squaring takes 58.5 us per layer at one
-# request against the chase's 85.2, 263 against 352 at 8 requests.
+# nodes (H200, the 27B shape, blocks of 32 rows) the squaring takes 58.5 us
+# per layer at one request against the chase's 85.2, 263 against 352 at 8
+# requests.
 BLOCKED_ANCESTORS_FIRST = True
-# The chunked kernel's launch (the fastest of 5 value-block / warp pairs).
+# The precision of the triangular inverse's factor products (bf16 / fp16
+# inputs): "ieee" (float32 FMA) or "tf32x3" (three tf32 tensor-core products,
+# float32 accuracy).
+INVERSE_PRECISION = "ieee"
+# The chunked kernels' launch (the fastest of 5 value-block / warp pairs at
+# one request). From CHUNK_BATCHED_ROWS batch rows on, the one-block kernel
+# (bf16 / fp16) takes value blocks of CHUNK_BLOCK_V_BATCHED: half the programs,
+# each doing the value-independent work once for the whole head (H200, the
+# 27B shape, us per layer: 4 x 31 nodes 26.6 against 38.9, 4 x 15 13.2
+# against 16.2, 8 x 31 57.3 against 61.4, 8 x 15 the same; one request
+# 8.3 against 10.1 at 15 nodes).
 CHUNK_BLOCK_V = 64
+CHUNK_BLOCK_V_BATCHED = 128
+CHUNK_BATCHED_ROWS = 4
 CHUNK_NUM_WARPS = 4
+# Rows per block of the blocked kernel (at most the one-block kernel's
+# CHUNK_MAX_NODES / CHUNK_MAX_NODES_FLOAT32). Blocks of 32 rows hold more
+# than the registers do (ptxas: 1.7 KB of spill stores per thread against
+# 0.3 KB for blocks of 16); at 64 nodes (H200, the 27B shape) 4 blocks of 16
+# take 38.3 us per layer at one request against 58.3 for 2 blocks of 32,
+# 86 against 158 at 4 requests, 146 against 261 at 8.
+BLOCKED_ROWS = 16
 
 
 @triton.jit
@@ -287,6 +307,7 @@ def _unit_lower_solve(
     PRODUCTS: tl.constexpr,
     INVERSE_FACTORS: tl.constexpr,  # f: lower^(2^(f + 1)) = 0
     DOT_PRECISION: tl.constexpr,
+    INVERSE_PRECISION: tl.constexpr,  # the factors' products ("ieee", "tf32x3")
 ):
     """``(I + lower)^-1 rhs``: as a product of INVERSE_FACTORS + 1 factors, or by
     forward substitution row by row (float32: exact order of operations)."""
@@ -297,8 +318,8 @@ def _unit_lower_solve(
         inv = eye_f - lower
         power = lower
         for _ in range(INVERSE_FACTORS):
-            power = tl.dot(power, power, input_precision="ieee")
-            inv = tl.dot(inv, eye_f + power, input_precision="ieee")
+            power = tl.dot(power, power, input_precision=INVERSE_PRECISION)
+            inv = tl.dot(inv, eye_f + power, input_precision=INVERSE_PRECISION)
         u = tl.dot(inv, rhs, input_precision=DOT_PRECISION)
     else:
         # Forward substitution in node order.
@@ -346,6 +367,7 @@ def _tree_gdn_chunk_kernel(
     INVERSE_FACTORS: tl.constexpr,  # f: L^(2^(f + 1)) = 0
     USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" (float32 models) or "tf32"
+    INVERSE_PRECISION: tl.constexpr,  # the inverse's factors (bf16 / fp16)
 ):
     """All nodes of one (value block, batch row, value head) at once, in the
     chunked (WY) form of the delta rule with the causal mask replaced by the
@@ -459,7 +481,9 @@ def _tree_gdn_chunk_kernel(
     lower = tl.where(strict, b_beta[:, None] * decay * kk, 0.0)
     rhs = b_beta[:, None] * (b_v - tl.exp(cum_g)[:, None] * k_h)
     u = _unit_lower_solve(
-        lower, rhs, n, num_rows - ROOT_APART, PRODUCTS, INVERSE_FACTORS, DOT_PRECISION
+        *(lower, rhs, n, num_rows - ROOT_APART, PRODUCTS, INVERSE_FACTORS),
+        DOT_PRECISION,
+        INVERSE_PRECISION,
     )
 
     # o_i = h_i q_i = exp(cum_g_i) S0 q_i + sum over i's path (i included) of
@@ -524,6 +548,7 @@ def _tree_gdn_blocked_kernel(
     INVERSE_FACTORS: tl.constexpr,  # f: L_pp^(2^(f + 1)) = 0
     USE_QK_L2NORM_IN_KERNEL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" (float32 models) or "tf32"
+    INVERSE_PRECISION: tl.constexpr,  # the inverse's factors (bf16 / fp16)
 ):
     """`_tree_gdn_chunk_kernel`'s system for trees of more rows than one
     block holds, solved block by block in node order. Parents precede their
@@ -710,6 +735,7 @@ def _tree_gdn_blocked_kernel(
             PRODUCTS,
             INVERSE_FACTORS,
             DOT_PRECISION,
+            INVERSE_PRECISION,
         )
         tl.store(u_ws + (rows[:, None] * HV + i_hv) * V + o_v[None, :], u, mask=mask_cv)
         if not ANCESTORS_FIRST:  # (otherwise the whole tree's are there)
@@ -819,6 +845,7 @@ def tree_gated_delta_rule(
     depth_factors = max(edges.bit_length() - 1, 0)
     chunk_bv = min(triton.next_power_of_2(V), CHUNK_BLOCK_V)
     if not store_final and chunk_max_nodes < num_nodes <= BLOCKED_MAX_NODES:
+        block_rows = min(BLOCKED_ROWS, chunk_max_nodes)
         # Scratch for the done blocks (each program reads back only what it
         # wrote itself): no zeroing needed.
         u_ws = torch.empty(v.shape, dtype=torch.float32, device=v.device)
@@ -840,7 +867,7 @@ def tree_gated_delta_rule(
             g_ws,
             anc_ws,
             **dict(shape, BV=chunk_bv),
-            BC=chunk_max_nodes,
+            BC=block_rows,
             MAX_PATH=max_path,
             PATH_BLOCK=triton.next_power_of_2(max_path),
             ROOT_APART=root_apart,
@@ -848,13 +875,16 @@ def tree_gated_delta_rule(
             BN_ALL=bn_all,
             PATH_SQUARINGS=max(edges - 1, 0).bit_length(),
             PRODUCTS=not exact,
-            INVERSE_FACTORS=min(chunk_max_nodes.bit_length() - 2, depth_factors),
+            INVERSE_FACTORS=min(block_rows.bit_length() - 2, depth_factors),
             USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
             DOT_PRECISION="ieee" if exact else "tf32",
+            INVERSE_PRECISION=INVERSE_PRECISION,
             num_warps=CHUNK_NUM_WARPS,
         )
         return o
     if not store_final and num_nodes <= chunk_max_nodes:
+        if not exact and num_rows >= CHUNK_BATCHED_ROWS:
+            chunk_bv = min(triton.next_power_of_2(V), CHUNK_BLOCK_V_BATCHED)
         _tree_gdn_chunk_kernel[(triton.cdiv(V, chunk_bv), num_rows, HV)](
             *inputs,
             *tree,
@@ -868,6 +898,7 @@ def tree_gated_delta_rule(
             INVERSE_FACTORS=min(num_nodes.bit_length() - 2, depth_factors),
             USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
             DOT_PRECISION="ieee" if exact else "tf32",
+            INVERSE_PRECISION=INVERSE_PRECISION,
             num_warps=CHUNK_NUM_WARPS,
         )
         return o
