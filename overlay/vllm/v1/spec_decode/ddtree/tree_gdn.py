@@ -79,9 +79,9 @@ INVERSE_PRECISION = "ieee"
 # one request). From CHUNK_BATCHED_ROWS batch rows on, the one-block kernel
 # (bf16 / fp16) takes value blocks of CHUNK_BLOCK_V_BATCHED: half the programs,
 # each doing the value-independent work once for the whole head (H200, the
-# 27B shape, us per layer: 4 x 31 nodes 26.6 against 38.9, 4 x 15 13.2
-# against 16.2, 8 x 31 57.3 against 61.4, 8 x 15 the same; one request
-# 8.3 against 10.1 at 15 nodes).
+# 27B shape, us per layer: 4 x 31 nodes 26.7 against 39.1, 4 x 15 13.2
+# against 16.2, 8 x 31 57.1 against 61.3, 8 x 15 the same; one request
+# 10.0 against 8.3 at 15 nodes).
 CHUNK_BLOCK_V = 64
 CHUNK_BLOCK_V_BATCHED = 128
 CHUNK_BATCHED_ROWS = 4
@@ -90,8 +90,8 @@ CHUNK_NUM_WARPS = 4
 # CHUNK_MAX_NODES / CHUNK_MAX_NODES_FLOAT32). Blocks of 32 rows hold more
 # than the registers do (ptxas: 1.7 KB of spill stores per thread against
 # 0.3 KB for blocks of 16); at 64 nodes (H200, the 27B shape) 4 blocks of 16
-# take 38.3 us per layer at one request against 58.3 for 2 blocks of 32,
-# 86 against 158 at 4 requests, 146 against 261 at 8.
+# take 38.6 us per layer at one request against 58.1 for 2 blocks of 32,
+# 86.6 against 157.8 at 4 requests, 146.0 against 261.2 at 8.
 BLOCKED_ROWS = 16
 
 
