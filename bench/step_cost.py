@@ -680,6 +680,13 @@ def main(argv: list[str] | None = None) -> None:
         "prompts, so that both methods verify real drafts",
     )
     ap.add_argument(
+        "--rows-from",
+        default="",
+        help="comma-separated logs of engines run one by one (this script's "
+        "--engine mode, whose ROW lines they hold): write --out from their "
+        "rows, as a run of all of them would, and start no engine",
+    )
+    ap.add_argument(
         "--tree-attention",
         default="unified,split",
         help="DDTree's target tree attention modes (VLLM_DDTREE_TREE_ATTENTION: "
@@ -695,6 +702,9 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.engine:
         run_engine(a)
+        return
+    if a.rows_from:
+        rows_from_logs(a, argv)
         return
     conc = [int(c) for c in a.conc.split(",")]
     c1_budgets = [int(b) for b in a.c1_budgets.split(",") if b]
@@ -763,6 +773,26 @@ def main(argv: list[str] | None = None) -> None:
         )
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
+    for r in result["rows"]:
+        print(json.dumps(r))
+
+
+def rows_from_logs(a, argv: list[str] | None) -> None:
+    """``--out`` from the ROW lines of engines run one by one."""
+    engines = []
+    for path in a.rows_from.split(","):
+        with open(path) as f:
+            new = [json.loads(x[4:]) for x in f if x.startswith("ROW ")]
+        if not new:
+            raise SystemExit(f"{path}: no ROW lines (an engine's log is needed)")
+        engines += new
+    result = dict(
+        command=" ".join(["python3", "bench/step_cost.py", *(argv or sys.argv[1:])]),
+        rows=summarize(engines, a.chain_k),
+        engines=engines,
+    )
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
     for r in result["rows"]:
         print(json.dumps(r))
 

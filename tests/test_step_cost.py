@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import step_cost  # noqa: E402
@@ -423,3 +425,55 @@ def test_heldout_prompts_cut_and_repeat(tmp_path):
         step_cost.PAIRS, "models"), 128, 128)  # fmt: skip
     assert len({tuple(p) for p in committed}) == 128
     assert max(map(len, committed)) == 128 and min(map(len, committed)) > 0
+
+
+def test_rows_from_the_logs_of_engines_run_one_by_one(tmp_path):
+    """--rows-from: the rows of engines run separately (their --engine logs,
+    vLLM's own lines among the ROW lines) give the rows a whole run would;
+    a log without ROW lines is refused."""
+
+    def row(method, budget, c, ms, busy=None):
+        return "ROW " + json.dumps(
+            dict(
+                shape="hybrid-27b",
+                weights="dummy",
+                method=method,
+                runner="v2",
+                budget=budget,
+                tree_attention="auto" if method == "ddtree" else None,
+                concurrency=c,
+                ms_per_step=ms,
+                gpu_busy=busy,
+                gpu={"sm_clock_mhz": 1980, "power_w": 500.0},
+            )
+        )
+
+    logs = {
+        "chain.txt": [
+            "INFO engine up",
+            row("chain", None, 1, 20.0, 0.7),
+            row("chain", None, 8, 28.0),
+        ],
+        "tree64.txt": [row("ddtree", 64, 1, 23.0, 0.9), "WARNING something"],
+        "tree15.txt": [row("ddtree", 15, 1, 19.0), row("ddtree", 15, 8, 24.0)],
+    }
+    paths = []
+    for name, lines in logs.items():
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+        paths.append(str(tmp_path / name))
+    out = tmp_path / "step-cost.json"
+    step_cost.main(["--out", str(out), "--rows-from", ",".join(paths)])
+    result = json.loads(out.read_text())
+    assert len(result["engines"]) == 5
+    rows = {(r["concurrency"], r["tree_budget"]): r for r in result["rows"]}
+    assert sorted(rows) == [(1, 15), (1, 64), (8, 15)]
+    assert rows[(1, 64)]["ratio"] == 1.15 and rows[(1, 64)]["equal_tokens"] is False
+    assert (rows[(1, 64)]["chain_gpu_busy"], rows[(1, 64)]["ddtree_gpu_busy"]) == (
+        0.7,
+        0.9,
+    )
+    assert rows[(8, 15)]["ratio"] == round(24 / 28, 3)
+    assert rows[(8, 15)]["equal_tokens"] is True
+    (tmp_path / "empty.txt").write_text("INFO nothing measured\n")
+    with pytest.raises(SystemExit, match="no ROW lines"):
+        step_cost.main(["--out", str(out), "--rows-from", str(tmp_path / "empty.txt")])
