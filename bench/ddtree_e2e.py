@@ -391,6 +391,11 @@ def split_gpu_time(events, cuda_type) -> tuple[dict, dict, float, bool]:
     return us, top, draft_us, bool(spans)
 
 
+# Kernels kept per profile: enough to account for a step's tail (the tree
+# kernels, attention and small launches past the target's GEMMs).
+TOP_KERNELS = 30
+
+
 def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> dict:
     """Decode ``prompts`` ``conc`` at a time under the torch profiler; print
     (and return) the wall time and the GPU kernel time per engine step, by
@@ -450,7 +455,7 @@ def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> dict:
         ),
         top_kernels_us_per_step={
             k: round(v / steps, 1)
-            for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]
+            for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
         },
         # Host side: where the step's CPU time goes (self time per op), and
         # how often each op runs per step (an op called once per layer
