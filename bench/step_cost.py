@@ -722,11 +722,7 @@ def main(argv: list[str] | None = None) -> None:
             a.chain_twice,
         )
     ]
-    result = dict(
-        command=" ".join(["python3", "bench/step_cost.py", *(argv or sys.argv[1:])]),
-        rows=[],
-        engines=[],
-    )
+    result = dict(command=run_command(argv), rows=[], engines=[])
     t_all = time.time()
     for k, (shape, e) in enumerate(plan):
         log(
@@ -764,35 +760,43 @@ def main(argv: list[str] | None = None) -> None:
         # records) in this run's log, apart from the rows.
         lines = out.splitlines()
         sys.stderr.write("".join(x + "\n" for x in lines if not x.startswith("ROW ")))
-        new = [json.loads(x[4:]) for x in lines if x.startswith("ROW ")]
+        new = engine_rows(lines)
         if not new:
             result["engines"].append(dict(shape=shape, **e, error="no rows"))
         result["engines"] += new
-        result["rows"] = summarize(
-            [r for r in result["engines"] if "ms_per_step" in r], a.chain_k
-        )
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(a, result)
     for r in result["rows"]:
         print(json.dumps(r))
 
 
-def rows_from_logs(a, argv: list[str] | None) -> None:
-    """``--out`` from the ROW lines of engines run one by one."""
-    engines = []
-    for path in a.rows_from.split(","):
-        with open(path) as f:
-            new = [json.loads(x[4:]) for x in f if x.startswith("ROW ")]
-        if not new:
-            raise SystemExit(f"{path}: no ROW lines (an engine's log is needed)")
-        engines += new
-    result = dict(
-        command=" ".join(["python3", "bench/step_cost.py", *(argv or sys.argv[1:])]),
-        rows=summarize(engines, a.chain_k),
-        engines=engines,
+def run_command(argv: list[str] | None) -> str:
+    return " ".join(["python3", "bench/step_cost.py", *(argv or sys.argv[1:])])
+
+
+def engine_rows(lines) -> list[dict]:
+    """The ``ROW {json}`` lines of an engine's output."""
+    return [json.loads(x[4:]) for x in lines if x.startswith("ROW ")]
+
+
+def write_result(a, result: dict) -> None:
+    """``result``'s rows from its engines' rows, into ``--out``."""
+    result["rows"] = summarize(
+        [r for r in result["engines"] if "ms_per_step" in r], a.chain_k
     )
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
+
+
+def rows_from_logs(a, argv: list[str] | None) -> None:
+    """``--out`` from the ROW lines of engines run one by one."""
+    result = dict(command=run_command(argv), rows=[], engines=[])
+    for path in a.rows_from.split(","):
+        with open(path) as f:
+            new = engine_rows(f)
+        if not new:
+            raise SystemExit(f"{path}: no ROW lines (an engine's log is needed)")
+        result["engines"] += new
+    write_result(a, result)
     for r in result["rows"]:
         print(json.dumps(r))
 
