@@ -55,6 +55,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -158,6 +159,22 @@ def gpu_busy_timed(engine_row: dict) -> float | None:
     return round(gpu_us / 1e3 / engine_row["ms_per_step"], 3)
 
 
+def capped(engine_row: dict) -> str | None:
+    """Why an engine ran fewer requests at a time than its row's
+    concurrency, or None: the most it held during the timed decodes
+    (``max_running``) or, for logs without that, its KV cache's capacity in
+    requests of ``max_model_len`` tokens (``max_concurrency``, as vLLM logs
+    it at startup; on hybrid targets the recurrent state's slots count)."""
+    c = engine_row["concurrency"]
+    running = engine_row.get("max_running")
+    if running is not None:
+        return f"at most {running} of {c} requests running" if running < c else None
+    capacity = engine_row.get("max_concurrency")
+    if capacity is not None and capacity < c:
+        return f"its KV cache holds {capacity} requests of max_model_len tokens"
+    return None
+
+
 def weights_of(engine_row: dict) -> str:
     """The weights an engine row was measured with (rows of runs before
     ``--weights`` existed were all dummy)."""
@@ -204,6 +221,20 @@ def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
             chain_gpu_busy_timed=gpu_busy_timed(chain),
             ddtree_gpu_busy_timed=gpu_busy_timed(r),
         )
+        for name, e in (("chain", chain), ("ddtree", r)):
+            for field in ("tok_s", "max_concurrency", "max_running"):
+                if e.get(field) is not None:
+                    row[f"{name}_{field}"] = e[field]
+        short = [
+            f"{name} engine: {why}"
+            for name, e in (("chain", chain), ("ddtree", r))
+            if (why := capped(e))
+        ]
+        if short:
+            # Fewer requests at a time than the concurrency asked for:
+            # ms_per_step divides by steps of `concurrency` requests, which
+            # that engine did not run, so the two are not one step's cost.
+            row.update(ratio=None, not_comparable="; ".join(short))
         if w != "dummy":
             # Trained weights: both methods accept tokens (tau > 1), from
             # real drafts on both sides.
@@ -374,6 +405,64 @@ def host_profile(llm, prompts, sp, conc: int, steps_of, top: int = 40) -> dict:
     )
 
 
+def engine_core(llm):
+    """The engine core of an in-process engine, or None."""
+    return getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+
+
+def engine_max_concurrency(llm) -> float | None:
+    """The engine's capacity in concurrent requests of ``max_model_len``
+    tokens (vLLM's "Maximum concurrency" startup figure): on a hybrid target
+    the chain keeps a recurrent state per draft position, so the capacity can
+    fall below the concurrency measured."""
+    core = engine_core(llm)
+    if core is None:
+        return None
+    try:
+        from vllm.v1.core.kv_cache_utils import (
+            get_max_concurrency_for_kv_cache_config,
+        )
+
+        capacity = get_max_concurrency_for_kv_cache_config(
+            core.vllm_config, core.scheduler.kv_cache_config
+        )
+    except (ImportError, AttributeError, TypeError) as e:
+        # A release without this helper: the rows take vLLM's startup line
+        # instead (engine_rows).
+        log(f"no KV-cache capacity from the engine: {e!r}")
+        return None
+    return round(capacity, 2)
+
+
+class RunningProbe:
+    """The most requests the scheduler of an in-process engine had running
+    after any step while active (``with probe:``); None without one."""
+
+    def __init__(self, llm):
+        core = engine_core(llm)
+        self.scheduler = core.scheduler if core is not None else None
+        self.max_running: int | None = None
+        if self.scheduler is not None:
+            schedule = self.scheduler.schedule
+            self.active = False
+
+            def probed_schedule(*args, **kwargs):
+                out = schedule(*args, **kwargs)
+                if self.active:
+                    n = len(self.scheduler.running)
+                    self.max_running = max(self.max_running or 0, n)
+                return out
+
+            self.scheduler.schedule = probed_schedule
+
+    def __enter__(self) -> RunningProbe:
+        self.active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
+
+
 def timed_decode(llm, prompts, sp, conc: int) -> tuple[float, int, float]:
     """Decode ``prompts`` ``conc`` at a time: (seconds, new tokens, engine
     steps; the draft counter counts one per request and step)."""
@@ -474,6 +563,12 @@ def run_engine(a) -> None:
         ignore_eos=True,
         detokenize=False,
     )
+    max_concurrency = engine_max_concurrency(llm)
+    if max_concurrency is not None and max_concurrency < max(conc):
+        log(
+            f"the engine holds {max_concurrency} requests of {a.max_model_len} "
+            f"tokens, fewer than concurrency {max(conc)}"
+        )
     t = time.time()
     llm.generate(random_set[:2], sp, use_tqdm=False)  # warm-up
     stage_done(f"warm-up in {time.time() - t:.1f} s")
@@ -494,6 +589,8 @@ def run_engine(a) -> None:
         mode=mode,
         startup_s=startup_s,
         stage_done=stage_done,
+        max_concurrency=max_concurrency,
+        running=RunningProbe(llm),
     )
     for weights in weights_modes:
         prompts = random_set
@@ -531,8 +628,9 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
         timed = prompts[: c * a.timed_batches]
         acc0, drafts0, _ = ddtree_e2e.spec_metrics(llm)
         repeats, gpu_repeats = [], []
+        ctx.running.max_running = None
         for _ in range(max(1, a.timed_repeats)):
-            with sampler:
+            with sampler, ctx.running:
                 repeats.append(timed_decode(llm, timed, sp, c))
             gpu_repeats.append(sampler.summary())
         acc1, drafts1, _ = ddtree_e2e.spec_metrics(llm)
@@ -593,6 +691,8 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
             if prof
             else None,
             startup_s=ctx.startup_s,
+            max_concurrency=ctx.max_concurrency,
+            max_running=ctx.running.max_running,
             profile=prof,
         )
         if host is not None:
@@ -773,9 +873,26 @@ def run_command(argv: list[str] | None) -> str:
     return " ".join(["python3", "bench/step_cost.py", *(argv or sys.argv[1:])])
 
 
+# vLLM's startup line of the KV cache's capacity in requests.
+MAX_CONCURRENCY = re.compile(
+    r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x"
+)
+
+
 def engine_rows(lines) -> list[dict]:
-    """The ``ROW {json}`` lines of an engine's output."""
-    return [json.loads(x[4:]) for x in lines if x.startswith("ROW ")]
+    """The ``ROW {json}`` lines of an engine's output. A row without its
+    engine's capacity (``max_concurrency``; rows of runs before it was
+    recorded) takes it from vLLM's startup line in the same output."""
+    rows, capacity = [], None
+    for x in lines:
+        if x.startswith("ROW "):
+            row = json.loads(x[4:])
+            if row.get("max_concurrency") is None and capacity is not None:
+                row["max_concurrency"] = capacity
+            rows.append(row)
+        elif m := MAX_CONCURRENCY.search(x):
+            capacity = float(m.group(1))
+    return rows
 
 
 def write_result(a, result: dict) -> None:

@@ -477,3 +477,97 @@ def test_rows_from_the_logs_of_engines_run_one_by_one(tmp_path):
     (tmp_path / "empty.txt").write_text("INFO nothing measured\n")
     with pytest.raises(SystemExit, match="no ROW lines"):
         step_cost.main(["--out", str(out), "--rows-from", str(tmp_path / "empty.txt")])
+
+
+def test_rows_of_an_engine_that_held_fewer_requests_are_not_compared(tmp_path):
+    """A chain engine whose KV cache (on a hybrid target: one recurrent
+    state per draft position) holds fewer requests than the concurrency ran
+    smaller steps than the row's: no ratio, the reason, both tok/s. The
+    capacity comes from vLLM's startup line for rows that lack it."""
+
+    def row(method, budget, c, ms, **extra):
+        return "ROW " + json.dumps(
+            dict(
+                shape="hybrid-27b",
+                method=method,
+                runner="v2",
+                budget=budget,
+                concurrency=c,
+                ms_per_step=ms,
+                tok_s=c * 1000 / ms,
+                **extra,
+            )
+        )
+
+    chain = [
+        "INFO 12-03 09:11:03 [kv_cache_utils.py:2178] Maximum concurrency for "
+        "1,024 tokens per request: 21.94x",
+        row("chain", None, 8, 28.0),
+        row("chain", None, 32, 90.0),
+    ]
+    tree = [
+        row("ddtree", 15, 8, 24.0, max_concurrency=205.5, max_running=8),
+        row("ddtree", 15, 32, 64.0, max_concurrency=205.5, max_running=32),
+    ]
+    paths = []
+    for name, lines in (("chain.txt", chain), ("tree.txt", tree)):
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+        paths.append(str(tmp_path / name))
+    out = tmp_path / "step-cost.json"
+    step_cost.main(["--out", str(out), "--rows-from", ",".join(paths)])
+    rows = {r["concurrency"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows[8]["ratio"] == round(24 / 28, 3) and "not_comparable" not in rows[8]
+    assert rows[8]["chain_max_concurrency"] == 21.94
+    assert rows[32]["ratio"] is None
+    assert rows[32]["not_comparable"] == (
+        "chain engine: its KV cache holds 21.94 requests of max_model_len tokens"
+    )
+    assert rows[32]["ddtree_max_running"] == 32
+    assert rows[32]["chain_tok_s"] == pytest.approx(32 * 1000 / 90.0)
+
+
+def test_capped_prefers_the_requests_seen_running():
+    r = dict(concurrency=32, max_concurrency=21.9)
+    assert (
+        step_cost.capped(r)
+        == "its KV cache holds 21.9 requests of max_model_len tokens"
+    )
+    # Short requests fit more than the capacity in max_model_len requests.
+    assert step_cost.capped(dict(r, max_running=32)) is None
+    assert (
+        step_cost.capped(dict(r, max_running=22)) == "at most 22 of 32 requests running"
+    )
+    assert step_cost.capped(dict(concurrency=8)) is None
+
+
+def test_running_probe_counts_the_schedulers_running_requests():
+    """The most requests running after a step while the probe is active;
+    steps outside it are not counted."""
+
+    class Scheduler:
+        def __init__(self):
+            self.running = []
+
+        def schedule(self):
+            return len(self.running)
+
+    sched = Scheduler()
+    core = SimpleNamespace(scheduler=sched)
+    llm = SimpleNamespace(
+        llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=core))
+    )
+    probe = step_cost.RunningProbe(llm)
+    sched.running = [1] * 30
+    assert sched.schedule() == 30 and probe.max_running is None
+    with probe:
+        for n in (3, 5, 4):
+            sched.running = [1] * n
+            sched.schedule()
+    sched.running = [1] * 9
+    sched.schedule()
+    assert probe.max_running == 5
+    # Not in process: nothing to probe.
+    off = step_cost.RunningProbe(SimpleNamespace(llm_engine=SimpleNamespace()))
+    with off:
+        pass
+    assert off.max_running is None
