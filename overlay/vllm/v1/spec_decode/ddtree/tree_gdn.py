@@ -60,16 +60,18 @@ from vllm.triton_utils import tl, triton
 # (and for the per-layer final-state mode) each node's path is replayed.
 # Measured at 64 nodes (the root apart, each block's ancestors by the chase),
 # one request: 2 blocks of 32 rows 85 us per layer, one block of 64 rows
-# 110 us (73 us with 8 warps, but 1.28x the blocked form at 4 requests).
+# 110 us (73 us with 8 warps, but 1.28x the blocked form at 4 requests). At
+# 31 nodes one block of 32 rows takes 15.9 us per layer at one request, 27.2
+# at 4, against 18.1 and 40.8 for 2 blocks of 16.
 CHUNK_MAX_NODES = 32
 CHUNK_MAX_NODES_FLOAT32 = 16
 BLOCKED_MAX_NODES = 512
 # The blocked kernel's ancestors and log decays: for the whole tree at once
 # by repeated squaring first (trees of up to 128 rows), or, with this unset,
 # per block by a chase up the parents (one dependent load per level). At 64
-# nodes (H200, the 27B shape, blocks of 32 rows) the squaring takes 58.5 us
-# per layer at one request against the chase's 85.2, 263 against 352 at 8
-# requests.
+# nodes (H200, the 27B shape) the squaring takes 38.7 us per layer at one
+# request against the chase's 66.0 with blocks of 16 rows (58.5 against 85.2
+# with blocks of 32), 144 against 232 at 8 requests.
 BLOCKED_ANCESTORS_FIRST = True
 # The precision of the triangular inverse's factor products (bf16 / fp16
 # inputs): "ieee" (float32 FMA) or "tf32x3" (three tf32 tensor-core products,
