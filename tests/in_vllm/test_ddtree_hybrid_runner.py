@@ -16,6 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 vllm = pytest.importorskip("vllm")
 
+from dispatch_counts import count_dispatch  # noqa: E402
+from test_ddtree_step_ops import VIEW_OPS  # noqa: E402
 from verifier_fakes import (  # noqa: E402
     DEPTH,
     DRAFTER,
@@ -291,7 +293,11 @@ def test_mrope_positions_get_the_tree_shift_in_every_section():
     mrope[:, 3:8] = torch.arange(20, 25, device=DEVICE) + 100
     before = mrope.clone()
     view = mrope[:, :10]
-    verifier.prepare_model_positions(view)
+    with count_dispatch() as shifted:
+        verifier.prepare_model_positions(view)
+    # One launch for every section and row, no torch operator.
+    assert dict(shifted.launches) == {"_ddtree_shift_model_positions_kernel": 1}
+    assert [op for op in shifted.ops if op not in VIEW_OPS] == [], shifted.ops
     # Tree rows: root + depth (+ delta), in all three sections.
     expected_tree = torch.tensor([20, 21, 21, 22, 22]) + 100
     for section in range(3):
@@ -302,9 +308,15 @@ def test_mrope_positions_get_the_tree_shift_in_every_section():
     assert batch.positions[3:8].tolist() == [20, 21, 21, 22, 22]
     verifier.prepare_model_positions(batch.positions)
     assert batch.positions[3:8].tolist() == [20, 21, 21, 22, 22]
-    # compact puts both back.
-    verifier.compact(batch, None, None)
+    # compact puts both back, one launch each.
+    with count_dispatch() as restored:
+        verifier.compact(batch, None, None)
     assert torch.equal(mrope, before)
+    assert dict(restored.launches) == {
+        "_ddtree_tree_positions_kernel": 1,
+        "_ddtree_shift_model_positions_kernel": 1,
+    }
+    assert [op for op in restored.ops if op not in VIEW_OPS] == [], restored.ops
     assert batch.positions.tolist() == [0, 1, 2, 20, 21, 22, 23, 24, 0, 0]
 
 

@@ -168,6 +168,14 @@ SCRIPT = textwrap.dedent(
              "num_logits": "i32", "RESTORE": C, "BLOCK": C},
             {"RESTORE": restore, "BLOCK": 1024},
         )
+    for num_dims, sign in ((3, 1), (3, -1), (4, 1)):
+        compile_kernel(
+            kk._ddtree_shift_model_positions_kernel,
+            {"positions_ptr": "*i64", "dim_stride": "i32", "token_stride": "i32",
+             "logits_indices_ptr": "*i32", "shift_ptr": "*i64",
+             "num_logits": "i32", "NUM_DIMS": C, "SIGN": C, "BLOCK": C},
+            {"NUM_DIMS": num_dims, "SIGN": sign, "BLOCK": 1024},
+        )
     compile_kernel(
         kk._ddtree_store_trees_kernel,
         {"idx_mapping_ptr": "*i32", "tree_parent_ptr": "*i64",

@@ -548,6 +548,56 @@ def ddtree_restore_positions(
 
 
 @triton.jit
+def _ddtree_shift_model_positions_kernel(
+    positions_ptr,  # [NUM_DIMS, num_tokens] int64, shifted in place
+    dim_stride,
+    token_stride,
+    logits_indices_ptr,  # [num_logits] token of each logits row
+    shift_ptr,  # [num_logits] depth - local position
+    num_logits,
+    NUM_DIMS: tl.constexpr,
+    SIGN: tl.constexpr,  # 1: apply, -1: restore
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < num_logits
+    tok = tl.load(logits_indices_ptr + i, mask=mask, other=0).to(tl.int64)
+    shift = tl.load(shift_ptr + i, mask=mask, other=0) * SIGN
+    for d in tl.static_range(NUM_DIMS):
+        p = positions_ptr + d * dim_stride + tok * token_stride
+        tl.store(p, tl.load(p, mask=mask, other=0) + shift, mask=mask)
+
+
+def ddtree_shift_model_positions(
+    positions: torch.Tensor,
+    logits_indices: torch.Tensor,
+    shift: torch.Tensor,
+    restore: bool = False,
+) -> None:
+    """``positions[:, logits_indices] += shift`` (``-=`` with ``restore``)
+    for a multi-dimensional RoPE target's ``[num_dims, num_tokens]``
+    positions, every section alike, in one launch: the tree shifts that
+    `ddtree_tree_positions` wrote. Logits rows are distinct tokens."""
+    num_logits = logits_indices.shape[0]
+    assert positions.dim() == 2 and shift.shape[0] == num_logits
+    assert positions.dtype == shift.dtype == torch.int64
+    if num_logits == 0:
+        return
+    _ddtree_shift_model_positions_kernel[(triton.cdiv(num_logits, _POSITIONS_BLOCK),)](
+        positions,
+        positions.stride(0),
+        positions.stride(1),
+        logits_indices,
+        shift,
+        num_logits,
+        NUM_DIMS=positions.shape[0],
+        SIGN=-1 if restore else 1,
+        BLOCK=_POSITIONS_BLOCK,
+        num_warps=4,
+    )
+
+
+@triton.jit
 def _ddtree_store_trees_kernel(
     idx_mapping_ptr,  # [num_reqs] batch row -> request state
     tree_parent_ptr,  # [>= num_reqs, B] batch-ordered (the drafter's)

@@ -48,6 +48,7 @@ from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import (
     WalkBuffers,
     compact_rows,
     ddtree_restore_positions,
+    ddtree_shift_model_positions,
     ddtree_store_trees,
     ddtree_tree_bias,
     ddtree_tree_positions,
@@ -133,8 +134,8 @@ class DDTreeVerifier:
         # position) of the step: undone in compact, and applied to the
         # model's own M-RoPE positions.
         self._tree_pos: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._model_positions: torch.Tensor | None = None
-        self._saved_model_positions: torch.Tensor | None = None
+        # (positions, logits indices, shifts) of the M-RoPE shift to undo.
+        self._model_positions: tuple[torch.Tensor, ...] | None = None
 
         # The measured budget policy: counts every walk's acceptance per tree
         # rank on the device and re-plans the budget per batch size.
@@ -386,26 +387,15 @@ class DDTreeVerifier:
         M-RoPE / XD-RoPE models read ``[num_dims, num_tokens]`` positions
         that the model state writes after ``prepare_verify``; a text token's
         sections are all ``position (+ delta)``, so each gets the same
-        ``depth - local position`` shift as the 1-D positions. Saved first
-        and restored in ``compact``. A no-op for 1-D positions (already
-        shifted: they are ``input_batch.positions``).
+        ``depth - local position`` shift as the 1-D positions: one launch,
+        and one in ``compact`` that takes the same shifts off. A no-op for
+        1-D positions (already shifted: they are ``input_batch.positions``).
         """
         if self._tree_pos is None or positions.dim() != 2:
             return
         logits_indices, shift = self._tree_pos
-        n = positions.shape[1]
-        saved = self._saved_model_positions
-        if saved is None or saved.shape[0] != positions.shape[0] or saved.shape[1] < n:
-            saved = torch.empty(
-                positions.shape[0],
-                max(n, self.tree_shift.shape[0]),
-                dtype=positions.dtype,
-                device=positions.device,
-            )
-            self._saved_model_positions = saved
-        saved[:, :n].copy_(positions)
-        self._model_positions = positions
-        positions[:, logits_indices] += shift
+        ddtree_shift_model_positions(positions, logits_indices, shift)
+        self._model_positions = (positions, logits_indices, shift)
 
     def sample(
         self,
@@ -496,9 +486,10 @@ class DDTreeVerifier:
             ddtree_restore_positions(input_batch.positions, logits_indices, shift)
             self._tree_pos = None
         if self._model_positions is not None:
-            assert self._saved_model_positions is not None
-            n = self._model_positions.shape[1]
-            self._model_positions.copy_(self._saved_model_positions[:, :n])
+            # Only the target's forward read them since the shift: the same
+            # shifts come off (``tree_shift`` holds them until the next
+            # prepare_verify).
+            ddtree_shift_model_positions(*self._model_positions, restore=True)
             self._model_positions = None
         if self._walk is None:
             return
