@@ -159,6 +159,16 @@ def gpu_busy_timed(engine_row: dict) -> float | None:
     return round(gpu_us / 1e3 / engine_row["ms_per_step"], 3)
 
 
+def host_gap_ms(engine_row: dict) -> float | None:
+    """The timed step's time without GPU work: the timed (unprofiled) step
+    minus the profiled GPU time per step, in ms."""
+    prof = engine_row.get("profile")
+    if not prof or not engine_row.get("ms_per_step"):
+        return None
+    gpu_ms = sum(prof["gpu_us_per_step"].values()) / 1e3
+    return round(engine_row["ms_per_step"] - gpu_ms, 3)
+
+
 def capped(engine_row: dict) -> str | None:
     """Why an engine ran fewer requests at a time than its row's
     concurrency, or None: the most it held during the timed decodes
@@ -220,6 +230,8 @@ def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
             ddtree_gpu_busy=r.get("gpu_busy"),
             chain_gpu_busy_timed=gpu_busy_timed(chain),
             ddtree_gpu_busy_timed=gpu_busy_timed(r),
+            chain_host_gap_ms=host_gap_ms(chain),
+            ddtree_host_gap_ms=host_gap_ms(r),
         )
         for name, e in (("chain", chain), ("ddtree", r)):
             for field in ("tok_s", "max_concurrency", "max_running"):

@@ -267,6 +267,9 @@ def test_gpu_busy_of_the_timed_step():
     )
     assert rows[0]["chain_gpu_busy_timed"] == 0.9
     assert rows[0]["ddtree_gpu_busy_timed"] is None
+    # The rest of the timed step: 20 ms against 18 ms of GPU work.
+    assert rows[0]["chain_host_gap_ms"] == 2.0
+    assert rows[0]["ddtree_host_gap_ms"] is None
 
 
 def test_timed_decode_counts_steps_from_the_draft_counter():

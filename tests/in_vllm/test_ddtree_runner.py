@@ -572,6 +572,48 @@ def test_partially_scheduled_tree_never_accepts_unscheduled_nodes():
     assert out.sampled_token_ids[1, :2].tolist() == [11, 14]
 
 
+def test_a_smaller_next_budget_verifies_the_prefix_of_the_stored_tree():
+    """vLLM 0.33's runner, when the next step drafts fewer tokens than
+    ``num_speculative_steps`` (a smaller budget for the batch size), sets the
+    proposal's other columns to -1 before DDTree stores the trees. The
+    scheduler then schedules that many nodes: the stored tree's first ``b``
+    nodes (the optimal ``b``-node tree; parents precede children) are
+    verified and walked, the -1 nodes never run, match or get emitted."""
+    verifier = _verifier()
+    b = 2
+    spec_tokens = torch.tensor([TOKENS])
+    spec_tokens[:, b:] = -1  # the runner's write, on the proposal
+    spec = SimpleNamespace(
+        tree_parent_idx=torch.tensor([PARENT]),
+        tree_depth=torch.tensor([DEPTH]),
+        tree_valid=torch.ones(1, B, dtype=torch.bool),
+        draft_tokens=spec_tokens,
+    )
+    draft_tokens = torch.zeros(4, B, dtype=torch.int64)
+    verifier.store_trees(torch.tensor([2], dtype=torch.int32), spec, draft_tokens)
+    assert draft_tokens[2].tolist() == TOKENS[:b] + [-1] * (B - b)
+    batch = _batch()
+    # The scheduler's b placeholders: root + nodes 1, 2 of request state 2.
+    batch.num_tokens = 6
+    batch.cu_num_logits = torch.tensor([0, 1, 4], dtype=torch.int32)
+    batch.logits_indices = torch.tensor([2, 3, 4, 5])
+    batch.expanded_idx_mapping = torch.tensor([0, 2, 2, 2], dtype=torch.int32)
+    batch.expanded_local_pos = torch.tensor([0, 0, 1, 2], dtype=torch.int32)
+    batch.query_start_loc = torch.tensor([0, 3, 6], dtype=torch.int32)
+    batch.seq_lens = torch.tensor([3, 23], dtype=torch.int32)
+    batch.seq_lens_cpu_upper_bound = batch.seq_lens.clone()
+    batch.num_draft_tokens = b
+    verifier.prepare_verify(batch)
+    # The root's row takes node 1 (11); node 1's row says 14, the token of
+    # node 4, which was not scheduled (its stored token is -1): a bonus token.
+    logits = _logits_for([5, 11, 14, 30])
+    prefill_len = torch.tensor([3, 0, 10, 0], dtype=torch.int32)
+    out = verifier.sample(_ArgmaxSampler(), logits, batch, draft_tokens, prefill_len)
+    assert out.num_sampled.tolist() == [1, 2]
+    assert out.sampled_token_ids[1, :2].tolist() == [11, 14]
+    assert -1 not in out.sampled_token_ids[1, :2].tolist()
+
+
 def test_resumed_request_never_reads_the_stale_tree_of_its_slot():
     """Preemption: a preempted request's tree stays in its request-state slot
     (nothing clears it); the request, or another one, that takes the slot
