@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
+import engine_probe  # noqa: E402
 import step_cost  # noqa: E402
 
 
@@ -559,7 +560,7 @@ def test_running_probe_counts_the_schedulers_running_requests():
     llm = SimpleNamespace(
         llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=core))
     )
-    probe = step_cost.RunningProbe(llm)
+    probe = engine_probe.RunningProbe(llm)
     sched.running = [1] * 30
     assert sched.schedule() == 30 and probe.max_running is None
     with probe:
@@ -570,7 +571,7 @@ def test_running_probe_counts_the_schedulers_running_requests():
     sched.schedule()
     assert probe.max_running == 5
     # Not in process: nothing to probe.
-    off = step_cost.RunningProbe(SimpleNamespace(llm_engine=SimpleNamespace()))
+    off = engine_probe.RunningProbe(SimpleNamespace(llm_engine=SimpleNamespace()))
     with off:
         pass
     assert off.max_running is None

@@ -36,8 +36,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
 
 import pair_configs as pc  # noqa: E402
+from engine_probe import RunningProbe, engine_max_concurrency  # noqa: E402
 
 METHODS = ("nospec", "chain", "ddtree")
 # Also accepted: "chain_v2", the chain on the V2 model runner (hybrid targets
@@ -125,6 +127,11 @@ def run_engine(a) -> None:
     t0 = time.time()
     llm = LLM(**kw)
     startup = time.time() - t0
+    # How many requests the engine can hold: the hybrid chain keeps a
+    # recurrent state per draft position and may hold fewer than a
+    # concurrency asked for (its rows then say so).
+    max_concurrency = engine_max_concurrency(llm)
+    running = RunningProbe(llm)
     load = None
     if not small:
         load = llm.collective_rpc(
@@ -160,14 +167,16 @@ def run_engine(a) -> None:
         ]
         acc0, drafts0 = spec_counters(llm)
         toks: list[list[int]] = []
+        running.max_running = None
         t = time.time()
-        for i in range(0, len(batch), conc):
-            outs = llm.generate(
-                [TokensPrompt(prompt_token_ids=p) for p in batch[i : i + conc]],
-                sps[i : i + conc],
-                use_tqdm=False,
-            )
-            toks += [list(o.outputs[0].token_ids) for o in outs]
+        with running:
+            for i in range(0, len(batch), conc):
+                outs = llm.generate(
+                    [TokensPrompt(prompt_token_ids=p) for p in batch[i : i + conc]],
+                    sps[i : i + conc],
+                    use_tqdm=False,
+                )
+                toks += [list(o.outputs[0].token_ids) for o in outs]
         dt = time.time() - t
         acc1, drafts1 = spec_counters(llm)
         drafts = drafts1 - drafts0
@@ -183,6 +192,8 @@ def run_engine(a) -> None:
             tau=round(1 + (acc1 - acc0) / drafts, 3) if drafts else None,
             ms_per_step=round(dt * 1e3 / steps, 3),
             startup_s=round(startup, 1),
+            max_concurrency=max_concurrency,
+            max_running=running.max_running,
         )
         if drafter_id is not None:
             row["drafter_id"] = drafter_id
