@@ -36,6 +36,7 @@ PER_STEP = {
         "conv",
         "recurrent",
         "commit",
+        "save_verify_inputs",
         "spec_decode_rows",
         "gdn_layer_states",
     },

@@ -20,6 +20,8 @@ import pytest
 torch = pytest.importorskip("torch")
 qgdn = pytest.importorskip("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn")
 
+from dispatch_counts import count_dispatch  # noqa: E402
+
 from vllm.model_executor.layers.mamba.mamba_utils import (  # noqa: E402
     is_conv_state_dim_first,
 )
@@ -255,9 +257,18 @@ def test_tree_branch_outputs_match_upstream_decode_over_every_path(
     layer = make_layer(seed)
     committed = [t.clone() for t in layer.kv_cache]
     ctx = case.context(layer)
-    out = run_core(
-        monkeypatch, layer, case.md(), case.mixed_qkv, case.b, case.a, case.num_actual
-    )
+    with count_dispatch() as counts:
+        out = run_core(
+            monkeypatch,
+            layer,
+            case.md(),
+            case.mixed_qkv,
+            case.b,
+            case.a,
+            case.num_actual,
+        )
+    # The verify inputs are saved in one launch, not by copies.
+    assert counts.launches["_save_verify_inputs_kernel"] == 1
 
     # The committed states are only read.
     assert torch.equal(layer.kv_cache[0], committed[0])

@@ -168,6 +168,16 @@ SCRIPT = textwrap.dedent(
              "num_logits": "i32", "RESTORE": C, "BLOCK": C},
             {"RESTORE": restore, "BLOCK": 1024},
         )
+    from vllm.v1.spec_decode.ddtree import gdn_verify as gv
+    compile_kernel(
+        gv._save_verify_inputs_kernel,
+        {"x": "*bf16", "stride_x_row": "i32", "stride_x_col": "i32",
+         "a": "*bf16", "stride_a_row": "i32", "stride_a_col": "i32",
+         "b": "*bf16", "stride_b_row": "i32", "stride_b_col": "i32",
+         "x_buf": "*bf16", "a_buf": "*bf16", "b_buf": "*bf16",
+         "conv_dim": "i32", "num_heads": "i32", "BLOCK": C, "HEADS_BLOCK": C},
+        {"BLOCK": 1024, "HEADS_BLOCK": 64},
+    )
     for num_dims, sign in ((3, 1), (3, -1), (4, 1)):
         compile_kernel(
             kk._ddtree_shift_model_positions_kernel,

@@ -18,10 +18,11 @@ Per step:
    is its ancestors, then the committed window) and `DDTreeGDN.recurrent`
    (`tree_gated_delta_rule`: each node's output after its root -> node
    path from the committed state, all nodes of a request at once in the
-   chunked form). Neither writes the committed state. Both
-   copy their verify-row inputs into the layer's persistent buffers (the
-   pre-conv ``mixed_qkv`` rows, ``a`` and ``b``), with fixed shapes and no
-   host synchronisation, so the copies are captured in CUDA graphs too.
+   chunked form). Neither writes the committed state. The verify rows'
+   inputs (the pre-conv ``mixed_qkv`` rows, ``a`` and ``b``) go into the
+   layer's persistent buffers in one launch per layer
+   (`save_verify_inputs`, from `recurrent`), with fixed shapes and no host
+   synchronisation, so it is captured in CUDA graphs too.
 2. After the walk (`DDTreeGDN.commit`, from the verifier's ``compact``): for
    all GDN layers at once (`gdn_commit.commit_accepted_paths`, two
    launches), the accepted path's post-conv rows are recomputed from the
@@ -49,6 +50,7 @@ import numpy as np
 import torch
 
 from vllm.logger import init_logger
+from vllm.triton_utils import tl, triton
 from vllm.v1.spec_decode.ddtree.gdn_commit import (
     GDNCommitTables,
     commit_accepted_paths,
@@ -58,6 +60,84 @@ from vllm.v1.spec_decode.ddtree.tree_gdn import tree_gated_delta_rule
 from vllm.v1.worker.gpu.buffer_utils import UvaBufferPool
 
 logger = init_logger(__name__)
+
+
+# Features per program of the save (a few programs per verify row).
+_SAVE_BLOCK = 1024
+
+
+@triton.jit
+def _save_verify_inputs_kernel(
+    x,  # [T, conv_dim] pre-conv mixed_qkv rows (any strides)
+    stride_x_row,
+    stride_x_col,
+    a,  # [T, num_heads] (any strides)
+    stride_a_row,
+    stride_a_col,
+    b,  # [T, num_heads] (any strides)
+    stride_b_row,
+    stride_b_col,
+    x_buf,  # [max_rows, conv_dim] the layer's buffers (contiguous)
+    a_buf,  # [max_rows, num_heads]
+    b_buf,  # [max_rows, num_heads]
+    conv_dim,
+    num_heads,
+    BLOCK: tl.constexpr,
+    HEADS_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    f = blk * BLOCK + tl.arange(0, BLOCK)
+    mask = f < conv_dim
+    x_row = tl.load(x + row * stride_x_row + f * stride_x_col, mask=mask)
+    tl.store(x_buf + row * conv_dim + f, x_row, mask=mask)
+    if blk == 0:
+        h = tl.arange(0, HEADS_BLOCK)
+        mask_h = h < num_heads
+        a_row = tl.load(a + row * stride_a_row + h * stride_a_col, mask=mask_h)
+        tl.store(a_buf + row * num_heads + h, a_row, mask=mask_h)
+        b_row = tl.load(b + row * stride_b_row + h * stride_b_col, mask=mask_h)
+        tl.store(b_buf + row * num_heads + h, b_row, mask=mask_h)
+
+
+def save_verify_inputs(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    x_buf: torch.Tensor,
+    a_buf: torch.Tensor,
+    b_buf: torch.Tensor,
+) -> None:
+    """``x_buf[:n] = x[:n]``, and the same for ``a`` and ``b``, ``n`` the
+    rows of ``x`` that fit the buffers: one launch instead of three copies."""
+    n = min(x.shape[0], x_buf.shape[0])
+    assert a.shape[0] >= n and b.shape[0] >= n
+    assert x.shape[1] == x_buf.shape[1] and a.shape[1] == a_buf.shape[1]
+    assert b.shape[1] == b_buf.shape[1] == a.shape[1]
+    assert x_buf.is_contiguous() and a_buf.is_contiguous() and b_buf.is_contiguous()
+    if n == 0:
+        return
+    conv_dim, num_heads = x.shape[1], a.shape[1]
+    block = min(_SAVE_BLOCK, triton.next_power_of_2(conv_dim))
+    _save_verify_inputs_kernel[(n, triton.cdiv(conv_dim, block))](
+        x,
+        x.stride(0),
+        x.stride(1),
+        a,
+        a.stride(0),
+        a.stride(1),
+        b,
+        b.stride(0),
+        b.stride(1),
+        x_buf,
+        a_buf,
+        b_buf,
+        conv_dim,
+        num_heads,
+        BLOCK=block,
+        HEADS_BLOCK=triton.next_power_of_2(num_heads),
+        num_warps=4,
+    )
 
 
 def spec_decode_rows(
@@ -108,6 +188,8 @@ class DDTreeGDN:
             num_layers, max_rows, num_v_heads, dtype=dtype, device=device
         )
         self.b_buf = torch.zeros_like(self.a_buf)
+        # (layer prefix, pre-conv rows) from `conv`, saved by `recurrent`.
+        self._pending_x: tuple[str, torch.Tensor] | None = None
         # The step's spec-row tables, one device buffer written by one copy
         # per step (prepare_step) from a host mirror through the runner's
         # round-robin pinned staging buffers (no pinned allocation per step):
@@ -352,11 +434,12 @@ class DDTreeGDN:
         md: Any,
     ) -> torch.Tensor:
         """The spec rows' causal conv over their trees (upstream:
-        `causal_conv1d_update` with ``num_accepted_tokens``); saves ``x``."""
+        `causal_conv1d_update` with ``num_accepted_tokens``); ``x`` is saved
+        with ``a`` and ``b`` by the layer's `recurrent`."""
         self._check_dtype(x, "mixed_qkv")
-        idx = self.layer_index[layer.prefix]
-        n = min(x.shape[0], self.max_rows)
-        self.x_buf[idx, :n].copy_(x[:n])
+        # Not written in place (the tree conv returns a new tensor): still
+        # the layer's input when `recurrent` saves it.
+        self._pending_x = (layer.prefix, x)
         slots, query_start, tree_rows = self._spec_rows(md)
         return tree_causal_conv1d(
             x,
@@ -384,8 +467,9 @@ class DDTreeGDN:
     ) -> torch.Tensor:
         """The spec rows' gated delta rule over their trees (upstream:
         `fused_sigmoid_gating_delta_rule_update` with ``num_accepted_tokens``);
-        saves ``a`` and ``b``. ``q, k [1, T, H, K]``, ``v [1, T, HV, V]``;
-        ``a, b`` all of the batch's rows. Returns ``o [1, T, HV, V]``."""
+        saves the layer's verify inputs (``conv``'s ``x``, ``a``, ``b``).
+        ``q, k [1, T, H, K]``, ``v [1, T, HV, V]``; ``a, b`` all of the
+        batch's rows. Returns ``o [1, T, HV, V]``."""
         if md.num_prefills > 0 or md.num_decodes > 0:
             a = a.index_select(0, md.spec_token_indx)
             b = b.index_select(0, md.spec_token_indx)
@@ -394,9 +478,15 @@ class DDTreeGDN:
         b = b[:num_tokens]
         self._check_dtype(a, "a")
         idx = self.layer_index[layer.prefix]
-        n = min(num_tokens, self.max_rows)
-        self.a_buf[idx, :n].copy_(a[:n])
-        self.b_buf[idx, :n].copy_(b[:n])
+        pending, self._pending_x = self._pending_x, None
+        if pending is None or pending[0] != layer.prefix:
+            raise RuntimeError(
+                f"DDTree: GDN layer {layer.prefix} ran its recurrent step "
+                "without its conv step."
+            )
+        save_verify_inputs(
+            pending[1], a, b, self.x_buf[idx], self.a_buf[idx], self.b_buf[idx]
+        )
         slots, query_start, tree_rows = self._spec_rows(md)
         o = tree_gated_delta_rule(
             layer.A_log,
