@@ -573,7 +573,7 @@ def test_partially_scheduled_tree_never_accepts_unscheduled_nodes():
 
 
 def test_a_smaller_next_budget_verifies_the_prefix_of_the_stored_tree():
-    """vLLM 0.33's runner, when the next step drafts fewer tokens than
+    """The 0.33 runner, when the next step drafts fewer tokens than
     ``num_speculative_steps`` (a smaller budget for the batch size), sets the
     proposal's other columns to -1 before DDTree stores the trees. The
     scheduler then schedules that many nodes: the stored tree's first ``b``
