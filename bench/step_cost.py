@@ -149,25 +149,32 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(16, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def profiled_gpu_ms(engine_row: dict) -> float | None:
+    """The profiled GPU time per step in ms, or None for a row without a
+    profile or a timed step (a timed-only concurrency)."""
+    prof = engine_row.get("profile")
+    if not prof or not engine_row.get("ms_per_step"):
+        return None
+    return sum(prof["gpu_us_per_step"].values()) / 1e3
+
+
 def gpu_busy_timed(engine_row: dict) -> float | None:
     """The profiled GPU time per step over the timed (unprofiled) step: the
     GPU's busy share of a real step. The profiled decode's own busy share
     (``gpu_busy``) counts the profiler's host overhead and, on short
     profiled decodes, the prefill's host work as idle time."""
-    prof = engine_row.get("profile")
-    if not prof or not engine_row.get("ms_per_step"):
+    gpu_ms = profiled_gpu_ms(engine_row)
+    if gpu_ms is None:
         return None
-    gpu_us = sum(prof["gpu_us_per_step"].values())
-    return round(gpu_us / 1e3 / engine_row["ms_per_step"], 3)
+    return round(gpu_ms / engine_row["ms_per_step"], 3)
 
 
 def host_gap_ms(engine_row: dict) -> float | None:
     """The timed step's time without GPU work: the timed (unprofiled) step
     minus the profiled GPU time per step, in ms."""
-    prof = engine_row.get("profile")
-    if not prof or not engine_row.get("ms_per_step"):
+    gpu_ms = profiled_gpu_ms(engine_row)
+    if gpu_ms is None:
         return None
-    gpu_ms = sum(prof["gpu_us_per_step"].values()) / 1e3
     return round(engine_row["ms_per_step"] - gpu_ms, 3)
 
 
