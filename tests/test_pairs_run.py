@@ -102,3 +102,61 @@ def test_engine_command_passes_the_sampled_concurrencies():
     assert run_pairs.sampled_conc(a) == [1, 4]
     a.sampled_conc = ""
     assert run_pairs.sampled_conc(a) == []
+
+
+def test_ddtree_readings_take_the_budget_at_the_end_and_tau_over_the_run():
+    before = dict(budget=64.0, expected_tau=4.1, tree_requests=10.0, emitted=40.0)
+    after = dict(budget=32.0, expected_tau=3.5, tree_requests=30.0, emitted=100.0)
+    got = run_pairs.ddtree_step_readings(before, after)
+    assert got == dict(budget_chosen=32, expected_tau=3.5, tree_tau=3.0)
+    # No speculation chosen: no tree step counted, no expectation set.
+    none = run_pairs.ddtree_step_readings(
+        dict(budget=0.0, tree_requests=5.0), dict(budget=0.0, tree_requests=5.0)
+    )
+    assert none == dict(budget_chosen=0, expected_tau=None, tree_tau=None)
+    # An engine without the series.
+    assert run_pairs.ddtree_step_readings({}, {})["budget_chosen"] is None
+
+
+def test_policy_table_judges_the_first_policy_against_the_best_alternative():
+    import run_policy
+
+    def row(method, conc, tok_s, **kw):
+        return dict(
+            pair="dense-8b",
+            dtype="bfloat16",
+            temperature=0.0,
+            method=method,
+            concurrency=conc,
+            tok_s=tok_s,
+            **kw,
+        )
+
+    rows = [
+        row("nospec", 1, 100.0, tau=None),
+        row("chain", 1, 300.0, tau=3.0, max_running=1),
+        row("ddtree_measured", 1, 360.0, tau=4.0, budget_chosen=64),
+        row("ddtree", 1, 330.0, tau=4.2, budget_chosen=64),
+        row("nospec", 32, 4000.0, tau=None),
+        row("chain", 32, 3500.0, tau=2.8),
+        row("ddtree_measured", 32, 3960.0, tau=None, budget_chosen=0),
+        # other dtypes, temperatures and pairs stay out
+        dict(row("ddtree_measured", 8, 1.0), dtype="float32"),
+        dict(row("ddtree_measured", 4, 1.0), temperature=1.0),
+        {"pair": "dense-8b", "embedding_max_abs_logit_diff": 1e-5},
+    ]
+    table = run_policy.tabulate(rows, ["measured", "batch"])
+    assert [r["concurrency"] for r in table] == [1, 32]
+    c1, c32 = table
+    assert (c1["nospec_tok_s"], c1["chain_tok_s"], c1["ddtree_tok_s"]) == (
+        100.0,
+        300.0,
+        360.0,
+    )
+    assert c1["budget_chosen"] == 64 and c1["tau"] == 4.0
+    assert c1["ddtree_over_best"] == 1.2 and c1["chain_max_running"] == 1
+    assert (c1["ddtree_batch_tok_s"], c1["ddtree_batch_tau"]) == (330.0, 4.2)
+    assert c32["ddtree_over_best"] == 0.99 and c32["budget_chosen"] == 0
+    assert c32["ddtree_batch_tok_s"] is None
+    # The batch policy judged instead: only the concurrencies it ran.
+    assert [r["concurrency"] for r in run_policy.tabulate(rows, ["batch"])] == [1]

@@ -18,6 +18,7 @@ LABELS = {
     "chain": "DFlash chain K=15",
     "chain_v2": "DFlash chain K=15 (V2 runner)",
     "ddtree": "DDTree",
+    "ddtree_measured": "DDTree (measured budget policy)",
 }
 
 

@@ -43,7 +43,10 @@ from engine_probe import RunningProbe, engine_max_concurrency  # noqa: E402
 
 METHODS = ("nospec", "chain", "ddtree")
 # Also accepted: "chain_v2", the chain on the V2 model runner (hybrid targets
-# run the chain on the V1 runner by default; DDTree always runs on V2).
+# run the chain on the V1 runner by default; DDTree always runs on V2), and
+# "ddtree_measured", DDTree with ``budget_policy: "measured"`` on top of
+# ``--ddtree``.
+DDTREE_METHODS = ("ddtree", "ddtree_measured")
 
 
 def log(msg: str) -> None:
@@ -68,6 +71,44 @@ def prompts_for(conc: int, prompts: list[list[int]], c1: int) -> list[list[int]]
 
 
 # ---------------------------------------------------------------- one engine
+
+
+def ddtree_by_batch_size(llm, conc: int) -> dict[str, float]:
+    """DDTree's per-batch-size series at the label ``conc`` requests count
+    at (metrics.py): the budget the schedule gives, the tau the measured
+    policy expects there, and the tree request-steps and tokens they emitted
+    so far. Empty for an engine without them."""
+    from vllm.v1.spec_decode.ddtree import metrics as ddtree_metrics
+
+    label = str(ddtree_metrics.batch_size_label(conc))
+    names = {
+        ddtree_metrics.METRIC_BUDGET_BY_BATCH: "budget",
+        ddtree_metrics.METRIC_EXPECTED_TAU: "expected_tau",
+        ddtree_metrics.METRIC_TREE_REQUESTS_BY_BATCH: "tree_requests",
+        ddtree_metrics.METRIC_EMITTED_BY_BATCH: "emitted",
+    }
+    got: dict[str, float] = {}
+    for m in llm.get_metrics():
+        key = names.get(m.name)
+        if key is not None and m.labels.get("batch_size") == label:
+            got[key] = float(m.value)
+    return got
+
+
+def ddtree_step_readings(before: dict, after: dict) -> dict:
+    """What a DDTree row records from the per-batch-size series read before
+    and after its decode: the budget in use at its batch size when it ended
+    (0 = no speculation), the tau the measured policy expected there, and the
+    tau its tree steps observed there (None when no step verified a tree)."""
+    requests = after.get("tree_requests", 0.0) - before.get("tree_requests", 0.0)
+    emitted = after.get("emitted", 0.0) - before.get("emitted", 0.0)
+    budget = after.get("budget")
+    expected = after.get("expected_tau")
+    return dict(
+        budget_chosen=None if budget is None else int(budget),
+        expected_tau=None if not expected else round(expected, 3),
+        tree_tau=round(emitted / requests, 3) if requests > 0 else None,
+    )
 
 
 def spec_counters(llm) -> tuple[float, float]:
@@ -118,10 +159,12 @@ def run_engine(a) -> None:
         kw["speculative_config"] = dict(
             method="dflash", model=drafter, num_speculative_tokens=a.chain_k
         )
-    elif a.method == "ddtree":
+    elif a.method in DDTREE_METHODS:
         kw["speculative_config"] = dict(
             method="ddtree", model=drafter, **json.loads(a.ddtree)
         )
+        if a.method == "ddtree_measured":
+            kw["speculative_config"]["budget_policy"] = "measured"
     if a.llm_kwargs:
         kw.update(json.loads(a.llm_kwargs))
     t0 = time.time()
@@ -166,6 +209,9 @@ def run_engine(a) -> None:
             for j in range(len(batch))
         ]
         acc0, drafts0 = spec_counters(llm)
+        by_batch0 = (
+            ddtree_by_batch_size(llm, conc) if a.method in DDTREE_METHODS else {}
+        )
         toks: list[list[int]] = []
         running.max_running = None
         t = time.time()
@@ -197,8 +243,9 @@ def run_engine(a) -> None:
         )
         if drafter_id is not None:
             row["drafter_id"] = drafter_id
-        if a.method == "ddtree":
+        if a.method in DDTREE_METHODS:
             row["speculative_config"] = kw["speculative_config"]
+            row.update(ddtree_step_readings(by_batch0, ddtree_by_batch_size(llm, conc)))
         elif a.method in ("chain", "chain_v2"):
             row["k"] = a.chain_k
         if load:

@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""DDTree's budget policy against the best alternative on the benchmark pairs:
+no speculation, the DFlash chain (K = 15) and DDTree, side by side on held-out
+prompts at concurrency 1 .. 64, bf16, one engine per method.
+
+    python3 bench/pairs/run_policy.py --out bench/results/policy.json \\
+        --plot bench/results/policy.png [--pairs dense-8b] \\
+        [--conc 1,2,4,8,16,32,64] [--policies measured,batch] \\
+        [--rows bench/results/policy-rows.json]
+
+The engines are run_pairs.py's (``--methods nospec,<chain>,ddtree_measured,
+ddtree``; its rows, with the measured policy's budget and tau per batch size,
+go to ``--rows``). Then one row per pair and concurrency goes to ``--out``:
+``{"pair", "concurrency", "nospec_tok_s", "chain_tok_s", "ddtree_tok_s",
+"budget_chosen", "tau"}``, where ``ddtree_*`` is the first policy of
+``--policies`` (the one judged), ``tau`` its acceptance length, plus each
+other policy's tokens/s and budget, both alternatives' tau and
+``ddtree_over_best``: DDTree's tokens/s over max(chain, no speculation).
+``--tabulate`` rebuilds ``--out`` from existing ``--rows`` without running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+POLICY_METHODS = {"measured": "ddtree_measured", "batch": "ddtree"}
+
+
+def log(msg: str) -> None:
+    stamp = time.strftime("%H:%M:%S")
+    print(f"[run_policy {stamp}] {msg}", file=sys.stderr, flush=True)
+
+
+def tabulate(
+    rows: list[dict], policies: list[str], chain_method: str = "chain"
+) -> list[dict]:
+    """One row per (pair, concurrency) that DDTree (``policies[0]``) ran at,
+    from run_pairs rows (greedy, bf16)."""
+    greedy = [
+        r
+        for r in rows
+        if "tok_s" in r
+        and r.get("dtype") == "bfloat16"
+        and r.get("temperature", 0.0) == 0.0
+    ]
+    by_key = {(r["pair"], r["method"], r["concurrency"]): r for r in greedy}
+    judged = POLICY_METHODS[policies[0]]
+    out = []
+    for pair, method, conc in sorted(k for k in by_key if k[1] == judged):
+        tree = by_key[(pair, method, conc)]
+        nospec = by_key.get((pair, "nospec", conc))
+        chain = by_key.get((pair, chain_method, conc))
+        row = dict(
+            pair=pair,
+            concurrency=conc,
+            nospec_tok_s=nospec["tok_s"] if nospec else None,
+            chain_tok_s=chain["tok_s"] if chain else None,
+            ddtree_tok_s=tree["tok_s"],
+            budget_chosen=tree.get("budget_chosen"),
+            tau=tree.get("tau"),
+            policy=policies[0],
+            expected_tau=tree.get("expected_tau"),
+            chain_tau=chain.get("tau") if chain else None,
+        )
+        for other in policies[1:]:
+            r = by_key.get((pair, POLICY_METHODS[other], conc))
+            row[f"ddtree_{other}_tok_s"] = r["tok_s"] if r else None
+            row[f"ddtree_{other}_budget"] = r.get("budget_chosen") if r else None
+            row[f"ddtree_{other}_tau"] = r.get("tau") if r else None
+        best = [x for x in (row["nospec_tok_s"], row["chain_tok_s"]) if x]
+        row["ddtree_over_best"] = (
+            round(row["ddtree_tok_s"] / max(best), 3) if best else None
+        )
+        row["ddtree_over_chain"] = (
+            round(row["ddtree_tok_s"] / row["chain_tok_s"], 3)
+            if row["chain_tok_s"]
+            else None
+        )
+        for key in ("max_concurrency", "max_running"):
+            if chain and chain.get(key) is not None:
+                row[f"chain_{key}"] = chain[key]
+        out.append(row)
+    return out
+
+
+def plot(table: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = sorted({r["pair"] for r in table})
+    fig, axes = plt.subplots(
+        1, len(pairs), figsize=(6 * len(pairs), 4.5), squeeze=False
+    )
+    for ax, pair in zip(axes[0], pairs):
+        rows = sorted(
+            (r for r in table if r["pair"] == pair), key=lambda r: r["concurrency"]
+        )
+        xs = [r["concurrency"] for r in rows]
+        series = [
+            ("nospec_tok_s", "no speculation"),
+            ("chain_tok_s", "DFlash chain K=15"),
+            ("ddtree_tok_s", f"DDTree ({rows[0]['policy']} policy)"),
+        ] + [
+            (k, f"DDTree ({k[len('ddtree_') : -len('_tok_s')]} policy)")
+            for k in rows[0]
+            if k.startswith("ddtree_") and k.endswith("_tok_s") and k != "ddtree_tok_s"
+        ]
+        for key, label in series:
+            pts = [(x, r[key]) for x, r in zip(xs, rows) if r.get(key)]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        for x, r in zip(xs, rows):
+            if r.get("budget_chosen") is not None:
+                ax.annotate(
+                    f"b={r['budget_chosen']}",
+                    (x, r["ddtree_tok_s"]),
+                    textcoords="offset points",
+                    xytext=(4, -10),
+                    fontsize=7,
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrency (requests decoded together)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{pair} (bf16, held-out prompts, greedy)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="the policy table (JSON)")
+    ap.add_argument("--plot", default=None, help="PNG of tokens/s")
+    ap.add_argument(
+        "--rows", default=None, help="run_pairs rows (default: <out>-rows.json)"
+    )
+    ap.add_argument("--pairs", default="dense-8b,hybrid-27b")
+    ap.add_argument("--conc", default="1,2,4,8,16,32,64")
+    ap.add_argument(
+        "--policies",
+        default="measured,batch",
+        help="DDTree budget policies to run, the first one judged",
+    )
+    ap.add_argument(
+        "--chain-method",
+        default="chain",
+        help="run_pairs method of the chain ('chain_v2': on the V2 runner)",
+    )
+    ap.add_argument(
+        "--methods",
+        default=None,
+        help="run only these run_pairs methods (default: all of the table's)",
+    )
+    ap.add_argument("--tabulate", action="store_true", help="only rebuild --out")
+    ap.add_argument(
+        "run_pairs_args",
+        nargs=argparse.REMAINDER,
+        help="after '--': more run_pairs.py options (e.g. --c1-prompts 4)",
+    )
+    a = ap.parse_args()
+    policies = [p for p in a.policies.split(",") if p]
+    unknown = set(policies) - set(POLICY_METHODS)
+    if not policies or unknown:
+        raise SystemExit(
+            f"--policies: {sorted(unknown) or 'none'} not among {list(POLICY_METHODS)}"
+        )
+    rows_path = a.rows or os.path.splitext(a.out)[0] + "-rows.json"
+    if not a.tabulate:
+        methods = a.methods or ",".join(
+            ["nospec", a.chain_method] + [POLICY_METHODS[p] for p in policies]
+        )
+        extra = [x for x in a.run_pairs_args if x != "--"]
+        cmd = [
+            sys.executable,
+            os.path.join(HERE, "run_pairs.py"),
+            "--out",
+            rows_path,
+            "--pairs",
+            a.pairs,
+            "--dtypes",
+            "bfloat16",
+            "--methods",
+            methods,
+            "--conc",
+            a.conc,
+            "--sampled-conc",
+            "",
+            "--embedding",
+            "none",
+            *extra,
+        ]
+        log("running " + " ".join(cmd[1:]))
+        rc = subprocess.run(cmd).returncode
+        if rc != 0:
+            log(f"run_pairs ended with {rc}; tabulating what finished")
+    with open(rows_path) as f:
+        table = tabulate(json.load(f), policies, a.chain_method)
+    with open(a.out, "w") as f:
+        json.dump(table, f, indent=1)
+    for r in table:
+        log(
+            f"{r['pair']} c={r['concurrency']}: no spec {r['nospec_tok_s']}, chain "
+            f"{r['chain_tok_s']}, DDTree {r['ddtree_tok_s']} (budget "
+            f"{r['budget_chosen']}, tau {r['tau']}); over the best "
+            f"{r['ddtree_over_best']}"
+        )
+    if a.plot and table:
+        plot(table, a.plot)
+        log(f"plot: {a.plot}")
+
+
+if __name__ == "__main__":
+    main()
