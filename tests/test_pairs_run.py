@@ -160,3 +160,70 @@ def test_policy_table_judges_the_first_policy_against_the_best_alternative():
     assert c32["ddtree_batch_tok_s"] is None
     # The batch policy judged instead: only the concurrencies it ran.
     assert [r["concurrency"] for r in run_policy.tabulate(rows, ["batch"])] == [1]
+
+
+class _FakeEngine:
+    """Every step each request in flight emits ``per_step[i]`` tokens (its
+    own id), until it has ``length``; the clock advances 1 per step."""
+
+    def __init__(self, per_step, length):
+        self.per_step, self.length = per_step, length
+        self.in_flight: dict[str, int] = {}
+        self.most_in_flight = 0
+        self.now = 0.0
+
+    def add_request(self, request_id, prompt, params):
+        assert params == "delta"
+        self.in_flight[request_id] = 0
+        self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
+
+    def step(self):
+        from types import SimpleNamespace
+
+        self.now += 1.0
+        outs = []
+        for rid, done in list(self.in_flight.items()):
+            i = int(rid.rsplit("-", 1)[1])
+            n = min(self.per_step[i], self.length - done)
+            self.in_flight[rid] = done + n
+            finished = done + n == self.length
+            if finished:
+                del self.in_flight[rid]
+            outs.append(
+                SimpleNamespace(
+                    request_id=rid,
+                    finished=finished,
+                    outputs=[SimpleNamespace(token_ids=[i] * n)],
+                )
+            )
+        return outs
+
+
+def test_continuous_decoding_keeps_c_requests_in_flight():
+    # Requests accept 1, 2 or 4 tokens per step; 12 tokens each.
+    per_step = [1, 2, 4] * 4
+    engine = _FakeEngine(per_step, 12)
+    tokens, window_tokens, window_s = run_pairs.decode_continuous(
+        engine, [None] * 12, ["delta"] * 12, 3, "c3-t0", lambda: engine.now
+    )
+    assert tokens == [[i] * 12 for i in range(12)]
+    assert engine.most_in_flight == 3 and not engine.in_flight
+    # The window runs from the first end (step 3: the 4-per-step request)
+    # to the last request's entry, with 3 in flight all along: each step
+    # then emits as many tokens as the three requests in flight accept.
+    assert window_s > 0 and window_tokens > 0
+    assert 3 * 1 <= window_tokens / window_s <= 3 * 4
+    # Fewer requests than the concurrency: no steady window.
+    engine = _FakeEngine([1, 1], 4)
+    _, tok, sec = run_pairs.decode_continuous(
+        engine, [None] * 2, ["delta"] * 2, 4, "c4-t0", lambda: engine.now
+    )
+    assert tok is None and sec is None
+
+
+def test_cycled_prompts_repeat_the_list():
+    prompts = [[i] for i in range(5)]
+    assert run_pairs.prompts_for(4, prompts, 6, cycle=True) == [
+        [i % 5] for i in range(16)
+    ]
+    assert run_pairs.prompts_for(1, prompts, 3, cycle=True) == prompts[:3]

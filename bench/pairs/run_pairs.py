@@ -13,13 +13,16 @@ Each (pair, dtype, method) runs in its own process: one vLLM engine started with
 ``load_format="dummy"`` at the production shape (bench/pairs/models/<pair>/
 production-{target,drafter} hold the configs), the trained pair written into it
 in place (pair_worker.py), then greedy decoding (temperature 0, ``ignore_eos``)
-at each concurrency: ``c`` prompts at a time. Rows: tokens/s, tau (vLLM's
-spec-decode counters), ms per engine step and whether each output equals the
+at each concurrency c: ``c`` requests always in flight, as c clients of a
+server keep them (``--schedule waves``: c prompts at a time). Rows: tokens/s,
+tau (vLLM's spec-decode counters), ms per engine step and whether each output
+equals the
 no-speculation output of the same pair, dtype and concurrency; each bf16
 engine then decodes ``--sampled-conc`` again at temperature 1 (rows with
 ``"temperature": 1.0``: tokens/s and tau, nothing compared). ``--small``
 also runs the small pair itself (no speculation, float32): the production
-shape's greedy outputs must equal it. Progress goes to stderr; the JSON (a list
+shape's greedy outputs must equal it. Progress goes to stderr, each engine's
+own log to ``<workdir>/engine_<pair>_<dtype>_<method>.log``; the JSON (a list
 of rows) is rewritten after every engine, so a cut run keeps what finished;
 then one embedding row per pair (check_embedding.py) and the plot.
 """
@@ -63,11 +66,64 @@ def sampled_conc(a) -> list[int]:
     return [int(c) for c in a.sampled_conc.split(",") if c]
 
 
-def prompts_for(conc: int, prompts: list[list[int]], c1: int) -> list[list[int]]:
-    """Concurrency c = 1 decodes ``c1`` prompts one by one; c > 1 decodes 4
-    batches of c (at most all prompts)."""
-    n = c1 if conc == 1 else min(len(prompts), 4 * conc)
-    return prompts[:n]
+def prompts_for(
+    conc: int, prompts: list[list[int]], c1: int, cycle: bool = False
+) -> list[list[int]]:
+    """Concurrency c = 1 decodes ``c1`` prompts one by one; c > 1 decodes 4c
+    prompts: at most all of them, or (``cycle``) the list repeated as often
+    as needed."""
+    n = c1 if conc == 1 else 4 * conc
+    if not cycle:
+        return prompts[: min(n, len(prompts))]
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def decode_continuous(engine, requests: list, params: list, conc: int, tag: str, clock):
+    """Decode ``requests`` keeping ``conc`` of them in flight, as ``conc``
+    clients of a server do: a finished request's place goes to the next one
+    at once. ``engine`` is a vLLM ``LLMEngine`` (``add_request``, ``step``);
+    ``params`` must ask for ``RequestOutputKind.DELTA``. Returns each
+    request's token ids (in order) and the steady window: the tokens produced
+    and the seconds elapsed from the first request's end (the start-up wave
+    is over) to the moment the last request entered (the supply is not yet
+    running dry), when ``conc`` requests are always in flight."""
+    tokens: list[list[int]] = [[] for _ in requests]
+    pending = iter(range(len(requests)))
+    in_flight = 0
+    produced = 0
+    window_start = window_end = None
+    window_tokens = 0
+
+    def add() -> bool:
+        nonlocal in_flight, window_end, window_tokens
+        i = next(pending, None)
+        if i is None:
+            if window_end is None and window_start is not None:
+                window_end = clock()
+                window_tokens = produced - window_tokens
+            return False
+        engine.add_request(f"{tag}-{i}", requests[i], params[i])
+        in_flight += 1
+        return True
+
+    for _ in range(conc):
+        if not add():
+            break
+    while in_flight:
+        for out in engine.step():
+            i = int(out.request_id.rsplit("-", 1)[1])
+            new = list(out.outputs[0].token_ids)
+            tokens[i] += new
+            produced += len(new)
+            if out.finished:
+                in_flight -= 1
+                if window_start is None:
+                    window_start = clock()
+                    window_tokens = produced
+                add()
+    if window_start is None or window_end is None or window_end <= window_start:
+        return tokens, None, None
+    return tokens, window_tokens, window_end - window_start
 
 
 # ---------------------------------------------------------------- one engine
@@ -126,6 +182,7 @@ def run_engine(a) -> None:
     os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
     spec = pc.load_pair(a.models, a.pair)
     small = a.method == "small"
@@ -192,7 +249,8 @@ def run_engine(a) -> None:
     sampled = [] if a.dtype == "float32" else sampled_conc(a)
     plan = [(c, 0.0) for c in a.conc] + [(c, 1.0) for c in sampled]
     for conc, temperature in plan:
-        batch = prompts_for(conc, prompts, a.c1_prompts)
+        continuous = a.schedule == "continuous"
+        batch = prompts_for(conc, prompts, a.c1_prompts, cycle=continuous)
         # Sampled: one seed per prompt, so every method draws from the same
         # stream of seeds (outputs still differ: speculation changes which
         # random numbers each token consumes).
@@ -208,15 +266,29 @@ def run_engine(a) -> None:
             )
             for j in range(len(batch))
         ]
+        if continuous:
+            sps = [sp.clone() for sp in sps]
+            for sp in sps:
+                sp.output_kind = RequestOutputKind.DELTA
         acc0, drafts0 = spec_counters(llm)
         by_batch0 = (
             ddtree_by_batch_size(llm, conc) if a.method in DDTREE_METHODS else {}
         )
         toks: list[list[int]] = []
         running.max_running = None
+        steady_tokens = steady_s = None
         t = time.time()
         with running:
-            for i in range(0, len(batch), conc):
+            if continuous:
+                toks, steady_tokens, steady_s = decode_continuous(
+                    llm.llm_engine,
+                    [TokensPrompt(prompt_token_ids=p) for p in batch],
+                    sps,
+                    conc,
+                    f"c{conc}-t{temperature:g}",
+                    time.time,
+                )
+            for i in range(0, 0 if continuous else len(batch), conc):
                 outs = llm.generate(
                     [TokensPrompt(prompt_token_ids=p) for p in batch[i : i + conc]],
                     sps[i : i + conc],
@@ -234,7 +306,13 @@ def run_engine(a) -> None:
             temperature=temperature,
             concurrency=conc,
             prompts=len(batch),
-            tok_s=round(sum(map(len, toks)) / dt, 1),
+            tok_s=round(
+                steady_tokens / steady_s if steady_s else sum(map(len, toks)) / dt,
+                1,
+            ),
+            tok_s_all=round(sum(map(len, toks)) / dt, 1),
+            schedule=a.schedule,
+            steady_s=None if steady_s is None else round(steady_s, 2),
             tau=round(1 + (acc1 - acc0) / drafts, 3) if drafts else None,
             ms_per_step=round(dt * 1e3 / steps, 3),
             startup_s=round(startup, 1),
@@ -334,6 +412,14 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--engine-timeout", type=int, default=900)
     ap.add_argument(
+        "--schedule",
+        choices=["continuous", "waves"],
+        default="continuous",
+        help="'continuous': c requests always in flight (a finished one's place "
+        "goes to the next at once; tok_s is the steady window's, tok_s_all the "
+        "whole run's); 'waves': c prompts at a time, the next c when all are done",
+    )
+    ap.add_argument(
         "--sampled-conc",
         default="1,8",
         help="concurrencies decoded again at temperature 1 in each bf16 engine "
@@ -384,6 +470,8 @@ def engine_command(
         a.ddtree,
         "--sampled-conc",
         a.sampled_conc,
+        "--schedule",
+        a.schedule,
         "--workdir",
         workdir or a.workdir,
     ]
@@ -394,11 +482,15 @@ def engine_command(
 
 
 def run_engine_process(
-    cmd: list[str], timeout: float, stderr_path: str | None = None
+    cmd: list[str],
+    timeout: float,
+    stderr_path: str | None = None,
+    stdout_path: str | None = None,
 ) -> tuple[list[dict], int | str, str]:
     """Run one engine process: its ``ROW`` lines, its exit code (``"timeout"``
     when it ran past ``timeout``) and, with ``stderr_path`` (where its stderr
-    goes instead of ours), the last 4000 characters of that stderr."""
+    goes instead of ours), the last 4000 characters of that stderr. With
+    ``stdout_path`` the rest of its stdout (vLLM's log) is saved there."""
     with contextlib.ExitStack() as stack:
         err = stack.enter_context(open(stderr_path, "w")) if stderr_path else None
         try:
@@ -409,6 +501,11 @@ def run_engine_process(
         except subprocess.TimeoutExpired as e:
             out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             rc = "timeout"
+    if stdout_path:
+        with open(stdout_path, "w") as f:
+            f.writelines(
+                line + "\n" for line in out.splitlines() if not line.startswith("ROW ")
+            )
     tail = ""
     if stderr_path:
         with open(stderr_path) as f:
@@ -487,7 +584,9 @@ def main() -> None:
         )
         t = time.time()
         new, rc, _ = run_engine_process(
-            engine_command(a, pair, dtype, method, conc), a.engine_timeout
+            engine_command(a, pair, dtype, method, conc),
+            a.engine_timeout,
+            stdout_path=os.path.join(a.workdir, f"engine_{pair}_{dtype}_{method}.log"),
         )
         if rc != 0:
             log(

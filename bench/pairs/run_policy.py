@@ -67,6 +67,7 @@ def tabulate(
             budget_chosen=tree.get("budget_chosen"),
             tau=tree.get("tau"),
             policy=policies[0],
+            schedule=tree.get("schedule", "waves"),
             expected_tau=tree.get("expected_tau"),
             chain_tau=chain.get("tau") if chain else None,
         )
