@@ -22,6 +22,17 @@ LABELS = {
 }
 
 
+def format_axes(ax, title: str) -> None:
+    """Tokens/s against concurrency, both on log scales."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("results")
@@ -68,13 +79,7 @@ def main() -> None:
                         xytext=(4, 4),
                         fontsize=7,
                     )
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("concurrency (requests decoded together)")
-        ax.set_ylabel("tokens/s")
-        ax.set_title(f"{pair} ({a.dtype}, held-out prompts, greedy)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        format_axes(ax, f"{pair} ({a.dtype}, held-out prompts, greedy)")
     fig.tight_layout()
     fig.savefig(a.out, dpi=120)
     print(a.out)

@@ -30,6 +30,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 
 POLICY_METHODS = {"measured": "ddtree_measured", "batch": "ddtree"}
 
@@ -97,6 +98,7 @@ def plot(table: list[dict], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from plot_pairs import format_axes
 
     pairs = sorted({r["pair"] for r in table})
     fig, axes = plt.subplots(
@@ -129,13 +131,7 @@ def plot(table: list[dict], path: str) -> None:
                     xytext=(4, -10),
                     fontsize=7,
                 )
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("concurrency (requests decoded together)")
-        ax.set_ylabel("tokens/s")
-        ax.set_title(f"{pair} (bf16, held-out prompts, greedy)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        format_axes(ax, f"{pair} (bf16, held-out prompts, greedy)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
