@@ -227,3 +227,21 @@ def test_cycled_prompts_repeat_the_list():
         [i % 5] for i in range(16)
     ]
     assert run_pairs.prompts_for(1, prompts, 3, cycle=True) == prompts[:3]
+
+
+def test_committed_policy_table_has_the_rows_the_policy_is_judged_by():
+    """bench/results/policy.json: one row per pair and concurrency with the
+    three methods' tokens/s side by side, the budget chosen and tau."""
+    rows = json.loads(
+        (
+            Path(__file__).resolve().parent.parent / "bench" / "results" / "policy.json"
+        ).read_text()
+    )
+    assert rows
+    keys = {"pair", "concurrency", "nospec_tok_s", "chain_tok_s", "ddtree_tok_s"}
+    for r in rows:
+        assert keys | {"budget_chosen", "tau"} <= set(r)
+        assert all(r[k] > 0 for k in ("nospec_tok_s", "chain_tok_s", "ddtree_tok_s"))
+        best = max(r["nospec_tok_s"], r["chain_tok_s"])
+        assert r["ddtree_over_best"] == round(r["ddtree_tok_s"] / best, 3)
+    assert len({(r["pair"], r["concurrency"]) for r in rows}) == len(rows)
