@@ -616,6 +616,54 @@ def test_backend_takes_the_split_when_the_batch_fits():
 
 
 @needs_kernel
+def test_backend_decode_step_attends_over_the_whole_sequence(monkeypatch):
+    """A step in which every request decodes one token (no tree: the
+    measured policy's no speculation) runs the prefix pass alone over each
+    request's whole sequence, the step's own key included, as an engine
+    without speculation attends; the intra-tree pass does not run."""
+    calls = []
+
+    def prefix(*args, **kwargs):
+        calls.append(args[6].clone())  # prefix_lens
+        return paged_prefix_attention(*args, **kwargs)
+
+    def no_tree_pass(*args, **kwargs):
+        raise AssertionError("the intra-tree pass ran in a plain decode step")
+
+    plain = [("plain", 33), ("plain", 5), ("plain", 70), ("pad", 0)]
+    batch = make_batch(9, plain, 8, 2, 64, torch.float32, KERNEL_DEVICE, seed=6)
+    assert max(batch["query_lens"]) == 1
+    split = ta.SplitTreeAttention(
+        fake_vllm_config(),
+        8,
+        2,
+        64,
+        16,
+        torch.float32,
+        torch.device(KERNEL_DEVICE),
+        prefix_attention=prefix,
+    )
+    num_reqs = len(plain)
+    common = SimpleNamespace(
+        num_reqs=num_reqs,
+        query_start_loc=batch["cu_seqlens_q"],
+        seq_lens=batch["seq_lens"],
+        num_actual_tokens=sum(batch["query_lens"]),
+        max_query_len=1,
+        max_seq_len=max(batch["kv_lens"]),
+        causal=True,
+    )
+    split_meta = split.build(common)
+    assert split_meta.whole_sequence
+    monkeypatch.setattr(ta, "tree_attention", no_tree_pass)
+    out = backend_forward(batch, split_meta)
+    assert len(calls) == 1
+    assert torch.equal(calls[0], batch["seq_lens"][:num_reqs])
+    torch.testing.assert_close(out, run_unified(batch), atol=TOL, rtol=TOL)
+    assert_untouched(out, batch)
+
+
+@needs_kernel
 def test_backend_runs_unified_for_a_longer_request():
     """A prefill chunk longer than the tree: the unified kernel (the split's
     prefix pass is not called)."""
@@ -697,9 +745,25 @@ def test_build_writes_prefix_lengths_into_one_buffer():
         meta = split.build(common)
         expected = [s - q for s, q in zip(seq_lens, query_lens)]
         assert meta.prefix_lens.tolist() == expected
+        assert not meta.whole_sequence
         assert meta.prefix_attention is paged_prefix_attention
         assert meta.scheduler_metadata is None and meta.num_splits == 0
         pointers.add(meta.prefix_lens.data_ptr())
+    # A plain decode step (one token per request, padding rows of none):
+    # the whole sequence, the step's own key included.
+    qsl = torch.tensor([0, 1, 2, 2], dtype=torch.int32)
+    common = SimpleNamespace(
+        num_reqs=3,
+        query_start_loc=qsl,
+        seq_lens=torch.tensor([40, 9, 0], dtype=torch.int32),
+        num_actual_tokens=2,
+        max_query_len=1,
+        max_seq_len=40,
+        causal=True,
+    )
+    meta = split.build(common)
+    assert meta.whole_sequence and meta.prefix_lens.tolist() == [40, 9, 0]
+    pointers.add(meta.prefix_lens.data_ptr())
     # Persistent: a captured graph reads the same rows every step.
     assert pointers == {split.prefix_lens.data_ptr()}
     # A bidirectional (drafter) batch never takes the split.

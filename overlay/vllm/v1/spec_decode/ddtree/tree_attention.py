@@ -702,12 +702,19 @@ def split_tree_attention(
 class SplitTreeAttentionMetadata:
     """One step's split pass, on ``TritonAttentionMetadata.tree_split``."""
 
-    # [num_reqs] int32, seq_len - query_len (a persistent buffer's rows).
+    # [num_reqs] int32, seq_len - query_len (a persistent buffer's rows);
+    # seq_len itself in a plain decode step (`whole_sequence`).
     prefix_lens: torch.Tensor
     prefix_attention: PrefixAttention = fa3_prefix_attention
     # FA3's ahead-of-time schedule of (a) (a persistent buffer's rows).
     scheduler_metadata: torch.Tensor | None = None
     num_splits: int = 0
+    # Every request decodes one token and none verifies a tree (a step of
+    # no speculation: the measured budget policy's choice at large batch
+    # sizes): (a) covers the whole sequence, the step's own key included,
+    # which is the whole attention of a one-token query, and (b) is skipped,
+    # so such a step attends as an engine without speculation does.
+    whole_sequence: bool = False
 
     def applies(self, attn_metadata: Any, output_scale: torch.Tensor | None) -> bool:
         """Host-side rule: a tree mask is attached and no request has more
@@ -740,6 +747,24 @@ class SplitTreeAttentionMetadata:
         softcap: float,
         sinks: torch.Tensor | None,
     ) -> None:
+        if self.whole_sequence:
+            self.prefix_attention(
+                query,
+                key_cache,
+                value_cache,
+                output,
+                attn_metadata.query_start_loc,
+                attn_metadata.max_query_len,
+                self.prefix_lens,
+                attn_metadata.max_seq_len,
+                attn_metadata.block_table,
+                softmax_scale,
+                softcap,
+                sinks,
+                self.scheduler_metadata,
+                self.num_splits,
+            )
+            return
         split_tree_attention(
             query,
             key_cache,
@@ -849,11 +874,17 @@ class SplitTreeAttention:
         num_reqs = common_attn_metadata.num_reqs
         query_start_loc = common_attn_metadata.query_start_loc
         prefix_lens = self.prefix_lens[:num_reqs]
-        torch.sub(
-            common_attn_metadata.seq_lens[:num_reqs],
-            query_start_loc[1 : num_reqs + 1] - query_start_loc[:num_reqs],
-            out=prefix_lens,
-        )
+        # A host bound, fixed per captured graph: a one-token decode graph
+        # always runs FA3 alone (SplitTreeAttentionMetadata.whole_sequence).
+        whole_sequence = common_attn_metadata.max_query_len == 1
+        if whole_sequence:
+            prefix_lens.copy_(common_attn_metadata.seq_lens[:num_reqs])
+        else:
+            torch.sub(
+                common_attn_metadata.seq_lens[:num_reqs],
+                query_start_loc[1 : num_reqs + 1] - query_start_loc[:num_reqs],
+                out=prefix_lens,
+            )
         num_splits = 0  # FA3's own heuristics outside full CUDA graphs
         if (
             self.use_full_cuda_graph
@@ -891,4 +922,5 @@ class SplitTreeAttention:
             prefix_attention=self.prefix_attention,
             scheduler_metadata=scheduler_metadata,
             num_splits=num_splits,
+            whole_sequence=whole_sequence,
         )
