@@ -16,8 +16,7 @@ in place (pair_worker.py), then greedy decoding (temperature 0, ``ignore_eos``)
 at each concurrency c: ``c`` requests always in flight, as c clients of a
 server keep them (``--schedule waves``: c prompts at a time). Rows: tokens/s,
 tau (vLLM's spec-decode counters), ms per engine step and whether each output
-equals the
-no-speculation output of the same pair, dtype and concurrency; each bf16
+equals the no-speculation output of the same pair, dtype and concurrency; each bf16
 engine then decodes ``--sampled-conc`` again at temperature 1 (rows with
 ``"temperature": 1.0``: tokens/s and tau, nothing compared). ``--small``
 also runs the small pair itself (no speculation, float32): the production
@@ -288,13 +287,14 @@ def run_engine(a) -> None:
                     f"c{conc}-t{temperature:g}",
                     time.time,
                 )
-            for i in range(0, 0 if continuous else len(batch), conc):
-                outs = llm.generate(
-                    [TokensPrompt(prompt_token_ids=p) for p in batch[i : i + conc]],
-                    sps[i : i + conc],
-                    use_tqdm=False,
-                )
-                toks += [list(o.outputs[0].token_ids) for o in outs]
+            else:
+                for i in range(0, len(batch), conc):
+                    outs = llm.generate(
+                        [TokensPrompt(prompt_token_ids=p) for p in batch[i : i + conc]],
+                        sps[i : i + conc],
+                        use_tqdm=False,
+                    )
+                    toks += [list(o.outputs[0].token_ids) for o in outs]
         dt = time.time() - t
         acc1, drafts1 = spec_counters(llm)
         drafts = drafts1 - drafts0
