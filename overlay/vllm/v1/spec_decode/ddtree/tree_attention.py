@@ -651,7 +651,7 @@ def split_tree_attention(
     prefix_lens: torch.Tensor,
     max_seqlen_k: int,
     block_table: torch.Tensor,
-    tree_mask: torch.Tensor,
+    tree_mask: torch.Tensor | None,
     softmax_scale: float,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
@@ -661,7 +661,9 @@ def split_tree_attention(
 ) -> None:
     """(a) then (b): the unified kernel's result with the same packed mask
     (``qq_bias``), causal, written into ``out``. ``prefix_lens`` must be
-    ``seq_lens - query_lens`` (`SplitTreeAttention.build` keeps it)."""
+    ``seq_lens - query_lens`` (`SplitTreeAttention.build` keeps it). Without
+    ``tree_mask`` (a plain decode batch, ``prefix_lens`` the whole
+    sequences): (a) alone, the whole attention of one-token queries."""
     prefix_lse = prefix_attention(
         query,
         key_cache,
@@ -678,6 +680,8 @@ def split_tree_attention(
         scheduler_metadata,
         num_splits,
     )
+    if tree_mask is None:
+        return
     tree_attention(
         query,
         key_cache,
@@ -747,24 +751,6 @@ class SplitTreeAttentionMetadata:
         softcap: float,
         sinks: torch.Tensor | None,
     ) -> None:
-        if self.whole_sequence:
-            self.prefix_attention(
-                query,
-                key_cache,
-                value_cache,
-                output,
-                attn_metadata.query_start_loc,
-                attn_metadata.max_query_len,
-                self.prefix_lens,
-                attn_metadata.max_seq_len,
-                attn_metadata.block_table,
-                softmax_scale,
-                softcap,
-                sinks,
-                self.scheduler_metadata,
-                self.num_splits,
-            )
-            return
         split_tree_attention(
             query,
             key_cache,
@@ -776,7 +762,7 @@ class SplitTreeAttentionMetadata:
             self.prefix_lens,
             attn_metadata.max_seq_len,
             attn_metadata.block_table,
-            attn_metadata.tree_attn_bias,
+            None if self.whole_sequence else attn_metadata.tree_attn_bias,
             softmax_scale,
             softcap,
             sinks,
