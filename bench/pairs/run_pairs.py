@@ -90,16 +90,16 @@ def decode_continuous(engine, requests: list, params: list, conc: int, tag: str,
     pending = iter(range(len(requests)))
     in_flight = 0
     produced = 0
-    window_start = window_end = None
-    window_tokens = 0
+    # (seconds, tokens produced) when the window opens and when it closes.
+    window_start: tuple[float, int] | None = None
+    window_end: tuple[float, int] | None = None
 
     def add() -> bool:
-        nonlocal in_flight, window_end, window_tokens
+        nonlocal in_flight, window_end
         i = next(pending, None)
         if i is None:
             if window_end is None and window_start is not None:
-                window_end = clock()
-                window_tokens = produced - window_tokens
+                window_end = (clock(), produced)
             return False
         engine.add_request(f"{tag}-{i}", requests[i], params[i])
         in_flight += 1
@@ -117,12 +117,11 @@ def decode_continuous(engine, requests: list, params: list, conc: int, tag: str,
             if out.finished:
                 in_flight -= 1
                 if window_start is None:
-                    window_start = clock()
-                    window_tokens = produced
+                    window_start = (clock(), produced)
                 add()
-    if window_start is None or window_end is None or window_end <= window_start:
+    if window_start is None or window_end is None or window_end[0] <= window_start[0]:
         return tokens, None, None
-    return tokens, window_tokens, window_end - window_start
+    return tokens, window_end[1] - window_start[1], window_end[0] - window_start[0]
 
 
 # ---------------------------------------------------------------- one engine
