@@ -317,6 +317,9 @@ def test_the_steps_longest_query_reaches_the_tree_kernel(monkeypatch):
 
     monkeypatch.setattr(gdn_verify, "tree_gated_delta_rule", spy)
     md = case.md()
+    # prepare_step (in case.context) bounded it by the longest tree.
+    assert ctx.max_query_len == 6
+    ctx.max_query_len = None
     table_out = run_core(
         monkeypatch, layer, md, case.mixed_qkv, case.b, case.a, case.num_actual
     )
@@ -330,6 +333,49 @@ def test_the_steps_longest_query_reaches_the_tree_kernel(monkeypatch):
     torch.testing.assert_close(out, table_out, rtol=1e-5, atol=1e-5)
     ctx.attach({layer.prefix: md})
     assert ctx.max_query_len is None
+
+
+def test_a_prefill_chunk_in_the_step_does_not_widen_the_tree_form(monkeypatch):
+    """A step that mixes a new request's prefill chunk with trees of 5 and 3
+    nodes: the attention metadata's longest query is the chunk's (300), so
+    attach alone would give the trees the form of the 40-column table;
+    prepare_step, which the runner calls after attach, bounds it by the
+    longest tree (6 rows), and the tree kernels get that."""
+    case = Case(0, [5, 3], 3)
+    layer = make_layer(0)
+    wide = torch.zeros(case.max_reqs, 40, dtype=torch.int64, device=DEVICE)
+    wide[:, :5] = case.parent
+    ctx = case.context(layer, parent=wide)
+    md = case.md()
+    ctx.attach(
+        {
+            layer.prefix: md,
+            "model.layers.3.self_attn": SimpleNamespace(max_query_len=300),
+        }
+    )
+    assert ctx.max_query_len == 300
+    mixed = SimpleNamespace(
+        num_reqs=3,
+        num_draft_tokens_per_req=np.array([5, 3, 0], dtype=np.int32),
+        num_scheduled_tokens=np.array([6, 4, 300], dtype=np.int32),
+        idx_mapping_np=np.append(case.idx_mapping.numpy(), 0).astype(np.int32),
+    )
+    ctx.prepare_step(mixed)
+    assert ctx.num_spec == 2 and ctx.max_query_len == 6
+    seen = []
+    kernels = (gdn_verify.tree_gated_delta_rule, gdn_verify.tree_causal_conv1d)
+
+    def spy(kernel):
+        def call(*args, **kwargs):
+            seen.append((kernel.__name__, kwargs["max_query_len"]))
+            return kernel(*args, **kwargs)
+
+        return call
+
+    for kernel in kernels:
+        monkeypatch.setattr(gdn_verify, kernel.__name__, spy(kernel))
+    run_core(monkeypatch, layer, md, case.mixed_qkv, case.b, case.a, case.num_actual)
+    assert sorted(seen) == [("tree_causal_conv1d", 6), ("tree_gated_delta_rule", 6)]
 
 
 def test_chain_parent_mutant_is_caught(monkeypatch):

@@ -1192,6 +1192,38 @@ def test_gpu_split_equals_unified(shape, t):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_plain_decode_is_fa3_over_the_whole_sequence(shape):
+    """A step of one token per request (the measured policy's no
+    speculation): FA3 alone over each whole sequence, the step's own key
+    included (no mask, no intra-tree pass), equals the unified kernel."""
+    plain = [("plain", 1500), ("plain", 1), ("plain", 4097), ("pad", 0)]
+    batch = make_batch(16, plain, *shape, torch.bfloat16, "cuda", seed=3)
+    assert max(batch["query_lens"]) == 1
+    out = torch.full_like(batch["query"], SENTINEL)
+    ta.split_tree_attention(
+        batch["query"],
+        batch["key_cache"],
+        batch["value_cache"],
+        out,
+        batch["cu_seqlens_q"],
+        1,
+        batch["seq_lens"],
+        batch["seq_lens"],
+        max(batch["kv_lens"]),
+        batch["block_table"],
+        None,
+        batch["scale"],
+        prefix_attention=ta.fa3_prefix_attention,
+    )
+    unified = run_unified(batch)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, unified, atol=2e-2, rtol=2e-2)
+    assert_untouched(out, batch)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gpu_split_sinks_and_softcap():
     batch = make_batch(65, GPU_MIXED, 32, 8, 128, torch.bfloat16, "cuda", seed=1)
     # In the model's dtype, as attention layers hold them: FA3's s_aux takes

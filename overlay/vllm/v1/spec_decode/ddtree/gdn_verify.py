@@ -218,8 +218,8 @@ class DDTreeGDN:
         # The step's GDN metadata, one per KV-cache group (attach).
         self.group_metadata: list[Any] = []
         self._groups_checked = False
-        # The step's longest query (attach; None: unknown), which picks the
-        # tree kernel's form and block size.
+        # The step's longest query (attach; None: unknown), then its longest
+        # tree (prepare_step), which picks the tree kernels' form and block.
         self.max_query_len: int | None = None
 
     @classmethod
@@ -393,6 +393,15 @@ class DDTreeGDN:
             return
         assert n <= input_batch.num_reqs
         counts_np = scheduled_np[rows_np]
+        # The longest tree bounds the tree kernels' form (attach took the
+        # step's longest query, which runs before this in a step): a step
+        # that mixes a new request's prefill chunk with trees has a longer
+        # query than any tree, and would run the batch policy's 15-node trees
+        # in the form of the widest one. Eager steps only read it; a full
+        # CUDA graph keeps the form of its capture (uniform trees).
+        longest_tree = int(counts_np.max())
+        if self.max_query_len is None or longest_tree < self.max_query_len:
+            self.max_query_len = longest_tree
         query_start_np = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(counts_np, out=query_start_np[1:])
         self.num_spec_tokens = sum(counts_np.tolist())
