@@ -221,6 +221,68 @@ def test_continuous_decoding_keeps_c_requests_in_flight():
     assert tok is None and sec is None
 
 
+class _Params:
+    def __init__(self, max_tokens=256):
+        self.max_tokens = max_tokens
+
+    def clone(self):
+        return _Params(self.max_tokens)
+
+
+class _FakeWarmEngine:
+    """One token per step for each request in flight, until its
+    ``max_tokens``; records what each request got and when it joined."""
+
+    def __init__(self):
+        self.in_flight: dict[str, list] = {}
+        self.most_in_flight = 0
+        self.joined_mid_flight = 0
+        self.added: list[tuple[str, object, int]] = []
+
+    def add_request(self, request_id, prompt, params):
+        if any(0 < done < limit for done, limit in self.in_flight.values()):
+            self.joined_mid_flight += 1
+        self.in_flight[request_id] = [0, params.max_tokens]
+        self.added.append((request_id, prompt, params.max_tokens))
+        self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
+
+    def step(self):
+        from types import SimpleNamespace
+
+        outs = []
+        for rid, state in list(self.in_flight.items()):
+            state[0] += 1
+            finished = state[0] == state[1]
+            if finished:
+                del self.in_flight[rid]
+            outs.append(
+                SimpleNamespace(
+                    request_id=rid,
+                    finished=finished,
+                    outputs=[SimpleNamespace(token_ids=[0])],
+                )
+            )
+        return outs
+
+
+def test_warm_up_runs_2c_staggered_requests_c_in_flight():
+    from types import SimpleNamespace
+
+    engine = _FakeWarmEngine()
+    llm = SimpleNamespace(llm_engine=engine)
+    params = _Params()
+    run_pairs.warm_up(llm, ["p0", "p1", "p2"], params, 4, 32, True, "warm-c4-t0")
+    assert len(engine.added) == 8 and not engine.in_flight
+    assert engine.most_in_flight == 4
+    assert [p for _, p, _ in engine.added] == ["p0", "p1", "p2"] * 2 + ["p0", "p1"]
+    limits = [m for _, _, m in engine.added]
+    assert limits == [4, 8, 12, 16, 20, 24, 28, 32]
+    # Finishes are staggered, so later requests join while others run.
+    assert engine.joined_mid_flight >= 4
+    assert params.max_tokens == 256  # the timed decode's parameters untouched
+    assert all(rid.startswith("warm-c4-t0-") for rid, _, _ in engine.added)
+
+
 def test_cycled_prompts_repeat_the_list():
     prompts = [[i] for i in range(5)]
     assert run_pairs.prompts_for(4, prompts, 6, cycle=True) == [

@@ -127,6 +127,36 @@ def decode_continuous(engine, requests: list, params: list, conc: int, tag: str,
 # ---------------------------------------------------------------- one engine
 
 
+def warm_up(
+    llm,
+    requests: list,
+    params,
+    conc: int,
+    max_tokens: int,
+    continuous: bool,
+    tag: str,
+) -> None:
+    """Untimed, before a concurrency's timed decode: 2 x ``conc`` of its
+    prompts, ``conc`` in flight, for up to ``max_tokens`` tokens each,
+    staggered so that requests finish and new ones join while others run
+    (steps that mix a prefill with verification, as in the timed window).
+    Triton kernels specialised on the shapes of this concurrency compile
+    here, not inside the timed window (a compile stalls the engine for
+    seconds)."""
+    n = 2 * conc
+    prompts = [requests[i % len(requests)] for i in range(n)]
+    sps = []
+    for i in range(n):
+        sp = params.clone()
+        sp.max_tokens = max(1, max_tokens * (i + 1) // n)
+        sps.append(sp)
+    if continuous:
+        decode_continuous(llm.llm_engine, prompts, sps, conc, tag, time.time)
+    else:
+        for i in range(0, n, conc):
+            llm.generate(prompts[i : i + conc], sps[i : i + conc], use_tqdm=False)
+
+
 def ddtree_by_batch_size(llm, conc: int) -> dict[str, float]:
     """DDTree's per-batch-size series at the label ``conc`` requests count
     at (metrics.py): the budget the schedule gives, the tau the measured
@@ -268,6 +298,16 @@ def run_engine(a) -> None:
             sps = [sp.clone() for sp in sps]
             for sp in sps:
                 sp.output_kind = RequestOutputKind.DELTA
+        if a.warm_tokens > 0:
+            warm_up(
+                llm,
+                [TokensPrompt(prompt_token_ids=p) for p in batch],
+                sps[0],
+                conc,
+                a.warm_tokens,
+                continuous,
+                f"warm-c{conc}-t{temperature:g}",
+            )
         acc0, drafts0 = spec_counters(llm)
         by_batch0 = (
             ddtree_by_batch_size(llm, conc) if a.method in DDTREE_METHODS else {}
@@ -419,6 +459,14 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
         "whole run's); 'waves': c prompts at a time, the next c when all are done",
     )
     ap.add_argument(
+        "--warm-tokens",
+        type=int,
+        default=32,
+        help="before each concurrency's timed decode, decode 2c of its prompts "
+        "(staggered, up to this many tokens each) untimed, so that kernels "
+        "specialised on its shapes compile outside the timed window; 0: none",
+    )
+    ap.add_argument(
         "--sampled-conc",
         default="1,8",
         help="concurrencies decoded again at temperature 1 in each bf16 engine "
@@ -469,6 +517,8 @@ def engine_command(
         a.ddtree,
         "--sampled-conc",
         a.sampled_conc,
+        "--warm-tokens",
+        str(a.warm_tokens),
         "--schedule",
         a.schedule,
         "--workdir",
