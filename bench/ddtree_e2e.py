@@ -95,9 +95,9 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=None, help="DDTree draft_depth")
     ap.add_argument(
         "--policy",
-        choices=["batch", "fixed"],
+        choices=["batch", "fixed", "measured"],
         default=None,
-        help="DDTree budget_policy",
+        help="DDTree budget_policy (default: the engine's, measured where it can run)",
     )
     ap.add_argument("--prompts", nargs="+", required=True)
     ap.add_argument("--n", type=int, default=32, help="prompts per file (0 = all)")

@@ -47,7 +47,9 @@ METHODS = ("nospec", "chain", "ddtree")
 # Also accepted: "chain_v2", the chain on the V2 model runner (hybrid targets
 # run the chain on the V1 runner by default; DDTree always runs on V2), and
 # "ddtree_measured", DDTree with ``budget_policy: "measured"`` on top of
-# ``--ddtree``.
+# ``--ddtree`` (the default policy since 2026-12-03). "ddtree" keeps the
+# meaning its earlier rows have: ``budget_policy: "batch"`` unless
+# ``--ddtree`` sets one.
 DDTREE_METHODS = ("ddtree", "ddtree_measured")
 
 
@@ -250,6 +252,8 @@ def run_engine(a) -> None:
         )
         if a.method == "ddtree_measured":
             kw["speculative_config"]["budget_policy"] = "measured"
+        else:
+            kw["speculative_config"].setdefault("budget_policy", "batch")
     if a.llm_kwargs:
         kw.update(json.loads(a.llm_kwargs))
     t0 = time.time()

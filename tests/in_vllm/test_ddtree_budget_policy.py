@@ -146,7 +146,9 @@ def test_measured_policy_starts_from_the_batch_schedule(target_model_config):
     )
     assert small.num_speculative_tokens_per_batch_size == [(1, 1024, 8)]
     assert capture_budgets(small) == [0, 8]
-    batch = make_spec(target_model_config, method="ddtree", model=DRAFTER)
+    batch = make_spec(
+        target_model_config, method="ddtree", model=DRAFTER, budget_policy="batch"
+    )
     assert capture_budgets(batch) == [15, 32, 64]
 
 
@@ -216,6 +218,115 @@ def test_measured_policy_needs_cuda_graphs_and_one_scheduler(monkeypatch):
     assert len(warnings) == 1 and "tree_budget=64 nodes" in warnings[0]
     _verify_measured_budget_policy(fake("batch", async_scheduling=True))
     assert len(warnings) == 1
+
+
+def test_the_default_policy_is_measured_where_it_can_run(monkeypatch):
+    """budget_policy unset: "measured" with CUDA graphs, async scheduling and
+    one data-parallel rank; otherwise "batch", with one startup line that
+    says why, and the schedule the batch policy would have."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.spec_decode.ddtree import config
+    from vllm.v1.spec_decode.ddtree.config import _verify_measured_budget_policy
+
+    lines = []
+    monkeypatch.setattr(
+        config,
+        "logger",
+        SimpleNamespace(
+            info=lambda msg, *args: lines.append(msg % args),
+            warning=lambda msg, *args: lines.append(msg % args),
+        ),
+    )
+
+    def fake(
+        schedule=((1, 1, 64), (2, 3, 32), (4, 1024, 15)),
+        eager=False,
+        dp=1,
+        tp=1,
+        async_scheduling=None,
+        cudagraph_mode=None,
+    ):
+        return SimpleNamespace(
+            speculative_config=SimpleNamespace(
+                budget_policy=None,
+                tree_budget=64,
+                draft_depth=15,
+                num_speculative_tokens_per_batch_size=list(schedule),
+            ),
+            model_config=SimpleNamespace(enforce_eager=eager),
+            compilation_config=SimpleNamespace(cudagraph_mode=cudagraph_mode),
+            parallel_config=SimpleNamespace(
+                data_parallel_size=dp, tensor_parallel_size=tp
+            ),
+            scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+        )
+
+    for ok in (
+        fake(),
+        fake(async_scheduling=True),
+        fake(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
+        fake(cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY),
+    ):
+        _verify_measured_budget_policy(ok)
+        assert ok.speculative_config.budget_policy == "measured"
+    assert lines == []
+    for fallback, why in (
+        (fake(eager=True), "enforce_eager"),
+        (fake(cudagraph_mode=CUDAGraphMode.PIECEWISE), "cudagraph_mode PIECEWISE"),
+        (fake(cudagraph_mode=CUDAGraphMode.NONE), "cudagraph_mode NONE"),
+        (fake(async_scheduling=False), "async scheduling"),
+        (fake(dp=2), "data_parallel_size=2"),
+        (fake(tp=2), "tensor_parallel_size=2"),
+    ):
+        lines.clear()
+        _verify_measured_budget_policy(fallback)
+        spec = fallback.speculative_config
+        assert spec.budget_policy == "batch"
+        assert spec.num_speculative_tokens_per_batch_size == [
+            (1, 1, 64),
+            (2, 3, 32),
+            (4, 1024, 15),
+        ]
+        assert why in lines[0] and "not the default measured" in lines[0], lines
+        assert "1-1: 64, 2-3: 32, >=4: 15" in lines[0]
+    # The batch policy keeps a schedule only where the budget changes.
+    single = fake(schedule=[(1, 1024, 8)], eager=True)
+    _verify_measured_budget_policy(single)
+    assert single.speculative_config.budget_policy == "batch"
+    assert single.speculative_config.num_speculative_tokens_per_batch_size is None
+    # Chosen explicitly, "measured" is refused there, in one line.
+    explicit = fake(cudagraph_mode=CUDAGraphMode.PIECEWISE)
+    explicit.speculative_config.budget_policy = "measured"
+    with pytest.raises(ValueError, match="cudagraph_mode PIECEWISE") as info:
+        _verify_measured_budget_policy(explicit)
+    assert "\n" not in str(info.value)
+    # Under tensor parallelism it is the user's choice (not yet run there).
+    chosen = fake(tp=2)
+    chosen.speculative_config.budget_policy = "measured"
+    _verify_measured_budget_policy(chosen)
+    assert chosen.speculative_config.budget_policy == "measured"
+
+
+@needs_models
+def test_an_unset_policy_with_a_pinned_schedule_is_batch(target_model_config):
+    spec = make_spec(
+        target_model_config,
+        method="ddtree",
+        model=DRAFTER,
+        tree_budget=64,
+        num_speculative_tokens_per_batch_size=[(1, 4, 64), (5, 256, 8)],
+    )
+    assert spec.budget_policy == "batch"
+    assert spec.num_speculative_tokens_per_batch_size == [(1, 4, 64), (5, 256, 8)]
+    unset = make_spec(target_model_config, method="ddtree", model=DRAFTER)
+    # Decided with the engine config (VllmConfig); until then the schedule
+    # the measured policy starts from.
+    assert unset.budget_policy is None
+    assert unset.num_speculative_tokens_per_batch_size == [
+        (1, 1, 64),
+        (2, 3, 32),
+        (4, 1024, 15),
+    ]
 
 
 # ----------------------------------------------------------------- planner

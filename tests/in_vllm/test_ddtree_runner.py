@@ -833,7 +833,7 @@ def test_budget_schedule_shrinks_with_batch_and_keeps_a_floor():
 
 
 @needs_models
-def test_batch_policy_is_the_default_and_fixed_pins_the_budget(target_model_config):
+def test_batch_policy_schedule_and_fixed_pins_the_budget(target_model_config):
     fixed = _spec(
         target_model_config,
         method="ddtree",
@@ -842,7 +842,13 @@ def test_batch_policy_is_the_default_and_fixed_pins_the_budget(target_model_conf
         budget_policy="fixed",
     )
     assert fixed.num_speculative_tokens_per_batch_size is None
-    batch = _spec(target_model_config, method="ddtree", model=DRAFTER, tree_budget=64)
+    batch = _spec(
+        target_model_config,
+        method="ddtree",
+        model=DRAFTER,
+        tree_budget=64,
+        budget_policy="batch",
+    )
     assert batch.budget_policy == "batch"
     assert batch.num_speculative_tokens_per_batch_size == [
         (1, 1, 64),

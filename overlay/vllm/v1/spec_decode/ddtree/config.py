@@ -286,13 +286,23 @@ def budget_schedule(
 
 
 def _apply_budget_policy(spec: "SpeculativeConfig") -> None:
+    """Check the policy and set its starting schedule. Unset (``None``), the
+    policy is "measured" unless the user pinned a schedule ("batch" keeps
+    it); whether "measured" can run on this engine (CUDA graphs, async
+    scheduling, one data-parallel rank) is known only with the whole engine
+    config: `_resolve_default_budget_policy` decides there, and until then
+    the schedule is the one "measured" starts from."""
     assert spec.tree_budget is not None and spec.draft_depth is not None
-    if spec.budget_policy not in DDTREE_BUDGET_POLICIES:
+    if spec.budget_policy is None and spec.num_speculative_tokens_per_batch_size:
+        spec.budget_policy = "batch"
+    if spec.budget_policy is not None and (
+        spec.budget_policy not in DDTREE_BUDGET_POLICIES
+    ):
         raise ValueError(
             "DDTree: budget_policy must be 'batch', 'fixed' or 'measured', got "
             f"{spec.budget_policy!r}."
         )
-    if spec.budget_policy == "measured":
+    if spec.budget_policy in ("measured", None):
         _verify_measured_policy(spec)
     if spec.num_speculative_tokens_per_batch_size is not None:
         return  # The user's own schedule pins the budget per batch size.
@@ -305,7 +315,7 @@ def _apply_budget_policy(spec: "SpeculativeConfig") -> None:
     # The measured policy starts from the batch policy's schedule and always
     # runs as a dynamic schedule: it may move any batch size to any of its
     # budgets, no speculation included.
-    if len(schedule) > 1 or spec.budget_policy == "measured":
+    if len(schedule) > 1 or spec.budget_policy in ("measured", None):
         spec.num_speculative_tokens_per_batch_size = schedule
 
 
@@ -357,10 +367,11 @@ def capture_budgets(spec: "SpeculativeConfig") -> list[int]:
 
 def _describe_schedule(spec: "SpeculativeConfig") -> str:
     schedule = spec.num_speculative_tokens_per_batch_size
-    if spec.budget_policy == "measured":
+    if spec.budget_policy in ("measured", None):
         assert spec.tree_budget is not None and spec.draft_depth is not None
         return (
-            "measured (budgets "
+            ("measured" if spec.budget_policy else "measured, the default")
+            + " (budgets "
             + ", ".join(map(str, candidate_budgets(spec.tree_budget, spec.draft_depth)))
             + " by batch size, 0 = no speculation; until the step costs are "
             "measured: " + describe_schedule(schedule or [], 1024) + ")"
@@ -479,12 +490,70 @@ ASYNC_SCHEDULING_ERROR = (
 )
 
 
+def _measured_policy_unavailable(vllm_config: "VllmConfig") -> str | None:
+    """Why the measured policy cannot run on this engine config (None: it
+    can). Its explicit use is refused for the same reasons
+    (`_verify_measured_budget_policy`)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is not None and getattr(model_config, "enforce_eager", False):
+        return "times the decode CUDA graphs at startup, and enforce_eager is set"
+    compilation_config = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(compilation_config, "cudagraph_mode", None)
+    if mode is not None and not mode.has_full_cudagraphs():
+        return (
+            "times the full decode CUDA graphs at startup, and cudagraph_mode "
+            f"{mode.name} has none"
+        )
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    if getattr(scheduler_config, "async_scheduling", None) is False:
+        return "needs async scheduling, and --no-async-scheduling is set"
+    parallel_config = getattr(vllm_config, "parallel_config", None)
+    dp = getattr(parallel_config, "data_parallel_size", 1)
+    if dp > 1:
+        return f"does not support data parallelism (data_parallel_size={dp})"
+    return None
+
+
+def _resolve_default_budget_policy(vllm_config: "VllmConfig") -> None:
+    """An unset budget_policy: "measured" where it can run, else "batch",
+    with a startup line that says why."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or getattr(spec, "budget_policy", "") is not None:
+        return
+    reason = _measured_policy_unavailable(vllm_config)
+    tp = getattr(
+        getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1
+    )
+    if reason is None and tp > 1:
+        # It supports tensor parallelism (the ranks time the same graphs and
+        # share rank 0's table) but has not run so: opt in explicitly.
+        reason = (
+            f"has not yet run under tensor parallelism (tensor_parallel_size={tp}; "
+            "set budget_policy 'measured' to use it)"
+        )
+    if reason is None:
+        spec.budget_policy = "measured"
+        return
+    spec.budget_policy = "batch"
+    schedule = spec.num_speculative_tokens_per_batch_size
+    if schedule is not None and len(schedule) <= 1:
+        # What the batch policy keeps: a schedule only where the budget
+        # changes with the batch size.
+        spec.num_speculative_tokens_per_batch_size = None
+    logger.info(
+        "DDTree: budget policy batch, not the default measured, which %s; schedule %s.",
+        reason,
+        _describe_schedule(spec),
+    )
+
+
 def _verify_measured_budget_policy(vllm_config: "VllmConfig") -> None:
     """The measured policy times the captured decode CUDA graphs at startup
     and changes the scheduler's per-batch-size budget at runtime: it needs
     CUDA graphs, and one scheduler per set of workers (data-parallel ranks
     picking different budgets would diverge; upstream turns dynamic
     schedules off under data parallelism for that reason)."""
+    _resolve_default_budget_policy(vllm_config)
     spec = getattr(vllm_config, "speculative_config", None)
     scheduler_config = getattr(vllm_config, "scheduler_config", None)
     sync_scheduling = getattr(scheduler_config, "async_scheduling", None) is False
@@ -506,6 +575,14 @@ def _verify_measured_budget_policy(vllm_config: "VllmConfig") -> None:
             "DDTree: budget_policy 'measured' times the decode CUDA graphs at "
             "startup, and enforce_eager turns them off; drop --enforce-eager or "
             "use budget_policy 'batch'."
+        )
+    compilation_config = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(compilation_config, "cudagraph_mode", None)
+    if mode is not None and not mode.has_full_cudagraphs():
+        raise ValueError(
+            "DDTree: budget_policy 'measured' times the full decode CUDA graphs "
+            f"at startup, and cudagraph_mode {mode.name} has none; drop "
+            "cudagraph_mode or use budget_policy 'batch'."
         )
     if sync_scheduling:
         raise ValueError(ASYNC_SCHEDULING_ERROR)

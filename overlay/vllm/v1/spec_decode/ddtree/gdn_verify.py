@@ -399,7 +399,7 @@ class DDTreeGDN:
         # query than any tree, and would run the batch policy's 15-node trees
         # in the form of the widest one. Eager steps only read it; a full
         # CUDA graph keeps the form of its capture (uniform trees).
-        longest_tree = int(counts_np.max())
+        longest_tree = max(counts_np.tolist())
         if self.max_query_len is None or longest_tree < self.max_query_len:
             self.max_query_len = longest_tree
         query_start_np = np.zeros(n + 1, dtype=np.int32)
