@@ -57,28 +57,39 @@ def chain_layer(seed):
     return layer
 
 
+def layer_inputs(seed, num_tokens):
+    """The layer's pre-conv rows and gates for a flat batch."""
+    gen = torch.Generator().manual_seed(seed)
+    mixed_qkv = torch.randn(num_tokens, CONV_DIM, generator=gen).to(DEVICE)
+    a = torch.randn(num_tokens, HV, generator=gen).to(DEVICE)
+    b = torch.randn(num_tokens, HV, generator=gen).to(DEVICE)
+    return mixed_qkv, a, b
+
+
+def chain_metadata(query_lens, context_lens, drafts):
+    """Upstream's builder for chain speculation (B + 1 state columns per
+    request, one per draft position); ``drafts`` -1 for a prefill row."""
+    rows = len(query_lens)
+    table = torch.arange(rows * (B + 1), dtype=torch.int32).view(rows, B + 1) + 1
+    md = builder(B).build(
+        0,
+        common(query_lens, context_lens, table),
+        num_accepted_tokens=torch.ones(rows, dtype=torch.int32, device=DEVICE),
+        num_decode_draft_tokens_cpu=torch.tensor(drafts, dtype=torch.int32),
+    )
+    return table, md
+
+
 @pytest.mark.parametrize("drafts", [(2, 3), (4, 1)])
 def test_chain_spec_rows_after_a_prefill_chunk_get_their_own_gates(monkeypatch, drafts):
     layer = chain_layer(3)
-    gen = torch.Generator().manual_seed(30)
     n_a, prefill_len, n_b = 1 + drafts[0], 5, 1 + drafts[1]
     query_lens = [n_a, prefill_len, n_b]
     flat_a = list(range(n_a))
     flat_b = list(range(n_a + prefill_len, n_a + prefill_len + n_b))
     num_tokens = sum(query_lens)
-    mixed_qkv = torch.randn(num_tokens, CONV_DIM, generator=gen).to(DEVICE)
-    a = torch.randn(num_tokens, HV, generator=gen).to(DEVICE)
-    b = torch.randn(num_tokens, HV, generator=gen).to(DEVICE)
-    # Upstream's chain: B + 1 state columns per request (one per draft).
-    table = torch.arange(3 * (B + 1), dtype=torch.int32).view(3, B + 1) + 1
-    md = builder(B).build(
-        0,
-        common(query_lens, [9, 0, 4], table),
-        num_accepted_tokens=torch.ones(3, dtype=torch.int32, device=DEVICE),
-        num_decode_draft_tokens_cpu=torch.tensor(
-            [n_a - 1, -1, n_b - 1], dtype=torch.int32
-        ),
-    )
+    mixed_qkv, a, b = layer_inputs(30, num_tokens)
+    table, md = chain_metadata(query_lens, [9, 0, 4], [n_a - 1, -1, n_b - 1])
     assert md.num_spec_decodes == 2 and md.num_prefills == 1
     assert md.spec_token_indx.tolist() == flat_a + flat_b
     committed = [t.clone() for t in layer.kv_cache]
@@ -105,19 +116,10 @@ def test_a_spec_only_batch_keeps_its_rows_as_they_are(monkeypatch):
     """No prefill or decode rows: no gather (the CUDA-graph batch), and the
     same outputs as the decode steps."""
     layer = chain_layer(4)
-    gen = torch.Generator().manual_seed(40)
     query_lens = [3, 2]
     num_tokens = sum(query_lens)
-    mixed_qkv = torch.randn(num_tokens, CONV_DIM, generator=gen).to(DEVICE)
-    a = torch.randn(num_tokens, HV, generator=gen).to(DEVICE)
-    b = torch.randn(num_tokens, HV, generator=gen).to(DEVICE)
-    table = torch.arange(2 * (B + 1), dtype=torch.int32).view(2, B + 1) + 1
-    md = builder(B).build(
-        0,
-        common(query_lens, [9, 4], table),
-        num_accepted_tokens=torch.ones(2, dtype=torch.int32, device=DEVICE),
-        num_decode_draft_tokens_cpu=torch.tensor([2, 1], dtype=torch.int32),
-    )
+    mixed_qkv, a, b = layer_inputs(40, num_tokens)
+    table, md = chain_metadata(query_lens, [9, 4], [2, 1])
     assert md.num_prefills == 0 and md.num_decodes == 0
     index_selects = []
     real_index_select = torch.Tensor.index_select

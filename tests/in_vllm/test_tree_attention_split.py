@@ -1200,22 +1200,9 @@ def test_gpu_plain_decode_is_fa3_over_the_whole_sequence(shape):
     plain = [("plain", 1500), ("plain", 1), ("plain", 4097), ("pad", 0)]
     batch = make_batch(16, plain, *shape, torch.bfloat16, "cuda", seed=3)
     assert max(batch["query_lens"]) == 1
-    out = torch.full_like(batch["query"], SENTINEL)
-    ta.split_tree_attention(
-        batch["query"],
-        batch["key_cache"],
-        batch["value_cache"],
-        out,
-        batch["cu_seqlens_q"],
-        1,
-        batch["seq_lens"],
-        batch["seq_lens"],
-        max(batch["kv_lens"]),
-        batch["block_table"],
-        None,
-        batch["scale"],
-        prefix_attention=ta.fa3_prefix_attention,
-    )
+    # As the backend calls it in such a step: no mask, the whole sequence.
+    whole = {**batch, "tree_mask": None, "prefix_lens": batch["seq_lens"]}
+    out = gpu_split(whole)
     unified = run_unified(batch)
     torch.cuda.synchronize()
     torch.testing.assert_close(out, unified, atol=2e-2, rtol=2e-2)
