@@ -490,27 +490,49 @@ ASYNC_SCHEDULING_ERROR = (
 )
 
 
-def _measured_policy_unavailable(vllm_config: "VllmConfig") -> str | None:
-    """Why the measured policy cannot run on this engine config (None: it
-    can). Its explicit use is refused for the same reasons
-    (`_verify_measured_budget_policy`)."""
+def _measured_policy_blocker(vllm_config: "VllmConfig") -> tuple[str, str] | None:
+    """Why the measured policy cannot run on this engine config, or None:
+    (the reason, for the default's fall-back line; the one-line error, for
+    an explicit choice). It times the captured full decode CUDA graphs at
+    startup and changes the scheduler's per-batch-size budget at runtime:
+    it needs those graphs, async scheduling, and one scheduler per set of
+    workers (data-parallel ranks picking different budgets would diverge;
+    upstream turns dynamic schedules off under data parallelism for that
+    reason)."""
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is not None and getattr(model_config, "enforce_eager", False):
-        return "times the decode CUDA graphs at startup, and enforce_eager is set"
+        return (
+            "times the decode CUDA graphs at startup, and enforce_eager is set",
+            "DDTree: budget_policy 'measured' times the decode CUDA graphs at "
+            "startup, and enforce_eager turns them off; drop --enforce-eager or "
+            "use budget_policy 'batch'.",
+        )
     compilation_config = getattr(vllm_config, "compilation_config", None)
     mode = getattr(compilation_config, "cudagraph_mode", None)
     if mode is not None and not mode.has_full_cudagraphs():
         return (
             "times the full decode CUDA graphs at startup, and cudagraph_mode "
-            f"{mode.name} has none"
+            f"{mode.name} has none",
+            "DDTree: budget_policy 'measured' times the full decode CUDA graphs "
+            f"at startup, and cudagraph_mode {mode.name} has none; drop "
+            "cudagraph_mode or use budget_policy 'batch'.",
         )
     scheduler_config = getattr(vllm_config, "scheduler_config", None)
     if getattr(scheduler_config, "async_scheduling", None) is False:
-        return "needs async scheduling, and --no-async-scheduling is set"
+        return (
+            "needs async scheduling, and --no-async-scheduling is set",
+            ASYNC_SCHEDULING_ERROR,
+        )
     parallel_config = getattr(vllm_config, "parallel_config", None)
     dp = getattr(parallel_config, "data_parallel_size", 1)
     if dp > 1:
-        return f"does not support data parallelism (data_parallel_size={dp})"
+        return (
+            f"does not support data parallelism (data_parallel_size={dp})",
+            f"DDTree: budget_policy 'measured' does not support data parallelism "
+            f"(data_parallel_size={dp}): each rank would pick its own budgets and "
+            "the ranks' steps would diverge; use budget_policy 'batch' or "
+            "'fixed'.",
+        )
     return None
 
 
@@ -518,9 +540,11 @@ def _resolve_default_budget_policy(vllm_config: "VllmConfig") -> None:
     """An unset budget_policy: "measured" where it can run, else "batch",
     with a startup line that says why."""
     spec = getattr(vllm_config, "speculative_config", None)
+    # (A config without the field has nothing to resolve.)
     if spec is None or getattr(spec, "budget_policy", "") is not None:
         return
-    reason = _measured_policy_unavailable(vllm_config)
+    blocker = _measured_policy_blocker(vllm_config)
+    reason = blocker[0] if blocker else None
     tp = getattr(
         getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1
     )
@@ -548,52 +572,25 @@ def _resolve_default_budget_policy(vllm_config: "VllmConfig") -> None:
 
 
 def _verify_measured_budget_policy(vllm_config: "VllmConfig") -> None:
-    """The measured policy times the captured decode CUDA graphs at startup
-    and changes the scheduler's per-batch-size budget at runtime: it needs
-    CUDA graphs, and one scheduler per set of workers (data-parallel ranks
-    picking different budgets would diverge; upstream turns dynamic
-    schedules off under data parallelism for that reason)."""
+    """Resolve an unset policy; refuse an explicit "measured" where it cannot
+    run (`_measured_policy_blocker`), in one line."""
     _resolve_default_budget_policy(vllm_config)
     spec = getattr(vllm_config, "speculative_config", None)
-    scheduler_config = getattr(vllm_config, "scheduler_config", None)
-    sync_scheduling = getattr(scheduler_config, "async_scheduling", None) is False
-    if getattr(spec, "budget_policy", None) != "measured":
-        if sync_scheduling and getattr(
-            spec, "num_speculative_tokens_per_batch_size", None
-        ):
-            logger.warning(
-                "DDTree: without async scheduling every request verifies "
-                "tree_budget=%s nodes per step; the per-batch-size budget "
-                "schedule applies only with async scheduling (drop "
-                "--no-async-scheduling).",
-                getattr(spec, "tree_budget", None),
-            )
+    if getattr(spec, "budget_policy", None) == "measured":
+        blocker = _measured_policy_blocker(vllm_config)
+        if blocker is not None:
+            raise ValueError(blocker[1])
         return
-    model_config = getattr(vllm_config, "model_config", None)
-    if model_config is not None and getattr(model_config, "enforce_eager", False):
-        raise ValueError(
-            "DDTree: budget_policy 'measured' times the decode CUDA graphs at "
-            "startup, and enforce_eager turns them off; drop --enforce-eager or "
-            "use budget_policy 'batch'."
-        )
-    compilation_config = getattr(vllm_config, "compilation_config", None)
-    mode = getattr(compilation_config, "cudagraph_mode", None)
-    if mode is not None and not mode.has_full_cudagraphs():
-        raise ValueError(
-            "DDTree: budget_policy 'measured' times the full decode CUDA graphs "
-            f"at startup, and cudagraph_mode {mode.name} has none; drop "
-            "cudagraph_mode or use budget_policy 'batch'."
-        )
-    if sync_scheduling:
-        raise ValueError(ASYNC_SCHEDULING_ERROR)
-    parallel_config = getattr(vllm_config, "parallel_config", None)
-    dp = getattr(parallel_config, "data_parallel_size", 1)
-    if dp > 1:
-        raise ValueError(
-            f"DDTree: budget_policy 'measured' does not support data parallelism "
-            f"(data_parallel_size={dp}): each rank would pick its own budgets and "
-            "the ranks' steps would diverge; use budget_policy 'batch' or "
-            "'fixed'."
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    if getattr(scheduler_config, "async_scheduling", None) is False and getattr(
+        spec, "num_speculative_tokens_per_batch_size", None
+    ):
+        logger.warning(
+            "DDTree: without async scheduling every request verifies "
+            "tree_budget=%s nodes per step; the per-batch-size budget "
+            "schedule applies only with async scheduling (drop "
+            "--no-async-scheduling).",
+            getattr(spec, "tree_budget", None),
         )
 
 
