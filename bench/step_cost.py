@@ -42,7 +42,11 @@ drafts.
 
 ``--out`` holds ``{"command", "rows", "profiles"}``: one row per (shape,
 concurrency, tree budget) with ``chain_ms_per_step``, ``ddtree_ms_per_step``,
-their ratio, ``equal_tokens`` and both GPU-busy shares (``chain_runner`` says
+their ratio, ``equal_tokens``, the same less each batch's prefill
+(``*_decode_ms_per_step`` and ``decode_ratio``: the prefill timed alone, one
+new token per request; with trained weights the methods take different
+numbers of steps, over which ms_per_step spreads the prefill unequally) and
+both GPU-busy shares (``chain_runner`` says
 which chain the row compares with: the V2 runner's on the hybrid shape, the
 runner DDTree uses; the V1 chain's figures are in ``chain_v1_*``), and each
 engine's PROFILE records. It is rewritten after every engine, so a cut run
@@ -235,6 +239,13 @@ def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
             ddtree_ms_per_step=r["ms_per_step"],
             ratio=round(r["ms_per_step"] / chain["ms_per_step"], 3),
             equal_tokens=r["budget"] == chain_k,
+            chain_decode_ms_per_step=chain.get("decode_ms_per_step"),
+            ddtree_decode_ms_per_step=r.get("decode_ms_per_step"),
+            decode_ratio=(
+                round(r["decode_ms_per_step"] / chain["decode_ms_per_step"], 3)
+                if r.get("decode_ms_per_step") and chain.get("decode_ms_per_step")
+                else None
+            ),
             chain_gpu_busy=chain.get("gpu_busy"),
             ddtree_gpu_busy=r.get("gpu_busy"),
             chain_gpu_busy_timed=gpu_busy_timed(chain),
@@ -441,6 +452,17 @@ def timed_decode(llm, prompts, sp, conc: int) -> tuple[float, int, float]:
     return dt, toks, (ddtree_e2e.spec_metrics(llm)[1] - drafts0) / conc
 
 
+def decode_ms_per_step(
+    decode_s: float, steps: float, prefill_s: float, prefill_steps: float
+) -> float | None:
+    """ms per engine step of a timed decode less its prompts' prefill (timed
+    alone, one new token per request): the decode steps' own cost. None
+    where the decode took no step beyond the prefill's."""
+    if steps <= prefill_steps:
+        return None
+    return round((decode_s - prefill_s) * 1e3 / (steps - prefill_steps), 3)
+
+
 def run_engine(a) -> None:
     """One in-process engine: a timed decode, then a profiled one, per
     concurrency; one ``ROW {json}`` line each."""
@@ -526,6 +548,9 @@ def run_engine(a) -> None:
         ignore_eos=True,
         detokenize=False,
     )
+    prefill_sp = SamplingParams(
+        temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False
+    )
     max_concurrency = engine_max_concurrency(llm)
     if max_concurrency is not None and max_concurrency < max(conc):
         log(
@@ -543,6 +568,7 @@ def run_engine(a) -> None:
         llm=llm,
         sp=sp,
         profile_sp=profile_sp,
+        prefill_sp=prefill_sp,
         profile_args=profile_args,
         sampler=sampler,
         conc=conc,
@@ -589,6 +615,11 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
         # on its shapes compile here, not inside the timed decode.
         llm.generate(prompts[-c:], sp, use_tqdm=False)
         timed = prompts[: c * a.timed_batches]
+        # The same prompts' prefill alone (one new token each; no prefix
+        # caching, so it is computed again below): with trained weights the
+        # methods decode in different numbers of steps, over which the
+        # prefill's time would otherwise be spread unequally.
+        prefill_s, _, prefill_steps = timed_decode(llm, timed, ctx.prefill_sp, c)
         acc0, drafts0, _ = ddtree_e2e.spec_metrics(llm)
         repeats, gpu_repeats = [], []
         ctx.running.max_running = None
@@ -645,6 +676,8 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
             concurrency=c,
             ms_per_step=round(dt * 1e3 / steps, 3),
             ms_per_step_repeats=ms_repeats,
+            decode_ms_per_step=decode_ms_per_step(dt, steps, prefill_s, prefill_steps),
+            prefill_s=round(prefill_s, 4),
             gpu=gpu_repeats[median],
             tok_s=round(toks / dt, 1),
             tau=round(1 + (acc1 - acc0) / (drafts1 - drafts0), 3),

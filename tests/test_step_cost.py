@@ -575,3 +575,30 @@ def test_running_probe_counts_the_schedulers_running_requests():
     with off:
         pass
     assert off.max_running is None
+
+
+def test_decode_ms_per_step_leaves_the_prefill_out():
+    """A 2 s decode of 40 steps whose prefill alone took 0.4 s and 1 step:
+    1.6 s over 39 decode steps. With trained weights a method that decodes
+    in fewer steps would otherwise carry more prefill per step."""
+    assert step_cost.decode_ms_per_step(2.0, 40, 0.4, 1) == 41.026
+    assert step_cost.decode_ms_per_step(2.0, 40, 0.4, 0) == 40.0
+    assert step_cost.decode_ms_per_step(0.5, 1, 0.4, 1) is None
+
+
+def test_rows_carry_the_decode_ratio_where_both_engines_have_it():
+    """The step-cost row compares the decode steps less the prefill where
+    both engine rows have them (rows of earlier runs have none)."""
+    base = dict(shape="dense-8b", runner="v2", concurrency=8, weights="pair")
+    chain = dict(
+        base, method="chain", budget=None, ms_per_step=10.0, decode_ms_per_step=8.0
+    )
+    tree = dict(
+        base, method="ddtree", budget=15, ms_per_step=12.0, decode_ms_per_step=8.4
+    )
+    row = step_cost.summarize([chain, tree], 15)[0]
+    assert (row["ratio"], row["decode_ratio"]) == (1.2, 1.05)
+    assert row["chain_decode_ms_per_step"] == 8.0
+    old = dict(tree)
+    del old["decode_ms_per_step"]
+    assert step_cost.summarize([chain, old], 15)[0]["decode_ratio"] is None
