@@ -54,22 +54,36 @@ def threshold_count(
     T, row: torch.Tensor, k: int, as_logprobs: bool = False
 ) -> tuple[int, int]:
     """(keys >= t, capacity) of one row, computed independently in Python:
-    t is the k-th largest sub-block maximum in (value desc, id asc)."""
+    t is the k-th largest of the sub-blocks' kept keys (each sub-block's
+    `_threshold_keep` largest) in (value desc, id asc)."""
     vocab = row.numel()
     chunk, _ = T._vocab_chunking(vocab, k)
     sub, num_sub, capacity = T._vocab_threshold_plan(vocab, k, chunk)
+    keep = T._threshold_keep(sub, num_sub)
     values = canonical(row, as_logprobs)
     order = sorted(range(vocab), key=lambda t: (-values[t], t))
     rank = {t: i for i, t in enumerate(order)}
-    best = sorted(
-        min(rank[t] for t in range(b * sub, min(vocab, b * sub + sub)))
+    kept = sorted(
+        r
         for b in range(num_sub)
+        for r in sorted(rank[t] for t in range(b * sub, min(vocab, b * sub + sub)))[
+            :keep
+        ]
     )
-    return best[k - 1] + 1, capacity
+    return kept[k - 1] + 1, capacity
+
+
+@pytest.fixture
+def keep_one(T, monkeypatch):
+    """The filter as first built: one key kept per sub-block and 4 K slots
+    (what `crafted_row`'s counts and the boundary cases below assume)."""
+    monkeypatch.setattr(T, "_THRESHOLD_KEEP", 1)
+    monkeypatch.setattr(T, "_threshold_capacity", lambda k: 4 * k)
 
 
 def crafted_row(T, vocab: int, k: int, count: int) -> torch.Tensor:
-    """A row whose threshold filter finds exactly ``count`` keys >= t: zeros
+    """With `keep_one`, a row whose threshold filter finds exactly ``count``
+    keys >= t: zeros
     in blocks 0..k-2 (the rest -1), zeros everywhere from block k-1 on.
     Ranks follow ids among the zeros, so count = (zeros before block k-1)
     + 1."""
@@ -130,10 +144,16 @@ def check_all_paths(
 
 
 def test_plan_shapes(T):
-    # production: 149 chunks of 1K = the sub-blocks, capacity 4K
-    assert T._vocab_threshold_plan(151936, 64, 1024) == (1024, 149, 256)
-    assert T._vocab_threshold_plan(151936, 256, 1024) == (256, 594, 1024)
-    assert T._vocab_threshold_plan(151936, 1, 1024) == (1024, 149, 4)
+    # production: 149 chunks of 1K = the sub-blocks, 8 keys kept of each,
+    # capacity 16K (at least 4K beyond 2048)
+    assert T._vocab_threshold_plan(151936, 64, 1024) == (1024, 149, 1024)
+    assert T._threshold_keep(1024, 149) == 8
+    assert T._vocab_threshold_plan(151936, 256, 1024) == (256, 594, 2048)
+    assert T._threshold_keep(256, 594) == 2  # 1188 kept keys: one 2048 sort
+    assert T._vocab_threshold_plan(151936, 512, 1024) == (128, 1187, 2048)
+    assert T._threshold_keep(128, 1187) == 1
+    assert T._vocab_threshold_plan(151936, 1, 1024) == (1024, 149, 16)
+    assert T._threshold_keep(1, 300) == 1
     # too large to sort in one program: tournament only
     assert T._vocab_threshold_plan(151936, 2000, 2048) is None
     for vocab in (1, 2, 5, 31, 32, 33, 300, 1000):
@@ -146,7 +166,7 @@ def test_plan_shapes(T):
             assert cap & (cap - 1) == 0
 
 
-def test_crafted_counts(T, small_chunks):
+def test_crafted_counts(T, small_chunks, keep_one):
     for k in (2, 5, 8):
         _, cap = threshold_count(T, torch.randn(300), k)
         for count in (cap - 1, cap, cap + 1):
@@ -165,7 +185,7 @@ def test_crafted_counts(T, small_chunks):
     ],
 )
 def test_mixed_overflow_batch(
-    T, monkeypatch, small_chunks, dtype, budget, vs_tournament
+    T, monkeypatch, small_chunks, keep_one, dtype, budget, vs_tournament
 ):
     """One batch: rows under, at and over the capacity, and special values;
     the rows that overflow take the tournament, the others the filter."""
@@ -205,7 +225,7 @@ def test_mixed_overflow_batch(
     check_all_paths(T, monkeypatch, lp_in, budget, as_logprobs=True)
 
 
-def test_most_rows_overflow(T, monkeypatch, small_chunks):
+def test_most_rows_overflow(T, monkeypatch, small_chunks, keep_one):
     """Capacity = K: most rows take the fallback."""
     monkeypatch.setattr(T, "_threshold_capacity", lambda k: k)
     torch.manual_seed(7)
@@ -233,7 +253,7 @@ def test_small_vocab_and_k_at_least_v(T, monkeypatch, small_chunks, vocab, budge
         check_all_paths(T, monkeypatch, logits.to(torch.bfloat16), budget)
 
 
-def test_default_chunking(T, monkeypatch):
+def test_default_chunking(T, monkeypatch, keep_one):
     """The real chunk size (1K), V not a multiple of it, one row
     overflowing."""
     torch.manual_seed(3)
@@ -244,6 +264,51 @@ def test_default_chunking(T, monkeypatch):
     assert threshold_count(T, logits[0, 0], 8)[0] <= cap
     assert threshold_count(T, logits[0, 1], 8)[0] > cap
     check_all_paths(T, monkeypatch, logits, 8, vs_tournament=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clustered_likely_tokens_stay_on_the_filter(
+    T, monkeypatch, small_chunks, dtype
+):
+    """A row whose real tokens fill the first two sub-blocks and whose other
+    tokens sit far below (a small vocabulary embedded in a large one, or
+    likely tokens numbered first): with one key per sub-block the K-th
+    largest maximum is a far-below token and the row overflows; with the
+    kept keys it stays on the filter. Triton == torch bit for bit, and the
+    tied row (every value equal) also stays on the filter."""
+    torch.manual_seed(5)
+    vocab, k = 600, 4
+    chunk, _ = T._vocab_chunking(vocab, k)
+    sub, num_sub, cap = T._vocab_threshold_plan(vocab, k, chunk)
+    assert T._threshold_keep(sub, num_sub) == 8
+    logits = torch.full((2, 2, vocab), -50.0)
+    logits[0, :, : 2 * sub] = torch.randn(2, 2 * sub) * 3
+    logits[1, 0, : 2 * sub] = torch.randn(2 * sub)
+    logits[1, 1] = 1.0
+    logits = logits.to(dtype)
+    rows = logits.view(-1, vocab)
+    assert all(threshold_count(T, r, k)[0] <= cap for r in rows)
+    with monkeypatch.context() as m:
+        m.setattr(T, "_THRESHOLD_KEEP", 1)
+        assert all(threshold_count(T, r, k)[0] > cap for r in rows)
+    check_all_paths(T, monkeypatch, logits, k)
+    # With the fallback's tournament writing garbage the result is still
+    # exact: no row took it (and with one key kept, rows do).
+    from vllm.v1.spec_decode.ddtree import tree_triton
+
+    class Skipped:
+        def __getitem__(self, grid):
+            return lambda logits_or_cand, out, *args, **kwargs: out.fill_(-1)
+
+    ref_lp, ref_tok = T.vocab_stage(logits, k, backend="torch")
+    with monkeypatch.context() as m:
+        m.setattr(tree_triton, "_fallback_chunk_kernel", Skipped())
+        m.setattr(tree_triton, "_fallback_merge_kernel", Skipped())
+        lp, tok = T.vocab_stage(logits, k, backend="triton")
+        assert torch.equal(tok, ref_tok)
+        assert_bits(lp, ref_lp)
+        m.setattr(T, "_THRESHOLD_KEEP", 1)
+        assert not torch.equal(T.vocab_stage(logits, k, backend="triton")[1], ref_tok)
 
 
 def test_build_tree_with_overflow_rows(T, small_chunks):

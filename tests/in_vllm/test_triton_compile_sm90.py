@@ -60,24 +60,25 @@ SCRIPT = textwrap.dedent(
         {"K": 64, "GROUP": 1024, "BLOCK": 1024},
     )
     # The threshold filter (`_vocab_threshold_plan` at V = 151936, K = 64:
-    # 1024-token sub-blocks, 149 of them, room for 256 keys) and the
-    # tournament's kernels for the rows that overflow it.
+    # 1024-token sub-blocks, 149 of them, 8 keys kept of each, room for 1024
+    # keys) and the tournament's kernels for the rows that overflow it.
     compile_kernel(
         tt._vocab_stats_kernel,
         {"logits_ptr": "*bf16", "part_max_ptr": "*fp32",
          "part_sum_ptr": "*fp32", "cand_ptr": "*i64", "submax_ptr": "*i64",
          "V": "i32", "stride": "i32", "NC": "i32", "NSUB": "i32",
-         "no_store": "i32", "K": C, "CHUNK": C, "SUB": C, "IS_LOGPROBS": C,
-         "COMPUTE_LSE": C},
-        {"K": 64, "CHUNK": 1024, "SUB": 1024, "IS_LOGPROBS": False,
+         "no_store": "i32", "K": C, "CHUNK": C, "SUB": C, "KEEP": C,
+         "IS_LOGPROBS": C, "COMPUTE_LSE": C},
+        {"K": 64, "CHUNK": 1024, "SUB": 1024, "KEEP": 8, "IS_LOGPROBS": False,
          "COMPUTE_LSE": True},
     )
     compile_kernel(
         tt._vocab_threshold_kernel,
         {"submax_ptr": "*i64", "thresh_ptr": "*i64", "blocks_ptr": "*i32",
          "count_ptr": "*i32", "num_over_ptr": "*i32", "NSUB": "i32",
-         "K": C, "SUB": C, "MP": C, "TOP": C},
-        {"K": 64, "SUB": 1024, "MP": 256, "TOP": 64 if tt.HAS_TOPK else 256},
+         "K": C, "KEEP": C, "MP": C, "MB": C, "TOP": C},
+        {"K": 64, "KEEP": 8, "MP": 2048, "MB": 256,
+         "TOP": 64 if tt.HAS_TOPK else 2048},
     )
     compile_kernel(
         tt._vocab_filter_kernel,
@@ -85,7 +86,7 @@ SCRIPT = textwrap.dedent(
          "count_ptr": "*i32", "small_ptr": "*i64", "num_over_ptr": "*i32",
          "over_rows_ptr": "*i32", "V": "i32", "stride": "i32", "K": C,
          "SUB": C, "G": C, "CAP": C, "IS_LOGPROBS": C},
-        {"K": 64, "SUB": 1024, "G": 2, "CAP": 256, "IS_LOGPROBS": False},
+        {"K": 64, "SUB": 1024, "G": 2, "CAP": 1024, "IS_LOGPROBS": False},
     )
     compile_kernel(
         tt._fallback_chunk_kernel,
@@ -116,8 +117,8 @@ SCRIPT = textwrap.dedent(
              "CAP_TOP": C},
             {"K": 64, "NC_BLOCK": 256, "CAND_BLOCK": 1024,
              "IS_LOGPROBS": False, "HAS_LSE": False, "THRESHOLD": threshold,
-             "CAP": 256 if threshold else 1,
-             "CAP_TOP": (64 if tt.HAS_TOPK else 256) if threshold else 1},
+             "CAP": 1024 if threshold else 1,
+             "CAP_TOP": (64 if tt.HAS_TOPK else 1024) if threshold else 1},
         )
     tree_sig = {name: "*i64" for name in (
         "top_tokens_ptr", "col_depth_ptr", "col_cand_offset_ptr",

@@ -434,10 +434,34 @@ _FALLBACK_PROGRAMS = 1024
 
 def _threshold_capacity(num_tokens: int) -> int:
     """Threshold candidates kept per row before the row falls back to the
-    tournament.  Independent positions of the top tokens give about
-    ``1.3 K`` candidates (see `_vocab_threshold_plan`), so ``4 K`` only
-    overflows on rows with long runs of tied (or -inf) values."""
-    return 4 * num_tokens
+    tournament: ``16 K``, or at least ``4 K`` where that exceeds the 2048
+    keys one program sorts. A trained drafter's likely tokens cluster in
+    the vocabulary (byte-pair ids number frequent tokens first), so the
+    count is well above the ``1.3 K`` of independent positions (see
+    `_vocab_threshold_plan`)."""
+    return min(16 * num_tokens, max(4 * num_tokens, 2048))
+
+
+# Keys of each sub-block the threshold is taken over (its largest few, not
+# only its maximum): where the likely tokens sit in few sub-blocks, the K-th
+# largest sub-block maximum falls far down the row and most of those
+# sub-blocks' tokens pass it. Measured offline on the dense benchmark
+# pair's drafter (bench/pairs/threshold_overflow.py: 1440 rows of held-out
+# prompts, its own BPE-ordered vocabulary): with one key per sub-block 85%
+# (K = 15) and 40% (K = 64) of rows overflowed 4 K slots; with 8 keys and
+# 16 K slots none did, also with its 8192 tokens as the first ids of a
+# 151936-token vocabulary.
+_THRESHOLD_KEEP = 8
+
+
+def _threshold_keep(sub: int, num_sub: int) -> int:
+    """Keys per sub-block for the threshold (a power of 2, at most
+    `_THRESHOLD_KEEP` and ``sub``), fewer where the row's kept keys would
+    exceed the 2048 one program sorts."""
+    keep = min(_THRESHOLD_KEEP, sub)
+    while keep > 1 and _next_pow2(num_sub * keep) > 2048:
+        keep //= 2
+    return keep
 
 
 def _vocab_threshold_plan(
@@ -448,13 +472,16 @@ def _vocab_threshold_plan(
     tournament runs.
 
     Sub-blocks of ``sub`` tokens (a power of 2 dividing ``chunk``, the
-    largest with ``num_sub = ceil(V / sub) >= 2 K``, or 1): the row's top
-    ``K`` are >= the ``K``-th largest sub-block maximum ``t``.  The keys >= t
-    lie in the ``K`` sub-blocks whose maximum is >= t; with the top tokens at
-    independent positions their expected number is about ``num_sub *
-    ln(num_sub / (num_sub - K))`` (coupon collector), ``<= 1.39 K`` for
-    ``num_sub >= 2 K``.  ``capacity``: power of 2, at least ``K``, at most
-    needed for all of ``V``.
+    largest with ``num_sub = ceil(V / sub) >= 2 K``, or 1), each keeping its
+    `_threshold_keep` largest keys: the row's top ``K`` are >= ``t``, the
+    ``K``-th largest kept key (at least ``K`` keys are).  The keys >= t lie
+    in the sub-blocks whose maximum is >= t, at most ``K`` of them (each
+    puts its maximum among the ``K`` kept keys >= t); with the top tokens at
+    independent positions and one key kept per sub-block their expected
+    number is about ``num_sub * ln(num_sub / (num_sub - K))`` (coupon
+    collector), ``<= 1.39 K`` for ``num_sub >= 2 K``; more kept keys lower
+    it where the top tokens cluster.  ``capacity``: power of 2, at least
+    ``K``, at most needed for all of ``V``.
     """
     sub = chunk
     while sub > 1 and -(-vocab // sub) < 2 * num_tokens:
@@ -565,7 +592,8 @@ def _triton_vocab(
     gated = plan is not None
     if gated:
         sub, num_sub, capacity = plan
-        submax = torch.empty(rows, num_sub, **i64)
+        keep = _threshold_keep(sub, num_sub)
+        submax = torch.empty(rows, num_sub * keep, **i64)
         thresh = torch.empty(rows, **i64)
         blocks = torch.empty(rows, num_tokens, dtype=torch.int32, device=device)
         count = torch.empty(rows, dtype=torch.int32, device=device)
@@ -587,13 +615,14 @@ def _triton_vocab(
             K=num_tokens,
             CHUNK=chunk,
             SUB=sub,
+            KEEP=keep,
             IS_LOGPROBS=inputs_are_logprobs,
             COMPUTE_LSE=compute_lse,
             num_warps=4 if chunk <= 2048 else 8,
         )
-        # 2. Threshold t = K-th largest sub-block maximum, and the K
-        # sub-blocks that hold every key >= t.
-        sub_block = _next_pow2(num_sub)
+        # 2. Threshold t = K-th largest of the sub-blocks' kept keys, and the
+        # (at most K) sub-blocks that hold every key >= t.
+        kept_block = _next_pow2(num_sub * keep)
         kernels._vocab_threshold_kernel[(rows,)](
             submax,
             thresh,
@@ -602,9 +631,10 @@ def _triton_vocab(
             num_over,
             num_sub,
             K=num_tokens,
-            SUB=sub,
-            MP=sub_block,
-            TOP=_top_size(num_tokens, sub_block, kernels.HAS_TOPK),
+            KEEP=keep,
+            MP=kept_block,
+            MB=_next_pow2(num_sub),
+            TOP=_top_size(num_tokens, kept_block, kernels.HAS_TOPK),
             num_warps=4,
         )
         # 3. Append the keys >= t to the row's candidates (atomic count).

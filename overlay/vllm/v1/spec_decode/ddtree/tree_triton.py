@@ -14,17 +14,24 @@ tokens and the logsumexp), a threshold filter:
 1. `_vocab_stats_kernel`, grid ``(R*D, num_chunks)``: one pass over the
    logits in their own dtype, no sort.  Each program reads one chunk (1K
    tokens) of one row and writes the chunk's partial logsumexp ``(max, sum
-   exp(x - max))`` and the largest key of each sub-block of ``SUB`` tokens
-   (``SUB`` = the chunk, or less so that a row has ``>= 2K`` sub-blocks).
+   exp(x - max))`` and the ``KEEP`` largest keys of each sub-block of
+   ``SUB`` tokens (``SUB`` = the chunk, or less so that a row has ``>= 2K``
+   sub-blocks; ``KEEP`` up to 8, its maximum first, by rounds of max and
+   remove).
 2. `_vocab_threshold_kernel`, grid ``(R*D,)``: ``t`` = the ``K``-th largest
-   sub-block maximum (one `tl.topk` / `tl.sort` of the row's ~2K-4K maxima:
-   256 keys for V = 151936, K = 64).  Those ``K`` maxima are ``K`` keys
-   ``>= t``, so every top-``K`` key is ``>= t``; and every key ``>= t`` lies
-   in one of the ``K`` sub-blocks whose maximum is ``>= t``, whose indices
-   the kernel writes.  It also zeroes the row's candidate counter.
-3. `_vocab_filter_kernel`, grid ``(R*D, K / G)``: re-reads those ``K``
-   sub-blocks (``G`` per program, ~2K tokens) and appends their keys ``>=
-   t`` to the row's buffer of ``CAP`` slots: slots from one `tl.atomic_add`
+   kept key (one `tl.topk` / `tl.sort` of the row's kept keys: 149 x 8 =
+   1192 for V = 151936, K = 64).  Those are ``K`` keys ``>= t``, so every
+   top-``K`` key is ``>= t``; and every key ``>= t`` lies in a sub-block
+   whose maximum is ``>= t``, at most ``K`` of them (each puts its maximum
+   among the ``K``), whose indices the kernel writes (a prefix sum over the
+   sub-blocks; -1 in the slots left).  It also zeroes the row's candidate
+   counter.  Keeping several keys per sub-block raises ``t`` where the
+   likely tokens sit in few sub-blocks (trained drafters: byte-pair ids
+   number frequent tokens first), which with the maxima alone put most of
+   those sub-blocks' tokens above ``t``.
+3. `_vocab_filter_kernel`, grid ``(R*D, K / G)``: re-reads those (at most
+   ``K``) sub-blocks (``G`` slots per program, ~2K tokens) and appends their
+   keys ``>= t`` to the row's buffer of ``CAP`` slots: slots from one `tl.atomic_add`
    on the row's counter plus a prefix sum.  The order of the appends does
    not matter (the keys are sorted next); the count is exact even past
    ``CAP``.  The programs' slot ranges tile ``[0, count)``, so exactly one
@@ -42,13 +49,17 @@ tokens and the logsumexp), a threshold filter:
    candidates: ``token_lp [R*D, K]`` (float32 log-probs) and ``token_ids
    [R*D, K]``, ordered by (value desc, id asc).
 
-``CAP = 4K``.  Were the top tokens at independent positions, the expected
-count would be ``M ln(M / (M - K))`` for ``M`` sub-blocks (a coupon
-collector), at most ``1.39 K`` for ``M >= 2K``; it can only approach the
-worst case ``(K - 1) SUB + 1`` with long runs of equal (or -inf, NaN)
-values in consecutive tokens.  Where the filter's sorts would exceed 2K
-keys (``K`` above ~512) the tournament alone runs, for every row
-(`_vocab_threshold_plan` in tree.py).  The tournament:
+``CAP = 16K`` (at least ``4K`` where ``16K`` exceeds 2048).  Were the top
+tokens at independent positions, the expected count with one key per
+sub-block would be ``M ln(M / (M - K))`` for ``M`` sub-blocks (a coupon
+collector), at most ``1.39 K`` for ``M >= 2K``.  A trained drafter's are
+not: on the dense benchmark pair's drafter (held-out prompts, its own
+byte-pair vocabulary) the maxima alone overflowed ``4K`` slots on 85% of
+the rows at K = 15 and 40% at K = 64; with 8 keys kept and ``16K`` slots on
+none (`tree.py`, ``_THRESHOLD_KEEP``).  Long runs of equal (or -inf, NaN)
+values in consecutive tokens can still overflow.  Where the filter's sorts
+would exceed 2K keys (``K`` above ~512) the tournament alone runs, for
+every row (`_vocab_threshold_plan` in tree.py).  The tournament:
 
 * `_vocab_chunk_kernel`, grid ``(R*D, num_chunks)``: sorts each chunk (1K
   tokens) and keeps its top ``K`` keys, and the partial logsumexps.
@@ -61,9 +72,12 @@ keys (``K`` above ~512) the tournament alone runs, for every row
 Why: the tournament's per-chunk sorts dominated the build (H200, V =
 151936, D = 15, K = 64: 85 us for R = 1, 462 us for R = 8, 3494 us for R =
 64; R*D*149 programs each sorting 1K keys).  The filter replaces them by a
-sort-free pass, two sorts of a few hundred keys per row and a re-read of
-``K * SUB`` tokens per row (43% of the row for K = 64).  Expected, not
-measured: about 1.4 reads of the logits, so at R = 64 (290 MB of bf16
+sort-free pass, two sorts of up to 2K keys per row and a re-read of at
+most ``K * SUB`` tokens per row (43% of the row for K = 64).  Measured
+with one key kept (H200, dummy weights, R = 32, K = 15: the stats kernel
+200 us, the whole build 289 us per step; with every row overflowing, the
+benchmark pair's logits: 2241 us); with 8 kept, not yet measured.  Expected
+when first built: about 1.4 reads of the logits, so at R = 64 (290 MB of bf16
 logits) on the order of 0.1-0.15 ms at HBM bandwidth instead of 3.5 ms,
 and at R = 1 six latency-bound launches (some 20-30 us instead of 85 us);
 the fallback launches cost little more than their launch overhead when no
@@ -242,7 +256,7 @@ def _vocab_stats_kernel(
     part_max_ptr,  # [rows, NC] float32 (only with COMPUTE_LSE)
     part_sum_ptr,  # [rows, NC] float32 (only with COMPUTE_LSE)
     cand_ptr,  # [rows, NC * K] int64: never written (see below)
-    submax_ptr,  # [rows, NSUB] int64 out: largest key of each sub-block
+    submax_ptr,  # [rows, NSUB * KEEP] int64 out: each sub-block's largest keys
     V,
     stride,
     NC,
@@ -251,6 +265,7 @@ def _vocab_stats_kernel(
     K: tl.constexpr,
     CHUNK: tl.constexpr,
     SUB: tl.constexpr,  # sub-block size, a power of 2 dividing CHUNK
+    KEEP: tl.constexpr,  # keys kept per sub-block (power of 2, <= SUB)
     IS_LOGPROBS: tl.constexpr,
     COMPUTE_LSE: tl.constexpr,
 ):
@@ -273,13 +288,19 @@ def _vocab_stats_kernel(
     # sums, bit-identical to the sorting kernel's.
     out_offs = row.to(tl.int64) * NC * K + chunk * K + local
     tl.store(cand_ptr + out_offs, gkey, mask=local < no_store)
-    # Sub-block maxima, stored through a 2-D [NUM, 1] pointer block so that
-    # no other 1-D access of CHUNK elements joins the load's.
+    # Each sub-block's KEEP largest keys (its maximum first), stored through
+    # 2-D [NUM, 1] pointer blocks so that no other 1-D access of CHUNK
+    # elements joins the load's. Keys are distinct: each round removes one.
     NUM: tl.constexpr = CHUNK // SUB
-    smax = tl.max(tl.reshape(gkey, (NUM, SUB)), axis=1, keep_dims=True)
+    blocks = tl.reshape(gkey, (NUM, SUB))
     sidx = chunk * NUM + tl.arange(0, NUM)[:, None]
-    # Sub-blocks wholly past V are not stored (NSUB = ceil(V / SUB)).
-    tl.store(submax_ptr + row.to(tl.int64) * NSUB + sidx, smax, mask=sidx < NSUB)
+    out = submax_ptr + row.to(tl.int64) * NSUB * KEEP + sidx * KEEP
+    for i in tl.static_range(KEEP):
+        smax = tl.max(blocks, axis=1, keep_dims=True)
+        # Sub-blocks wholly past V are not stored (NSUB = ceil(V / SUB)).
+        tl.store(out + i, smax, mask=sidx < NSUB)
+        if i + 1 < KEEP:
+            blocks = tl.where(blocks == smax, _INVALID_KEY, blocks)
 
 
 @triton.jit
@@ -297,25 +318,42 @@ def _top_desc(keys, TOP: tl.constexpr):
 
 @triton.jit
 def _vocab_threshold_kernel(
-    submax_ptr,  # [rows, NSUB] int64
-    thresh_ptr,  # [rows] int64 out: K-th largest sub-block maximum
-    blocks_ptr,  # [rows, K] int32 out: the K sub-blocks with max >= thresh
+    submax_ptr,  # [rows, NSUB * KEEP] int64, each sub-block's maximum first
+    thresh_ptr,  # [rows] int64 out: K-th largest of those keys
+    blocks_ptr,  # [rows, K] int32 out: the sub-blocks with max >= thresh, then -1
     count_ptr,  # [rows] int32 out: zeroed for `_vocab_filter_kernel`
     num_over_ptr,  # [1] int32 out: zeroed (overflowed rows)
     NSUB,
     K: tl.constexpr,
-    SUB: tl.constexpr,
-    MP: tl.constexpr,  # power of 2 >= NSUB
+    KEEP: tl.constexpr,
+    MP: tl.constexpr,  # power of 2 >= NSUB * KEEP
+    MB: tl.constexpr,  # power of 2 >= NSUB
     TOP: tl.constexpr,  # power of 2 >= K (MP without tl.topk)
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, MP)
-    keys = tl.load(submax_ptr + row * NSUB + offs, mask=offs < NSUB, other=_INVALID_KEY)
+    keys = tl.load(
+        submax_ptr + row * NSUB * KEEP + offs,
+        mask=offs < NSUB * KEEP,
+        other=_INVALID_KEY,
+    )
     top = _top_desc(keys, TOP)
     t_offs = tl.arange(0, TOP)
     thresh = tl.min(tl.where(t_offs < K, top, _MAX_KEY), axis=0)
-    tok = (top & _LOW31) * -1 + _LOW31
-    tl.store(blocks_ptr + row * K + t_offs, (tok // SUB).to(tl.int32), mask=t_offs < K)
+    # The sub-blocks whose maximum is >= thresh, in block order: at most K
+    # (each puts its maximum among the K kept keys >= thresh).
+    b_offs = tl.arange(0, MB)
+    bmax = tl.load(
+        submax_ptr + row * NSUB * KEEP + b_offs * KEEP,
+        mask=b_offs < NSUB,
+        other=_INVALID_KEY,
+    )
+    hit = (bmax >= thresh) & (b_offs < NSUB)
+    hit_i = hit.to(tl.int32)
+    slot = tl.cumsum(hit_i, axis=0) - 1
+    tl.store(blocks_ptr + row * K + slot, b_offs, mask=hit & (slot < K))
+    num_hit = tl.sum(hit_i, axis=0)
+    tl.store(blocks_ptr + row * K + t_offs, -1, mask=(t_offs >= num_hit) & (t_offs < K))
     tl.store(thresh_ptr + row, thresh)
     tl.store(count_ptr + row, 0)
     if row == 0:
@@ -341,8 +379,10 @@ def _vocab_filter_kernel(
 ):
     row = tl.program_id(0)
     j = tl.program_id(1) * G + tl.arange(0, G)
-    j_ok = j < K
-    blk = tl.load(blocks_ptr + row.to(tl.int64) * K + j, mask=j_ok, other=0)
+    blk = tl.load(blocks_ptr + row.to(tl.int64) * K + j, mask=j < K, other=-1)
+    # -1: no sub-block in this slot (fewer than K hold keys >= thresh).
+    j_ok = blk >= 0
+    blk = tl.maximum(blk, 0)
     tok = blk[:, None] * SUB + tl.arange(0, SUB)[None, :]
     live = j_ok[:, None] & (tok < V)
     x = tl.load(
