@@ -455,9 +455,9 @@ def timed_decode(llm, prompts, sp, conc: int) -> tuple[float, int, float]:
 def decode_ms_per_step(
     decode_s: float, steps: float, prefill_s: float, prefill_steps: float
 ) -> float | None:
-    """ms per engine step of a timed decode less its prompts' prefill (timed
-    alone, one new token per request): the decode steps' own cost. None
-    where the decode took no step beyond the prefill's."""
+    """Milliseconds per engine step of a timed decode less its prompts'
+    prefill (timed alone, one new token per request): the decode steps' own
+    cost. None where the decode took no step beyond the prefill's."""
     if steps <= prefill_steps:
         return None
     return round((decode_s - prefill_s) * 1e3 / (steps - prefill_steps), 3)
