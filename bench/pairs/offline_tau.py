@@ -61,19 +61,11 @@ def main(argv: list[str] | None = None) -> None:
     import pair_configs as pc
     import torch
     import train
-    from dflash_ref import DFlashDrafter
 
     device = torch.device("cuda" if torch.cuda.is_available() and not a.cpu else "cpu")
     new: list[dict] = []
     for pair in a.pairs.split(","):
-        pdir = os.path.join(a.models, pair)
-        model = train.build_target(pair, device)
-        train.load_target(model, os.path.join(pdir, "target"))
-        model.eval()
-        with open(os.path.join(pdir, "drafter", "config.json")) as f:
-            drafter = DFlashDrafter(json.load(f)).to(device)
-        train.load_drafter(drafter, os.path.join(pdir, "drafter"))
-        drafter.eval()
+        model, drafter = train.load_trained_pair(a.models, pair, device)
         for t in (float(x) for x in a.temperatures.split(",") if x):
             t0 = time.time()
             res = train.evaluate(

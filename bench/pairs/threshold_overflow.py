@@ -47,17 +47,9 @@ def drafter_rows(models: str, pair: str, n_prompts: int):
     """[rows, V_small] float32 of bf16-rounded drafter logits."""
     import torch
     import train
-    from dflash_ref import DFlashDrafter, draft_logits, target_forward
+    from dflash_ref import draft_logits, target_forward
 
-    dev = torch.device("cpu")
-    pdir = os.path.join(models, pair)
-    model = train.build_target(pair, dev)
-    train.load_target(model, os.path.join(pdir, "target"))
-    model.eval()
-    with open(os.path.join(pdir, "drafter", "config.json")) as f:
-        drafter = DFlashDrafter(json.load(f)).to(dev)
-    train.load_drafter(drafter, os.path.join(pdir, "drafter"))
-    drafter.eval()
+    model, drafter = train.load_trained_pair(models, pair, torch.device("cpu"))
     with open(os.path.join(models, "prompts", "heldout.jsonl")) as f:
         prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
     prompts = [p[-256:] for p in prompts if len(p) >= 256][:n_prompts]

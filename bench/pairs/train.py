@@ -332,6 +332,22 @@ def load_drafter(drafter, path: str) -> None:
     drafter.load_state_dict(sd)
 
 
+def load_trained_pair(models: str, name: str, device):
+    """The trained small pair ``name`` under ``models`` (its ``target`` and
+    ``drafter`` directories): (target, drafter), both in eval mode."""
+    from dflash_ref import DFlashDrafter
+
+    pdir = os.path.join(models, name)
+    model = build_target(name, device)
+    load_target(model, os.path.join(pdir, "target"))
+    model.eval()
+    with open(os.path.join(pdir, "drafter", "config.json")) as f:
+        drafter = DFlashDrafter(json.load(f)).to(device)
+    load_drafter(drafter, os.path.join(pdir, "drafter"))
+    drafter.eval()
+    return model, drafter
+
+
 def round_to_bf16_(module) -> None:
     """Keep float32 compute but the weights as saved (bf16), so that the
     continuations and the evaluation see the model vLLM will load."""
