@@ -226,7 +226,15 @@ def test_the_default_policy_is_measured_where_it_can_run(monkeypatch):
     says why, and the schedule the batch policy would have."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.spec_decode.ddtree import config
-    from vllm.v1.spec_decode.ddtree.config import _verify_measured_budget_policy
+    from vllm.v1.spec_decode.ddtree.config import (
+        _resolve_default_budget_policy,
+        _verify_measured_budget_policy,
+    )
+
+    def verify(vllm_config):
+        # As verify_ddtree_vllm_config runs them: resolve, then verify.
+        _resolve_default_budget_policy(vllm_config)
+        _verify_measured_budget_policy(vllm_config)
 
     lines = []
     monkeypatch.setattr(
@@ -267,7 +275,7 @@ def test_the_default_policy_is_measured_where_it_can_run(monkeypatch):
         fake(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
         fake(cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY),
     ):
-        _verify_measured_budget_policy(ok)
+        verify(ok)
         assert ok.speculative_config.budget_policy == "measured"
     assert lines == []
     for fallback, why in (
@@ -279,7 +287,7 @@ def test_the_default_policy_is_measured_where_it_can_run(monkeypatch):
         (fake(tp=2), "tensor_parallel_size=2"),
     ):
         lines.clear()
-        _verify_measured_budget_policy(fallback)
+        verify(fallback)
         spec = fallback.speculative_config
         assert spec.budget_policy == "batch"
         assert spec.num_speculative_tokens_per_batch_size == [
@@ -291,19 +299,19 @@ def test_the_default_policy_is_measured_where_it_can_run(monkeypatch):
         assert "1-1: 64, 2-3: 32, >=4: 15" in lines[0]
     # The batch policy keeps a schedule only where the budget changes.
     single = fake(schedule=[(1, 1024, 8)], eager=True)
-    _verify_measured_budget_policy(single)
+    verify(single)
     assert single.speculative_config.budget_policy == "batch"
     assert single.speculative_config.num_speculative_tokens_per_batch_size is None
     # Chosen explicitly, "measured" is refused there, in one line.
     explicit = fake(cudagraph_mode=CUDAGraphMode.PIECEWISE)
     explicit.speculative_config.budget_policy = "measured"
     with pytest.raises(ValueError, match="cudagraph_mode PIECEWISE") as info:
-        _verify_measured_budget_policy(explicit)
+        verify(explicit)
     assert "\n" not in str(info.value)
     # Under tensor parallelism it is the user's choice (not yet run there).
     chosen = fake(tp=2)
     chosen.speculative_config.budget_policy = "measured"
-    _verify_measured_budget_policy(chosen)
+    verify(chosen)
     assert chosen.speculative_config.budget_policy == "measured"
 
 

@@ -442,6 +442,7 @@ def verify_ddtree_vllm_config(vllm_config: "VllmConfig") -> None:
     verify_tree_attention(vllm_config)
     _verify_kv_transfer(vllm_config)
     _verify_drafting_slots(vllm_config)
+    _resolve_default_budget_policy(vllm_config)
     _verify_measured_budget_policy(vllm_config)
     if vllm_config.model_config is not None:
         _verify_target_attention(vllm_config)
@@ -541,7 +542,7 @@ def _resolve_default_budget_policy(vllm_config: "VllmConfig") -> None:
     with a startup line that says why."""
     spec = getattr(vllm_config, "speculative_config", None)
     # (A config without the field has nothing to resolve.)
-    if spec is None or getattr(spec, "budget_policy", "") is not None:
+    if not hasattr(spec, "budget_policy") or spec.budget_policy is not None:
         return
     blocker = _measured_policy_blocker(vllm_config)
     reason = blocker[0] if blocker else None
@@ -572,9 +573,9 @@ def _resolve_default_budget_policy(vllm_config: "VllmConfig") -> None:
 
 
 def _verify_measured_budget_policy(vllm_config: "VllmConfig") -> None:
-    """Resolve an unset policy; refuse an explicit "measured" where it cannot
-    run (`_measured_policy_blocker`), in one line."""
-    _resolve_default_budget_policy(vllm_config)
+    """Refuse "measured" (chosen, or resolved by
+    `_resolve_default_budget_policy`, which runs first) where it cannot run
+    (`_measured_policy_blocker`), in one line."""
     spec = getattr(vllm_config, "speculative_config", None)
     if getattr(spec, "budget_policy", None) == "measured":
         blocker = _measured_policy_blocker(vllm_config)
