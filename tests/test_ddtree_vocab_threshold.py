@@ -55,18 +55,24 @@ def threshold_count(
 ) -> tuple[int, int]:
     """(keys >= t, capacity) of one row, computed independently in Python:
     t is the k-th largest of the sub-blocks' kept keys (each sub-block's
-    `_threshold_keep` largest) in (value desc, id asc)."""
+    `_threshold_keep` largest maxima of its groups of `_threshold_group`
+    tokens) in (value desc, id asc)."""
     vocab = row.numel()
     chunk, _ = T._vocab_chunking(vocab, k)
     sub, num_sub, capacity = T._vocab_threshold_plan(vocab, k, chunk)
     keep = T._threshold_keep(sub, num_sub)
+    group = T._threshold_group(sub, keep)
     values = canonical(row, as_logprobs)
     order = sorted(range(vocab), key=lambda t: (-values[t], t))
     rank = {t: i for i, t in enumerate(order)}
+
+    def group_best(start: int) -> int:
+        return min(rank[t] for t in range(start, min(vocab, start + group)))
+
     kept = sorted(
         r
-        for b in range(num_sub)
-        for r in sorted(rank[t] for t in range(b * sub, min(vocab, b * sub + sub)))[
+        for b in range(0, num_sub * sub, sub)
+        for r in sorted(group_best(g) for g in range(b, min(vocab, b + sub), group))[
             :keep
         ]
     )
@@ -152,6 +158,12 @@ def test_plan_shapes(T):
     assert T._threshold_keep(256, 594) == 2  # 1188 kept keys: one 2048 sort
     assert T._vocab_threshold_plan(151936, 512, 1024) == (128, 1187, 2048)
     assert T._threshold_keep(128, 1187) == 1
+    # the kept keys: maxima of groups of 16 tokens, fewer where a sub-block
+    # would hold fewer than `keep` groups
+    assert T._threshold_group(1024, 8) == 16
+    assert T._threshold_group(128, 1) == 16
+    assert T._threshold_group(32, 8) == 4
+    assert T._threshold_group(4, 4) == 1
     assert T._vocab_threshold_plan(151936, 1, 1024) == (1024, 149, 16)
     assert T._threshold_keep(1, 300) == 1
     # too large to sort in one program: tournament only
@@ -309,6 +321,41 @@ def test_clustered_likely_tokens_stay_on_the_filter(
         assert_bits(lp, ref_lp)
         m.setattr(T, "_THRESHOLD_KEEP", 1)
         assert not torch.equal(T.vocab_stage(logits, k, backend="triton")[1], ref_tok)
+
+
+def test_kept_keys_are_group_maxima(T, monkeypatch, small_chunks):
+    """The kept keys are the maxima of groups of `_threshold_group` tokens:
+    with K slots, a row whose top K tokens fill one group overflows (its
+    other groups' maxima rank below them), and a row whose top K lie in K
+    groups does not; the kernel's choice matches `threshold_count` (the
+    fallback writes garbage, so a row that took it shows)."""
+    from vllm.v1.spec_decode.ddtree import tree_triton
+
+    monkeypatch.setattr(T, "_threshold_capacity", lambda k: k)
+    vocab, k = 600, 4
+    chunk, _ = T._vocab_chunking(vocab, k)
+    sub, num_sub, cap = T._vocab_threshold_plan(vocab, k, chunk)
+    group = T._threshold_group(sub, T._threshold_keep(sub, num_sub))
+    assert (cap, group) == (k, 4)
+    torch.manual_seed(11)
+    logits = torch.randn(2, 1, vocab) - 20.0
+    logits[0, 0, :k] = torch.arange(k, 0, -1) + 10.0  # one group
+    logits[1, 0, : k * group : group] = torch.arange(k, 0, -1) + 10.0
+    counts = [threshold_count(T, r, k)[0] for r in logits.view(-1, vocab)]
+    assert counts[0] > cap >= counts[1]
+
+    class Skipped:
+        def __getitem__(self, grid):
+            return lambda logits_or_cand, out, *args, **kwargs: out.fill_(-1)
+
+    ref_lp, ref_tok = T.vocab_stage(logits, k, backend="torch")
+    with monkeypatch.context() as m:
+        m.setattr(tree_triton, "_fallback_chunk_kernel", Skipped())
+        m.setattr(tree_triton, "_fallback_merge_kernel", Skipped())
+        _, tok = T.vocab_stage(logits, k, backend="triton")
+    assert not torch.equal(tok[0], ref_tok[0])
+    assert torch.equal(tok[1], ref_tok[1])
+    check_all_paths(T, monkeypatch, logits, k)
 
 
 def test_build_tree_with_overflow_rows(T, small_chunks):

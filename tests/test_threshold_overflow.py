@@ -15,14 +15,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "pairs
 import threshold_overflow as tov  # noqa: E402
 
 
-def brute_count(row: list[float], k: int, sub: int, keep: int) -> int:
-    """Keys >= t, t the k-th best of each sub-block's `keep` best tokens."""
+def brute_count(row: list[float], k: int, sub: int, keep: int, group: int = 1) -> int:
+    """Keys >= t, t the k-th best of each sub-block's `keep` best maxima of
+    its groups of `group` tokens."""
     order = sorted(range(len(row)), key=lambda t: (-row[t], t))
     rank = {t: i for i, t in enumerate(order)}
     kept = sorted(
         r
         for b in range(0, len(row), sub)
-        for r in sorted(rank[t] for t in range(b, min(len(row), b + sub)))[:keep]
+        for r in sorted(
+            min(rank[t] for t in range(g, min(len(row), g + group)))
+            for g in range(b, min(len(row), b + sub), group)
+        )[:keep]
     )
     return kept[k - 1] + 1
 
@@ -36,6 +40,13 @@ def test_counts_match_the_brute_force():
     for k, sub, keep in ((3, 8, 1), (3, 8, 4), (10, 16, 2), (5, 7, 8)):
         got = tov.counts(x, k, sub, keep).tolist()
         assert got == [brute_count(r, k, sub, keep) for r in x.tolist()]
+    x = torch.cat([x, torch.randn(6, 28)], 1)  # 128: whole groups
+    for k, sub, keep, group in ((3, 8, 2, 4), (10, 16, 2, 4), (5, 32, 4, 8)):
+        got = tov.counts(x, k, sub, keep, group).tolist()
+        want = [brute_count(r, k, sub, keep, group) for r in x.tolist()]
+        assert got == want
+        # Group maxima are keys of the row: t is never above the key-wise t.
+        assert all(g >= b for g, b in zip(got, tov.counts(x, k, sub, keep).tolist()))
 
 
 def test_layouts_place_the_small_vocabulary():

@@ -18,8 +18,9 @@ vocabulary layouts:
 
 Runs on the CPU in a few minutes. Counts are computed in torch from the
 same rule as `_vocab_threshold_plan` (sub-block size, capacity) with the
-keys kept per sub-block and the capacity varied; the row of the shipped
-setting (`_threshold_keep`, `_threshold_capacity`) is marked.
+keys kept per sub-block, the group their maxima are taken over
+(``--groups``) and the capacity varied; the row of the shipped setting
+(`_threshold_keep`, `_threshold_group`, `_threshold_capacity`) is marked.
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def ranks(x):
     return key
 
 
-def counts(x, k: int, sub: int, keep: int):
+def counts(x, k: int, sub: int, keep: int, group: int = 1):
     """Per row: the keys >= t, t the k-th largest of each sub-block's
-    ``keep`` largest keys."""
+    ``keep`` largest maxima of its groups of ``group`` tokens."""
     import torch
 
     rows, vocab = x.shape
@@ -95,7 +96,8 @@ def counts(x, k: int, sub: int, keep: int):
     key = ranks(x)
     pad = torch.full((rows, num_sub * sub - vocab), -1, dtype=key.dtype)
     key = torch.cat([key, pad], 1)
-    kept = key.view(rows, num_sub, sub).topk(min(keep, sub), dim=-1).values
+    group_max = key.view(rows, num_sub, sub // group, group).amax(-1)
+    kept = group_max.topk(min(keep, sub // group), dim=-1).values
     t = kept.reshape(rows, -1).topk(k, dim=1).values[:, -1:]
     return (key >= t).sum(1)
 
@@ -120,6 +122,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--budgets", default="15,64")
     ap.add_argument("--keeps", default="1,2,4,8")
+    ap.add_argument(
+        "--groups",
+        default="1",
+        help="tokens per group whose maxima the kept keys are (1: the keys)",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -135,8 +142,14 @@ def main(argv: list[str] | None = None) -> None:
             chunk, _ = T._vocab_chunking(vocab, k)
             sub, num_sub, capacity = T._vocab_threshold_plan(vocab, k, chunk)
             shipped_keep = T._threshold_keep(sub, num_sub)
-            for keep in (int(m) for m in a.keeps.split(",")):
-                c = counts(x, k, sub, keep)
+            shipped_group = T._threshold_group(sub, shipped_keep)
+            settings = [
+                (int(m), min(int(g), sub // int(m)))
+                for m in a.keeps.split(",")
+                for g in a.groups.split(",")
+            ]
+            for keep, group in dict.fromkeys(settings):
+                c = counts(x, k, sub, keep, group)
                 row = dict(
                     pair=a.pair,
                     layout=layout,
@@ -144,13 +157,14 @@ def main(argv: list[str] | None = None) -> None:
                     k=k,
                     sub=sub,
                     keep=keep,
+                    group=group,
                     median_count=int(c.median()),
                     max_count=int(c.max()),
                     overflow_share={
                         f"cap_{m}k": round(float((c > m * k).float().mean()), 4)
                         for m in (4, 8, 16)
                     },
-                    shipped=keep == shipped_keep,
+                    shipped=(keep, group) == (shipped_keep, shipped_group),
                     shipped_capacity=capacity,
                     shipped_overflow_share=round(
                         float((c > capacity).float().mean()), 4
@@ -158,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 results.append(row)
                 log(
-                    f"{layout:10s} K={k:3d} sub={sub:4d} keep={keep}: median "
+                    f"{layout:10s} K={k:3d} sub={sub:4d} keep={keep} "
+                    f"group={group}: median "
                     f"{row['median_count']} max {row['max_count']}, overflow "
                     f"{row['overflow_share']}"
                     + (f" <- shipped (capacity {capacity})" if row["shipped"] else "")

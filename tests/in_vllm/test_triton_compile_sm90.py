@@ -60,17 +60,18 @@ SCRIPT = textwrap.dedent(
         {"K": 64, "GROUP": 1024, "BLOCK": 1024},
     )
     # The threshold filter (`_vocab_threshold_plan` at V = 151936, K = 64:
-    # 1024-token sub-blocks, 149 of them, 8 keys kept of each, room for 1024
-    # keys) and the tournament's kernels for the rows that overflow it.
+    # 1024-token sub-blocks, 149 of them, 8 keys kept of each from its
+    # groups of 16 tokens, room for 1024 keys) and the tournament's kernels
+    # for the rows that overflow it.
     compile_kernel(
         tt._vocab_stats_kernel,
         {"logits_ptr": "*bf16", "part_max_ptr": "*fp32",
          "part_sum_ptr": "*fp32", "cand_ptr": "*i64", "submax_ptr": "*i64",
          "V": "i32", "stride": "i32", "NC": "i32", "NSUB": "i32",
          "no_store": "i32", "K": C, "CHUNK": C, "SUB": C, "KEEP": C,
-         "IS_LOGPROBS": C, "COMPUTE_LSE": C},
-        {"K": 64, "CHUNK": 1024, "SUB": 1024, "KEEP": 8, "IS_LOGPROBS": False,
-         "COMPUTE_LSE": True},
+         "GROUP": C, "IS_LOGPROBS": C, "COMPUTE_LSE": C},
+        {"K": 64, "CHUNK": 1024, "SUB": 1024, "KEEP": 8, "GROUP": 16,
+         "IS_LOGPROBS": False, "COMPUTE_LSE": True},
     )
     compile_kernel(
         tt._vocab_threshold_kernel,

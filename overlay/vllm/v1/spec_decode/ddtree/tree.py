@@ -452,6 +452,15 @@ def _threshold_capacity(num_tokens: int) -> int:
 # 16 K slots none did, also with its 8192 tokens as the first ids of a
 # 151936-token vocabulary.
 _THRESHOLD_KEEP = 8
+# The kept keys are the largest maxima of groups of this many consecutive
+# tokens, not the sub-block's largest keys: still keys of the row (so the
+# threshold stays a lower bound of its K-th largest key) at a sixteenth of
+# the work of the keep rounds. Offline (threshold_overflow.py --groups,
+# 1440 rows of the dense pair, three layouts, K = 15 and 64) no row
+# overflowed either way; the largest counts grew from 536 to 561 (median)
+# and from 982 to 1003 (maximum) of 1024 slots (K = 64, its tokens the
+# first ids of the vocabulary).
+_THRESHOLD_GROUP = 16
 
 
 def _threshold_keep(sub: int, num_sub: int) -> int:
@@ -464,6 +473,13 @@ def _threshold_keep(sub: int, num_sub: int) -> int:
     return keep
 
 
+def _threshold_group(sub: int, keep: int) -> int:
+    """Tokens per group whose maxima a sub-block's kept keys are taken from
+    (a power of 2: `_THRESHOLD_GROUP`, fewer where a sub-block would hold
+    fewer than ``keep`` groups)."""
+    return max(1, min(_THRESHOLD_GROUP, sub // keep))
+
+
 def _vocab_threshold_plan(
     vocab: int, num_tokens: int, chunk: int
 ) -> tuple[int, int, int] | None:
@@ -472,8 +488,9 @@ def _vocab_threshold_plan(
     tournament runs.
 
     Sub-blocks of ``sub`` tokens (a power of 2 dividing ``chunk``, the
-    largest with ``num_sub = ceil(V / sub) >= 2 K``, or 1), each keeping its
-    `_threshold_keep` largest keys: the row's top ``K`` are >= ``t``, the
+    largest with ``num_sub = ceil(V / sub) >= 2 K``, or 1), each keeping the
+    `_threshold_keep` largest maxima of its groups of `_threshold_group`
+    tokens, keys of the row all: the row's top ``K`` are >= ``t``, the
     ``K``-th largest kept key (at least ``K`` keys are).  The keys >= t lie
     in the sub-blocks whose maximum is >= t, at most ``K`` of them (each
     puts its maximum among the ``K`` kept keys >= t); with the top tokens at
@@ -616,6 +633,7 @@ def _triton_vocab(
             CHUNK=chunk,
             SUB=sub,
             KEEP=keep,
+            GROUP=_threshold_group(sub, keep),
             IS_LOGPROBS=inputs_are_logprobs,
             COMPUTE_LSE=compute_lse,
             num_warps=4 if chunk <= 2048 else 8,

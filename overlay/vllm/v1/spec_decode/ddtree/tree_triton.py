@@ -14,10 +14,11 @@ tokens and the logsumexp), a threshold filter:
 1. `_vocab_stats_kernel`, grid ``(R*D, num_chunks)``: one pass over the
    logits in their own dtype, no sort.  Each program reads one chunk (1K
    tokens) of one row and writes the chunk's partial logsumexp ``(max, sum
-   exp(x - max))`` and the ``KEEP`` largest keys of each sub-block of
-   ``SUB`` tokens (``SUB`` = the chunk, or less so that a row has ``>= 2K``
-   sub-blocks; ``KEEP`` up to 8, its maximum first, by rounds of max and
-   remove).
+   exp(x - max))`` and, for each sub-block of ``SUB`` tokens (``SUB`` = the
+   chunk, or less so that a row has ``>= 2K`` sub-blocks), the ``KEEP``
+   largest maxima of its groups of ``GROUP`` tokens (``KEEP`` up to 8, 16
+   tokens a group; the sub-block's maximum first, by rounds of max and
+   remove over the groups' maxima).
 2. `_vocab_threshold_kernel`, grid ``(R*D,)``: ``t`` = the ``K``-th largest
    kept key (one `tl.topk` / `tl.sort` of the row's kept keys: 149 x 8 =
    1192 for V = 151936, K = 64).  Those are ``K`` keys ``>= t``, so every
@@ -265,7 +266,8 @@ def _vocab_stats_kernel(
     K: tl.constexpr,
     CHUNK: tl.constexpr,
     SUB: tl.constexpr,  # sub-block size, a power of 2 dividing CHUNK
-    KEEP: tl.constexpr,  # keys kept per sub-block (power of 2, <= SUB)
+    KEEP: tl.constexpr,  # keys kept per sub-block (power of 2, <= SUB // GROUP)
+    GROUP: tl.constexpr,  # tokens per group, a power of 2 dividing SUB
     IS_LOGPROBS: tl.constexpr,
     COMPUTE_LSE: tl.constexpr,
 ):
@@ -288,11 +290,14 @@ def _vocab_stats_kernel(
     # sums, bit-identical to the sorting kernel's.
     out_offs = row.to(tl.int64) * NC * K + chunk * K + local
     tl.store(cand_ptr + out_offs, gkey, mask=local < no_store)
-    # Each sub-block's KEEP largest keys (its maximum first), stored through
-    # 2-D [NUM, 1] pointer blocks so that no other 1-D access of CHUNK
-    # elements joins the load's. Keys are distinct: each round removes one.
+    # Each sub-block's KEEP largest group maxima (its maximum first), stored
+    # through 2-D [NUM, 1] pointer blocks so that no other 1-D access of
+    # CHUNK elements joins the load's. One reduction over the chunk gives
+    # the groups' maxima; the KEEP rounds then run over SUB // GROUP keys a
+    # sub-block, not SUB (a round over int64 keys is the kernel's costliest
+    # step). Keys are distinct: each round removes one.
     NUM: tl.constexpr = CHUNK // SUB
-    blocks = tl.reshape(gkey, (NUM, SUB))
+    blocks = tl.max(tl.reshape(gkey, (NUM, SUB // GROUP, GROUP)), axis=2)
     sidx = chunk * NUM + tl.arange(0, NUM)[:, None]
     out = submax_ptr + row.to(tl.int64) * NSUB * KEEP + sidx * KEEP
     for i in tl.static_range(KEEP):
