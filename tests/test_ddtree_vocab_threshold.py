@@ -79,6 +79,21 @@ def threshold_count(
     return kept[k - 1] + 1, capacity
 
 
+def triton_without_fallback(T, monkeypatch, logits: torch.Tensor, k: int):
+    """The Triton vocabulary pass with the fallback tournament writing -1:
+    a row that took the fallback shows as garbage, the others are exact."""
+    from vllm.v1.spec_decode.ddtree import tree_triton
+
+    class Skipped:
+        def __getitem__(self, grid):
+            return lambda logits_or_cand, out, *args, **kwargs: out.fill_(-1)
+
+    with monkeypatch.context() as m:
+        m.setattr(tree_triton, "_fallback_chunk_kernel", Skipped())
+        m.setattr(tree_triton, "_fallback_merge_kernel", Skipped())
+        return T.vocab_stage(logits, k, backend="triton")
+
+
 @pytest.fixture
 def keep_one(T, monkeypatch):
     """The filter as first built: one key kept per sub-block and 4 K slots
@@ -306,21 +321,13 @@ def test_clustered_likely_tokens_stay_on_the_filter(
     check_all_paths(T, monkeypatch, logits, k)
     # With the fallback's tournament writing garbage the result is still
     # exact: no row took it (and with one key kept, rows do).
-    from vllm.v1.spec_decode.ddtree import tree_triton
-
-    class Skipped:
-        def __getitem__(self, grid):
-            return lambda logits_or_cand, out, *args, **kwargs: out.fill_(-1)
-
     ref_lp, ref_tok = T.vocab_stage(logits, k, backend="torch")
+    lp, tok = triton_without_fallback(T, monkeypatch, logits, k)
+    assert torch.equal(tok, ref_tok)
+    assert_bits(lp, ref_lp)
     with monkeypatch.context() as m:
-        m.setattr(tree_triton, "_fallback_chunk_kernel", Skipped())
-        m.setattr(tree_triton, "_fallback_merge_kernel", Skipped())
-        lp, tok = T.vocab_stage(logits, k, backend="triton")
-        assert torch.equal(tok, ref_tok)
-        assert_bits(lp, ref_lp)
         m.setattr(T, "_THRESHOLD_KEEP", 1)
-        assert not torch.equal(T.vocab_stage(logits, k, backend="triton")[1], ref_tok)
+        assert not torch.equal(triton_without_fallback(T, m, logits, k)[1], ref_tok)
 
 
 def test_kept_keys_are_group_maxima(T, monkeypatch, small_chunks):
@@ -329,8 +336,6 @@ def test_kept_keys_are_group_maxima(T, monkeypatch, small_chunks):
     other groups' maxima rank below them), and a row whose top K lie in K
     groups does not; the kernel's choice matches `threshold_count` (the
     fallback writes garbage, so a row that took it shows)."""
-    from vllm.v1.spec_decode.ddtree import tree_triton
-
     monkeypatch.setattr(T, "_threshold_capacity", lambda k: k)
     vocab, k = 600, 4
     chunk, _ = T._vocab_chunking(vocab, k)
@@ -344,15 +349,8 @@ def test_kept_keys_are_group_maxima(T, monkeypatch, small_chunks):
     counts = [threshold_count(T, r, k)[0] for r in logits.view(-1, vocab)]
     assert counts[0] > cap >= counts[1]
 
-    class Skipped:
-        def __getitem__(self, grid):
-            return lambda logits_or_cand, out, *args, **kwargs: out.fill_(-1)
-
-    ref_lp, ref_tok = T.vocab_stage(logits, k, backend="torch")
-    with monkeypatch.context() as m:
-        m.setattr(tree_triton, "_fallback_chunk_kernel", Skipped())
-        m.setattr(tree_triton, "_fallback_merge_kernel", Skipped())
-        _, tok = T.vocab_stage(logits, k, backend="triton")
+    ref_tok = T.vocab_stage(logits, k, backend="torch")[1]
+    tok = triton_without_fallback(T, monkeypatch, logits, k)[1]
     assert not torch.equal(tok[0], ref_tok[0])
     assert torch.equal(tok[1], ref_tok[1])
     check_all_paths(T, monkeypatch, logits, k)
