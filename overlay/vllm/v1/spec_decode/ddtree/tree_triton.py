@@ -57,10 +57,11 @@ collector), at most ``1.39 K`` for ``M >= 2K``.  A trained drafter's are
 not: on the dense benchmark pair's drafter (held-out prompts, its own
 byte-pair vocabulary) the maxima alone overflowed ``4K`` slots on 85% of
 the rows at K = 15 and 40% at K = 64; with 8 keys kept and ``16K`` slots on
-none (`tree.py`, ``_THRESHOLD_KEEP``).  Long runs of equal (or -inf, NaN)
-values in consecutive tokens can still overflow.  Where the filter's sorts
-would exceed 2K keys (``K`` above ~512) the tournament alone runs, for
-every row (`_vocab_threshold_plan` in tree.py).  The tournament:
+none (`tree.py`, ``_THRESHOLD_KEEP``, ``_THRESHOLD_GROUP``).  Long runs
+of equal (or -inf, NaN) values in consecutive tokens can still overflow.
+Where the filter's sorts would exceed 2K keys (``K`` above ~512) the
+tournament alone runs, for every row (`_vocab_threshold_plan` in tree.py).
+The tournament:
 
 * `_vocab_chunk_kernel`, grid ``(R*D, num_chunks)``: sorts each chunk (1K
   tokens) and keeps its top ``K`` keys, and the partial logsumexps.
@@ -77,7 +78,9 @@ sort-free pass, two sorts of up to 2K keys per row and a re-read of at
 most ``K * SUB`` tokens per row (43% of the row for K = 64).  Measured
 with one key kept (H200, dummy weights, R = 32, K = 15: the stats kernel
 200 us, the whole build 289 us per step; with every row overflowing, the
-benchmark pair's logits: 2241 us); with 8 kept, not yet measured.  Expected
+benchmark pair's logits: 2241 us); core bench (random logits, R = 32,
+K = 15, graph): the whole build 1069 us with one key, 1438 us with 8 keys,
+1217 us with 8 group maxima (the shipped form).  Expected
 when first built: about 1.4 reads of the logits, so at R = 64 (290 MB of bf16
 logits) on the order of 0.1-0.15 ms at HBM bandwidth instead of 3.5 ms,
 and at R = 1 six latency-bound launches (some 20-30 us instead of 85 us);
@@ -257,7 +260,7 @@ def _vocab_stats_kernel(
     part_max_ptr,  # [rows, NC] float32 (only with COMPUTE_LSE)
     part_sum_ptr,  # [rows, NC] float32 (only with COMPUTE_LSE)
     cand_ptr,  # [rows, NC * K] int64: never written (see below)
-    submax_ptr,  # [rows, NSUB * KEEP] int64 out: each sub-block's largest keys
+    submax_ptr,  # [rows, NSUB * KEEP] int64 out: each sub-block's kept keys
     V,
     stride,
     NC,
