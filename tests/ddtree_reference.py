@@ -328,6 +328,7 @@ def paged_prefix_attention(
     sinks: torch.Tensor | None,
     scheduler_metadata: torch.Tensor | None = None,
     num_splits: int = 0,
+    causal: bool = False,
     empty_out: float = float("nan"),
     empty_lse: float = _NEG_INF,
 ) -> torch.Tensor:
@@ -339,7 +340,9 @@ def paged_prefix_attention(
     layout; 0 past the last request's tokens). A sink is one more logit per
     head with a zero value (FA3's ``s_aux``). The rows of a request with no
     prefix key and no sink are undefined in FA: here ``empty_out`` and
-    ``empty_lse`` (FA3 returns -inf, FA2 +inf)."""
+    ``empty_lse`` (FA3 returns -inf, FA2 +inf). ``causal``: query ``i`` of
+    a request of ``n`` query tokens sees keys ``0 .. prefix_lens - n + i``
+    only (FA's bottom-right alignment)."""
     num_tokens, num_heads, _ = query.shape
     lse = torch.zeros(num_heads, num_tokens, dtype=torch.float32, device=query.device)
     starts = cu_seqlens_q.tolist()
@@ -359,6 +362,10 @@ def paged_prefix_attention(
         scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
+        if causal:
+            last_key = n_prefix - (hi - lo) + torch.arange(hi - lo)
+            hidden = torch.arange(n_prefix)[None, :] > last_key[:, None]
+            scores = scores.masked_fill(hidden.to(scores.device), float("-inf"))
         if sinks is not None:
             sink = sinks.float()[:, None, None].expand(-1, hi - lo, 1)
             scores = torch.cat([scores, sink], dim=-1)

@@ -671,6 +671,41 @@ def test_attach_bias_points_triton_metadata_at_the_buffer():
         verifier.attach_bias({"l0": FlashMetadata()})
 
 
+def test_a_step_without_drafts_marks_the_split_attention_no_tree():
+    """prepare_verify marks the step's split tree attention metadata (kept by
+    attach_bias, one per KV-cache group) when no request verifies a tree,
+    and leaves it unmarked when one does."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
+    from vllm.v1.spec_decode.ddtree.tree_attention import (
+        SplitTreeAttentionMetadata,
+    )
+
+    def attach(verifier):
+        splits = []
+        metadata = {}
+        for name in ("l0", "l1"):
+            md = object.__new__(TritonAttentionMetadata)
+            md.tree_split = SplitTreeAttentionMetadata(
+                prefix_lens=torch.zeros(4, dtype=torch.int32)
+            )
+            splits.append(md.tree_split)
+            metadata[name] = md
+        verifier.attach_bias(metadata)
+        return splits
+
+    verifier = _verifier()
+    _store_one_tree(verifier)
+    splits = attach(verifier)
+    verifier.prepare_verify(_batch())
+    assert not any(split.no_tree for split in splits)
+
+    splits = attach(verifier)
+    batch = _batch()
+    batch.num_draft_tokens = 0
+    verifier.prepare_verify(batch)
+    assert all(split.no_tree for split in splits)
+
+
 def test_bind_refuses_model_states_without_the_hook():
     verifier = _verifier()
     with pytest.raises(ValueError, match="dense decoder targets"):

@@ -680,6 +680,47 @@ def test_backend_runs_unified_for_a_longer_request():
     torch.testing.assert_close(out, run_unified(batch), atol=TOL, rtol=TOL)
 
 
+# A step that verifies no tree: prefill chunks longer than the tree, one-token
+# decodes, a short chunk, CUDA-graph padding (zero mask words throughout).
+NO_TREE = [("prefill", 18), ("plain", 33), ("short", 5), ("prefill", 40), ("pad", 0)]
+
+
+@needs_kernel
+def test_backend_no_tree_batch_is_causal_over_the_whole_sequence(monkeypatch):
+    """A batch with a prefill chunk longer than the tree that verifies no
+    tree (`SplitTreeAttentionMetadata.no_tree`): the prefix pass alone,
+    causal, over each whole sequence, equal to the unified kernel without a
+    mask (what an engine without speculation computes) and to it with the
+    batch's zeroed mask words; neither the intra-tree pass nor the unified
+    kernel runs."""
+    calls = []
+
+    def prefix(*args, **kwargs):
+        calls.append((args[6].clone(), args[12], kwargs.get("causal")))
+        return paged_prefix_attention(*args, **kwargs)
+
+    def no_tree_pass(*args, **kwargs):
+        raise AssertionError("the intra-tree pass ran in a step without trees")
+
+    batch = make_batch(9, NO_TREE, 8, 2, 64, torch.float32, KERNEL_DEVICE, seed=8)
+    assert max(batch["query_lens"]) > 9
+    split_meta = ta.SplitTreeAttentionMetadata(
+        prefix_lens=batch["prefix_lens"], prefix_attention=prefix
+    )
+    split_meta.mark_no_tree()
+    monkeypatch.setattr(ta, "tree_attention", no_tree_pass)
+    out = backend_forward(batch, split_meta)
+    assert len(calls) == 1  # the split ran (the unified kernel did not)
+    prefix_lens, scheduler_metadata, causal = calls[0]
+    assert torch.equal(prefix_lens, batch["seq_lens"])
+    assert scheduler_metadata is None and causal is True
+    unmasked = run_unified({**batch, "tree_mask": None})
+    torch.testing.assert_close(out, unmasked, atol=TOL, rtol=TOL)
+    # The same as the unified kernel with the batch's zeroed mask words.
+    torch.testing.assert_close(out, run_unified(batch), atol=TOL, rtol=TOL)
+    assert_untouched(out, batch)
+
+
 def test_applies_rule():
     bias = torch.zeros(4, 17, 1, dtype=torch.int32)
     meta = ta.SplitTreeAttentionMetadata(prefix_lens=torch.zeros(4, dtype=torch.int32))
@@ -700,6 +741,18 @@ def test_applies_rule():
     assert not meta.applies(attn(causal=torch.ones(4, dtype=torch.bool)), None)
     assert not meta.applies(attn(), torch.ones(()))
     assert not meta.applies(attn(mm_prefix_range_tensor=torch.zeros(4, 1, 2)), None)
+    # A batch that verifies no tree takes it with a longer request too, under
+    # the same other conditions.
+    no_tree = ta.SplitTreeAttentionMetadata(
+        prefix_lens=torch.zeros(4, dtype=torch.int32), no_tree=True
+    )
+    assert no_tree.applies(attn(max_query_len=18), None)
+    assert no_tree.applies(attn(max_query_len=4096), None)
+    assert not no_tree.applies(attn(max_query_len=18, tree_attn_bias=None), None)
+    assert not no_tree.applies(
+        attn(max_query_len=18, causal=torch.ones(4, dtype=torch.bool)), None
+    )
+    assert not no_tree.applies(attn(max_query_len=18), torch.ones(()))
 
 
 def fake_vllm_config(
@@ -1206,6 +1259,40 @@ def test_gpu_plain_decode_is_fa3_over_the_whole_sequence(shape):
     unified = run_unified(batch)
     torch.cuda.synchronize()
     torch.testing.assert_close(out, unified, atol=2e-2, rtol=2e-2)
+    assert_untouched(out, batch)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_no_tree_batch_is_fa3_causal_over_the_whole_sequence(shape):
+    """A step with prefill chunks that verifies no tree: FA3 causal over
+    each whole sequence, as the backend calls it, equals the unified kernel
+    without a mask."""
+    specs = [("prefill", 1500), ("plain", 1), ("prefill", 0), ("short", 4097)]
+    specs.append(("pad", 0))
+    batch = make_batch(65, specs, *shape, torch.bfloat16, "cuda", seed=5)
+    out = torch.full_like(batch["query"], SENTINEL)
+    ta.fa3_prefix_attention(
+        batch["query"],
+        batch["key_cache"],
+        batch["value_cache"],
+        out,
+        batch["cu_seqlens_q"],
+        max(batch["query_lens"]),
+        batch["seq_lens"],
+        max(batch["kv_lens"]),
+        batch["block_table"],
+        batch["scale"],
+        0.0,
+        None,
+        None,
+        0,
+        causal=True,
+    )
+    unmasked = run_unified({**batch, "tree_mask": None})
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, unmasked, atol=2e-2, rtol=2e-2)
     assert_untouched(out, batch)
 
 

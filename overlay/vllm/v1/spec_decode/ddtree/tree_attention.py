@@ -30,10 +30,11 @@ rows and keys only, as in the unified kernel. The TRITON_ATTN backend takes
 the split when DDTree runs it (``VLLM_DDTREE_TREE_ATTENTION``: ``split``, or
 ``auto``, the default, where FA3 takes the target: `resolve_tree_attention`)
 and every request of the batch has at most ``T`` query tokens (decode and tree
-verification steps: the batches the decode CUDA graphs capture); a batch
-with a longer request (a prefill chunk) runs the unified kernel. The rule is
-only about speed: a graph captured on the split path stays exact whatever
-batch replays it.
+verification steps: the batches the decode CUDA graphs capture). A batch
+with a longer request (a prefill chunk) runs FA3 alone, causal, over whole
+sequences when it verifies no tree, and the unified kernel when it does.
+The rule is only about speed: a graph captured on the split path stays
+exact whatever batch replays it.
 
 The shapes are fixed per batch (grid from the token and request counts, the
 prefix lengths and FA3's scheduler metadata in persistent buffers written
@@ -589,9 +590,9 @@ def tree_attention(
 
 # (query, key_cache, value_cache, out, cu_seqlens_q, max_seqlen_q,
 #  prefix_lens, max_seqlen_k, block_table, softmax_scale, softcap, sinks,
-#  scheduler_metadata, num_splits) -> lse [num_query_heads, num_tokens]:
-# writes the non-causal attention of every query over its request's first
-# prefix_lens keys into ``out``.
+#  scheduler_metadata, num_splits, causal=False) -> lse [num_query_heads,
+# num_tokens]: writes the attention of every query over its request's first
+# prefix_lens keys into ``out`` (non-causal, or causal with ``causal=True``).
 PrefixAttention = Callable[..., torch.Tensor]
 
 
@@ -610,11 +611,15 @@ def fa3_prefix_attention(
     sinks: torch.Tensor | None,
     scheduler_metadata: torch.Tensor | None,
     num_splits: int,
+    causal: bool = False,
 ) -> torch.Tensor:
     """(a) on FlashAttention 3 (vllm_flash_attn's paged varlen kernel, as
     the FLASH_ATTN backend calls it). Sinks enter through FA3's ``s_aux``,
     which adds them to the returned log-sum-exp, so the merge counts them
-    once."""
+    once. ``causal``: query ``i`` of a request of ``n`` query tokens sees the
+    keys up to ``prefix_lens - n + i`` (FA's bottom-right alignment), the
+    whole attention of a batch without trees (`SplitTreeAttentionMetadata`
+    ``no_tree``)."""
     from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
@@ -628,7 +633,7 @@ def fa3_prefix_attention(
         seqused_k=prefix_lens,
         max_seqlen_k=max_seqlen_k,
         softmax_scale=softmax_scale,
-        causal=False,
+        causal=causal,
         block_table=block_table,
         softcap=softcap,
         return_softmax_lse=True,
@@ -719,13 +724,30 @@ class SplitTreeAttentionMetadata:
     # which is the whole attention of a one-token query, and (b) is skipped,
     # so such a step attends as an engine without speculation does.
     whole_sequence: bool = False
+    # No request of the step verifies a tree (prefill chunks and one-token
+    # decodes only: the step after a preemption, a new request's prefill in
+    # a batch the measured budget policy runs without speculation). Set by
+    # the verifier once the step's drafts are known (`mark_no_tree`), after
+    # the metadata is built. Such a batch with a request longer than ``T``
+    # (a prefill chunk) runs FA3, causal, over each whole sequence, as the
+    # FLASH_ATTN backend runs it without speculation, instead of the unified
+    # Triton kernel. Eager steps only: a captured graph replays what it
+    # captured (captures run no verifier, so never this route), and such a
+    # batch is a mixed one, which full decode graphs do not take.
+    no_tree: bool = False
+
+    def mark_no_tree(self) -> None:
+        self.no_tree = True
 
     def applies(self, attn_metadata: Any, output_scale: torch.Tensor | None) -> bool:
         """Host-side rule: a tree mask is attached and no request has more
-        than its ``T`` query tokens (decode and tree verification steps);
-        otherwise the unified kernel runs, as without the split."""
+        than its ``T`` query tokens (decode and tree verification steps), or
+        the batch verifies no tree (`no_tree`); otherwise the unified kernel
+        runs, as without the split."""
         tree_mask = attn_metadata.tree_attn_bias
-        if tree_mask is None or attn_metadata.max_query_len > tree_mask.shape[1]:
+        if tree_mask is None:
+            return False
+        if attn_metadata.max_query_len > tree_mask.shape[1] and not self.no_tree:
             return False
         if attn_metadata.causal is not True:
             # A per-request causal flag (bidirectional drafter batches).
@@ -751,6 +773,28 @@ class SplitTreeAttentionMetadata:
         softcap: float,
         sinks: torch.Tensor | None,
     ) -> None:
+        if self.no_tree and attn_metadata.max_query_len > 1:
+            # Every key of a query's own request up to its position: no mask.
+            # FA3 schedules itself (the schedule built with the metadata is
+            # the prefix pass's, non-causal, over the prefixes).
+            self.prefix_attention(
+                query,
+                key_cache,
+                value_cache,
+                output,
+                attn_metadata.query_start_loc,
+                attn_metadata.max_query_len,
+                attn_metadata.seq_lens,
+                attn_metadata.max_seq_len,
+                attn_metadata.block_table,
+                softmax_scale,
+                softcap,
+                sinks,
+                None,
+                0,
+                causal=True,
+            )
+            return
         split_tree_attention(
             query,
             key_cache,

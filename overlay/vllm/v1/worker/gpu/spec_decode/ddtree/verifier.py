@@ -39,6 +39,7 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
+from vllm.v1.spec_decode.ddtree.tree_attention import SplitTreeAttentionMetadata
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
@@ -136,6 +137,9 @@ class DDTreeVerifier:
         self._tree_pos: tuple[torch.Tensor, torch.Tensor] | None = None
         # (positions, logits indices, shifts) of the M-RoPE shift to undo.
         self._model_positions: tuple[torch.Tensor, ...] | None = None
+        # The split tree attention's metadata of the step (one per KV-cache
+        # group), kept from attach_bias() for prepare_verify().
+        self._tree_splits: list[SplitTreeAttentionMetadata] = []
 
         # The measured budget policy: counts every walk's acceptance per tree
         # rank on the device and re-plans the budget per batch size.
@@ -332,10 +336,14 @@ class DDTreeVerifier:
     def attach_bias(self, attn_metadata: dict[str, Any]) -> None:
         """Point every target Triton attention metadata at the tree bias."""
         attached = False
+        self._tree_splits = []
         for metadata in _unique(attn_metadata.values()):
             if hasattr(metadata, "tree_attn_bias"):
                 metadata.tree_attn_bias = self.attn_bias
                 attached = True
+                tree_split = getattr(metadata, "tree_split", None)
+                if tree_split is not None:
+                    self._tree_splits.append(tree_split)
         if attn_metadata and not attached:
             raise ValueError(
                 "DDTree needs the TRITON_ATTN backend for the target model; got "
@@ -353,8 +361,11 @@ class DDTreeVerifier:
         if self.gdn is not None:
             self.gdn.prepare_step(input_batch)
         if input_batch.num_draft_tokens == 0:
-            # Prefill or plain decode only: no request sees a tree bias.
+            # Prefill or plain decode only: no request sees a tree bias, and
+            # the split attention may run a prefill chunk on FA3 causal.
             self.attn_bias[:num_reqs].zero_()
+            for tree_split in self._tree_splits:
+                tree_split.mark_no_tree()
             return
         logits_indices = input_batch.logits_indices
         num_logits = logits_indices.shape[0]
