@@ -396,42 +396,18 @@ def split_gpu_time(events, cuda_type) -> tuple[dict, dict, float, bool]:
 TOP_KERNELS = 30
 
 
-def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> dict:
-    """Decode ``prompts`` ``conc`` at a time under the torch profiler; print
-    (and return) the wall time and the GPU kernel time per engine step, by
-    category."""
+def profile_summary(prof, steps: float, wall_s: float) -> dict:
+    """Per engine step, from a finished torch profile of ``steps`` steps that
+    took ``wall_s`` seconds: wall time, GPU kernel time by category and by
+    phase, the GPU busy share, the top kernels and host ops."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    _label_draft_passes()
-    llm.generate(prompts[:conc], sp, use_tqdm=False)  # warm-up outside the trace
-    acc0, drafts0, _ = spec_metrics(llm)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t = time.time()
-        toks = 0
-        for i in range(0, len(prompts), conc):
-            outs = llm.generate(prompts[i : i + conc], sp, use_tqdm=False)
-            toks += sum(len(o.outputs[0].token_ids) for o in outs)
-        torch.cuda.synchronize()
-        dt = time.time() - t
-    acc1, drafts1, _ = spec_metrics(llm)
-    # Draft counters are per request: an engine step drafts for `conc` of them.
-    steps = ((drafts1 - drafts0) or toks) / conc
     us, top, draft_range_us, has_draft_range = split_gpu_time(
         prof.events(), torch.autograd.DeviceType.CUDA
     )
-    wall_us = dt * 1e6 / steps
-    res = dict(
-        tag=tag,
-        mode=a.mode,
-        budget=a.budget if a.mode == "ddtree" else None,
-        k=a.k if a.mode == "dflash" else None,
-        conc=conc,
-        prompts=len(prompts),
-        steps=round(steps, 1),
-        tau=round(1 + (acc1 - acc0) / (drafts1 - drafts0), 3)
-        if drafts1 > drafts0
-        else None,
+    wall_us = wall_s * 1e6 / steps
+    averages = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    return dict(
         wall_us_per_step=round(wall_us, 1),
         gpu_us_per_step={k: round(v / steps, 1) for k, v in us.items()},
         # The same GPU time by phase (None without a draft pass, i.e. no
@@ -461,17 +437,47 @@ def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> dict:
         # how often each op runs per step (an op called once per layer
         # means that layer's part runs outside the CUDA graphs).
         top_cpu_ops_us_per_step={
-            e.key[:60]: round(e.self_cpu_time_total / steps, 1)
-            for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[
-                :15
-            ]
+            e.key[:60]: round(e.self_cpu_time_total / steps, 1) for e in averages[:15]
         },
         top_cpu_ops_calls_per_step={
-            e.key[:60]: round(e.count / steps, 1)
-            for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[
-                :25
-            ]
+            e.key[:60]: round(e.count / steps, 1) for e in averages[:25]
         },
+    )
+
+
+def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> dict:
+    """Decode ``prompts`` ``conc`` at a time under the torch profiler; print
+    (and return) the wall time and the GPU kernel time per engine step, by
+    category."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    _label_draft_passes()
+    llm.generate(prompts[:conc], sp, use_tqdm=False)  # warm-up outside the trace
+    acc0, drafts0, _ = spec_metrics(llm)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.time()
+        toks = 0
+        for i in range(0, len(prompts), conc):
+            outs = llm.generate(prompts[i : i + conc], sp, use_tqdm=False)
+            toks += sum(len(o.outputs[0].token_ids) for o in outs)
+        torch.cuda.synchronize()
+        dt = time.time() - t
+    acc1, drafts1, _ = spec_metrics(llm)
+    # Draft counters are per request: an engine step drafts for `conc` of them.
+    steps = ((drafts1 - drafts0) or toks) / conc
+    res = dict(
+        tag=tag,
+        mode=a.mode,
+        budget=a.budget if a.mode == "ddtree" else None,
+        k=a.k if a.mode == "dflash" else None,
+        conc=conc,
+        prompts=len(prompts),
+        steps=round(steps, 1),
+        tau=round(1 + (acc1 - acc0) / (drafts1 - drafts0), 3)
+        if drafts1 > drafts0
+        else None,
+        **profile_summary(prof, steps, dt),
     )
     print("PROFILE", json.dumps(res), flush=True)
     return res

@@ -63,3 +63,36 @@ def test_preemption_count_reads_the_counter_only():
     llm = SimpleNamespace(get_metrics=lambda: metrics)
     assert e2e.num_preemptions(llm) == 3.0
     assert e2e.num_preemptions(SimpleNamespace(get_metrics=lambda: [])) == 0
+
+
+def test_profile_summary_is_per_engine_step():
+    """Two steps of 1 ms wall: each step's kernel time by phase and the GPU
+    busy share, from the same events as split_gpu_time."""
+    import torch
+
+    cuda = torch.autograd.DeviceType.CUDA
+    events = [
+        ev(e2e.DRAFT_RANGE, 100, 199, device=cuda),
+        ev("dflash_layer_gemm", 100, 160, device=cuda),
+        ev("_vocab_stats_kernel", 160, 200, device=cuda),
+        ev("target_gemm", 200, 900, device=cuda),
+        ev("_ddtree_walk_kernel", 900, 1000, device=cuda),
+    ]
+    op = SimpleNamespace(key="cudaGraphLaunch", self_cpu_time_total=300, count=4)
+    prof = SimpleNamespace(events=lambda: events, key_averages=lambda: [op])
+    got = e2e.profile_summary(prof, steps=2, wall_s=2e-3)
+    assert got["wall_us_per_step"] == 1000
+    assert got["gpu_us_per_step"] == {
+        "tree_build": 20,
+        "bookkeeping": 50,
+        "other": 380,
+    }
+    assert got["gpu_us_per_step_by_phase"] == {
+        "draft": 30,
+        "tree_build": 20,
+        "bookkeeping": 50,
+        "verify_and_rest": 350,
+    }
+    assert got["gpu_busy_share"] == 0.45
+    assert got["top_cpu_ops_us_per_step"] == {"cudaGraphLaunch": 150}
+    assert got["top_cpu_ops_calls_per_step"] == {"cudaGraphLaunch": 2}

@@ -221,6 +221,55 @@ def test_continuous_decoding_keeps_c_requests_in_flight():
     assert tok is None and sec is None
 
 
+def test_window_hooks_bracket_the_steady_window_and_steps_are_counted():
+    engine = _FakeEngine([1, 2, 4] * 4, 12)
+    counted = run_pairs._CountedSteps(engine)
+    marks = []
+
+    def on_window(opened):
+        marks.append((opened, engine.now, counted.steps, counted.joined))
+
+    _, window_tokens, window_s = run_pairs.decode_continuous(
+        counted, [None] * 12, ["delta"] * 12, 3, "c3-t0", lambda: engine.now, on_window
+    )
+    # Opened once, then closed once, at the window's own clock readings.
+    assert [m[0] for m in marks] == [True, False]
+    (_, t0, s0, j0), (_, t1, s1, j1) = marks
+    assert t1 - t0 == window_s
+    # Every step went through the counter: the fake clock ticks once a step.
+    assert s1 - s0 == t1 - t0 and counted.steps == engine.now
+    # 12 requests joined in all, 3 before the window, the last one at its end.
+    assert counted.joined == 12 and j0 == 3 and j1 == 12
+
+
+def test_engine_command_passes_the_profile_flag():
+    ap = run_pairs.argparse.ArgumentParser()
+    run_pairs.add_engine_options(ap)
+    ap.add_argument("--out", default="x.json")
+    ap.add_argument("--workdir", default="w")
+    a = ap.parse_args(["--prompts", "p.jsonl"])
+    assert "--profile" not in run_pairs.engine_command(
+        a, "dense-8b", "bf16", "chain", "16"
+    )
+    a = ap.parse_args(["--prompts", "p.jsonl", "--profile"])
+    assert "--profile" in run_pairs.engine_command(a, "dense-8b", "bf16", "chain", "16")
+
+
+def test_profile_rows_are_not_compared(tmp_path):
+    row = dict(
+        pair="dense-8b",
+        dtype="bfloat16",
+        method="chain",
+        temperature=0.0,
+        concurrency=16,
+        profile={},
+    )
+    for m in ("nospec", "chain"):
+        (tmp_path / f"tokens_dense-8b_bfloat16_{m}_c16.json").write_text("[[1]]")
+    run_pairs.annotate([row], str(tmp_path))
+    assert "identical_to_nospec" not in row
+
+
 class _Params:
     def __init__(self, max_tokens=256):
         self.max_tokens = max_tokens

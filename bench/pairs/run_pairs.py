@@ -79,7 +79,15 @@ def prompts_for(
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
-def decode_continuous(engine, requests: list, params: list, conc: int, tag: str, clock):
+def decode_continuous(
+    engine,
+    requests: list,
+    params: list,
+    conc: int,
+    tag: str,
+    clock,
+    on_window=None,
+):
     """Decode ``requests`` keeping ``conc`` of them in flight, as ``conc``
     clients of a server do: a finished request's place goes to the next one
     at once. ``engine`` is a vLLM ``LLMEngine`` (``add_request``, ``step``);
@@ -87,7 +95,8 @@ def decode_continuous(engine, requests: list, params: list, conc: int, tag: str,
     request's token ids (in order) and the steady window: the tokens produced
     and the seconds elapsed from the first request's end (the start-up wave
     is over) to the moment the last request entered (the supply is not yet
-    running dry), when ``conc`` requests are always in flight."""
+    running dry), when ``conc`` requests are always in flight.
+    ``on_window(opened: bool)`` is called when the window opens and closes."""
     tokens: list[list[int]] = [[] for _ in requests]
     pending = iter(range(len(requests)))
     in_flight = 0
@@ -102,6 +111,8 @@ def decode_continuous(engine, requests: list, params: list, conc: int, tag: str,
         if i is None:
             if window_end is None and window_start is not None:
                 window_end = (clock(), produced)
+                if on_window is not None:
+                    on_window(False)
             return False
         engine.add_request(f"{tag}-{i}", requests[i], params[i])
         in_flight += 1
@@ -119,6 +130,8 @@ def decode_continuous(engine, requests: list, params: list, conc: int, tag: str,
             if out.finished:
                 in_flight -= 1
                 if window_start is None:
+                    if on_window is not None:
+                        on_window(True)
                     window_start = (clock(), produced)
                 add()
     if window_start is None or window_end is None or window_end[0] <= window_start[0]:
@@ -207,9 +220,66 @@ def spec_counters(llm) -> tuple[float, float]:
     return acc, drafts
 
 
+class _CountedSteps:
+    """An engine whose ``step()`` calls are counted, with the requests that
+    joined (``add_request``) since the previous step."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.steps = 0
+        self.joined = 0
+
+    def add_request(self, *args, **kwargs):
+        self.joined += 1
+        return self.engine.add_request(*args, **kwargs)
+
+    def step(self):
+        self.steps += 1
+        return self.engine.step()
+
+
+def profile_continuous(llm, a, requests: list, params: list, conc: int) -> dict:
+    """The steady window of a continuous decode at ``conc`` under the torch
+    profiler (the engine in this process): wall and GPU time per engine step
+    (prefill chunks of the requests that join included, as in the timed rows),
+    split as ``ddtree_e2e.py --profile`` splits it."""
+    import torch
+    from ddtree_e2e import _label_draft_passes, profile_summary
+    from torch.profiler import ProfilerActivity, profile
+
+    _label_draft_passes()
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    engine = _CountedSteps(llm.llm_engine)
+    marks: dict[bool, tuple[float, int, int]] = {}
+
+    def on_window(opened: bool) -> None:
+        torch.cuda.synchronize()
+        if opened:
+            prof.start()
+        marks[opened] = (time.time(), engine.steps, engine.joined)
+        if not opened:
+            prof.stop()
+
+    decode_continuous(
+        engine, requests, params, conc, f"profile-c{conc}", time.time, on_window
+    )
+    if True not in marks or False not in marks:
+        return {}
+    (t0, s0, j0), (t1, s1, j1) = marks[True], marks[False]
+    steps = s1 - s0
+    return dict(
+        profile_steps=steps,
+        joined_per_step=round((j1 - j0) / steps, 3),
+        **profile_summary(prof, steps, t1 - t0),
+    )
+
+
 def run_engine(a) -> None:
     """One engine: print one ``ROW {json}`` per concurrency, save token ids."""
     os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")
+    if a.profile:
+        # The profiler sees the engine's kernels only in this process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -302,6 +372,8 @@ def run_engine(a) -> None:
             sps = [sp.clone() for sp in sps]
             for sp in sps:
                 sp.output_kind = RequestOutputKind.DELTA
+        if a.profile and not continuous:
+            raise SystemExit("--profile profiles the continuous schedule only")
         if a.warm_tokens > 0:
             warm_up(
                 llm,
@@ -316,6 +388,23 @@ def run_engine(a) -> None:
         by_batch0 = (
             ddtree_by_batch_size(llm, conc) if a.method in DDTREE_METHODS else {}
         )
+        if a.profile:
+            # Instead of the timed decode: the same decode, profiled.
+            row = dict(
+                pair=a.pair,
+                dtype=a.dtype,
+                method=a.method,
+                temperature=temperature,
+                concurrency=conc,
+                prompts=len(batch),
+                schedule=a.schedule,
+                profile=profile_continuous(
+                    llm, a, [TokensPrompt(prompt_token_ids=p) for p in batch], sps, conc
+                ),
+            )
+            print("ROW " + json.dumps(row), flush=True)
+            log(f"{a.pair} {a.dtype} {a.method} c={conc}: profiled")
+            continue
         toks: list[list[int]] = []
         running.max_running = None
         steady_tokens = steady_s = None
@@ -412,7 +501,7 @@ def annotate(rows: list[dict], workdir: str) -> None:
     row whose token files are not in ``workdir`` (rows of an earlier run in
     the same --out) keeps what it has."""
     for r in rows:
-        if "concurrency" not in r or r.get("temperature", 0.0) > 0:
+        if "concurrency" not in r or r.get("temperature", 0.0) > 0 or "profile" in r:
             continue
         if r["method"] not in ("nospec", "small"):
             key, ref = "identical_to_nospec", "nospec"
@@ -469,6 +558,14 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
         help="before each concurrency's timed decode, decode 2c of its prompts "
         "(staggered, up to this many tokens each) untimed, so that kernels "
         "specialised on its shapes compile outside the timed window; 0: none",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of timing: profile each concurrency's steady window (torch "
+        "profiler, engine in-process; continuous schedule): rows with a "
+        "'profile' object (per engine step: wall and GPU time, by phase and "
+        "kernel), not for the tables",
     )
     ap.add_argument(
         "--sampled-conc",
@@ -528,6 +625,8 @@ def engine_command(
         "--workdir",
         workdir or a.workdir,
     ]
+    if a.profile:
+        cmd.append("--profile")
     llm_kwargs = llm_kwargs or a.llm_kwargs
     if llm_kwargs:
         cmd += ["--llm-kwargs", llm_kwargs]
