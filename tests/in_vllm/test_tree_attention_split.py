@@ -1126,7 +1126,8 @@ def test_sinks_only_known_once_the_layers_are_built(monkeypatch):
             "FlashAttention 3 over each request's prefix + a Triton kernel over "
             "its tree, merged by LSE, in batches whose requests have at most 1 "
             "+ tree_budget query tokens each; a batch with a longer request (a "
-            "prefill chunk) runs the unified Triton kernel with the same mask.",
+            "prefill chunk) runs FlashAttention 3 alone, causal, when it verifies "
+            "no tree, else the unified Triton kernel with the same mask.",
         ),
         (
             None,
@@ -1159,7 +1160,8 @@ def test_sinks_only_known_once_the_layers_are_built(monkeypatch):
             "FlashAttention 3 over each request's prefix + a Triton kernel over "
             "its tree, merged by LSE, in batches whose requests have at most 1 "
             "+ tree_budget query tokens each; a batch with a longer request (a "
-            "prefill chunk) runs the unified Triton kernel with the same mask.",
+            "prefill chunk) runs FlashAttention 3 alone, causal, when it verifies "
+            "no tree, else the unified Triton kernel with the same mask.",
         ),
     ],
 )

@@ -249,7 +249,8 @@ def verify_tree_attention_layers(vllm_config: "VllmConfig") -> None:
             "request's prefix + a Triton kernel over its tree, merged by LSE, "
             "in batches whose requests have at most 1 + tree_budget query "
             "tokens each; a batch with a longer request (a prefill chunk) "
-            "runs the unified Triton kernel with the same mask.",
+            "runs FlashAttention 3 alone, causal, when it verifies no tree, "
+            "else the unified Triton kernel with the same mask.",
             setting,
         )
     elif choice.reason is None:
