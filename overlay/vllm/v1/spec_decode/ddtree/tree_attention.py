@@ -274,7 +274,12 @@ def verify_tree_attention_layers(vllm_config: "VllmConfig") -> None:
 # ---------------------------------------------------------------------------
 
 
-@triton.jit
+# Per-batch counts (the requests; the tokens, the row stride of FA's
+# [heads, tokens] log-sum-exp) are not specialised on (== 1, % 16), so that
+# batch sizes share one compiled kernel and a running server does not stall
+# on a variant that the CUDA-graph capture did not compile (vLLM's JIT
+# monitor logged such a compile of this kernel in a benchmark's timed window).
+@triton.jit(do_not_specialize=["num_seqs", "prefix_lse_stride_0", "out_lse_stride_0"])
 def _tree_attention_kernel(
     out_ptr,  # [num_tokens, num_query_heads, head_size]: (a)'s output if MERGE
     out_lse_ptr,  # [num_query_heads, num_tokens] float32, if OUTPUT_LSE

@@ -438,7 +438,9 @@ def ddtree_tree_bias(
     )
 
 
-@triton.jit
+# ``num_logits`` changes with every batch: not specialised on (see
+# _tree_attention_kernel), so that no step compiles a variant of its own.
+@triton.jit(do_not_specialize=["num_logits"])
 def _ddtree_tree_positions_kernel(
     positions_ptr,  # [num_tokens] int64, shifted (restored) in place
     logits_indices_ptr,  # [num_logits] token of each logits row
@@ -547,7 +549,9 @@ def ddtree_restore_positions(
     )
 
 
-@triton.jit
+# ``num_logits`` changes with every batch: not specialised on (see
+# _tree_attention_kernel), so that no step compiles a variant of its own.
+@triton.jit(do_not_specialize=["num_logits"])
 def _ddtree_shift_model_positions_kernel(
     positions_ptr,  # [NUM_DIMS, num_tokens] int64, shifted in place
     dim_stride,

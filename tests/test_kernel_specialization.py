@@ -1,0 +1,54 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DDTree's Triton kernels that run every step with per-batch counts take
+them unspecialised (``@triton.jit(do_not_specialize=[...])``): Triton
+compiles a variant per argument that is 1, a multiple of 16 or neither, and a
+variant first met in serving stalls the engine while it compiles. Read from
+the source (the Triton interpreter, which CI runs, drops the option)."""
+
+import ast
+import pathlib
+
+import pytest
+
+OVERLAY = pathlib.Path(__file__).resolve().parent.parent / "overlay" / "vllm"
+# (file, kernel) -> parameters that change from one batch to the next.
+PER_BATCH = {
+    ("v1/spec_decode/ddtree/tree_attention.py", "_tree_attention_kernel"): [
+        "num_seqs",
+        "prefix_lse_stride_0",
+        "out_lse_stride_0",
+    ],
+    (
+        "v1/worker/gpu/spec_decode/ddtree/kernels.py",
+        "_ddtree_tree_positions_kernel",
+    ): ["num_logits"],
+    (
+        "v1/worker/gpu/spec_decode/ddtree/kernels.py",
+        "_ddtree_shift_model_positions_kernel",
+    ): ["num_logits"],
+}
+
+
+def unspecialised(path: str, kernel: str) -> tuple[list[str], list[str]]:
+    """(the kernel's parameters, its do_not_specialize names)."""
+    tree = ast.parse((OVERLAY / path).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == kernel:
+            params = [a.arg for a in node.args.args]
+            names: list[str] = []
+            for dec in node.decorator_list:
+                if isinstance(dec, ast.Call) and ast.unparse(dec.func) == "triton.jit":
+                    for kw in dec.keywords:
+                        if kw.arg == "do_not_specialize":
+                            names = list(ast.literal_eval(kw.value))
+            return params, names
+    raise AssertionError(f"{kernel} not found in {path}")
+
+
+@pytest.mark.parametrize("path, kernel", list(PER_BATCH))
+def test_per_batch_counts_are_not_specialised(path, kernel):
+    params, names = unspecialised(path, kernel)
+    wanted = PER_BATCH[(path, kernel)]
+    assert set(wanted) <= set(params), f"{kernel} has no {set(wanted) - set(params)}"
+    assert set(wanted) <= set(names), f"{kernel} specialises on {wanted}: {names}"
+    assert set(names) <= set(params), f"{kernel}: unknown {set(names) - set(params)}"
