@@ -270,6 +270,60 @@ def test_profile_rows_are_not_compared(tmp_path):
     assert "identical_to_nospec" not in row
 
 
+def test_kernel_compiles_are_matched_to_the_timed_decodes():
+    """The engine log's JIT monitor lines (an earlier window, the warm-up
+    between two concurrencies, two inside the second one) against each
+    row's timed interval."""
+    log_lines = [
+        "(EngineCore pid=1) INFO 12-04 00:56:09 [core.py:340] init engine",
+        "(EngineCore pid=1) WARNING 12-04 00:56:10 [jit_monitor.py:135] Triton "
+        "kernel JIT compilation during inference: _prepare_dflash_inputs_kernel. "
+        "This causes a latency spike; consider extending warmup",
+        "(EngineCore pid=1) WARNING 12-04 00:56:25 [jit_monitor.py:135] Triton "
+        "kernel JIT compilation during inference: kernel_unified_attention "
+        "(constexprs={...}). This causes a latency spike",
+        "(EngineCore pid=1) WARNING 12-04 00:56:28 [jit_monitor.py:135] Triton "
+        "kernel JIT compilation during inference: _tree_attention_kernel. This",
+        "(EngineCore pid=1) WARNING 12-04 00:56:31 [jit_monitor.py:135] Triton "
+        "kernel JIT compilation during inference: _vocab_stats_kernel. This",
+    ]
+    rows = [
+        dict(concurrency=8, timed_from="12-04 00:56:20", timed_to="12-04 00:56:24"),
+        dict(concurrency=16, timed_from="12-04 00:56:26", timed_to="12-04 00:56:31"),
+        dict(concurrency=16, profile={}),
+    ]
+    run_pairs.jit_compiles_in(log_lines, rows)
+    assert rows[0]["jit_compiles"] == []
+    assert rows[1]["jit_compiles"] == ["_tree_attention_kernel", "_vocab_stats_kernel"]
+    assert "jit_compiles" not in rows[2]
+
+
+def test_policy_table_flags_kernel_compiles_while_timed():
+    import run_policy
+
+    def row(method, tok_s, compiles):
+        return dict(
+            pair="dense-8b",
+            dtype="bfloat16",
+            temperature=0.0,
+            method=method,
+            concurrency=16,
+            tok_s=tok_s,
+            jit_compiles=compiles,
+        )
+
+    rows = [
+        row("nospec", 100.0, []),
+        row("chain", 150.0, []),
+        row("ddtree_measured", 140.0, ["_tree_attention_kernel"]),
+    ]
+    (table,) = run_policy.tabulate(rows, ["measured"])
+    assert table["jit_compiles_while_timed"] == {"ddtree": ["_tree_attention_kernel"]}
+    rows[2]["jit_compiles"] = []
+    (table,) = run_policy.tabulate(rows, ["measured"])
+    assert "jit_compiles_while_timed" not in table
+
+
 class _Params:
     def __init__(self, max_tokens=256):
         self.max_tokens = max_tokens

@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -301,6 +302,9 @@ def run_engine(a) -> None:
         disable_log_stats=False,
         max_num_seqs=max(a.conc + sampled_conc(a)),
         enable_prefix_caching=False,
+        # Every kernel compile after warm-up logged with its specialisation,
+        # not only each kernel's first (`jit_compiles_in`).
+        jit_monitor_verbose=True,
     )
     if not small:
         kw.update(
@@ -450,6 +454,9 @@ def run_engine(a) -> None:
             startup_s=round(startup, 1),
             max_concurrency=max_concurrency,
             max_running=running.max_running,
+            # The timed decode, in the engine log's clock (`jit_compiles_in`).
+            timed_from=time.strftime(LOG_TIME, time.localtime(t)),
+            timed_to=time.strftime(LOG_TIME, time.localtime(t + dt)),
         )
         if drafter_id is not None:
             row["drafter_id"] = drafter_id
@@ -476,6 +483,25 @@ def run_engine(a) -> None:
 
 
 # ---------------------------------------------------------------- orchestration
+
+
+# vLLM's log timestamps (local time, whole seconds).
+LOG_TIME = "%m-%d %H:%M:%S"
+JIT_COMPILE = re.compile(
+    r"(\d\d-\d\d \d\d:\d\d:\d\d).*JIT compilation during inference: (\w+)"
+)
+
+
+def jit_compiles_in(log_lines, rows: list[dict]) -> None:
+    """Each timed row's kernel compiles (vLLM's JIT monitor, after warm-up)
+    logged while it decoded, from its engine's log: ``jit_compiles``, the
+    kernel names (empty: none). A compile stalls the engine for a fraction of
+    a second to seconds, which a short timed window does not absorb."""
+    compiles = [m.groups() for m in map(JIT_COMPILE.search, log_lines) if m]
+    for r in rows:
+        lo, hi = r.get("timed_from"), r.get("timed_to")
+        if lo is not None and hi is not None:
+            r["jit_compiles"] = [name for at, name in compiles if lo <= at <= hi]
 
 
 def compare(
@@ -735,11 +761,20 @@ def main() -> None:
             f"({time.time() - t_all:.0f} s so far)"
         )
         t = time.time()
+        engine_log = os.path.join(a.workdir, f"engine_{pair}_{dtype}_{method}.log")
         new, rc, _ = run_engine_process(
             engine_command(a, pair, dtype, method, conc),
             a.engine_timeout,
-            stdout_path=os.path.join(a.workdir, f"engine_{pair}_{dtype}_{method}.log"),
+            stdout_path=engine_log,
         )
+        with open(engine_log) as f:
+            jit_compiles_in(f, new)
+        for r in new:
+            if r.get("jit_compiles"):
+                log(
+                    f"{pair} {dtype} {method} c={r['concurrency']}: kernel compiles "
+                    f"while timed: {', '.join(r['jit_compiles'])}"
+                )
         if rc != 0:
             log(
                 f"engine {pair} {dtype} {method} ended with {rc} "

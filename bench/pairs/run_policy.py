@@ -89,6 +89,15 @@ def tabulate(
         for key in ("max_concurrency", "max_running"):
             if chain and chain.get(key) is not None:
                 row[f"chain_{key}"] = chain[key]
+        # Kernel compiles logged while a method's decode was timed: its
+        # figure there carries a stall.
+        compiles = {
+            name: r["jit_compiles"]
+            for name, r in (("ddtree", tree), ("nospec", nospec), ("chain", chain))
+            if r and r.get("jit_compiles")
+        }
+        if compiles:
+            row["jit_compiles_while_timed"] = compiles
         out.append(row)
     return out
 
@@ -212,6 +221,11 @@ def main() -> None:
             f"{r['chain_tok_s']}, DDTree {r['ddtree_tok_s']} (budget "
             f"{r['budget_chosen']}, tau {r['tau']}); over the best "
             f"{r['ddtree_over_best']}"
+            + (
+                f" (kernel compiles while timed: {r['jit_compiles_while_timed']})"
+                if "jit_compiles_while_timed" in r
+                else ""
+            )
         )
     if a.plot and table:
         plot(table, a.plot)
