@@ -392,6 +392,12 @@ def test_cycled_prompts_repeat_the_list():
         [i % 5] for i in range(16)
     ]
     assert run_pairs.prompts_for(1, prompts, 3, cycle=True) == prompts[:3]
+    # 8 per client: twice the prompts, cycled; c = 1 still takes c1.
+    eight = run_pairs.prompts_for(4, prompts, 3, cycle=True, per_client=8)
+    assert len(eight) == 32 and eight[: len(prompts)] == prompts
+    assert (
+        run_pairs.prompts_for(1, prompts, 3, cycle=True, per_client=8) == (prompts[:3])
+    )
 
 
 def test_committed_policy_table_has_the_rows_the_policy_is_judged_by():

@@ -69,12 +69,16 @@ def sampled_conc(a) -> list[int]:
 
 
 def prompts_for(
-    conc: int, prompts: list[list[int]], c1: int, cycle: bool = False
+    conc: int,
+    prompts: list[list[int]],
+    c1: int,
+    cycle: bool = False,
+    per_client: int = 4,
 ) -> list[list[int]]:
-    """Concurrency c = 1 decodes ``c1`` prompts one by one; c > 1 decodes 4c
-    prompts: at most all of them, or (``cycle``) the list repeated as often
-    as needed."""
-    n = c1 if conc == 1 else 4 * conc
+    """Concurrency c = 1 decodes ``c1`` prompts one by one; c > 1 decodes
+    ``per_client`` x c prompts: at most all of them, or (``cycle``) the list
+    repeated as often as needed."""
+    n = c1 if conc == 1 else per_client * conc
     if not cycle:
         return prompts[: min(n, len(prompts))]
     return [prompts[i % len(prompts)] for i in range(n)]
@@ -356,7 +360,9 @@ def run_engine(a) -> None:
     plan = [(c, 0.0) for c in a.conc] + [(c, 1.0) for c in sampled]
     for conc, temperature in plan:
         continuous = a.schedule == "continuous"
-        batch = prompts_for(conc, prompts, a.c1_prompts, cycle=continuous)
+        batch = prompts_for(
+            conc, prompts, a.c1_prompts, cycle=continuous, per_client=a.per_client
+        )
         # Sampled: one seed per prompt, so every method draws from the same
         # stream of seeds (outputs still differ: speculation changes which
         # random numbers each token consumes).
@@ -556,6 +562,14 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
         "--prompts", default=None, help="default: <models>/prompts/heldout.jsonl"
     )
     ap.add_argument("--c1-prompts", type=int, default=8)
+    ap.add_argument(
+        "--per-client",
+        type=int,
+        default=4,
+        help="c > 1 decodes this many prompts per client (c of them): the "
+        "continuous schedule's steady window spans about this many request "
+        "lifetimes less one",
+    )
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -632,6 +646,8 @@ def engine_command(
         a.prompts,
         "--c1-prompts",
         str(a.c1_prompts),
+        "--per-client",
+        str(a.per_client),
         "--max-tokens",
         str(a.max_tokens),
         "--max-model-len",
