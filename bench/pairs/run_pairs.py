@@ -398,15 +398,18 @@ def run_engine(a) -> None:
         by_batch0 = (
             ddtree_by_batch_size(llm, conc) if a.method in DDTREE_METHODS else {}
         )
+        what = dict(
+            pair=a.pair,
+            dtype=a.dtype,
+            method=a.method,
+            temperature=temperature,
+            concurrency=conc,
+            prompts=len(batch),
+        )
         if a.profile:
             # Instead of the timed decode: the same decode, profiled.
             row = dict(
-                pair=a.pair,
-                dtype=a.dtype,
-                method=a.method,
-                temperature=temperature,
-                concurrency=conc,
-                prompts=len(batch),
+                what,
                 schedule=a.schedule,
                 profile=profile_continuous(
                     llm, a, [TokensPrompt(prompt_token_ids=p) for p in batch], sps, conc
@@ -442,12 +445,7 @@ def run_engine(a) -> None:
         drafts = drafts1 - drafts0
         steps = drafts / conc if drafts else sum(map(len, toks)) / conc
         row = dict(
-            pair=a.pair,
-            dtype=a.dtype,
-            method=a.method,
-            temperature=temperature,
-            concurrency=conc,
-            prompts=len(batch),
+            what,
             tok_s=round(
                 steady_tokens / steady_s if steady_s else sum(map(len, toks)) / dt,
                 1,

@@ -245,7 +245,7 @@ def run_unified(batch, softcap=0.0, sinks=None):
     return out
 
 
-def run_split(batch, softcap=0.0, sinks=None, prefix_attention=None):
+def run_split(batch, softcap=0.0, sinks=None, prefix_attention=None, causal=False):
     out = torch.full_like(batch["query"], SENTINEL)
     ta.split_tree_attention(
         batch["query"],
@@ -263,6 +263,7 @@ def run_split(batch, softcap=0.0, sinks=None, prefix_attention=None):
         softcap,
         sinks,
         prefix_attention=prefix_attention or paged_prefix_attention,
+        causal=causal,
     )
     return out
 
@@ -663,6 +664,17 @@ def test_backend_decode_step_attends_over_the_whole_sequence(monkeypatch):
     assert_untouched(out, batch)
 
 
+def longer_request_batch(specs, prefix, seed):
+    """A batch of T = 9 with a request longer than the tree, and split
+    metadata whose prefix pass is ``prefix``."""
+    batch = make_batch(9, specs, 8, 2, 64, torch.float32, KERNEL_DEVICE, seed=seed)
+    assert max(batch["query_lens"]) > 9
+    split_meta = ta.SplitTreeAttentionMetadata(
+        prefix_lens=batch["prefix_lens"], prefix_attention=prefix
+    )
+    return batch, split_meta
+
+
 @needs_kernel
 def test_backend_runs_unified_for_a_longer_request():
     """A prefill chunk longer than the tree: the unified kernel (the split's
@@ -671,11 +683,7 @@ def test_backend_runs_unified_for_a_longer_request():
     def prefix(*args, **kwargs):
         raise AssertionError("the split ran for a batch with a prefill chunk")
 
-    batch = make_batch(9, MIXED, 8, 2, 64, torch.float32, KERNEL_DEVICE, seed=4)
-    assert max(batch["query_lens"]) > 9
-    split_meta = ta.SplitTreeAttentionMetadata(
-        prefix_lens=batch["prefix_lens"], prefix_attention=prefix
-    )
+    batch, split_meta = longer_request_batch(MIXED, prefix, seed=4)
     out = backend_forward(batch, split_meta)
     torch.testing.assert_close(out, run_unified(batch), atol=TOL, rtol=TOL)
 
@@ -702,11 +710,7 @@ def test_backend_no_tree_batch_is_causal_over_the_whole_sequence(monkeypatch):
     def no_tree_pass(*args, **kwargs):
         raise AssertionError("the intra-tree pass ran in a step without trees")
 
-    batch = make_batch(9, NO_TREE, 8, 2, 64, torch.float32, KERNEL_DEVICE, seed=8)
-    assert max(batch["query_lens"]) > 9
-    split_meta = ta.SplitTreeAttentionMetadata(
-        prefix_lens=batch["prefix_lens"], prefix_attention=prefix
-    )
+    batch, split_meta = longer_request_batch(NO_TREE, prefix, seed=8)
     split_meta.mark_no_tree()
     monkeypatch.setattr(ta, "tree_attention", no_tree_pass)
     out = backend_forward(batch, split_meta)
@@ -1274,24 +1278,9 @@ def test_gpu_no_tree_batch_is_fa3_causal_over_the_whole_sequence(shape):
     specs = [("prefill", 1500), ("plain", 1), ("prefill", 0), ("short", 4097)]
     specs.append(("pad", 0))
     batch = make_batch(65, specs, *shape, torch.bfloat16, "cuda", seed=5)
-    out = torch.full_like(batch["query"], SENTINEL)
-    ta.fa3_prefix_attention(
-        batch["query"],
-        batch["key_cache"],
-        batch["value_cache"],
-        out,
-        batch["cu_seqlens_q"],
-        max(batch["query_lens"]),
-        batch["seq_lens"],
-        max(batch["kv_lens"]),
-        batch["block_table"],
-        batch["scale"],
-        0.0,
-        None,
-        None,
-        0,
-        causal=True,
-    )
+    # As the backend calls it in such a step: no mask, the whole sequences.
+    whole = {**batch, "tree_mask": None, "prefix_lens": batch["seq_lens"]}
+    out = gpu_split(whole, causal=True)
     unmasked = run_unified({**batch, "tree_mask": None})
     torch.cuda.synchronize()
     torch.testing.assert_close(out, unmasked, atol=2e-2, rtol=2e-2)

@@ -669,12 +669,14 @@ def split_tree_attention(
     prefix_attention: PrefixAttention = fa3_prefix_attention,
     scheduler_metadata: torch.Tensor | None = None,
     num_splits: int = 0,
+    causal: bool = False,
 ) -> None:
     """(a) then (b): the unified kernel's result with the same packed mask
     (``qq_bias``), causal, written into ``out``. ``prefix_lens`` must be
     ``seq_lens - query_lens`` (`SplitTreeAttention.build` keeps it). Without
-    ``tree_mask`` (a plain decode batch, ``prefix_lens`` the whole
-    sequences): (a) alone, the whole attention of one-token queries."""
+    ``tree_mask`` (``prefix_lens`` the whole sequences): (a) alone, the whole
+    attention of a batch without trees: of one-token queries, or of any
+    queries with ``causal``."""
     prefix_lse = prefix_attention(
         query,
         key_cache,
@@ -690,6 +692,7 @@ def split_tree_attention(
         sinks,
         scheduler_metadata,
         num_splits,
+        causal=causal,
     )
     if tree_mask is None:
         return
@@ -779,28 +782,11 @@ class SplitTreeAttentionMetadata:
         softcap: float,
         sinks: torch.Tensor | None,
     ) -> None:
-        if self.no_tree and attn_metadata.max_query_len > 1:
-            # Every key of a query's own request up to its position: no mask.
-            # FA3 schedules itself (the schedule built with the metadata is
-            # the prefix pass's, non-causal, over the prefixes).
-            self.prefix_attention(
-                query,
-                key_cache,
-                value_cache,
-                output,
-                attn_metadata.query_start_loc,
-                attn_metadata.max_query_len,
-                attn_metadata.seq_lens,
-                attn_metadata.max_seq_len,
-                attn_metadata.block_table,
-                softmax_scale,
-                softcap,
-                sinks,
-                None,
-                0,
-                causal=True,
-            )
-            return
+        # A batch without trees and with a longer query than one token: every
+        # key of a query's own request up to its position, no mask. FA3
+        # schedules itself (the schedule built with the metadata is the
+        # prefix pass's, non-causal, over the prefixes).
+        causal = self.no_tree and attn_metadata.max_query_len > 1
         split_tree_attention(
             query,
             key_cache,
@@ -809,16 +795,17 @@ class SplitTreeAttentionMetadata:
             attn_metadata.query_start_loc,
             attn_metadata.max_query_len,
             attn_metadata.seq_lens,
-            self.prefix_lens,
+            attn_metadata.seq_lens if causal else self.prefix_lens,
             attn_metadata.max_seq_len,
             attn_metadata.block_table,
-            None if self.whole_sequence else attn_metadata.tree_attn_bias,
+            None if self.whole_sequence or causal else attn_metadata.tree_attn_bias,
             softmax_scale,
             softcap,
             sinks,
             self.prefix_attention,
-            self.scheduler_metadata,
-            self.num_splits,
+            None if causal else self.scheduler_metadata,
+            0 if causal else self.num_splits,
+            causal=causal,
         )
 
 
