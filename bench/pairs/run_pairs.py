@@ -226,8 +226,8 @@ def spec_counters(llm) -> tuple[float, float]:
 
 
 class _CountedSteps:
-    """An engine whose ``step()`` calls are counted, with the requests that
-    joined (``add_request``) since the previous step."""
+    """An engine whose ``step()`` calls are counted, and the requests that
+    joined it (``add_request``), both from the start."""
 
     def __init__(self, engine):
         self.engine = engine

@@ -711,7 +711,7 @@ def test_backend_no_tree_batch_is_causal_over_the_whole_sequence(monkeypatch):
         raise AssertionError("the intra-tree pass ran in a step without trees")
 
     batch, split_meta = longer_request_batch(NO_TREE, prefix, seed=8)
-    split_meta.mark_no_tree()
+    split_meta.no_tree = True
     monkeypatch.setattr(ta, "tree_attention", no_tree_pass)
     out = backend_forward(batch, split_meta)
     assert len(calls) == 1  # the split ran (the unified kernel did not)

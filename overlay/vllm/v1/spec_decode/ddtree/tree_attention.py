@@ -736,7 +736,7 @@ class SplitTreeAttentionMetadata:
     # No request of the step verifies a tree (prefill chunks and one-token
     # decodes only: the step after a preemption, a new request's prefill in
     # a batch the measured budget policy runs without speculation). Set by
-    # the verifier once the step's drafts are known (`mark_no_tree`), after
+    # the verifier once the step's drafts are known (`prepare_verify`), after
     # the metadata is built. Such a batch with a request longer than ``T``
     # (a prefill chunk) runs FA3, causal, over each whole sequence, as the
     # FLASH_ATTN backend runs it without speculation, instead of the unified
@@ -744,9 +744,6 @@ class SplitTreeAttentionMetadata:
     # captured (captures run no verifier, so never this route), and such a
     # batch is a mixed one, which full decode graphs do not take.
     no_tree: bool = False
-
-    def mark_no_tree(self) -> None:
-        self.no_tree = True
 
     def applies(self, attn_metadata: Any, output_scale: torch.Tensor | None) -> bool:
         """Host-side rule: a tree mask is attached and no request has more

@@ -365,7 +365,7 @@ class DDTreeVerifier:
             # the split attention may run a prefill chunk on FA3 causal.
             self.attn_bias[:num_reqs].zero_()
             for tree_split in self._tree_splits:
-                tree_split.mark_no_tree()
+                tree_split.no_tree = True
             return
         logits_indices = input_batch.logits_indices
         num_logits = logits_indices.shape[0]
