@@ -215,16 +215,28 @@ def divergence_gap(
     text: str, ref_text: str, ref_tokens: list[str], ref_gaps: list[float]
 ) -> float | None:
     """The reference's top-1 minus top-2 logprob at the token where ``text``
-    first differs from ``ref_text`` (None when that token is unknown)."""
+    first differs from ``ref_text`` (None when that token is unknown).
+
+    When the first differing character starts a reference token, the outputs
+    may have parted one token earlier: ours may have taken a longer or shorter
+    token there that spells the same characters up to this point (the
+    reference's ``"(t"`` + ``")"`` against our ``"(typ"``). Our split is not
+    known, so the smaller gap of the two tokens is the one that counts.
+    """
     i = next(
         (k for k, (a, b) in enumerate(zip(text, ref_text)) if a != b),
         min(len(text), len(ref_text)),
     )
     pos = 0
+    prev_gap = None
     for tok, gap in zip(ref_tokens, ref_gaps):
+        start = pos
         pos += len(tok)
         if pos > i:
+            if start == i and prev_gap is not None:
+                return min(gap, prev_gap)
             return gap
+        prev_gap = gap
     return None
 
 

@@ -64,7 +64,11 @@ when one fails; a criterion without its input is skipped and says so):
 - greedy_reference: every compared output equals the reference's; with
   ``--float32`` a divergence at a token where the reference's top-2
   logprobs are within ``--tie-tolerance`` is a near-tie (reported, not a
-  failure); mismatches are reported with their first differing position;
+  failure); mismatches are reported with their first differing position
+  and the request's sampling parameters. Greedy requests with penalties
+  part at ties of the penalized logits, so start the reference with
+  ``--logprobs-mode processed_logprobs`` (its logprobs then come after the
+  penalties; with the default raw logprobs such a tie looks like a wide gap);
 - metrics: per server lifetime, every counter and histogram series is
   monotone between scrapes, and over the run (with DDTree) drafts moved,
   accepted <= draft tokens, draft tokens between drafts and drafts x
@@ -142,6 +146,10 @@ WAITING = "vllm:num_requests_waiting"
 # inside an injected-fault window.
 CLEAN = {"load": {"completed", "aborted"}, "refuse": {"refused"}, "bad": {"rejected"}}
 FAULT_ONLY = {"server_error", "connection_error"}
+# A 200 with fewer choices than asked: what vLLM's API server answers for a
+# request its shutdown aborted before every choice had output. Inside a
+# restart's window it is the fault's doing; anywhere else it fails.
+FAULT_ONLY_KINDS = {"missing_choices"}
 
 
 def log(msg: str) -> None:
@@ -412,6 +420,12 @@ def bad_cases(ctx: Context) -> list[tuple[str, str, dict | bytes, str]]:
             {**base, "temperature": -1.0, "stream": True},
             j,
         ),
+        (
+            "stream_prompt_logprobs",
+            "completion",
+            {**base, "prompt_logprobs": 1, "stream": True},
+            j,
+        ),
     ]
 
 
@@ -531,8 +545,10 @@ def make_plan(i: int, seed: int, ctx: Context, a: argparse.Namespace) -> Plan:
             body.update(logprobs=True, top_logprobs=k)
         else:
             body["logprobs"] = k
-    if not long_prompt and rng.random() < 0.1:
-        # Not on the long prompts: a full-vocabulary row per prompt token.
+    if not long_prompt and rng.random() < 0.1 and not stream:
+        # Not on the long prompts (a full-vocabulary row per prompt token),
+        # and not streamed: vLLM refuses prompt logprobs with stream=True
+        # (a bad input of its own below).
         body["prompt_logprobs"] = rng.randint(0, 3)
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
@@ -1464,6 +1480,11 @@ class Soak:
                 "first_diff_char": char,
                 "first_diff_token": token_index(ref_tokens, char or 0),
                 "ref_top2_gap": gap,
+                "sampling": {
+                    k: v
+                    for k, v in plan.body.items()
+                    if k not in ("model", "prompt", "messages", "stream_options")
+                },
                 "ours": text[max(0, (char or 0) - 20) : (char or 0) + 20],
                 "ref": ref_text[max(0, (char or 0) - 20) : (char or 0) + 20],
             }
@@ -1590,7 +1611,8 @@ class Soak:
         def failing(o: Outcome) -> bool:
             if o.status in CLEAN[o.category]:
                 return False
-            return not (o.status in FAULT_ONLY and o.in_fault)
+            cut = o.status in FAULT_ONLY or o.error_kind in FAULT_ONLY_KINDS
+            return not (cut and o.in_fault)
 
         for cat, name in (
             ("load", "requests"),
@@ -1727,6 +1749,13 @@ class Soak:
                 "by_kind": {k: dict(v) for k, v in sorted(by_cat.items())},
                 "errors_by_kind": dict(errors),
                 "in_fault_window": sum(o.in_fault for o in outs),
+                "in_fault_window_by_outcome": dict(
+                    Counter(
+                        f"{o.status}:{o.error_kind}" if o.error_kind else o.status
+                        for o in outs
+                        if o.in_fault
+                    )
+                ),
                 "failing": failing_rows[:50],
                 "n_failing": len(failing_rows),
             },
@@ -1916,7 +1945,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--reference-url",
         default=None,
-        help="a no-spec server of the same model (loopback)",
+        help="a no-spec server of the same model (loopback), started with "
+        "--logprobs-mode processed_logprobs",
     )
     g.add_argument("--reference-concurrency", type=int, default=32)
     g.add_argument("--reference-max-s", type=float, default=1200.0)

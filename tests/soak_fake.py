@@ -48,6 +48,9 @@ class FakeConfig:
     validate: bool = True  # False: answers bad input with 200
     refuse: bool = True  # False: serves structured outputs and bad_words
     fail_at: set[int] = field(default_factory=set)  # generation ordinals -> 500
+    # Ordinals answered 200 without choices (vLLM's answer for a request its
+    # shutdown aborted): a bad response outside a restart's window.
+    no_choices_at: set[int] = field(default_factory=set)
     hang_at: set[int] = field(default_factory=set)  # ordinals that never answer
     hang_s: float = 60.0
     leak_kib: int = 0  # kept per generation request (RSS growth)
@@ -262,6 +265,10 @@ def parse_request(cfg: FakeConfig, chat: bool, body: dict) -> dict:
         (repetition <= 0, "repetition_penalty must be greater than zero"),
         (n < 1, f"n must be at least 1, got {n}."),
         (temperature == 0 and n > 1, "n must be 1 when using greedy sampling"),
+        (
+            prompt_logprobs is not None and body.get("stream") is True,
+            "`prompt_logprobs` are not available when `stream=True`.",
+        ),
         (
             logprobs is not None and logprobs > 20,
             "Requested sample logprobs of more than 20",
@@ -510,6 +517,9 @@ class Handler(BaseHTTPRequestHandler):
             return
         if k in cfg.fail_at:
             self._error(500, "Internal server error")
+            return
+        if k in cfg.no_choices_at and not stream:
+            self._send(200, {"id": "cmpl-fake", "choices": [], "usage": {}})
             return
         outs = [generate(cfg, req, i) for i in range(req["n"])]
         for _, _, g in outs:

@@ -153,6 +153,7 @@ def _ctx(max_model_len: int = 256) -> soak.Context:
 def test_server_errors_non_greedy_rss_metrics_and_nothing_refused_fail(tmp_path):
     cfg = FakeConfig(
         fail_at={5, 9},  # two 500s
+        no_choices_at=set(range(10, 40)),  # 200s without choices (the plain ones)
         perturb_greedy=True,  # greedy outputs differ at their 4th character
         leak_kib=512,  # RSS grows by about 150 MiB
         metrics_inconsistent=True,  # emitted tokens != accepted + drafts
@@ -169,6 +170,8 @@ def test_server_errors_non_greedy_rss_metrics_and_nothing_refused_fail(tmp_path)
     }, r["criteria"]
     assert r["requests"]["by_outcome"]["server_error"] == 2
     assert r["requests"]["errors_by_kind"]["http_500"] == 2
+    # No restart here, so a 200 without its choices is a failure.
+    assert r["requests"]["errors_by_kind"]["missing_choices"] > 0
     assert r["requests"]["by_outcome"]["not_refused"] > 0
     g = r["greedy_reference"]
     assert g["mismatches"] and not g["near_ties"]
@@ -303,6 +306,8 @@ def test_plans_mix_every_kind_and_depend_on_seed_and_index_only():
     assert any(p.abort_s == 0.0 for p in load) and any(p.abort_chunks for p in load)
     assert any(b.get("n", 1) > 1 for b in bodies)
     assert all(b.get("n", 1) == 1 for p, b in zip(load, bodies) if p.greedy)
+    # vLLM refuses prompt logprobs on a stream: only the bad input sends both.
+    assert not any(b.get("stream") and "prompt_logprobs" in b for b in bodies)
     for key in (
         "top_p",
         "top_k",

@@ -333,6 +333,20 @@ def test_divergence_gap_maps_characters_to_tokens():
     assert serve_load.divergence_gap("abcd", "abcde", tokens, gaps) == 0.125
 
 
+def test_divergence_at_a_token_boundary_counts_the_token_before_it():
+    # The reference wrote "(t" + "):"; ours "(typ...": the same characters up
+    # to "(t", but ours may have parted at the token "(t" itself (a near-tie
+    # there), so the boundary's two gaps count and the smaller one decides.
+    tokens, gaps = ["x", "(t", "):"], [3.0, 0.001, 1.5]
+    assert serve_load.divergence_gap("x(typ, s)", "x(t):", tokens, gaps) == 0.001
+    # Inside a token, only that token's gap counts.
+    assert serve_load.divergence_gap("x(z", "x(t):", tokens, gaps) == 0.001
+    tokens, gaps = ["x", "(t", "):"], [3.0, 2.0, 1.5]
+    assert serve_load.divergence_gap("x(t)!", "x(t):", tokens, gaps) == 1.5
+    # At the first token there is no token before it.
+    assert serve_load.divergence_gap("y", "x(t):", tokens, gaps) == 3.0
+
+
 def test_errors_and_timeouts_are_failures():
     fake = FakeServer()
     fake.stall = 5.0  # longer than the per-request timeout
