@@ -29,9 +29,7 @@ PER_BATCH = {
 }
 
 
-def unspecialised(
-    path: str | pathlib.Path, kernel: str
-) -> tuple[list[str], list[str]]:
+def unspecialised(path: str | pathlib.Path, kernel: str) -> tuple[list[str], list[str]]:
     """(the kernel's parameters, its do_not_specialize names); ``path`` is
     relative to the overlay's ``vllm/`` or absolute."""
     tree = ast.parse((OVERLAY / path).read_text())
