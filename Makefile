@@ -20,7 +20,12 @@ PYTEST_ARGS ?=
 # to cover more). bench's scripts are listed by wildcard: `apply_patches.py lint`
 # takes paths only, and an exclude in ruff.toml would not be upstream's setting.
 LINT_PATHS ?= overlay tests apply_patches.py $(wildcard bench/*.py) $(wildcard bench/pairs/*.py)
+# One directory of rebase reports per line (the default line's at the top).
+ifeq ($(LINE),)
 REPORT_DIR ?= docs/rebase
+else
+REPORT_DIR ?= docs/rebase/from-$(LINE)
+endif
 
 # Python requirements. Every target runs apply_patches.py, which needs
 # requirements-build.txt; `test` also needs requirements-dev.txt. Each file is
@@ -129,8 +134,9 @@ line-check: $(TEST_DEPS)
 	$(TOOL) export --src $(SRC) --dry-run
 	$(MAKE) --no-print-directory lint LINE=$(LINE)
 
-# Scheduled CI: would the stack move to vLLM $(VERSION)? Dry run; writes
-# $(REPORT_DIR)/$(VERSION).md and .json; fails when a patch conflicts.
+# Scheduled CI (.ci/rebase-check): would the stack move to vLLM $(VERSION)
+# (`latest`: the newest final release on PyPI)? Dry run; writes
+# $(REPORT_DIR)/<version>.md and .json; fails when a patch conflicts.
 rebase-check:
 	@if [ "$(origin VERSION)" = file ]; then \
 	  echo "usage: make rebase-check VERSION=<vLLM release, e.g. 0.27.0>" >&2; exit 2; fi

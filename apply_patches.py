@@ -218,6 +218,26 @@ def pypi_index(project: str) -> dict[str, dict]:
     }
 
 
+def newest_release(project: str = "vllm") -> str:
+    """The newest final release of ``project`` on PyPI: the highest version
+    among its sdists that is not yanked and is digits and dots only (no
+    pre-, post- or dev-release)."""
+    best: tuple[tuple[int, ...], str] | None = None
+    pattern = re.compile(rf"{re.escape(project)}-(\d+(?:\.\d+)*)\.tar\.gz")
+    for name, entry in pypi_index(project).items():
+        m = pattern.fullmatch(name)
+        if m is None or entry["yanked"]:
+            continue
+        key = tuple(int(x) for x in m.group(1).split("."))
+        if best is None or key > best[0]:
+            best = (key, m.group(1))
+    if best is None:
+        raise DDTreeError(
+            f"no final release of {project} on {PYPI_SIMPLE.format(project=project)}"
+        )
+    return best[1]
+
+
 def resolve_url(filename: str) -> str:
     """Find a file's URL through PyPI's JSON simple API."""
     project = filename.split("-", 1)[0]
@@ -1717,6 +1737,12 @@ def write_release(
 def cmd_rebase(args: argparse.Namespace) -> int:
     lock = Lock.load(args.lock)
     _ = lock.version  # validates the version fields
+    if args.onto == "latest":
+        args.onto = newest_release("vllm")
+        log(f"rebase: the newest vLLM release on PyPI is {args.onto}")
+        if args.onto == lock.upstream["version"]:
+            log(f"rebase: the stack is pinned to {args.onto} already; nothing to do")
+            return 0
     report = rebase(
         lock,
         args.patches,
@@ -2189,7 +2215,11 @@ def main(argv: list[str] | None = None) -> int:
         "rebase", help="replay the stack onto another vLLM release; report"
     )
     p.add_argument(
-        "--onto", required=True, metavar="VERSION", help="vLLM release, e.g. 0.27.0"
+        "--onto",
+        required=True,
+        metavar="VERSION",
+        help="vLLM release, e.g. 0.27.0, or `latest` (the newest final release "
+        "on PyPI)",
     )
     p.add_argument("--report-dir", type=Path, default=DEFAULT_REPORTS)
     p.add_argument(

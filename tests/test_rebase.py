@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -466,6 +467,52 @@ def test_unknown_release(
     assert err.count("\n") == 1 and "vllm-9.9.9.tar.gz is not on" in err
 
 
+def test_newest_release_is_the_highest_final_sdist(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    files = {
+        "vllm-0.9.0.tar.gz": False,  # 0.9 < 0.33: versions compare as numbers
+        "vllm-0.33.0.tar.gz": False,
+        "vllm-0.33.1.tar.gz": True,  # yanked
+        "vllm-0.34.0rc1.tar.gz": False,  # a pre-release
+        "vllm-0.34.0.dev3.tar.gz": False,
+        "vllm-0.35.0-cp38-abi3-manylinux_2_28_x86_64.whl": False,  # no sdist
+    }
+    index = {n: {"url": n, "sha256": "", "yanked": y} for n, y in files.items()}
+    monkeypatch.setattr(apply_patches, "pypi_index", lambda project: index)
+    assert apply_patches.newest_release("vllm") == "0.33.0"
+    monkeypatch.setattr(apply_patches, "pypi_index", lambda project: {})
+    with pytest.raises(apply_patches.DDTreeError, match="no final release"):
+        apply_patches.newest_release("vllm")
+
+
+def test_onto_latest_rebases_onto_the_newest_release(
+    stack: tuple[Path, Path],
+    fake: FakeUpstream,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lock, patches = stack
+    argv = ["--lock", str(lock), "--patches", str(patches), "rebase"]
+    argv += ["--onto", "latest", "--report-dir", str(tmp_path / "r")]
+    # The fake index has OLD (pinned) and NEW: the report is NEW's (one patch
+    # of the fake stack conflicts, hence 1).
+    assert apply_patches.main(argv) == 1
+    assert (
+        json.loads((tmp_path / "r" / f"{NEW}.json").read_text())["to"]["version"] == NEW
+    )
+    # Pinned to the newest already: nothing to do, no report.
+    full = fake.index
+    monkeypatch.setattr(
+        apply_patches,
+        "pypi_index",
+        lambda project: {k: v for k, v in full(project).items() if NEW not in k},
+    )
+    argv[-1] = str(tmp_path / "r2")
+    assert apply_patches.main(argv) == 0
+    assert not (tmp_path / "r2").exists()
+
+
 def test_cli_help_lists_rebase() -> None:
     r = subprocess.run(
         [sys.executable, str(REPO_ROOT / "apply_patches.py"), "rebase", "-h"],
@@ -492,6 +539,19 @@ def test_make_rebase_check_needs_version() -> None:
     )
     assert r.returncode == 0
     assert "apply_patches.py rebase --onto 0.27.0 --report-dir docs/rebase" in r.stdout
+    # Another line's reports go to a directory of their own.
+    r = subprocess.run(
+        ["make", "-n", "rebase-check", "VERSION=latest", "LINE=0.33.0"]
+        + [f"PYTHON={sys.executable}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0
+    assert (
+        "--line 0.33.0 rebase --onto latest --report-dir docs/rebase/from-0.33.0"
+        in r.stdout
+    )
 
 
 def test_conflict_when_upstream_deleted_the_file(tmp_path: Path) -> None:
@@ -538,3 +598,31 @@ def test_release_line_names_the_hand_resolved_stack() -> None:
             set(series) - set(line_series)
         )
     assert apply_patches.release_line("0.0.1", series) is None
+
+
+def test_scheduled_rebase_check_tries_every_line(tmp_path: Path) -> None:
+    # .ci/rebase-check with a stand-in `make` that records its arguments and
+    # fails for the default line: every line is still tried, and the exit
+    # status says that one failed.
+    calls = tmp_path / "calls"
+    fake_make = tmp_path / "bin" / "make"
+    fake_make.parent.mkdir()
+    fake_make.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {calls}\n'
+        'case "$*" in *LINE=*) exit 0;; *) exit 1;; esac\n'
+    )
+    fake_make.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake_make.parent}:{os.environ['PATH']}"}
+    r = subprocess.run(
+        [str(REPO_ROOT / ".ci" / "rebase-check")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1
+    lines = sorted(p.parent.name for p in (REPO_ROOT / "lines").glob("*/upstream.lock"))
+    made = calls.read_text().splitlines()
+    assert len(made) == 1 + len(lines) and lines
+    assert all("rebase-check VERSION=latest" in m for m in made)
+    assert [m.split("LINE=")[1].split()[0] for m in made[1:]] == lines
