@@ -987,7 +987,8 @@ def check_metrics(
 ) -> dict:
     """Consistency of the /metrics scrapes, per server lifetime (epoch).
     ``client_tokens[epoch]``: completion tokens the clients were sent by
-    requests that started after that epoch's first scrape. ``tree_budget``:
+    requests that started after that epoch's first scrape and ended before
+    its last. ``tree_budget``:
     the configured one, the most nodes a step may verify per request (the
     budget gauge shows only the last step's)."""
     problems: list[str] = []
@@ -1693,17 +1694,22 @@ class Soak:
             per_gpu, f"skipped: {self.gpu_reason or 'no sample'}"
         )
 
+        # Per server lifetime: the requests that started after its first
+        # scrape and ended before its last one, so that the counters read
+        # cover them whole.
         client_tokens: dict[int, int] = defaultdict(int)
-        last_epoch = max(self.epoch_start)
-        t_first = next((t for t, e, _ in self.scrapes if e == last_epoch), math.inf)
+        span: dict[int, list[float]] = {}
+        for t, e, _ in self.scrapes:
+            span.setdefault(e, [t, t])[1] = t
         for o in outs:
+            t_first, t_last = span.get(o.epoch, (math.inf, -math.inf))
             if (
                 o.status == "completed"
-                and o.epoch == last_epoch
-                and o.t_start >= t_first
+                and t_first <= o.t_start
+                and o.t_end <= t_last
                 and o.completion_tokens
             ):
-                client_tokens[last_epoch] += o.completion_tokens
+                client_tokens[o.epoch] += o.completion_tokens
         metrics = check_metrics(
             self.scrapes, self.types, a.expect_ddtree, client_tokens, a.tree_budget
         )

@@ -272,6 +272,11 @@ def test_launched_server_restarted_mid_run(tmp_path):
     # Two server lifetimes, each consistent on its own (counters restart at 0).
     assert [e["epoch"] for e in r["metrics"]["epochs"]] == [0, 1]
     assert all(e["drafts"] > 0 for e in r["metrics"]["epochs"])
+    # Both lifetimes' counters are checked against what the clients received.
+    assert all(
+        e["generation_tokens"] >= e["client_completion_tokens"] > 0
+        for e in r["metrics"]["epochs"]
+    )
     # Errors, if any, came from the requests cut by the restart.
     by = r["requests"]["by_outcome"]
     cut = by.get("connection_error", 0) + by.get("server_error", 0)
