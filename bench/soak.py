@@ -988,9 +988,8 @@ def check_metrics(
     """Consistency of the /metrics scrapes, per server lifetime (epoch).
     ``client_tokens[epoch]``: completion tokens the clients were sent by
     requests that started after that epoch's first scrape and ended before
-    its last. ``tree_budget``:
-    the configured one, the most nodes a step may verify per request (the
-    budget gauge shows only the last step's)."""
+    its last. ``tree_budget``: the configured one, the most nodes a step may
+    verify per request (the budget gauge shows only the last step's)."""
     problems: list[str] = []
     epochs: dict[int, list] = defaultdict(list)
     for t, e, s in scrapes:
