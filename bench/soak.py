@@ -32,8 +32,10 @@ Phases, each bounded in time:
    streaming request gets it as the stream's first event (``{"error": {...,
    "code": 400}}``: vLLM has sent its 200 by the time the engine refuses).
    Meanwhile ``/health`` is polled every ``--health-interval`` seconds,
-   ``/metrics`` scraped every ``--metrics-interval``, GPU memory
-   (``nvidia-smi --query-gpu=index,memory.used``) and the server's RSS (the
+   ``/metrics`` scraped every ``--metrics-interval``, the GPU memory of the
+   server's processes (``nvidia-smi --query-compute-apps``; each GPU's total
+   with ``--gpu-memory device`` or where nvidia-smi does not list them, as
+   in another PID namespace) and the server's RSS (the
    launched process or ``--server-pid``, with all its descendants: the API
    server and its engine-core processes) sampled every ``--memory-interval``;
    with ``--launch`` and ``--restart-at`` the server is stopped and started
@@ -761,9 +763,9 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
 
 
 # ----------------------------------------------------------------- server
-def process_tree_rss_mib(pid: int) -> float | None:
-    """RSS of ``pid`` and all its descendants (vLLM's API server and engine
-    cores), MiB; None when ``pid`` is gone or /proc is not there."""
+def process_tree_pids(pid: int) -> set[int] | None:
+    """``pid`` and all its descendants (vLLM's API server and engine cores);
+    None when ``pid`` is gone or /proc is not there."""
     children: dict[int, list[int]] = defaultdict(list)
     try:
         names = os.listdir("/proc")
@@ -778,12 +780,25 @@ def process_tree_rss_mib(pid: int) -> float | None:
         except (OSError, IndexError, ValueError):
             continue
         children[ppid].append(int(name))
-    total, seen, todo = 0.0, set(), [pid]
+    if not os.path.exists(f"/proc/{pid}"):
+        return None
+    seen, todo = set(), [pid]
     while todo:
         p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
+        if p not in seen:
+            seen.add(p)
+            todo.extend(children.get(p, ()))
+    return seen
+
+
+def process_tree_rss_mib(pid: int) -> float | None:
+    """RSS of ``pid`` and all its descendants, MiB; None when ``pid`` is gone
+    or /proc is not there."""
+    pids = process_tree_pids(pid)
+    if pids is None:
+        return None
+    total = 0.0
+    for p in pids:
         try:
             with open(f"/proc/{p}/status") as f:
                 for line in f:
@@ -793,8 +808,6 @@ def process_tree_rss_mib(pid: int) -> float | None:
         except OSError:
             if p == pid:
                 return None
-            continue
-        todo.extend(children.get(p, ()))
     return total
 
 
@@ -818,6 +831,39 @@ def gpu_memory_mib(cmd: str, gpus: str | None) -> tuple[dict[str, float] | None,
             with contextlib.suppress(ValueError):
                 out[parts[0]] = float(parts[1])
     return (out, "") if out else (None, f"{cmd} printed no memory.used")
+
+
+def server_gpu_memory_mib(
+    cmd: str, gpus: str | None, pids: set[int]
+) -> tuple[float | None, str]:
+    """GPU memory held by the processes in ``pids`` (all GPUs), from
+    nvidia-smi's compute-apps list; None and why when it lists none of them
+    (e.g. nvidia-smi in another PID namespace)."""
+    argv = [
+        cmd,
+        "--query-compute-apps=pid,used_memory",
+        "--format=csv,noheader,nounits",
+    ]
+    if gpus:
+        argv += ["-i", gpus]
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=15)
+    except FileNotFoundError:
+        return None, f"{cmd} not found"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"{cmd}: {type(e).__name__}"
+    if p.returncode != 0:
+        return None, f"{cmd} exited {p.returncode}: {p.stderr.strip()[:200]}"
+    total, found = 0.0, False
+    for line in p.stdout.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in pids:
+            with contextlib.suppress(ValueError):
+                total += float(parts[1])
+                found = True
+    if not found:
+        return None, f"{cmd} lists no process of the server"
+    return total, ""
 
 
 class LaunchedServer:
@@ -1158,6 +1204,8 @@ class Soak:
         self.rss: list[tuple[float, int, float]] = []
         self.gpu: list[tuple[float, int, dict[str, float]]] = []
         self.gpu_reason = ""
+        self.gpu_scope: str | None = None
+        self.gpu_scope_note = ""
         self.scrapes: list[tuple[float, int, dict[str, float]]] = []
         self.types: dict[str, str] = {}
         self.scrape_lock = asyncio.Lock()
@@ -1317,22 +1365,51 @@ class Soak:
                 await self.scrape()
             await self._sleep(self.a.metrics_interval)
 
+    def gpu_sample(self, pids: set[int] | None) -> tuple[dict[str, float] | None, str]:
+        """One GPU memory sample: the server's processes (``--gpu-memory
+        server``, or ``auto`` once nvidia-smi is seen to list them) or each
+        GPU's total (``device``, or ``auto`` when it does not); None and why
+        (an empty why: no sample now, e.g. while the server restarts)."""
+        a = self.a
+        if self.gpu_scope is None and a.gpu_memory != "device" and pids:
+            mib, why = server_gpu_memory_mib(a.nvidia_smi, a.gpus, pids)
+            if mib is not None:
+                self.gpu_scope = "server"
+                return {"server": mib}, ""
+            if a.gpu_memory == "server":
+                return None, why
+            self.gpu_scope = "device"
+            self.gpu_scope_note = f"{why}: each GPU's total is sampled"
+        if self.gpu_scope == "server":
+            if not pids:
+                return None, ""
+            mib, _ = server_gpu_memory_mib(a.nvidia_smi, a.gpus, pids)
+            return (None, "") if mib is None else ({"server": mib}, "")
+        if a.gpu_memory != "device" and self.gpu_scope is None:
+            # auto without a server process to look for.
+            return None, ""
+        return gpu_memory_mib(a.nvidia_smi, a.gpus)
+
     async def memory_sampler(self) -> None:
         a = self.a
         gpu_on = True
+        if a.gpu_memory == "device" or self.server_pid is None:
+            self.gpu_scope = "device"
         while not self.stop_monitors.is_set():
             t, epoch, pid = self.clock(), self.epoch, self.server_pid
+            pids = None
             if pid is not None:
+                pids = await asyncio.to_thread(process_tree_pids, pid)
                 rss = await asyncio.to_thread(process_tree_rss_mib, pid)
                 if rss is not None:
                     self.rss.append((t, epoch, rss))
             if gpu_on:
-                mem, why = await asyncio.to_thread(gpu_memory_mib, a.nvidia_smi, a.gpus)
-                if mem is None:
+                mem, why = await asyncio.to_thread(self.gpu_sample, pids)
+                if mem is not None:
+                    self.gpu.append((t, epoch, mem))
+                elif why:
                     gpu_on = not why.endswith("not found")
                     self.gpu_reason = why
-                else:
-                    self.gpu.append((t, epoch, mem))
             await self._sleep(a.memory_interval)
 
     async def progress(self) -> None:
@@ -1682,13 +1759,19 @@ class Soak:
         per_gpu: dict = {}
         for e in sorted({x[1] for x in self.gpu}):
             for idx in sorted({k for _, ep, m in self.gpu if ep == e for k in m}):
-                per_gpu[f"gpu{idx}/epoch{e}"] = flatness(
+                name = idx if idx == "server" else f"gpu{idx}"
+                per_gpu[f"{name}/epoch{e}"] = flatness(
                     [(t, m[idx]) for t, ep, m in self.gpu if ep == e and idx in m],
                     self.epoch_start.get(e, 0.0),
                     warm,
                     a.gpu_growth_mib,
                 )
-        memory["gpu"] = {"series": per_gpu, "unavailable": self.gpu_reason or None}
+        memory["gpu"] = {
+            "scope": self.gpu_scope,
+            "scope_note": self.gpu_scope_note or None,
+            "series": per_gpu,
+            "unavailable": self.gpu_reason or None,
+        }
         crit["gpu_memory"] = self._mem_criterion(
             per_gpu, f"skipped: {self.gpu_reason or 'no sample'}"
         )
@@ -1944,6 +2027,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--rss-growth-mib", type=float, default=256.0)
     g.add_argument("--gpu-growth-mib", type=float, default=128.0)
+    g.add_argument(
+        "--gpu-memory",
+        choices=("auto", "server", "device"),
+        default="auto",
+        help="GPU memory of the server's processes (nvidia-smi's compute "
+        "apps; auto: when nvidia-smi lists them, else each GPU's total) or "
+        "each GPU's total",
+    )
     g.add_argument("--nvidia-smi", default="nvidia-smi")
     g.add_argument("--gpus", default=None, help="nvidia-smi -i, e.g. 0 or 0,1")
     g.add_argument("--drain-timeout", type=float, default=120.0)

@@ -40,14 +40,23 @@ CRITERIA = {
 }
 
 
-def fake_nvidia_smi(tmp_path, step_mib: int) -> str:
-    """An nvidia-smi that prints 1000 MiB for GPU 0, plus step_mib per call."""
+def fake_nvidia_smi(
+    tmp_path, step_mib: int, server_pid: int = 0, server_step_mib: int = 0
+) -> str:
+    """An nvidia-smi that prints 1000 MiB for GPU 0, plus step_mib per call;
+    asked for its compute apps: 2000 MiB (plus server_step_mib per call) for
+    server_pid and 500 MiB for another process, which grows as GPU 0 does."""
     path = tmp_path / "nvidia-smi"
     count = tmp_path / "smi-count"
     path.write_text(
         "#!/bin/sh\n"
         f'n=$(cat "{count}" 2>/dev/null || echo 0)\n'
         f'echo $((n + 1)) > "{count}"\n'
+        'case "$1" in --query-compute-apps*)\n'
+        f'  echo "{server_pid}, $((2000 + n * {server_step_mib}))"\n'
+        f'  echo "999999999, $((500 + n * {step_mib}))"\n'
+        "  exit 0;;\n"
+        "esac\n"
         f'echo "0, $((1000 + n * {step_mib}))"\n'
     )
     path.chmod(0o755)
@@ -73,6 +82,7 @@ def run_soak(
     ref_cfg: FakeConfig | None = None,
     gpu_step: int = 0,
     extra: tuple[str, ...] = (),
+    smi: str | None = None,
 ) -> tuple[int, dict]:
     srv, th = soak_fake.start(cfg)
     ref, ref_th = soak_fake.start(ref_cfg or FakeConfig())
@@ -82,7 +92,7 @@ def run_soak(
         "--base-url", srv.url, "--reference-url", ref.url,
         "--server-pid", str(os.getpid()), "--expect-preemption",
         "--tree-budget", str(soak_fake.BUDGET),
-        "--nvidia-smi", fake_nvidia_smi(tmp_path, gpu_step), *extra,
+        "--nvidia-smi", smi or fake_nvidia_smi(tmp_path, gpu_step), *extra,
     )  # fmt: skip
     try:
         rc = soak.main(argv)
@@ -132,6 +142,9 @@ def test_good_fake_passes_every_criterion(tmp_path):
     assert len(ep) == 1 and ep[0]["drafts"] > 0 and ep[0]["preemptions"] > 0
     assert ep[0]["emitted_tokens"] == ep[0]["accepted"] + ep[0]["drafts"]
     assert ep[0]["generation_tokens"] >= ep[0]["client_completion_tokens"] > 0
+    # This nvidia-smi lists no process of the server: each GPU's total, said.
+    assert r["memory"]["gpu"]["scope"] == "device"
+    assert "lists no process of the server" in r["memory"]["gpu"]["scope_note"]
     gpu = r["memory"]["gpu"]["series"]["gpu0/epoch0"]
     assert gpu["ok"] and gpu["slope_mib_per_min"] == 0 and len(gpu["curve"]) > 5
     rss = r["memory"]["rss"]["epochs"]["0"]
@@ -216,6 +229,23 @@ def test_hang_bad_input_health_gpu_drain_preemption_and_load_fail(tmp_path):
     assert "drained False" in r["criteria"]["final"]["detail"]
     assert r["memory"]["gpu"]["series"]["gpu0/epoch0"]["growth_mib"] > 16
     assert any("fell from" in p for p in r["metrics"]["problems"])
+
+
+@pytest.mark.parametrize("server_step", [0, 40])
+def test_gpu_memory_of_the_server_processes_only(tmp_path, server_step):
+    # Another process on the GPU grows (40 MiB a sample, the device's total
+    # with it): only the server's own processes count when nvidia-smi lists
+    # them.
+    smi = fake_nvidia_smi(tmp_path, 40, os.getpid(), server_step)
+    rc, r = run_soak(tmp_path, FakeConfig(), smi=smi)
+    gpu = r["memory"]["gpu"]
+    assert gpu["scope"] == "server" and gpu["scope_note"] is None
+    assert set(gpu["series"]) == {"server/epoch0"}
+    s = gpu["series"]["server/epoch0"]
+    assert len(s["curve"]) > 5 and s["curve"][0][1] >= 2000
+    assert r["criteria"]["gpu_memory"]["ok"] is (server_step == 0)
+    assert (s["growth_mib"] > 16) is (server_step > 0)
+    assert rc == (0 if server_step == 0 else 1)
 
 
 @pytest.mark.parametrize("float32", [True, False])
