@@ -416,3 +416,20 @@ def test_committed_policy_table_has_the_rows_the_policy_is_judged_by():
         best = max(r["nospec_tok_s"], r["chain_tok_s"])
         assert r["ddtree_over_best"] == round(r["ddtree_tok_s"] / best, 3)
     assert len({(r["pair"], r["concurrency"]) for r in rows}) == len(rows)
+
+
+def test_prompts_are_cut_to_their_last_tokens_and_the_cut_passed_on(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [list(range(n)) for n in (5, 200, 160, 400)]
+    path.write_text("".join(json.dumps({"prompt_token_ids": r}) + "\n" for r in rows))
+    assert run_pairs.load_prompts(str(path), 0) == rows
+    cut = run_pairs.load_prompts(str(path), 160)
+    assert cut == [list(range(40, 200)), list(range(160)), list(range(240, 400))]
+    ap = run_pairs.argparse.ArgumentParser()
+    run_pairs.add_engine_options(ap)
+    ap.add_argument("--out", default="x.json")
+    ap.add_argument("--workdir", default="w")
+    a = ap.parse_args(["--prompts", "p.jsonl"])
+    assert a.prompt_tokens == 160
+    cmd = run_pairs.engine_command(a, "dense-8b", "bfloat16", "chain", "1")
+    assert cmd[cmd.index("--prompt-tokens") + 1] == "160"

@@ -55,6 +55,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0, help="of the sampled continuations")
     ap.add_argument("--out", default=None, help="JSON rows to update (pairs.json)")
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="cut each prompt to its last N tokens (default: train.py's "
+        "EVAL_PROMPT_LEN, 160: with 256 new tokens inside the 512-token "
+        "windows the pairs were trained on)",
+    )
+    ap.add_argument(
+        "--min-prompt-tokens",
+        type=int,
+        default=None,
+        help="only prompts at least this long (default: --prompt-tokens), so "
+        "that runs at several --prompt-tokens can share their prompts",
+    )
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args(argv)
 
@@ -77,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
                 a.prompts,
                 temperature=t,
                 seed=a.seed,
+                prompt_tokens=a.prompt_tokens or train.EVAL_PROMPT_LEN,
+                min_prompt_tokens=a.min_prompt_tokens,
             )
             res.update(
                 seed=a.seed,

@@ -58,9 +58,12 @@ def log(msg: str) -> None:
     print(f"[run_pairs {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def load_prompts(path: str) -> list[list[int]]:
+def load_prompts(path: str, last: int = 0) -> list[list[int]]:
+    """The prompts of ``path``; with ``last``, those of at least ``last``
+    tokens, cut to their last ``last``."""
     with open(path) as f:
-        return [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
+        rows = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
+    return [r[-last:] for r in rows if len(r) >= last] if last else rows
 
 
 def sampled_conc(a) -> list[int]:
@@ -348,7 +351,7 @@ def run_engine(a) -> None:
             "load_embedded_pair", args=(pdir, a.pair, a.method != "nospec")
         )[0]
         log(f"{a.pair} {a.dtype} {a.method}: embedded weights written {load}")
-    prompts = load_prompts(a.prompts)
+    prompts = load_prompts(a.prompts, a.prompt_tokens)
     greedy = SamplingParams(
         temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True, detokenize=False
     )
@@ -405,6 +408,7 @@ def run_engine(a) -> None:
             temperature=temperature,
             concurrency=conc,
             prompts=len(batch),
+            prompt_tokens=a.prompt_tokens or None,
         )
         if a.profile:
             # Instead of the timed decode: the same decode, profiled.
@@ -559,6 +563,16 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--prompts", default=None, help="default: <models>/prompts/heldout.jsonl"
     )
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=160,
+        help="cut each prompt to its last N tokens (those shorter are left "
+        "out; 0: whole prompts). The pairs were trained on 512-token windows: "
+        "160 + 256 new tokens stay inside them, as offline_tau.py measures; "
+        "past them the dense pair's acceptance falls (RoPE positions it never "
+        "saw)",
+    )
     ap.add_argument("--c1-prompts", type=int, default=8)
     ap.add_argument(
         "--per-client",
@@ -642,6 +656,8 @@ def engine_command(
         a.out,
         "--prompts",
         a.prompts,
+        "--prompt-tokens",
+        str(a.prompt_tokens),
         "--c1-prompts",
         str(a.c1_prompts),
         "--per-client",

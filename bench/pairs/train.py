@@ -558,12 +558,15 @@ def evaluate(
     n_prompts: int,
     temperature: float = 0.0,
     seed: int = 0,
+    prompt_tokens: int = EVAL_PROMPT_LEN,
+    min_prompt_tokens: int | None = None,
 ) -> dict:
     """Offline tau: the prompts of ``prompts_path`` with at least
-    EVAL_PROMPT_LEN tokens, cut to their last EVAL_PROMPT_LEN (one batch, no
-    padding), continued by the target greedily or, with ``temperature`` > 0,
-    sampled at that temperature (seeded by ``seed``): acceptance.py says why the
-    same replay then gives the tau of sampled verification."""
+    ``min_prompt_tokens`` (default: ``prompt_tokens``) tokens, cut to their
+    last ``prompt_tokens`` (one batch, no padding), continued by the target
+    greedily or, with ``temperature`` > 0, sampled at that temperature (seeded
+    by ``seed``): acceptance.py says why the same replay then gives the tau of
+    sampled verification."""
     import acceptance
     import torch
     from dflash_ref import draft_logits, target_forward
@@ -572,10 +575,11 @@ def evaluate(
     layer_ids = dcfg["dflash_config"]["target_layer_ids"]
     block = dcfg["block_size"]
     amp = device.type == "cuda"
-    new, plen = (24, 32) if a.smoke else (EVAL_NEW_TOKENS, EVAL_PROMPT_LEN)
+    new, plen = (24, 32) if a.smoke else (EVAL_NEW_TOKENS, prompt_tokens)
+    least = max(plen, min_prompt_tokens or 0)
     with open(prompts_path) as f:
         rows = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
-    rows = [r[-plen:] for r in rows if len(r) >= plen][:n_prompts]
+    rows = [r[-plen:] for r in rows if len(r) >= least][:n_prompts]
     torch.manual_seed(seed)
     seqs = target_continue(
         model, torch.tensor(rows, device=device), new, amp, temperature
