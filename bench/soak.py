@@ -1740,11 +1740,17 @@ class Soak:
         }
 
         warm = a.warmup if a.warmup is not None else 0.2 * a.duration
+        # Samples inside a restart's window (a server stopping or starting)
+        # are left out: neither is the steady state the criteria are about.
         memory: dict = {"warmup_s": warm}
         per_epoch_rss = {}
         for e in sorted({x[1] for x in self.rss}):
             per_epoch_rss[e] = flatness(
-                [(t, v) for t, ep, v in self.rss if ep == e],
+                [
+                    (t, v)
+                    for t, ep, v in self.rss
+                    if ep == e and not self.in_window(t, t)
+                ],
                 self.epoch_start.get(e, 0.0),
                 warm,
                 a.rss_growth_mib,
@@ -1761,7 +1767,11 @@ class Soak:
             for idx in sorted({k for _, ep, m in self.gpu if ep == e for k in m}):
                 name = idx if idx == "server" else f"gpu{idx}"
                 per_gpu[f"{name}/epoch{e}"] = flatness(
-                    [(t, m[idx]) for t, ep, m in self.gpu if ep == e and idx in m],
+                    [
+                        (t, m[idx])
+                        for t, ep, m in self.gpu
+                        if ep == e and idx in m and not self.in_window(t, t)
+                    ],
                     self.epoch_start.get(e, 0.0),
                     warm,
                     a.gpu_growth_mib,
