@@ -811,9 +811,12 @@ def process_tree_rss_mib(pid: int) -> float | None:
     return total
 
 
-def gpu_memory_mib(cmd: str, gpus: str | None) -> tuple[dict[str, float] | None, str]:
-    """Memory used per GPU index from nvidia-smi, or None and why not."""
-    argv = [cmd, "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
+def nvidia_smi_rows(
+    cmd: str, query: str, gpus: str | None
+) -> tuple[list[list[str]] | None, str]:
+    """The comma-separated fields of each line nvidia-smi prints for
+    ``query`` (e.g. ``--query-gpu=index,memory.used``), or None and why not."""
+    argv = [cmd, query, "--format=csv,noheader,nounits"]
     if gpus:
         argv += ["-i", gpus]
     try:
@@ -824,9 +827,16 @@ def gpu_memory_mib(cmd: str, gpus: str | None) -> tuple[dict[str, float] | None,
         return None, f"{cmd}: {type(e).__name__}"
     if p.returncode != 0:
         return None, f"{cmd} exited {p.returncode}: {p.stderr.strip()[:200]}"
+    return [[x.strip() for x in line.split(",")] for line in p.stdout.splitlines()], ""
+
+
+def gpu_memory_mib(cmd: str, gpus: str | None) -> tuple[dict[str, float] | None, str]:
+    """Memory used per GPU index from nvidia-smi, or None and why not."""
+    rows, why = nvidia_smi_rows(cmd, "--query-gpu=index,memory.used", gpus)
+    if rows is None:
+        return None, why
     out = {}
-    for line in p.stdout.splitlines():
-        parts = [x.strip() for x in line.split(",")]
+    for parts in rows:
         if len(parts) == 2:
             with contextlib.suppress(ValueError):
                 out[parts[0]] = float(parts[1])
@@ -839,24 +849,11 @@ def server_gpu_memory_mib(
     """GPU memory held by the processes in ``pids`` (all GPUs), from
     nvidia-smi's compute-apps list; None and why when it lists none of them
     (e.g. nvidia-smi in another PID namespace)."""
-    argv = [
-        cmd,
-        "--query-compute-apps=pid,used_memory",
-        "--format=csv,noheader,nounits",
-    ]
-    if gpus:
-        argv += ["-i", gpus]
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=15)
-    except FileNotFoundError:
-        return None, f"{cmd} not found"
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"{cmd}: {type(e).__name__}"
-    if p.returncode != 0:
-        return None, f"{cmd} exited {p.returncode}: {p.stderr.strip()[:200]}"
+    rows, why = nvidia_smi_rows(cmd, "--query-compute-apps=pid,used_memory", gpus)
+    if rows is None:
+        return None, why
     total, found = 0.0, False
-    for line in p.stdout.splitlines():
-        parts = [x.strip() for x in line.split(",")]
+    for parts in rows:
         if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in pids:
             with contextlib.suppress(ValueError):
                 total += float(parts[1])
