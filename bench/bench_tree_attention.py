@@ -109,36 +109,50 @@ def make_case(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    chunk: int = 0,
 ) -> dict:
+    """``batch`` requests of ``t`` tree tokens after ``context`` committed
+    ones and, with ``chunk``, one more request last: a new prompt's first
+    prefill chunk of ``chunk`` tokens (no tree: zero mask words), as a
+    continuous batch mixes them into decode steps."""
     num_q, num_kv, head_size, _ = SHAPES[shape]
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_req = (context + t + BLOCK_SIZE - 1) // BLOCK_SIZE
-    num_blocks = batch * blocks_per_req + 1
+    query_lens = [t] * batch + ([chunk] if chunk else [])
+    seq_lens_list = [context + t] * batch + ([chunk] if chunk else [])
+    num_reqs = len(query_lens)
+    blocks_per_req = (max(seq_lens_list) + BLOCK_SIZE - 1) // BLOCK_SIZE
+    num_blocks = num_reqs * blocks_per_req + 1
     # TRITON_ATTN's cache: logical (blocks, KV heads, block, 2 * head size),
     # K and V side by side in the last dim; the backend's views of it.
     kv_cache = torch.randn(
         num_blocks, num_kv, BLOCK_SIZE, 2 * head_size, generator=gen
     ).to(device=device, dtype=dtype)
     key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
-    perm = torch.randperm(num_blocks, generator=gen)[: batch * blocks_per_req]
-    block_table = perm.view(batch, blocks_per_req).to(torch.int32).to(device)
-    query = torch.randn(batch * t, num_q, head_size, generator=gen).to(
+    perm = torch.randperm(num_blocks, generator=gen)[: num_reqs * blocks_per_req]
+    block_table = perm.view(num_reqs, blocks_per_req).to(torch.int32).to(device)
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_q, head_size, generator=gen).to(
         device=device, dtype=dtype
     )
-    cu_seqlens_q = (torch.arange(batch + 1, dtype=torch.int32) * t).to(device)
-    seq_lens = torch.full((batch,), context + t, dtype=torch.int32, device=device)
+    cu_seqlens_q = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=device)
+    tree_mask = packed_random_trees(batch, t, gen, device)
+    if chunk:
+        tree_mask = torch.cat([tree_mask, torch.zeros_like(tree_mask[:1])])
     return dict(
         query=query,
         key_cache=key_cache,
         value_cache=value_cache,
         block_table=block_table,
-        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_q=cu_seqlens_q.to(device),
         seq_lens=seq_lens,
-        tree_mask=packed_random_trees(batch, t, gen, device),
+        tree_mask=tree_mask,
         t=t,
-        batch=batch,
+        batch=num_reqs,
         context=context,
-        max_seq_len=context + t,
+        chunk=chunk,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens_list),
         scale=head_size**-0.5,
         shape=(num_q, num_kv, head_size),
     )
@@ -167,7 +181,7 @@ def unified_fn(case: dict, out: torch.Tensor) -> Callable[[], None]:
             v=case["value_cache"],
             out=out,
             cu_seqlens_q=case["cu_seqlens_q"],
-            max_seqlen_q=case["t"],
+            max_seqlen_q=case["max_query_len"],
             seqused_k=case["seq_lens"],
             max_seqlen_k=case["max_seq_len"],
             softmax_scale=case["scale"],
@@ -228,7 +242,7 @@ def split_fn(case: dict, out: torch.Tensor, reference: bool) -> Callable[[], Non
         num_actual_tokens=case["query"].shape[0],
         query_start_loc=case["cu_seqlens_q"],
         seq_lens=case["seq_lens"],
-        max_query_len=case["t"],
+        max_query_len=case["max_query_len"],
         max_seq_len=case["max_seq_len"],
         block_table=case["block_table"],
         tree_attn_bias=case["tree_mask"],
@@ -297,7 +311,7 @@ def fa3_causal_fn(case: dict, out: torch.Tensor) -> Callable[[], None]:
     value_cache = canonicalize_singleton_dim_strides(case["value_cache"])
     scheduler_metadata = get_scheduler_metadata(
         batch_size=case["batch"],
-        max_seqlen_q=case["t"],
+        max_seqlen_q=case["max_query_len"],
         max_seqlen_k=case["max_seq_len"],
         num_heads_q=num_q,
         num_heads_kv=num_kv,
@@ -317,7 +331,7 @@ def fa3_causal_fn(case: dict, out: torch.Tensor) -> Callable[[], None]:
             v=value_cache,
             out=out,
             cu_seqlens_q=case["cu_seqlens_q"],
-            max_seqlen_q=case["t"],
+            max_seqlen_q=case["max_query_len"],
             seqused_k=case["seq_lens"],
             max_seqlen_k=case["max_seq_len"],
             softmax_scale=case["scale"],
@@ -375,10 +389,11 @@ def bench_case(
     methods: list[str],
     iters: int,
     repeats: int,
+    chunk: int = 0,
 ) -> list[dict]:
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    case = make_case(shape, context, t, batch, dtype, device)
+    case = make_case(shape, context, t, batch, dtype, device, chunk=chunk)
     layers = SHAPES[shape][3]
     outputs: dict[str, torch.Tensor] = {}
     times: dict[str, float] = {}
@@ -418,6 +433,7 @@ def bench_case(
             context=context,
             tree_tokens=t,
             batch=batch,
+            prefill_chunk=chunk,
             method=method,
             us=round(us, 2),
             attention_layers=layers,
@@ -443,6 +459,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=ints, default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--tree-tokens", type=ints, default=[16, 65])
     parser.add_argument("--batch", type=ints, default=[1, 8, 32])
+    parser.add_argument(
+        "--chunks",
+        type=ints,
+        default=[0],
+        help="also time each batch with one more request: a new prompt's "
+        "first prefill chunk of this many tokens (0: none), as continuous "
+        "batching mixes prefills into decode steps",
+    )
     parser.add_argument("--methods", default="unified,split,fa3_causal")
     parser.add_argument(
         "--tree-configs",
@@ -467,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
     rows: list[dict] = []
     header = (
-        f"{'shape':<12} {'ctx':>5} {'T':>3} {'batch':>5} {'method':<10} "
+        f"{'shape':<12} {'ctx':>5} {'T':>3} {'batch':>5} {'chunk':>5} {'method':<10} "
         f"{'us/call':>9} {'us/step':>9} {'|split-unified|':>15}"
     )
     print(header)
@@ -475,25 +499,27 @@ def main(argv: list[str] | None = None) -> int:
         for context in args.contexts:
             for t in args.tree_tokens:
                 for batch in args.batch:
-                    for row in bench_case(
-                        shape,
-                        context,
-                        t,
-                        batch,
-                        device,
-                        methods,
-                        args.iters,
-                        args.repeats,
-                    ):
-                        rows.append(row)
-                        diff = row["split_vs_unified_max_abs_diff"]
-                        print(
-                            f"{shape:<12} {context:>5} {t:>3} {batch:>5} "
-                            f"{row['method']:<10} {row['us']:>9.1f} "
-                            f"{row['us_per_step']:>9.1f} "
-                            f"{'' if diff is None else f'{diff:.2e}':>15}",
-                            flush=True,
-                        )
+                    for chunk in args.chunks:
+                        for row in bench_case(
+                            shape,
+                            context,
+                            t,
+                            batch,
+                            device,
+                            methods,
+                            args.iters,
+                            args.repeats,
+                            chunk=chunk,
+                        ):
+                            rows.append(row)
+                            diff = row["split_vs_unified_max_abs_diff"]
+                            print(
+                                f"{shape:<12} {context:>5} {t:>3} {batch:>5} "
+                                f"{chunk:>5} {row['method']:<10} {row['us']:>9.1f} "
+                                f"{row['us_per_step']:>9.1f} "
+                                f"{'' if diff is None else f'{diff:.2e}':>15}",
+                                flush=True,
+                            )
     meta = dict(
         device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         torch=torch.__version__,

@@ -676,14 +676,37 @@ def longer_request_batch(specs, prefix, seed):
 
 
 @needs_kernel
-def test_backend_runs_unified_for_a_longer_request():
-    """A prefill chunk longer than the tree: the unified kernel (the split's
-    prefix pass is not called)."""
+def test_backend_takes_the_split_with_a_short_prefill_chunk():
+    """Trees with a prefill chunk longer than the tree mixed in (continuous
+    batching), the chunk within `SPLIT_MAX_CHUNK`: the split, non-causal
+    over the prefixes then the chunk's own keys causally in (b), equal to
+    the unified kernel with the same mask."""
+    calls = []
 
     def prefix(*args, **kwargs):
-        raise AssertionError("the split ran for a batch with a prefill chunk")
+        calls.append((args[6].clone(), kwargs.get("causal")))
+        return paged_prefix_attention(*args, **kwargs)
 
     batch, split_meta = longer_request_batch(MIXED, prefix, seed=4)
+    assert max(batch["query_lens"]) <= ta.SPLIT_MAX_CHUNK
+    out = backend_forward(batch, split_meta)
+    assert len(calls) == 1
+    prefix_lens, causal = calls[0]
+    assert torch.equal(prefix_lens, batch["prefix_lens"]) and causal is False
+    torch.testing.assert_close(out, run_unified(batch), atol=TOL, rtol=TOL)
+    assert_untouched(out, batch)
+
+
+@needs_kernel
+def test_backend_runs_unified_for_a_long_prefill_chunk(monkeypatch):
+    """Trees with a prefill chunk longer than `SPLIT_MAX_CHUNK`: the unified
+    kernel (the split's prefix pass is not called)."""
+
+    def prefix(*args, **kwargs):
+        raise AssertionError("the split ran for a batch with a long prefill chunk")
+
+    batch, split_meta = longer_request_batch(MIXED, prefix, seed=4)
+    monkeypatch.setattr(ta, "SPLIT_MAX_CHUNK", max(batch["query_lens"]) - 1)
     out = backend_forward(batch, split_meta)
     torch.testing.assert_close(out, run_unified(batch), atol=TOL, rtol=TOL)
 
@@ -740,7 +763,16 @@ def test_applies_rule():
 
     assert meta.applies(attn(), None)
     assert meta.applies(attn(max_query_len=1), None)
-    assert not meta.applies(attn(max_query_len=18), None)
+    # Trees with a prefill chunk mixed in, up to SPLIT_MAX_CHUNK tokens (or
+    # T where the tree is longer).
+    assert meta.applies(attn(max_query_len=18), None)
+    assert meta.applies(attn(max_query_len=ta.SPLIT_MAX_CHUNK), None)
+    assert not meta.applies(attn(max_query_len=ta.SPLIT_MAX_CHUNK + 1), None)
+    wide = torch.zeros(4, ta.SPLIT_MAX_CHUNK + 9, 9, dtype=torch.int32)
+    assert meta.applies(attn(tree_attn_bias=wide, max_query_len=wide.shape[1]), None)
+    assert not meta.applies(
+        attn(tree_attn_bias=wide, max_query_len=wide.shape[1] + 1), None
+    )
     assert not meta.applies(attn(tree_attn_bias=None), None)
     assert not meta.applies(attn(causal=torch.ones(4, dtype=torch.bool)), None)
     assert not meta.applies(attn(), torch.ones(()))
@@ -1128,10 +1160,11 @@ def test_sinks_only_known_once_the_layers_are_built(monkeypatch):
             None,
             "DDTree: split tree attention (VLLM_DDTREE_TREE_ATTENTION=auto): "
             "FlashAttention 3 over each request's prefix + a Triton kernel over "
-            "its tree, merged by LSE, in batches whose requests have at most 1 "
-            "+ tree_budget query tokens each; a batch with a longer request (a "
-            "prefill chunk) runs FlashAttention 3 alone, causal, when it verifies "
-            "no tree, else the unified Triton kernel with the same mask.",
+            "its tree, merged by LSE, in batches whose requests have at most "
+            "max(1 + tree_budget, 256) query tokens each (trees, with short "
+            "prefill chunks mixed in); a batch with a longer prefill chunk runs "
+            "FlashAttention 3 alone, causal, when it verifies no tree, else the "
+            "unified Triton kernel with the same mask.",
         ),
         (
             None,
@@ -1162,10 +1195,11 @@ def test_sinks_only_known_once_the_layers_are_built(monkeypatch):
             None,
             "DDTree: split tree attention (VLLM_DDTREE_TREE_ATTENTION=split): "
             "FlashAttention 3 over each request's prefix + a Triton kernel over "
-            "its tree, merged by LSE, in batches whose requests have at most 1 "
-            "+ tree_budget query tokens each; a batch with a longer request (a "
-            "prefill chunk) runs FlashAttention 3 alone, causal, when it verifies "
-            "no tree, else the unified Triton kernel with the same mask.",
+            "its tree, merged by LSE, in batches whose requests have at most "
+            "max(1 + tree_budget, 256) query tokens each (trees, with short "
+            "prefill chunks mixed in); a batch with a longer prefill chunk runs "
+            "FlashAttention 3 alone, causal, when it verifies no tree, else the "
+            "unified Triton kernel with the same mask.",
         ),
     ],
 )
@@ -1410,9 +1444,12 @@ def test_bench_script_smoke(tmp_path):
     out = tmp_path / "rows.json"
     argv = ["--device", "cpu", "--shapes", "tiny", "--contexts", "40"]
     argv += ["--tree-tokens", "5", "--batch", "2", "--iters", "1", "--repeats", "1"]
+    # With and without a new prompt's 20-token prefill chunk in the batch.
+    argv += ["--chunks", "0,20"]
     assert bench.main([*argv, "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["method"] for r in rows] == ["unified", "split"]
+    assert [r["method"] for r in rows] == ["unified", "split"] * 2
+    assert [r["prefill_chunk"] for r in rows] == [0, 0, 20, 20]
     for row in rows:
         assert row["us"] > 0 and row["tree_tokens"] == 5 and row["batch"] == 2
         assert row["split_vs_unified_max_abs_diff"] < 1e-4

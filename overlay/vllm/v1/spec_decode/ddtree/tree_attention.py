@@ -29,12 +29,13 @@ attention over its own tokens), and the mask covers the first ``T`` query
 rows and keys only, as in the unified kernel. The TRITON_ATTN backend takes
 the split when DDTree runs it (``VLLM_DDTREE_TREE_ATTENTION``: ``split``, or
 ``auto``, the default, where FA3 takes the target: `resolve_tree_attention`)
-and every request of the batch has at most ``T`` query tokens (decode and tree
-verification steps: the batches the decode CUDA graphs capture). A batch
-with a longer request (a prefill chunk) runs FA3 alone, causal, over whole
-sequences when it verifies no tree, and the unified kernel when it does.
-The rule is only about speed: a graph captured on the split path stays
-exact whatever batch replays it.
+and no request of the batch has more than ``max(T, SPLIT_MAX_CHUNK)`` query
+tokens: decode and tree verification steps (the batches the decode CUDA
+graphs capture), and those steps with a new prompt's prefill chunk mixed in,
+as continuous batching schedules them. A batch with a longer chunk runs FA3
+alone, causal, over whole sequences when it verifies no tree, and the
+unified kernel when it does. The rule is only about speed: a graph captured
+on the split path stays exact whatever batch replays it.
 
 The shapes are fixed per batch (grid from the token and request counts, the
 prefix lengths and FA3's scheduler metadata in persistent buffers written
@@ -78,6 +79,13 @@ SPLIT_DTYPES = (torch.float16, torch.bfloat16)
 SPLIT_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 SPLIT_MAX_HEAD_SIZE = 256
 SPLIT_SINKS_DTYPE = torch.bfloat16
+# The longest prefill chunk a batch that verifies trees may carry and still
+# take the split. (b) runs a chunk's causal attention over its own tokens in
+# small tiles, sized for trees: it wins over the unified kernel, which reads
+# every request's prefix in those tiles too, while the chunk is short (the
+# prefill a continuous batch mixes into its decode steps), not for a long
+# prompt's chunks (`bench_tree_attention.py --chunks` times both).
+SPLIT_MAX_CHUNK = 256
 # The remedy of a refused split: the default then resolves to unified.
 _UNSET = f"unset {TREE_ATTENTION_ENV}"
 
@@ -247,11 +255,13 @@ def verify_tree_attention_layers(vllm_config: "VllmConfig") -> None:
         logger.info_once(
             "DDTree: split tree attention (%s): FlashAttention 3 over each "
             "request's prefix + a Triton kernel over its tree, merged by LSE, "
-            "in batches whose requests have at most 1 + tree_budget query "
-            "tokens each; a batch with a longer request (a prefill chunk) "
-            "runs FlashAttention 3 alone, causal, when it verifies no tree, "
-            "else the unified Triton kernel with the same mask.",
+            "in batches whose requests have at most max(1 + tree_budget, %d) "
+            "query tokens each (trees, with short prefill chunks mixed in); a "
+            "batch with a longer prefill chunk runs FlashAttention 3 alone, "
+            "causal, when it verifies no tree, else the unified Triton kernel "
+            "with the same mask.",
             setting,
+            SPLIT_MAX_CHUNK,
         )
     elif choice.reason is None:
         logger.info_once(
@@ -747,13 +757,15 @@ class SplitTreeAttentionMetadata:
 
     def applies(self, attn_metadata: Any, output_scale: torch.Tensor | None) -> bool:
         """Host-side rule: a tree mask is attached and no request has more
-        than its ``T`` query tokens (decode and tree verification steps), or
-        the batch verifies no tree (`no_tree`); otherwise the unified kernel
+        than ``max(T, SPLIT_MAX_CHUNK)`` query tokens (decode and tree
+        verification steps, with short prefill chunks mixed in), or the
+        batch verifies no tree (`no_tree`); otherwise the unified kernel
         runs, as without the split."""
         tree_mask = attn_metadata.tree_attn_bias
         if tree_mask is None:
             return False
-        if attn_metadata.max_query_len > tree_mask.shape[1] and not self.no_tree:
+        max_query_len = max(tree_mask.shape[1], SPLIT_MAX_CHUNK)
+        if attn_metadata.max_query_len > max_query_len and not self.no_tree:
             return False
         if attn_metadata.causal is not True:
             # A per-request causal flag (bidirectional drafter batches).
