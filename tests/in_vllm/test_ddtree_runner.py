@@ -4,6 +4,7 @@ per-step metadata (tree positions, tree attention bias, verification walk,
 KV / hidden-state compaction) that DDTreeVerifier builds around the target
 forward. They import the patched vLLM, so they run where it is installed."""
 
+import copy
 from types import SimpleNamespace
 
 import numpy as np
@@ -921,3 +922,66 @@ def test_missing_tinypair_fails_in_ci_and_skips_elsewhere(monkeypatch, tmp_path)
     (tmp_path / "target").mkdir()
     (tmp_path / "drafter").mkdir()
     assert find_tinypair(tmp_path) == tmp_path
+
+
+def test_every_block_width_of_the_drafters_input_kernel_is_compiled_at_warm_up(
+    monkeypatch,
+):
+    """The DFlash input kernel takes a block width from the step's longest
+    query (upstream's `prepare_dflash_inputs`). The first warm-up run of the
+    DDTree drafter runs it at every width, by upstream's own rule, so that no
+    step while serving stalls for a compile; later runs, the memory profile's
+    run and real steps run once."""
+    import vllm.v1.worker.gpu.spec_decode.dflash.speculator as dflash
+    from vllm.v1.worker.gpu.spec_decode.ddtree import speculator as ddtree
+
+    widths = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, BLOCK_SIZE, **kw: widths.append(BLOCK_SIZE)
+
+    monkeypatch.setattr(dflash, "_prepare_dflash_inputs_kernel", Kernel())
+    any_arg = SimpleNamespace(
+        input_ids=None, positions=None, query_start_loc=None, seq_lens=None
+    )
+
+    def upstream_width(batch):
+        widths.clear()
+        batch.positions = batch.query_start_loc = batch.idx_mapping = None
+        block_table = torch.zeros(2, 4)
+        args = [any_arg] + [None] * 6 + [batch] + [None] * 4
+        dflash.prepare_dflash_inputs(*args, block_table, 16, 0, 16, 15, 8, 64, 64)
+        return widths[0]
+
+    calls = []
+
+    def propose(self, input_batch, *args, dummy_run=False, **kwargs):
+        calls.append((upstream_width(copy.copy(input_batch)), dummy_run))
+        return "drafts"
+
+    monkeypatch.setattr(dflash.DFlashSpeculator, "propose", propose)
+    speculator = object.__new__(ddtree.DDTreeSpeculator)
+    speculator.num_query_per_req = 16
+    speculator.draft_next_step = True
+    speculator.dflash_input_blocks_compiled = False
+    decode = SimpleNamespace(num_reqs=2, num_scheduled_tokens=np.array([16, 16]))
+    args = [None] * 10
+
+    # The memory profile's run (no attention) does not count as warm-up.
+    speculator.propose(decode, *args, dummy_run=True, skip_attn_for_dummy_run=True)
+    assert calls == [(32, True)]
+    calls.clear()
+    speculator.propose(decode, *args, dummy_run=True)
+    assert calls == [(64, True), (128, True), (256, True), (32, True)]
+    assert (decode.num_scheduled_tokens == 16).all()  # the batch is untouched
+    calls.clear()
+    speculator.propose(decode, *args, dummy_run=True)
+    speculator.propose(decode, *args)
+    assert calls == [(32, True), (32, False)]
+    # A longer query reaches the widest block; 17 + 16 tokens the next one.
+    prefill = SimpleNamespace(num_reqs=1, num_scheduled_tokens=np.array([4000]))
+    assert upstream_width(prefill) == ddtree.DFLASH_INPUTS_MAX_BLOCK
+    assert [
+        upstream_width(b) for b in ddtree.dflash_input_block_batches(prefill, 16)
+    ] == [32, 64, 128]

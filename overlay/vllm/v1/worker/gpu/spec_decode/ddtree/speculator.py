@@ -11,13 +11,16 @@ adds no host synchronisation.
 
 import copy
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
+from vllm.triton_utils import triton
 from vllm.v1.spec_decode.ddtree.config import verify_ddtree_target_layers
 from vllm.v1.spec_decode.ddtree.tree import build_tree
 from vllm.v1.spec_decode.ddtree.tree_attention import verify_tree_attention_layers
@@ -34,6 +37,41 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import (
 PROPOSE_TAKES_NUM_SPECULATIVE_TOKENS = (
     "num_speculative_tokens" in inspect.signature(DFlashSpeculator.propose).parameters
 )
+
+
+# Upstream's `prepare_dflash_inputs` launches its Triton kernel with a block
+# of next_power_of_2(longest query of the step + the drafter's query tokens)
+# lanes, at most this many: a kernel variant, compiled the first time a step
+# needs it.
+DFLASH_INPUTS_MAX_BLOCK = 256
+
+
+def dflash_input_block_batches(
+    input_batch: InputBatch, num_query_per_req: int
+) -> Iterator[InputBatch]:
+    """Copies of ``input_batch`` that make upstream's `prepare_dflash_inputs`
+    take each of its kernel's block widths but the batch's own: only the
+    longest query length (``num_scheduled_tokens``, a host array) differs,
+    and the kernel's work does not depend on the width."""
+    num_reqs = input_batch.num_reqs
+    own_query_len = int(input_batch.num_scheduled_tokens[:num_reqs].max())
+
+    def block_of(query_len: int) -> int:
+        return min(
+            DFLASH_INPUTS_MAX_BLOCK,
+            triton.next_power_of_2(max(1, query_len + num_query_per_req)),
+        )
+
+    own_block = block_of(own_query_len)
+    block = block_of(1)
+    while block <= DFLASH_INPUTS_MAX_BLOCK:
+        if block != own_block:
+            batch = copy.copy(input_batch)
+            batch.num_scheduled_tokens = np.full_like(
+                input_batch.num_scheduled_tokens, max(1, block - num_query_per_req)
+            )
+            yield batch
+        block *= 2
 
 
 def drafter_vllm_config(vllm_config: VllmConfig) -> VllmConfig:
@@ -103,6 +141,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         # set by the runner each step): `propose` then only stores the
         # step's context K/V.
         self.draft_next_step = True
+        # Set once the drafter's input kernel is compiled at every block width
+        # (`propose`, at the first warm-up run).
+        self.dflash_input_blocks_compiled = False
 
     def load_model(self, target_model: nn.Module) -> None:
         # The target's attention layers are built (the drafter's not yet):
@@ -171,6 +212,37 @@ class DDTreeSpeculator(DFlashSpeculator):
         """Upstream's propose; ``kwargs`` are the upstream keyword arguments
         (0.26: num_tokens_across_dp, ...; 0.33: dp_sync_state,
         num_speculative_tokens, ...)."""
+        if (
+            dummy_run
+            and not self.dflash_input_blocks_compiled
+            and not kwargs.get("skip_attn_for_dummy_run", False)
+        ):
+            # A DFlash chain's steps take two of the input kernel's block
+            # widths (decode, prefill), which warm-up compiles; DDTree's take
+            # one more per tree budget (1 + budget query tokens, one budget
+            # per batch size under the measured policy), first seen while
+            # serving: each stalled its step for a compile. One warm-up run
+            # per width here (at startup: the runs write only the drafter's
+            # per-step buffers, which the run below writes again).
+            self.dflash_input_blocks_compiled = True
+            for batch in dflash_input_block_batches(
+                input_batch, self.num_query_per_req
+            ):
+                super().propose(
+                    batch,
+                    attn_metadata,
+                    slot_mappings,
+                    last_hidden_states,
+                    aux_hidden_states,
+                    num_sampled,
+                    num_rejected,
+                    last_sampled,
+                    next_prefill_tokens,
+                    temperature,
+                    seeds,
+                    dummy_run=True,
+                    **kwargs,
+                )
         draft = self.draft_next_step or dummy_run
         if draft or PROPOSE_TAKES_NUM_SPECULATIVE_TOKENS:
             if not draft:
