@@ -791,10 +791,12 @@ def process_tree_pids(pid: int) -> set[int] | None:
     return seen
 
 
-def process_tree_rss_mib(pid: int) -> float | None:
-    """RSS of ``pid`` and all its descendants, MiB; None when ``pid`` is gone
-    or /proc is not there."""
-    pids = process_tree_pids(pid)
+def process_tree_rss_mib(pid: int, pids: set[int] | None = None) -> float | None:
+    """RSS of ``pid`` and all its descendants (``pids``, as `process_tree_pids`
+    lists them, read again when not given), MiB; None when ``pid`` is gone or
+    /proc is not there."""
+    if pids is None:
+        pids = process_tree_pids(pid)
     if pids is None:
         return None
     total = 0.0
@@ -1368,23 +1370,24 @@ class Soak:
         GPU's total (``device``, or ``auto`` when it does not); None and why
         (an empty why: no sample now, e.g. while the server restarts)."""
         a = self.a
-        if self.gpu_scope is None and a.gpu_memory != "device" and pids:
-            mib, why = server_gpu_memory_mib(a.nvidia_smi, a.gpus, pids)
-            if mib is not None:
-                self.gpu_scope = "server"
-                return {"server": mib}, ""
-            if a.gpu_memory == "server":
-                return None, why
+        if a.gpu_memory == "device":
             self.gpu_scope = "device"
-            self.gpu_scope_note = f"{why}: each GPU's total is sampled"
-        if self.gpu_scope == "server":
-            if not pids:
-                return None, ""
-            mib, _ = server_gpu_memory_mib(a.nvidia_smi, a.gpus, pids)
-            return (None, "") if mib is None else ({"server": mib}, "")
-        if a.gpu_memory != "device" and self.gpu_scope is None:
-            # auto without a server process to look for.
+        if self.gpu_scope == "device":
+            return gpu_memory_mib(a.nvidia_smi, a.gpus)
+        if not pids:
+            # No server process to look for (yet, or while it restarts).
             return None, ""
+        mib, why = server_gpu_memory_mib(a.nvidia_smi, a.gpus, pids)
+        if mib is not None:
+            self.gpu_scope = "server"
+            return {"server": mib}, ""
+        if self.gpu_scope == "server":
+            return None, ""
+        if a.gpu_memory == "server":
+            return None, why
+        # auto, and nvidia-smi lists none of the server's processes.
+        self.gpu_scope = "device"
+        self.gpu_scope_note = f"{why}: each GPU's total is sampled"
         return gpu_memory_mib(a.nvidia_smi, a.gpus)
 
     async def memory_sampler(self) -> None:
@@ -1397,7 +1400,7 @@ class Soak:
             pids = None
             if pid is not None:
                 pids = await asyncio.to_thread(process_tree_pids, pid)
-                rss = await asyncio.to_thread(process_tree_rss_mib, pid)
+                rss = await asyncio.to_thread(process_tree_rss_mib, pid, pids)
                 if rss is not None:
                     self.rss.append((t, epoch, rss))
             if gpu_on:
