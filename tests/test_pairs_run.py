@@ -242,6 +242,46 @@ def test_window_hooks_bracket_the_steady_window_and_steps_are_counted():
     assert counted.joined == 12 and j0 == 3 and j1 == 12
 
 
+def test_steady_window_per_engine_step():
+    """The timed rows' per-step figures of the steady window: its wall time
+    per engine step that emitted tokens, and the requests that did in each
+    (3 in flight all along here, one step per tick of the fake clock)."""
+    engine = _FakeEngine([1, 2, 4] * 4, 12)
+    counted = run_pairs._CountedSteps(engine)
+    _, _, window_s = run_pairs.decode_continuous(
+        counted,
+        [None] * 12,
+        ["delta"] * 12,
+        3,
+        "c3-t0",
+        lambda: engine.now,
+        counted.mark_window,
+    )
+    stats = run_pairs.window_step_stats(counted.window_marks, window_s)
+    assert stats["window_engine_steps"] == window_s
+    assert stats["ms_per_engine_step"] == 1000.0
+    assert stats["requests_per_engine_step"] == 3.0
+    assert counted.busy_steps == engine.now and counted.outputs > 0
+    # Fewer requests than the concurrency: no steady window, no figures.
+    engine = _FakeEngine([1, 1], 4)
+    counted = run_pairs._CountedSteps(engine)
+    run_pairs.decode_continuous(
+        counted,
+        [None] * 2,
+        ["delta"] * 2,
+        4,
+        "c4-t0",
+        lambda: engine.now,
+        counted.mark_window,
+    )
+    assert run_pairs.window_step_stats(counted.window_marks, None) == {}
+    assert run_pairs.window_step_stats({True: (5, 10), False: (9, 18)}, 2.0) == {
+        "window_engine_steps": 4,
+        "ms_per_engine_step": 500.0,
+        "requests_per_engine_step": 2.0,
+    }
+
+
 def test_engine_command_passes_the_profile_flag():
     ap = run_pairs.argparse.ArgumentParser()
     run_pairs.add_engine_options(ap)

@@ -230,12 +230,22 @@ def spec_counters(llm) -> tuple[float, float]:
 
 class _CountedSteps:
     """An engine whose ``step()`` calls are counted, and the requests that
-    joined it (``add_request``), both from the start."""
+    joined it (``add_request``), both from the start; ``busy_steps``: the
+    calls that returned outputs (one per engine step that emitted tokens),
+    ``outputs``: the requests that emitted tokens, summed over them."""
 
     def __init__(self, engine):
         self.engine = engine
         self.steps = 0
         self.joined = 0
+        self.busy_steps = 0
+        self.outputs = 0
+        # (busy_steps, outputs) when the steady window opened / closed.
+        self.window_marks: dict[bool, tuple[int, int]] = {}
+
+    def mark_window(self, opened: bool) -> None:
+        """`decode_continuous`'s ``on_window``."""
+        self.window_marks[opened] = (self.busy_steps, self.outputs)
 
     def add_request(self, *args, **kwargs):
         self.joined += 1
@@ -243,7 +253,32 @@ class _CountedSteps:
 
     def step(self):
         self.steps += 1
-        return self.engine.step()
+        outs = self.engine.step()
+        if outs:
+            self.busy_steps += 1
+            self.outputs += len(outs)
+        return outs
+
+
+def window_step_stats(
+    marks: dict[bool, tuple[int, int]], window_s: float | None
+) -> dict:
+    """Per engine step of the steady window, from `_CountedSteps`'
+    ``(busy_steps, outputs)`` when it opened (True) and closed (False): its
+    wall time and the requests that emitted tokens in it. The timed rows'
+    ``ms_per_step`` divides the whole decode by drafts per ``c`` instead, which
+    reads a step as slower where fewer than ``c`` requests decode in it."""
+    if not window_s or True not in marks or False not in marks:
+        return {}
+    (s0, o0), (s1, o1) = marks[True], marks[False]
+    steps = s1 - s0
+    if steps <= 0:
+        return {}
+    return dict(
+        window_engine_steps=steps,
+        ms_per_engine_step=round(window_s * 1e3 / steps, 3),
+        requests_per_engine_step=round((o1 - o0) / steps, 2),
+    )
 
 
 def profile_continuous(llm, a, requests: list, params: list, conc: int) -> dict:
@@ -425,16 +460,18 @@ def run_engine(a) -> None:
         toks: list[list[int]] = []
         running.max_running = None
         steady_tokens = steady_s = None
+        counted = _CountedSteps(llm.llm_engine)
         t = time.time()
         with running:
             if continuous:
                 toks, steady_tokens, steady_s = decode_continuous(
-                    llm.llm_engine,
+                    counted,
                     [TokensPrompt(prompt_token_ids=p) for p in batch],
                     sps,
                     conc,
                     f"c{conc}-t{temperature:g}",
                     time.time,
+                    counted.mark_window,
                 )
             else:
                 for i in range(0, len(batch), conc):
@@ -462,6 +499,7 @@ def run_engine(a) -> None:
             startup_s=round(startup, 1),
             max_concurrency=max_concurrency,
             max_running=running.max_running,
+            **window_step_stats(counted.window_marks, steady_s),
             # The timed decode, in the engine log's clock (`jit_compiles_in`).
             timed_from=time.strftime(LOG_TIME, time.localtime(t)),
             timed_to=time.strftime(LOG_TIME, time.localtime(t + dt)),
