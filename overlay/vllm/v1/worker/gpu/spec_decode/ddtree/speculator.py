@@ -212,6 +212,24 @@ class DDTreeSpeculator(DFlashSpeculator):
         """Upstream's propose; ``kwargs`` are the upstream keyword arguments
         (0.26: num_tokens_across_dp, ...; 0.33: dp_sync_state,
         num_speculative_tokens, ...)."""
+
+        def upstream_propose(batch: InputBatch, **extra: Any) -> torch.Tensor:
+            return super(DDTreeSpeculator, self).propose(
+                batch,
+                attn_metadata,
+                slot_mappings,
+                last_hidden_states,
+                aux_hidden_states,
+                num_sampled,
+                num_rejected,
+                last_sampled,
+                next_prefill_tokens,
+                temperature,
+                seeds,
+                dummy_run=dummy_run,
+                **{**kwargs, **extra},
+            )
+
         if (
             dummy_run
             and not self.dflash_input_blocks_compiled
@@ -228,42 +246,14 @@ class DDTreeSpeculator(DFlashSpeculator):
             for batch in dflash_input_block_batches(
                 input_batch, self.num_query_per_req
             ):
-                super().propose(
-                    batch,
-                    attn_metadata,
-                    slot_mappings,
-                    last_hidden_states,
-                    aux_hidden_states,
-                    num_sampled,
-                    num_rejected,
-                    last_sampled,
-                    next_prefill_tokens,
-                    temperature,
-                    seeds,
-                    dummy_run=True,
-                    **kwargs,
-                )
+                upstream_propose(batch)
         draft = self.draft_next_step or dummy_run
-        if draft or PROPOSE_TAKES_NUM_SPECULATIVE_TOKENS:
-            if not draft:
-                # Not verified: the next step schedules no drafts for these
-                # requests. Upstream stores the context K/V and skips the rest.
-                kwargs["num_speculative_tokens"] = 0
-            return super().propose(
-                input_batch,
-                attn_metadata,
-                slot_mappings,
-                last_hidden_states,
-                aux_hidden_states,
-                num_sampled,
-                num_rejected,
-                last_sampled,
-                next_prefill_tokens,
-                temperature,
-                seeds,
-                dummy_run=dummy_run,
-                **kwargs,
-            )
+        if draft:
+            return upstream_propose(input_batch)
+        if PROPOSE_TAKES_NUM_SPECULATIVE_TOKENS:
+            # Not verified: the next step schedules no drafts for these
+            # requests. Upstream stores the context K/V and skips the rest.
+            return upstream_propose(input_batch, num_speculative_tokens=0)
         self._store_context(
             input_batch,
             last_hidden_states,
