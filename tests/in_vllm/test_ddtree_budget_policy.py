@@ -456,6 +456,27 @@ def test_planner_starts_from_the_prior_and_replans_on_its_interval(caplog):
     assert planner.update is third
 
 
+def test_first_replans_come_sooner_then_every_interval():
+    """A fresh server re-plans 1 s after `begin`, then after 2, 4 and 8 s,
+    then every ``budget_replan_interval`` (10 s here)."""
+    from vllm.v1.worker.gpu.spec_decode.ddtree import budget
+
+    planner, clock = _planner()
+    target, drafter = _timings()
+    planner.set_costs(target, drafter, {0: 64, 15: 64, 32: 32, 64: 16})
+    planner.begin()
+    start = clock.now
+    assert budget.FIRST_REPLAN_INTERVAL == 1.0
+    snapshots = []
+    for _ in range(160):  # 40 s of steps, 0.25 s apart
+        clock.now += 0.25
+        was_pending = planner.acceptance.pending
+        planner.observe_walk(*_walk_outputs(8, 64, []))
+        if planner.acceptance.pending and not was_pending:
+            snapshots.append(clock.now - start)
+    assert snapshots == [1.0, 3.0, 7.0, 15.0, 25.0, 35.0]
+
+
 def test_planner_refuses_a_resolved_sync_scheduler():
     from vllm.v1.worker.gpu.spec_decode.ddtree.budget import DDTreeBudgetPlanner
 

@@ -15,7 +15,9 @@
    ``sample``): add the walk to the per-rank counters on the device; every
    ``budget_replan_interval`` seconds queue a non-blocking copy of them, and
    on a later step, once it has landed, re-plan; a changed schedule is
-   logged;
+   logged. The first intervals are shorter (`FIRST_REPLAN_INTERVAL`,
+   doubling up to ``budget_replan_interval``), so that a fresh server leaves
+   the prior's plan within seconds of traffic;
 3. hand the current schedule to the scheduler: the runner puts `update` (a
    versioned `DynamicSDScheduleUpdate`) into every ``ModelRunnerOutput``; the
    scheduler rebuilds its per-batch-size lookup when the version changes,
@@ -42,6 +44,12 @@ from vllm.v1.spec_decode.ddtree.acceptance import AcceptanceCounters
 from vllm.v1.spec_decode.dynamic.utils import DynamicSDScheduleUpdate
 
 logger = init_logger(__name__)
+
+# Seconds from `begin` to the first re-plan; each later interval doubles the
+# one before, up to ``budget_replan_interval``. The prior (worth
+# ``acceptance_prior_weight`` request-steps per rank) tempers plans from few
+# counts, and a plan that does not change publishes nothing.
+FIRST_REPLAN_INTERVAL = 1.0
 
 
 class DDTreeBudgetPlanner:
@@ -85,6 +93,7 @@ class DDTreeBudgetPlanner:
         self._version = 0
         self._clock = clock
         self._next_snapshot = math.inf  # no re-plan before `start`
+        self._snapshot_interval = self.interval
         self.started = False
         self.log_enabled = True
 
@@ -105,7 +114,8 @@ class DDTreeBudgetPlanner:
                 self._replan()
         elif self._clock() >= self._next_snapshot:
             self.acceptance.snapshot()
-            self._next_snapshot = self._clock() + self.interval
+            self._snapshot_interval = min(self.interval, 2 * self._snapshot_interval)
+            self._next_snapshot = self._clock() + self._snapshot_interval
 
     # --------------------------------------------------------------- plan
     def set_costs(
@@ -148,7 +158,8 @@ class DDTreeBudgetPlanner:
         self.acceptance.counts.zero_()
         zeros = [0] * self.tree_budget
         self._publish(self.plan_from_counts(zeros, zeros), None)
-        self._next_snapshot = self._clock() + self.interval
+        self._snapshot_interval = min(self.interval, FIRST_REPLAN_INTERVAL)
+        self._next_snapshot = self._clock() + self._snapshot_interval
         self.started = True
 
     def drafts_needed(self, next_num_draft_tokens: int) -> bool:
