@@ -214,10 +214,38 @@ def _memory_then_compute(fixed, per_token):
 BUDGETS = P.candidate_budgets(64, 15)
 
 
-def test_candidates_are_nospec_and_the_batch_policys_budgets():
-    assert BUDGETS == [0, 15, 32, 64]
-    assert P.candidate_budgets(256, 15) == [0, 15, 32, 64, 128, 256]
-    assert P.candidate_budgets(8, 15) == [0, 8]
+def test_candidates_are_nospec_small_trees_and_the_batch_policys_budgets():
+    assert BUDGETS == [0, 1, 3, 7, 15, 32, 64]
+    assert P.candidate_budgets(256, 15) == [0, 1, 3, 7, 15, 32, 64, 128, 256]
+    assert P.candidate_budgets(8, 15) == [0, 1, 3, 7, 8]
+    assert P.candidate_budgets(64, 7) == [0, 1, 3, 7, 16, 32, 64]
+    assert P.candidate_budgets(1, 15) == [0, 1]
+    assert P.candidate_budgets(64, 1) == [0, 1, 2, 4, 8, 16, 32, 64]
+    for tree_budget, depth in itertools.product((1, 2, 8, 15, 16, 64), (1, 4, 15)):
+        budgets = P.candidate_budgets(tree_budget, depth)
+        floor = min(tree_budget, depth)
+        assert budgets == sorted(set(budgets)) and budgets[-1] == tree_budget
+        below = [b for b in budgets if 0 < b < floor]
+        # Below the floor: 1 + b tokens per request, a power of two.
+        assert all((1 + b) & b == 0 for b in below)
+        assert below == [2**k - 1 for k in range(1, len(below) + 1)]
+        assert [b for b in budgets if b >= floor] == P.power_of_two_budgets(
+            tree_budget, depth
+        )
+
+
+def test_small_trees_win_when_each_verified_token_costs():
+    """A Gated DeltaNet-like target: the step cost grows with every verified
+    token from the first, so at large batches a 3- or 7-node tree beats both
+    no speculation and the 15-node floor, which the policy could not pick
+    before it had budgets below the floor."""
+    tau = P.expected_tau(P.prior_rank_acceptance(64, 15))
+    cost = _memory_then_compute(20e-3, 1.5e-4)
+    dense = _dense(P.choose_budgets(BUDGETS, tau, cost, 64))
+    assert dense == _brute_force(BUDGETS, tau, cost, 64)
+    assert dense[32] in (1, 3, 7) and dense[64] in (1, 3, 7)
+    best_floor_or_none = max(32 * tau[b] / cost(32, 1 + b) for b in (0, 15, 32, 64))
+    assert 32 * tau[dense[32]] / cost(32, 1 + dense[32]) > best_floor_or_none
 
 
 def test_large_trees_at_batch_one_small_ones_at_large_batches():
@@ -236,7 +264,7 @@ def test_large_trees_at_batch_one_small_ones_at_large_batches():
 
 def test_no_speculation_wins_at_large_batches():
     tau = P.expected_tau(P.prior_rank_acceptance(64, 15))
-    cost = _memory_then_compute(5e-3, 1e-5)
+    cost = _memory_then_compute(1e-3, 1e-4)
     dense = _dense(P.choose_budgets(BUDGETS, tau, cost, 512))
     assert dense == _brute_force(BUDGETS, tau, cost, 512)
     assert dense[1] > 0 and dense[512] == 0
@@ -293,9 +321,11 @@ def test_choice_agrees_with_brute_force_on_random_tables(seed):
 def test_budgets_that_overflow_the_token_budget_are_left_out():
     tau = [1.0 + b for b in range(65)]
     flat = lambda n, t: 1.0  # noqa: E731
-    dense = _dense(P.choose_budgets(BUDGETS, tau, flat, 40, 512))
+    dense = _dense(P.choose_budgets(BUDGETS, tau, flat, 300, 512))
     assert dense[7] == 64 and dense[8] == 32 and dense[16] == 15
-    assert dense[33] == 0  # 33 x 16 tokens > 512
+    assert dense[33] == 7  # 33 x 16 tokens > 512
+    assert dense[64] == 7 and dense[65] == 3 and dense[128] == 3
+    assert dense[129] == 1 and dense[256] == 1 and dense[257] == 0
     with pytest.raises(ValueError, match="budget 0"):
         P.choose_budgets([15, 64], tau, flat, 4)
 

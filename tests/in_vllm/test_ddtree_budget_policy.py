@@ -131,8 +131,9 @@ def test_measured_policy_starts_from_the_batch_schedule(target_model_config):
         (2, 3, 32),
         (4, 1024, 15),
     ]
-    # Every budget it may switch to gets decode graphs, no speculation too.
-    assert capture_budgets(spec) == [0, 15, 32, 64]
+    # Every budget it may switch to gets decode graphs: no speculation, the
+    # small trees below draft_depth and the batch policy's budgets.
+    assert capture_budgets(spec) == [0, 1, 3, 7, 15, 32, 64]
     assert (spec.budget_replan_interval, spec.acceptance_prior) == (10.0, 0.8)
     assert spec.acceptance_prior_weight == 256
     # A single-budget start (tree_budget <= draft_depth) is still a dynamic
@@ -145,7 +146,7 @@ def test_measured_policy_starts_from_the_batch_schedule(target_model_config):
         budget_policy="measured",
     )
     assert small.num_speculative_tokens_per_batch_size == [(1, 1024, 8)]
-    assert capture_budgets(small) == [0, 8]
+    assert capture_budgets(small) == [0, 1, 3, 7, 8]
     batch = make_spec(
         target_model_config, method="ddtree", model=DRAFTER, budget_policy="batch"
     )
@@ -399,7 +400,7 @@ def test_planner_starts_from_the_prior_and_replans_on_its_interval(caplog):
     from vllm.v1.spec_decode.ddtree import policy
 
     planner, clock = _planner()
-    assert planner.budgets == [0, 15, 32, 64]
+    assert planner.budgets == [0, 1, 3, 7, 15, 32, 64]
     assert planner.update is None  # nothing published before the costs
     target, drafter = _timings()
     planner.set_costs(target, drafter, {0: 64, 15: 64, 32: 32, 64: 16})
@@ -529,7 +530,16 @@ def test_planner_start_measures_once_then_reads_the_cache(monkeypatch, tmp_path)
     planner, _ = _planner()
     planner.start(runner=None)
     assert len(timed) == 1 and planner.update.version == 1
-    assert planner.max_batch_per_budget == {0: 64, 15: 64, 32: 32, 64: 16}
+    # The fake timings have no graphs for the small trees (1, 3, 7).
+    assert planner.max_batch_per_budget == {
+        0: 64,
+        1: 0,
+        3: 0,
+        7: 0,
+        15: 64,
+        32: 32,
+        64: 16,
+    }
     again, _ = _planner()
     again.start(runner=None)
     assert len(timed) == 1  # read from the cache
@@ -710,7 +720,7 @@ def test_decode_graphs_are_captured_for_every_measured_budget(monkeypatch):
         return {d.uniform_token_count for d in m._capture_descs[CUDAGraphMode.FULL]}
 
     assert uniform_counts(manager("batch")) == {16, 65}
-    assert uniform_counts(manager("measured")) == {1, 16, 33, 65}
+    assert uniform_counts(manager("measured")) == {1, 2, 4, 8, 16, 33, 65}
 
 
 # ------------------------------------------------------------------ metrics
