@@ -118,6 +118,37 @@ def test_ddtree_readings_take_the_budget_at_the_end_and_tau_over_the_run():
     assert run_pairs.ddtree_step_readings({}, {})["budget_chosen"] is None
 
 
+def test_measured_step_costs_are_read_from_the_policys_cache(tmp_path):
+    """The rows carry the step costs the engine's policy timed: the newest
+    cache file written by the policy's own writer for this drafter and dtype."""
+    import os
+
+    from vllm.v1.spec_decode.ddtree import step_costs as sc
+
+    assert run_pairs.measured_step_costs(str(tmp_path), "/d", "bfloat16") is None
+
+    def save(name, drafter, dtype, ms, mtime):
+        fields = {"drafter": drafter, "dtype": f"torch.{dtype}", "budgets": [0, 15]}
+        path = str(tmp_path / "ddtree" / "step_costs" / f"{name}.json")
+        target = {(1, 1): ms * 1e-3, (1, 16): 2 * ms * 1e-3}
+        sc.save_cached_costs(path, fields, target, {1: 1e-3})
+        os.utime(path, (mtime, mtime))
+
+    save("old", "/d", "bfloat16", 5.0, 1000)
+    save("new", "/d", "bfloat16", 6.0, 2000)
+    save("other-drafter", "/e", "bfloat16", 7.0, 3000)
+    save("float32", "/d", "float32", 8.0, 3000)
+    (tmp_path / "ddtree" / "step_costs" / "broken.json").write_text("{")
+    got = run_pairs.measured_step_costs(str(tmp_path), "/d", "bfloat16")
+    assert got == dict(
+        budgets=[0, 15], target=[[1, 1, 6.0], [1, 16, 12.0]], drafter=[[1, 1.0]]
+    )
+    assert run_pairs.measured_step_costs(str(tmp_path), "/d", "float32")["target"] == [
+        [1, 1, 8.0],
+        [1, 16, 16.0],
+    ]
+
+
 def test_policy_table_judges_the_first_policy_against_the_best_alternative():
     import run_policy
 

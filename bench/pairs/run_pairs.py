@@ -218,6 +218,34 @@ def ddtree_step_readings(before: dict, after: dict) -> dict:
     )
 
 
+def measured_step_costs(cache_root: str, drafter: str, dtype: str) -> dict | None:
+    """The step costs the measured budget policy timed (or read) at startup,
+    from its cache (``<cache_root>/ddtree/step_costs/<key>.json``): the newest
+    file for this drafter and dtype, in ms, ``target`` as ``[requests,
+    tokens per request, ms]`` and ``drafter`` as ``[requests, ms]``. None
+    when there is none."""
+    found = []
+    folder = os.path.join(cache_root, "ddtree", "step_costs")
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        path = os.path.join(folder, name)
+        try:
+            with open(path) as f:
+                payload = json.load(f)
+            fields = payload["fields"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if fields.get("drafter") == drafter and dtype in str(fields.get("dtype")):
+            found.append((os.path.getmtime(path), payload))
+    if not found:
+        return None
+    payload = max(found, key=lambda x: x[0])[1]
+    return dict(
+        budgets=payload["fields"].get("budgets"),
+        target=[[n, t, round(s * 1e3, 3)] for n, t, s in payload["target"]],
+        drafter=[[n, round(s * 1e3, 3)] for n, s in payload["drafter"]],
+    )
+
+
 def spec_counters(llm) -> tuple[float, float]:
     acc = drafts = 0.0
     for m in llm.get_metrics():
@@ -375,6 +403,12 @@ def run_engine(a) -> None:
     t0 = time.time()
     llm = LLM(**kw)
     startup = time.time() - t0
+    step_costs = None
+    if a.method == "ddtree_measured":
+        import vllm.envs as envs
+
+        step_costs = measured_step_costs(envs.VLLM_CACHE_ROOT, drafter, a.dtype)
+        log(f"{a.pair} {a.dtype} {a.method}: step costs {json.dumps(step_costs)}")
     # How many requests the engine can hold: the hybrid chain keeps a
     # recurrent state per draft position and may hold fewer than a
     # concurrency asked for (its rows then say so).
@@ -509,6 +543,8 @@ def run_engine(a) -> None:
         if a.method in DDTREE_METHODS:
             row["speculative_config"] = kw["speculative_config"]
             row.update(ddtree_step_readings(by_batch0, ddtree_by_batch_size(llm, conc)))
+            if step_costs is not None:
+                row["step_costs_ms"] = step_costs
         elif a.method in ("chain", "chain_v2"):
             row["k"] = a.chain_k
         if load:
