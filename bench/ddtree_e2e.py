@@ -348,10 +348,12 @@ def _label_draft_passes() -> None:
     DFlashSpeculator.propose = propose
 
 
-def split_gpu_time(events, cuda_type) -> tuple[dict, dict, float, bool]:
+def split_gpu_time(events, cuda_type) -> tuple[dict, dict, float, bool, dict]:
     """GPU kernel time of profiler ``events`` by category (tree build,
     bookkeeping, other), per kernel name, and the part launched by the draft
-    pass (tree build included); plus whether a draft range was seen.
+    pass (tree build included); whether a draft range was seen; and the
+    launches per kernel name (the same kernel taking longer per step is more
+    calls or bigger ones: the count tells which).
 
     The draft pass is told by the GPU-side copy of its record_function range
     (from its first to its last kernel): a kernel belongs to it when it
@@ -368,6 +370,7 @@ def split_gpu_time(events, cuda_type) -> tuple[dict, dict, float, bool]:
     starts = [start for start, _ in spans]
     us = {"tree_build": 0.0, "bookkeeping": 0.0, "other": 0.0}
     top: dict[str, float] = {}
+    calls: dict[str, int] = {}
     draft_us = 0.0
     for ev in events:
         if ev.device_type != cuda_type or ev.name == DRAFT_RANGE:
@@ -385,10 +388,11 @@ def split_gpu_time(events, cuda_type) -> tuple[dict, dict, float, bool]:
         else:
             us["other"] += dur
         top[name[:60]] = top.get(name[:60], 0.0) + dur
+        calls[name[:60]] = calls.get(name[:60], 0) + 1
         i = bisect.bisect_right(starts, ev.time_range.start) - 1
         if i >= 0 and ev.time_range.start <= spans[i][1]:
             draft_us += dur
-    return us, top, draft_us, bool(spans)
+    return us, top, draft_us, bool(spans), calls
 
 
 # Kernels kept per profile: enough to account for a step's tail (the tree
@@ -402,11 +406,12 @@ def profile_summary(prof, steps: float, wall_s: float) -> dict:
     phase, the GPU busy share, the top kernels and host ops."""
     import torch
 
-    us, top, draft_range_us, has_draft_range = split_gpu_time(
+    us, top, draft_range_us, has_draft_range, calls = split_gpu_time(
         prof.events(), torch.autograd.DeviceType.CUDA
     )
     wall_us = wall_s * 1e6 / steps
     averages = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    top_names = [k for k, _ in sorted(top.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]]
     return dict(
         wall_us_per_step=round(wall_us, 1),
         gpu_us_per_step={k: round(v / steps, 1) for k, v in us.items()},
@@ -429,10 +434,8 @@ def profile_summary(prof, steps: float, wall_s: float) -> dict:
         ddtree_share_of_step=round(
             (us["tree_build"] + us["bookkeeping"]) / steps / wall_us, 4
         ),
-        top_kernels_us_per_step={
-            k: round(v / steps, 1)
-            for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
-        },
+        top_kernels_us_per_step={k: round(top[k] / steps, 1) for k in top_names},
+        top_kernels_calls_per_step={k: round(calls[k] / steps, 2) for k in top_names},
         # Host side: where the step's CPU time goes (self time per op), and
         # how often each op runs per step (an op called once per layer
         # means that layer's part runs outside the CUDA graphs).

@@ -42,15 +42,17 @@ def test_split_by_gpu_side_draft_range():
         ev("sampler", 460, 470),  # after it
         ev("cpu_op", 0, 1000, device=CPU),  # not a kernel
     ]
-    us, top, draft_us, has_range = e2e.split_gpu_time(events, CUDA)
+    us, top, draft_us, has_range, calls = e2e.split_gpu_time(events, CUDA)
     assert has_range
     assert us == {"tree_build": 30, "bookkeeping": 5, "other": 30 + 90 + 40 + 10}
     assert draft_us == 30 + 10 + 20 + 40
     assert e2e.DRAFT_RANGE not in top and top["dflash_layer_gemm"] == 70
+    assert calls["dflash_layer_gemm"] == 2 and calls["target_gemm"] == 1
+    assert e2e.DRAFT_RANGE not in calls and "cpu_op" not in calls
 
 
 def test_no_draft_range():
-    us, _, draft_us, has_range = e2e.split_gpu_time([ev("gemm", 0, 10)], CUDA)
+    us, _, draft_us, has_range, _ = e2e.split_gpu_time([ev("gemm", 0, 10)], CUDA)
     assert (us["other"], draft_us, has_range) == (10, 0.0, False)
 
 
@@ -96,3 +98,13 @@ def test_profile_summary_is_per_engine_step():
     assert got["gpu_busy_share"] == 0.45
     assert got["top_cpu_ops_us_per_step"] == {"cudaGraphLaunch": 150}
     assert got["top_cpu_ops_calls_per_step"] == {"cudaGraphLaunch": 2}
+    assert got["top_kernels_us_per_step"]["target_gemm"] == 350
+    assert got["top_kernels_calls_per_step"] == {
+        "target_gemm": 0.5,
+        "dflash_layer_gemm": 0.5,
+        "_ddtree_walk_kernel": 0.5,
+        "_vocab_stats_kernel": 0.5,
+    }
+    assert list(got["top_kernels_calls_per_step"]) == list(
+        got["top_kernels_us_per_step"]
+    )
