@@ -221,9 +221,10 @@ def ddtree_step_readings(before: dict, after: dict) -> dict:
 def measured_step_costs(cache_root: str, drafter: str, dtype: str) -> dict | None:
     """The step costs the measured budget policy timed (or read) at startup,
     from its cache (``<cache_root>/ddtree/step_costs/<key>.json``): the newest
-    file for this drafter and dtype, in ms, ``target`` as ``[requests,
-    tokens per request, ms]`` and ``drafter`` as ``[requests, ms]``. None
-    when there is none."""
+    file for this drafter and dtype (the engine's own when it timed them; one
+    an earlier engine wrote when it read them), in ms, ``target`` as
+    ``[requests, tokens per request, ms]`` and ``drafter`` as ``[requests,
+    ms]``. None when there is none."""
     found = []
     folder = os.path.join(cache_root, "ddtree", "step_costs")
     for name in os.listdir(folder) if os.path.isdir(folder) else ():
