@@ -5,6 +5,7 @@ KV / hidden-state compaction) that DDTreeVerifier builds around the target
 forward. They import the patched vLLM, so they run where it is installed."""
 
 import copy
+import inspect
 from types import SimpleNamespace
 
 import numpy as np
@@ -942,16 +943,42 @@ def test_every_block_width_of_the_drafters_input_kernel_is_compiled_at_warm_up(
             return lambda *args, BLOCK_SIZE, **kw: widths.append(BLOCK_SIZE)
 
     monkeypatch.setattr(dflash, "_prepare_dflash_inputs_kernel", Kernel())
-    any_arg = SimpleNamespace(
-        input_ids=None, positions=None, query_start_loc=None, seq_lens=None
+    buffers = SimpleNamespace(
+        input_ids=None,
+        positions=None,
+        is_padding=None,
+        query_start_loc=None,
+        seq_lens=None,
     )
+    # By name: vLLM 0.33 adds the drafter's sampling and context-parallel
+    # arguments to upstream's function.
+    values = dict(
+        input_buffers=buffers,
+        block_table=torch.zeros(2, 4),
+        block_size=16,
+        cp_rank=0,
+        cp_size=1,
+        cp_interleave=1,
+        parallel_drafting_token_id=0,
+        num_query_per_req=16,
+        num_speculative_steps=15,
+        max_num_reqs=8,
+        max_num_tokens=64,
+        max_model_len=64,
+    )
+    required = [
+        name
+        for name, p in inspect.signature(
+            dflash.prepare_dflash_inputs
+        ).parameters.items()
+        if p.default is inspect.Parameter.empty
+    ]
 
     def upstream_width(batch):
         widths.clear()
         batch.positions = batch.query_start_loc = batch.idx_mapping = None
-        block_table = torch.zeros(2, 4)
-        args = [any_arg] + [None] * 6 + [batch] + [None] * 4
-        dflash.prepare_dflash_inputs(*args, block_table, 16, 0, 16, 15, 8, 64, 64)
+        kwargs = {name: values.get(name) for name in required}
+        dflash.prepare_dflash_inputs(**{**kwargs, "input_batch": batch})
         return widths[0]
 
     calls = []
