@@ -225,25 +225,30 @@ def measured_step_costs(cache_root: str, drafter: str, dtype: str) -> dict | Non
     an earlier engine wrote when it read them), in ms, ``target`` as
     ``[requests, tokens per request, ms]`` and ``drafter`` as ``[requests,
     ms]``. None when there is none."""
+    from vllm.v1.spec_decode.ddtree import step_costs
+
     found = []
     folder = os.path.join(cache_root, "ddtree", "step_costs")
     for name in os.listdir(folder) if os.path.isdir(folder) else ():
         path = os.path.join(folder, name)
         try:
             with open(path) as f:
-                payload = json.load(f)
-            fields = payload["fields"]
+                fields = json.load(f)["fields"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if fields.get("drafter") == drafter and dtype in str(fields.get("dtype")):
-            found.append((os.path.getmtime(path), payload))
+        if fields.get("drafter") != drafter or dtype not in str(fields.get("dtype")):
+            continue
+        # The policy's own reader (format and values checked).
+        costs = step_costs.load_cached_costs(path, fields)
+        if costs is not None:
+            found.append((os.path.getmtime(path), fields, costs))
     if not found:
         return None
-    payload = max(found, key=lambda x: x[0])[1]
+    _, fields, (target, drafter_costs) = max(found, key=lambda x: x[0])
     return dict(
-        budgets=payload["fields"].get("budgets"),
-        target=[[n, t, round(s * 1e3, 3)] for n, t, s in payload["target"]],
-        drafter=[[n, round(s * 1e3, 3)] for n, s in payload["drafter"]],
+        budgets=fields.get("budgets"),
+        target=[[n, t, round(s * 1e3, 3)] for (n, t), s in sorted(target.items())],
+        drafter=[[n, round(s * 1e3, 3)] for n, s in sorted(drafter_costs.items())],
     )
 
 
