@@ -18,6 +18,16 @@ def test_prompts_per_concurrency():
     assert run_pairs.prompts_for(1, prompts, 6) == prompts[:6]
     assert run_pairs.prompts_for(8, prompts, 6) == prompts[:32]  # 4 batches of 8
     assert run_pairs.prompts_for(32, prompts, 6) == prompts  # capped at all
+    # At least min_prompts for c > 1 (longer windows at 2 and 4 requests).
+    assert (
+        run_pairs.prompts_for(2, prompts, 6, per_client=3, min_prompts=24)
+        == (prompts[:24])
+    )
+    assert (
+        run_pairs.prompts_for(16, prompts, 6, per_client=3, min_prompts=24)
+        == (prompts[:48])
+    )
+    assert run_pairs.prompts_for(1, prompts, 6, min_prompts=24) == prompts[:6]
 
 
 def test_compare_counts_equal_outputs(tmp_path):

@@ -77,11 +77,12 @@ def prompts_for(
     c1: int,
     cycle: bool = False,
     per_client: int = 4,
+    min_prompts: int = 0,
 ) -> list[list[int]]:
     """Concurrency c = 1 decodes ``c1`` prompts one by one; c > 1 decodes
-    ``per_client`` x c prompts: at most all of them, or (``cycle``) the list
-    repeated as often as needed."""
-    n = c1 if conc == 1 else per_client * conc
+    ``per_client`` x c prompts, and at least ``min_prompts``: at most all of
+    them, or (``cycle``) the list repeated as often as needed."""
+    n = c1 if conc == 1 else max(per_client * conc, min_prompts)
     if not cycle:
         return prompts[: min(n, len(prompts))]
     return [prompts[i % len(prompts)] for i in range(n)]
@@ -354,6 +355,10 @@ def profile_continuous(llm, a, requests: list, params: list, conc: int) -> dict:
 def run_engine(a) -> None:
     """One engine: print one ``ROW {json}`` per concurrency, save token ids."""
     os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")
+    # Triton autotunes a kernel afresh in every process unless its timings
+    # are kept on disk: the run's later engines read the first one's (the
+    # same GPU and shapes, so the same choices) instead of timing again.
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     if a.profile:
         # The profiler sees the engine's kernels only in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -439,7 +444,12 @@ def run_engine(a) -> None:
     for conc, temperature in plan:
         continuous = a.schedule == "continuous"
         batch = prompts_for(
-            conc, prompts, a.c1_prompts, cycle=continuous, per_client=a.per_client
+            conc,
+            prompts,
+            a.c1_prompts,
+            cycle=continuous,
+            per_client=a.per_client,
+            min_prompts=a.min_prompts,
         )
         # Sampled: one seed per prompt, so every method draws from the same
         # stream of seeds (outputs still differ: speculation changes which
@@ -662,6 +672,14 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
         "continuous schedule's steady window spans about this many request "
         "lifetimes less one",
     )
+    ap.add_argument(
+        "--min-prompts",
+        type=int,
+        default=0,
+        help="c > 1 decodes at least this many prompts: at 2 and 4 requests, "
+        "3 per client give a steady window of a few seconds, too short to "
+        "tell methods 3%% apart",
+    )
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -742,6 +760,8 @@ def engine_command(
         str(a.c1_prompts),
         "--per-client",
         str(a.per_client),
+        "--min-prompts",
+        str(a.min_prompts),
         "--max-tokens",
         str(a.max_tokens),
         "--max-model-len",
