@@ -1006,6 +1006,15 @@ def test_every_block_width_of_the_drafters_input_kernel_is_compiled_at_warm_up(
     speculator.propose(decode, *args, dummy_run=True)
     speculator.propose(decode, *args)
     assert calls == [(32, True), (32, False)]
+    # Without a dummy run that runs attention (no FlashInfer autotuning), the
+    # V2 runner's warm-up steps are real ones: the first of them compiles.
+    calls.clear()
+    speculator.dflash_input_blocks_compiled = False
+    speculator.propose(decode, *args)
+    assert calls == [(64, False), (128, False), (256, False), (32, False)]
+    calls.clear()
+    speculator.propose(decode, *args)
+    assert calls == [(32, False)]
     # A longer query reaches the widest block; 17 + 16 tokens the next one.
     prefill = SimpleNamespace(num_reqs=1, num_scheduled_tokens=np.array([4000]))
     assert upstream_width(prefill) == ddtree.DFLASH_INPUTS_MAX_BLOCK

@@ -230,18 +230,19 @@ class DDTreeSpeculator(DFlashSpeculator):
                 **{**kwargs, **extra},
             )
 
-        if (
-            dummy_run
-            and not self.dflash_input_blocks_compiled
-            and not kwargs.get("skip_attn_for_dummy_run", False)
+        if not self.dflash_input_blocks_compiled and not kwargs.get(
+            "skip_attn_for_dummy_run", False
         ):
             # A DFlash chain's steps take two of the input kernel's block
             # widths (decode, prefill), which warm-up compiles; DDTree's take
             # one more per tree budget (1 + budget query tokens, one budget
             # per batch size under the measured policy), first seen while
-            # serving: each stalled its step for a compile. One warm-up run
-            # per width here (at startup: the runs write only the drafter's
-            # per-step buffers, which the run below writes again).
+            # serving: each stalled its step for a compile. One run per width
+            # at the first propose that runs attention: a dummy run of the
+            # warm-up (FlashInfer's autotuning) or, where none runs one, the
+            # V2 runner's warm-up steps (`warmup_kernels`, real requests),
+            # both before serving. The kernel's outputs do not depend on the
+            # width, so the runs write what the run below writes again.
             self.dflash_input_blocks_compiled = True
             for batch in dflash_input_block_batches(
                 input_batch, self.num_query_per_req
