@@ -26,6 +26,15 @@ PER_BATCH = {
         "v1/worker/gpu/spec_decode/ddtree/kernels.py",
         "_ddtree_shift_model_positions_kernel",
     ): ["num_logits"],
+    # The post-walk commit's slot table: a [G, n] view, n the step's spec rows.
+    ("v1/spec_decode/ddtree/gdn_commit.py", "_commit_conv_kernel"): [
+        "slot_group_stride",
+        "slot_stride",
+    ],
+    ("v1/spec_decode/ddtree/gdn_commit.py", "_commit_gdn_kernel"): [
+        "slot_group_stride",
+        "slot_stride",
+    ],
 }
 
 

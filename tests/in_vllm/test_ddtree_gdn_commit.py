@@ -371,6 +371,49 @@ def test_padding_rows_with_the_null_slot_are_skipped():
     assert torch.equal(ctx.x_buf[:, T:], x_before[:, T:])
 
 
+@pytest.mark.parametrize("kv_cache_groups", [GROUPS, None])
+def test_binding_compiles_the_commit_on_a_row_it_skips(monkeypatch, kv_cache_groups):
+    """bind_layers launches the commit once, so that its kernels compile at
+    startup and not at a server's first verify step: on one spec row with
+    state slot 0 (per KV-cache group) and nothing accepted, which changes no
+    state and no verify buffer."""
+    layers = make_layers(6, torch.float32, torch.float32)
+    before = _snapshot(layers)
+    launches = []
+    commit = gdn_verify.commit_accepted_paths
+
+    def counted(*args, **kwargs):
+        launches.append(args)
+        return commit(*args, **kwargs)
+
+    monkeypatch.setattr(gdn_verify, "commit_accepted_paths", counted)
+    ctx = gdn_verify.DDTreeGDN(
+        parent_idx=torch.zeros(6, 4, dtype=torch.int64, device=DEVICE),
+        draft_depth=3,
+        max_num_reqs=6,
+        max_rows=32,
+        num_layers=3,
+        conv_dim=CONV_DIM,
+        num_v_heads=HV,
+        dtype=torch.float32,
+        device=torch.device(DEVICE),
+    )
+    ctx.bind_layers(
+        {layer.prefix: layer for layer in layers} | {ATTN: object()},
+        kv_cache_groups,
+    )
+    assert len(launches) == 1
+    slots = launches[0][4]
+    groups = 1 if kv_cache_groups is None else 2
+    assert slots.numel() == groups and not slots.any()
+    # The runtime's dtypes (one compiled variant for both).
+    assert slots.dtype == ctx.spec_batch_rows.dtype == torch.int32
+    for (conv, ssm), (conv0, ssm0) in zip(_snapshot(layers), before):
+        assert torch.equal(conv, conv0) and torch.equal(ssm, ssm0)
+    for buf in (ctx.x_buf, ctx.a_buf, ctx.b_buf):
+        assert not buf.any()
+
+
 def test_kv_cache_groups_name_every_gdn_layer():
     layers = make_layers(0, torch.float32, torch.float32)
     step = Step(0, [3, 3, 3], 2, ["root", "root", "root"], torch.float32)

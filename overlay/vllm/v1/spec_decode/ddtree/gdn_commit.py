@@ -90,7 +90,12 @@ def _path_or_committed(
     return tl.where(from_x[:, None], from_path, from_state)
 
 
-@triton.jit
+# The slot table's strides follow the step (a [G, n] view of one buffer: its
+# group stride is n, 1 at one request, a multiple of 16 at 16, 32, ...):
+# left unspecialised, so that one compiled variant serves every batch size
+# and a server does not stall on a variant first needed while serving (an
+# H200 run of the 27B shape compiled both kernels twice after warm-up).
+@triton.jit(do_not_specialize=["slot_group_stride", "slot_stride"])
 def _commit_conv_kernel(
     x_buf,  # [L, rows, dim] pre-conv verify rows (in: pre-conv, out: post-conv)
     stride_x_layer,
@@ -221,7 +226,7 @@ def _commit_conv_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot_group_stride", "slot_stride"])
 def _commit_gdn_kernel(
     x_buf,  # [L, rows, dim]: the path's post-conv rows at row0 + k
     stride_x_layer,

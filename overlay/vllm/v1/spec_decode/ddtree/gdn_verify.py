@@ -334,6 +334,36 @@ class DDTreeGDN:
         self._groups_checked = False
         for layer in layers.values():
             layer.ddtree_verifier = self
+        self._compile_commit()
+
+    def _compile_commit(self) -> None:
+        """Launch the post-walk commit once, at startup, on one row that it
+        skips (state slot 0, nothing accepted), so that its two kernels
+        compile here: on an H200 the 27B-shaped engine compiled them at its
+        first verify steps after warm-up, stalling those steps."""
+        assert self.tables is not None
+        groups = len(self.group_layers)
+        # One group: a 1-D slot column, as `commit` passes it.
+        slots = self.slot_buf[:groups]
+        if groups > 1:
+            slots = slots.view(groups, 1)
+        nothing = torch.zeros(2, dtype=torch.int32, device=self.device)
+        src_row = torch.zeros(
+            1, self.draft_depth + 1, dtype=torch.int64, device=self.device
+        )
+        commit_accepted_paths(
+            self.tables,
+            self.x_buf,
+            self.a_buf,
+            self.b_buf,
+            slots,
+            nothing[:1],
+            nothing,
+            nothing[:1],
+            src_row,
+            nothing,
+            self.draft_depth,
+        )
 
     def attach(self, attn_metadata: dict[str, Any]) -> None:
         """Keep the step's GDN metadata (state slots), one per KV-cache
