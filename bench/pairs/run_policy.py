@@ -71,6 +71,7 @@ def tabulate(
             schedule=tree.get("schedule", "waves"),
             expected_tau=tree.get("expected_tau"),
             chain_tau=chain.get("tau") if chain else None,
+            chain_method=chain_method,
         )
         for other in policies[1:]:
             r = by_key.get((pair, POLICY_METHODS[other], conc))
@@ -120,7 +121,11 @@ def plot(table: list[dict], path: str) -> None:
         xs = [r["concurrency"] for r in rows]
         series = [
             ("nospec_tok_s", "no speculation"),
-            ("chain_tok_s", "DFlash chain K=15"),
+            (
+                "chain_tok_s",
+                "DFlash chain K=15"
+                + (", V2 runner" if rows[0].get("chain_method") == "chain_v2" else ""),
+            ),
             ("ddtree_tok_s", f"DDTree ({rows[0]['policy']} policy)"),
         ] + [
             (k, f"DDTree ({k[len('ddtree_') : -len('_tok_s')]} policy)")
