@@ -11,6 +11,7 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -344,3 +345,98 @@ def test_budgets_past_their_largest_captured_graph_are_left_out():
     # A budget with no graph at all never wins; 0 needs none.
     dense = _dense(P.choose_budgets(BUDGETS, tau, flat, 4, None, {15: 4}))
     assert set(dense.values()) == {15}
+
+
+# ----------------------------------------------------------- served steps
+def _hybrid_like_table():
+    """Graph-replay costs shaped like the Qwen3.6-27B engine's startup
+    timings on the H200 (ms): a one-token step 14.8 (1 request) to 21.2 (64),
+    a 4-token one 30.9 at 64 requests; drafter extra for tree steps."""
+    points = {}
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        for t in (1, 2, 4, 8, 16, 33, 65):
+            if n * t > 2048:
+                continue
+            target = 14.8e-3 + 0.1e-3 * n + 0.9e-6 * n * t * t
+            points[(n, t)] = target + (1.7e-3 + 0.09e-3 * n if t > 1 else 0.0)
+    return P.StepCostTable(points)
+
+
+def test_served_ratios_are_ratios_of_sums_past_enough_steps():
+    served = P.ServedStepCosts(min_steps=4)
+    for seconds in (0.02, 0.02, 0.02):
+        served.observe(8, True, seconds, 0.01)
+    xs, _ = served.ratios(True)
+    assert len(xs) == 0  # 3 steps < min_steps
+    served.observe(8, True, 0.14, 0.01)  # a step with a prefill chunk
+    xs, rs = served.ratios(True)
+    assert xs.tolist() == [8.0]
+    assert rs[0] == pytest.approx((3 * 0.02 + 0.14) / 0.04)
+    assert served.ratios(False)[0].size == 0  # kinds are apart
+    served.decay()  # 0.5: 2 weighted steps now, below min_steps
+    assert served.ratios(True)[0].size == 0
+    for _ in range(3):
+        served.observe(8, True, 0.01, 0.01)
+    xs, rs = served.ratios(True)  # old and new steps, old at half weight
+    assert rs[0] == pytest.approx((0.1 + 0.03) / (0.02 + 0.03))
+    with pytest.raises(ValueError):
+        P.ServedStepCosts(min_steps=0)
+    with pytest.raises(ValueError):
+        P.ServedStepCosts(decay=1.5)
+
+
+def test_served_cost_scales_the_table_by_kind_and_interpolates_in_batch():
+    table = _hybrid_like_table()
+    served = P.ServedStepCosts(min_steps=1)
+    cost = served.cost_fn(table)
+    batches = np.array([1.0, 8.0, 64.0])
+    # Nothing served yet: the table itself.
+    assert np.allclose(cost(batches, 16), table.cost(batches, 16))
+    served.observe(1, True, 1.2 * table.cost(1, 65), table.cost(1, 65))
+    served.observe(33, True, 2.8 * table.cost(33, 8), table.cost(33, 8))
+    served.observe(64, False, 1.1 * table.cost(64, 1), table.cost(64, 1))
+    cost = served.cost_fn(table)
+    got = cost(np.array([1.0, 17.0, 33.0, 64.0]), 4) / table.cost(
+        np.array([1.0, 17.0, 33.0, 64.0]), 4
+    )
+    # Tree steps: 1.2 at 1, 2.8 from 33 on (constant past the last), linear
+    # between; steps without drafts: their own ratio, everywhere.
+    assert got == pytest.approx([1.2, 2.0, 2.8, 2.8])
+    assert cost(batches, 1) / table.cost(batches, 1) == pytest.approx([1.1] * 3)
+    assert (
+        served.describe() == "with drafts 1.20x (1) .. 2.80x (33); without 1.10x (64)"
+    )
+    assert P.ServedStepCosts().describe() == "none yet"
+
+
+def test_served_steps_move_large_batches_to_no_speculation():
+    """The measured failure: the graph timings favour small trees at 32 and
+    64 requests, the served tree steps cost 2.3-2.6x them, steps without
+    speculation 1.1x. On the table alone the plan keeps trees there; with
+    the served steps it turns to no speculation where that is faster, and
+    keeps the trees where they still win."""
+    table = _hybrid_like_table()
+    prior = P.prior_rank_acceptance(64, 15)
+    # Counted acceptance like the hybrid pair's: ~0.85, 0.5, 0.3, ... by rank.
+    rates = [0.85 * 0.6**r for r in range(64)]
+    verified = [10**6] * 64
+    accepted = [r * 10**6 for r in rates]
+    alone = _dense(P.plan(BUDGETS, table, accepted, verified, prior, 64))
+    assert alone[32] > 0 and alone[64] > 0
+    served = P.ServedStepCosts(min_steps=1)
+    for n, ratio in ((1, 1.14), (8, 1.98), (16, 2.41), (32, 2.32), (64, 2.57)):
+        b = alone[n]
+        served.observe(n, True, ratio * table.cost(n, 1 + b), table.cost(n, 1 + b))
+    with_served = _dense(
+        P.plan(BUDGETS, table, accepted, verified, prior, 64, served=served)
+    )
+    assert with_served[1] > 0  # trees still pay at one request
+    assert with_served[64] == 0 and with_served[32] == 0
+    tau = P.expected_tau(P.rank_acceptance(accepted, verified, prior))
+    assert with_served == _brute_force(BUDGETS, tau, served.cost_fn(table), 64)
+    # Once the steps without speculation are served too and cost more than
+    # the optimistic guess, large batches go back to trees if those win.
+    for n in (32, 64):
+        served.observe(n, False, 3.0 * table.cost(n, 1), table.cost(n, 1))
+    back = _dense(P.plan(BUDGETS, table, accepted, verified, prior, 64, served=served))
+    assert back[64] > 0

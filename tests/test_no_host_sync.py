@@ -49,7 +49,9 @@ PER_STEP = {
     # schedule and the re-plan from a landed snapshot (host numbers).
     "vllm/v1/worker/gpu/spec_decode/ddtree/budget.py": {
         "observe_walk",
-        "drafts_needed",
+        "begin_step",
+        "_table_cost",
+        "_tick",
         "_replan",
         "_publish",
         "plan_from_counts",

@@ -783,12 +783,79 @@ def test_budget_and_tau_per_batch_size_in_metrics(registry):
 # ----------------------------------------------- no speculation, no drafts
 def test_drafts_are_skipped_only_after_start_and_for_budget_zero():
     planner, _ = _planner()
-    assert planner.drafts_needed(0)  # the warm-up's steps carry no number
+    assert planner.begin_step(8, None, 0)  # the warm-up's steps carry no number
     target, drafter = _timings()
     planner.set_costs(target, drafter, {0: 64, 15: 64, 32: 32, 64: 16})
     planner.begin()
-    assert not planner.drafts_needed(0)
-    assert planner.drafts_needed(15)
+    assert not planner.begin_step(8, None, 0)
+    assert planner.begin_step(8, np.full(8, 15, dtype=np.int32), 15)
+
+
+def _by_batch(schedule):
+    return {n: b for lo, hi, b in schedule for n in range(lo, hi + 1)}
+
+
+def test_served_steps_are_timed_between_step_starts_and_move_the_plan():
+    """The host clock between two steps' starts is the first one's served
+    time, filed under its batch size and kind (drafts or none) against the
+    table's cost of its shape; idle gaps are not steps. Steps without drafts
+    re-plan on the interval too, and the re-plan scales the table by the
+    served ratios: tree steps served at 3x the table turn 64 requests to no
+    speculation."""
+    from vllm.v1.worker.gpu.spec_decode.ddtree import budget
+
+    planner, clock = _planner()
+    target, drafter = _timings()
+    planner.set_costs(target, drafter, {0: 64, 15: 64, 32: 32, 64: 16})
+    planner.begin()
+    first = planner.update
+    assert _by_batch(first.schedule)[64] > 0  # the table alone: trees at 64
+    table_15 = planner.costs.cost(64, 16)
+    drafts = np.full(64, 15, dtype=np.int32)
+    for _ in range(40):
+        planner.begin_step(64, drafts, 15)
+        clock.now += 3 * table_15
+    # The 40th step has not ended yet: 39 served steps of 64 x 15 nodes.
+    acc = planner.served.sums[(64, True)]
+    assert acc[2] == 39
+    assert acc[0] == pytest.approx(39 * 3 * table_15)
+    assert acc[1] == pytest.approx(39 * table_15)
+    planner.begin_step(64, drafts, 15)  # the 40th ends
+    assert planner.served.sums[(64, True)][2] == 40
+    clock.now += budget.MAX_SERVED_STEP_SECONDS + 0.5  # an idle engine
+    planner.begin_step(64, drafts, 15)
+    assert planner.served.sums[(64, True)][2] == 40  # not a step
+    clock.now += 3 * table_15
+    planner.begin_step(64, drafts, 15)
+    assert planner.served.sums[(64, True)][2] == 41
+
+    # Tree steps count their walks; the re-plan (snapshot queued, landed)
+    # takes the served ratios.
+    clock.now += 10.0
+    planner.observe_walk(*_walk_outputs(8, 64, list(range(15))))
+    planner.observe_walk(*_walk_outputs(8, 64, list(range(15))))
+    second = planner.update
+    assert second is not first
+    assert (
+        _by_batch(second.schedule)[64] == 0
+    )  # 3x the table for trees: no speculation wins
+    assert planner.served.sums[(64, True)][2] == pytest.approx(41 * 0.5)  # decayed
+
+    # Steps without drafts: timed as their own kind, and they re-plan.
+    nodrafts = np.zeros(64, dtype=np.int32)
+    planner.begin_step(64, nodrafts, 0)
+    table_0 = planner.costs.cost(64, 1)
+    for _ in range(30):
+        clock.now += 1.05 * table_0
+        planner.begin_step(64, nodrafts, 0)
+    assert planner.served.sums[(64, False)][2] == 30
+    assert planner.served.sums[(64, True)][2] == pytest.approx(41 * 0.5)
+    clock.now += 20.0
+    before = planner.acceptance.pending
+    planner.begin_step(64, nodrafts, 0)  # queues the snapshot
+    assert planner.acceptance.pending and not before
+    planner.begin_step(64, nodrafts, 0)  # landed: re-plan (decays the sums)
+    assert planner.served.sums[(64, False)][2] == pytest.approx(31 * 0.5)
 
 
 def test_a_step_without_next_drafts_only_stores_its_context(monkeypatch):

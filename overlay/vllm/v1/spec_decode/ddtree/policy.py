@@ -28,6 +28,17 @@ verified per request) points and interpolates piecewise-linearly in tokens
 and in batch size; budget ``b`` verifies ``1 + b`` tokens per request, and
 budget 0 (no speculation) is the one-token decode step.
 
+Served steps. The table times CUDA-graph replays; a served step adds what
+the host does around them and the steps that mix a new prompt's prefill
+into the batch, which cost more with speculation than without (H200,
+Qwen3.6-27B shape: served DDTree steps 1.1-2.6x the table from 1 to 64
+requests, steps without speculation 1.06-1.16x). `ServedStepCosts` keeps
+the served step times against the table's, per batch size and for steps
+with and without speculation, and scales the table by their ratio
+(`ServedStepCosts.cost_fn`). A kind of step never served keeps the table's
+cost (ratio 1): the optimistic guess, so that an option that the table
+favours is tried and then judged by its own served steps.
+
 The choice (`choose_budgets`): for each batch size, the budget with the
 largest ``batch * tau(b) / cost(batch, 1 + b)``, budget 0 having ``tau = 1``.
 """
@@ -240,6 +251,92 @@ class StepCostTable:
         return cls({(int(b), int(t)): float(s) for b, t, s in rows})
 
 
+# Seconds per step at (batch sizes, tokens per request); batch sizes an array.
+CostFn = Callable[[np.ndarray, int], np.ndarray]
+
+
+# ---------------------------------------------------------- served steps
+# Served steps a (batch size, speculation or not) needs before its ratio
+# counts, and the weight left to the sums at each re-plan (recent traffic
+# counts most).
+DEFAULT_MIN_SERVED_STEPS = 16
+DEFAULT_SERVED_DECAY = 0.5
+
+
+class ServedStepCosts:
+    """Served step times against the step-cost table's, per (batch size,
+    whether the step verified drafts).
+
+    `observe` adds one served step: its wall time and the table's cost of
+    its shape. The ratio of a batch size is the ratio of the sums (a step
+    that mixes in a prefill chunk weighs by its time, as it does in
+    throughput). `cost_fn` scales the table by the ratios, interpolated
+    linearly between the observed batch sizes and constant past them;
+    steps with drafts and steps without each by their own. `decay` scales
+    the sums down (called at each re-plan)."""
+
+    def __init__(
+        self,
+        min_steps: int = DEFAULT_MIN_SERVED_STEPS,
+        decay: float = DEFAULT_SERVED_DECAY,
+    ):
+        if min_steps < 1 or not 0.0 <= decay <= 1.0:
+            raise ValueError(f"bad served-step settings: {min_steps}, {decay}")
+        self.min_steps = min_steps
+        self.decay_factor = decay
+        # (batch, speculating) -> [served seconds, table seconds, steps]
+        self.sums: dict[tuple[int, bool], list[float]] = {}
+
+    def observe(
+        self, batch: int, speculating: bool, seconds: float, table_seconds: float
+    ) -> None:
+        acc = self.sums.setdefault((batch, speculating), [0.0, 0.0, 0.0])
+        acc[0] += seconds
+        acc[1] += table_seconds
+        acc[2] += 1.0
+
+    def decay(self) -> None:
+        for acc in self.sums.values():
+            for i in range(3):
+                acc[i] *= self.decay_factor
+
+    def ratios(self, speculating: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Batch sizes with at least ``min_steps`` steps (weighted by the
+        decay) and their served / table ratios, by batch size."""
+        points = sorted(
+            (batch, acc[0] / acc[1])
+            for (batch, spec), acc in self.sums.items()
+            if spec == speculating and acc[2] >= self.min_steps and acc[1] > 0
+        )
+        xs = np.array([b for b, _ in points], dtype=np.float64)
+        return xs, np.array([r for _, r in points], dtype=np.float64)
+
+    def cost_fn(self, table: StepCostTable) -> CostFn:
+        by_kind = {spec: self.ratios(spec) for spec in (False, True)}
+
+        def cost(batches: np.ndarray, tokens: int) -> np.ndarray:
+            base = np.asarray(table.cost(batches, tokens), dtype=np.float64)
+            xs, rs = by_kind[tokens > 1]
+            if len(xs) == 0:
+                return base
+            return base * np.interp(np.asarray(batches, dtype=np.float64), xs, rs)
+
+        return cost
+
+    def describe(self) -> str:
+        """``with drafts 1.14x (1) .. 2.57x (64); without 1.16x (64)``."""
+        parts = []
+        for spec, name in ((True, "with drafts"), (False, "without")):
+            xs, rs = self.ratios(spec)
+            if len(xs) == 0:
+                continue
+            ends = [(int(xs[0]), rs[0])]
+            if len(xs) > 1:
+                ends.append((int(xs[-1]), rs[-1]))
+            parts.append(name + " " + " .. ".join(f"{r:.2f}x ({n})" for n, r in ends))
+        return "; ".join(parts) if parts else "none yet"
+
+
 # --------------------------------------------------------------------- choice
 @dataclass(frozen=True)
 class BudgetChoice:
@@ -252,10 +349,6 @@ class BudgetChoice:
     budget: int
     expected_tau: float
     tokens_per_second: float
-
-
-# Seconds per step at (batch sizes, tokens per request); batch sizes an array.
-CostFn = Callable[[np.ndarray, int], np.ndarray]
 
 
 def choose_budgets(
@@ -332,14 +425,16 @@ def plan(
     prior_weight: float = DEFAULT_PRIOR_WEIGHT,
     max_num_batched_tokens: int | None = None,
     max_batch_per_budget: Mapping[int, int] | None = None,
+    served: ServedStepCosts | None = None,
 ) -> list[BudgetChoice]:
-    """The whole policy: acceptance estimate, tau per budget, choice."""
+    """The whole policy: acceptance estimate, tau per budget, choice (on
+    the table's costs scaled by the served steps', if given)."""
     rates = rank_acceptance(accepted, verified, prior, prior_weight)
     tau = expected_tau(rates)
     return choose_budgets(
         budgets,
         tau,
-        costs.cost,
+        costs.cost if served is None else served.cost_fn(costs),
         max_batch_size,
         max_num_batched_tokens,
         max_batch_per_budget,

@@ -18,7 +18,13 @@
    logged. The first intervals are shorter (`FIRST_REPLAN_INTERVAL`,
    doubling up to ``budget_replan_interval``), so that a fresh server leaves
    the prior's plan within seconds of traffic;
-3. hand the current schedule to the scheduler: the runner puts `update` (a
+3. every step (`begin_step`, called by the runner before the forward):
+   time the step before on the host clock (the interval between two
+   steps' starts) and add it to `policy.ServedStepCosts` with the table's
+   cost of its shape; a re-plan scales the table by the served steps'
+   ratios, so that what the graph timings leave out (host work, steps
+   that mix in a prefill chunk) weighs in the choice;
+4. hand the current schedule to the scheduler: the runner puts `update` (a
    versioned `DynamicSDScheduleUpdate`) into every ``ModelRunnerOutput``; the
    scheduler rebuilds its per-batch-size lookup when the version changes,
    and forwards the schedule with the expected tau per batch size to the
@@ -50,6 +56,9 @@ logger = init_logger(__name__)
 # ``acceptance_prior_weight`` request-steps per rank) tempers plans from few
 # counts, and a plan that does not change publishes nothing.
 FIRST_REPLAN_INTERVAL = 1.0
+# A longer interval between two steps' starts is not a step's cost but an
+# idle engine (or a prefill long enough to say nothing about speculation).
+MAX_SERVED_STEP_SECONDS = 1.0
 
 
 class DDTreeBudgetPlanner:
@@ -89,6 +98,11 @@ class DDTreeBudgetPlanner:
             for a, b, k in spec.num_speculative_tokens_per_batch_size or ()
         ]
         self.choices: list[policy.BudgetChoice] = []
+        # Served steps against the table (`begin_step`): the last step's start
+        # (clock), batch size, whether it verified drafts and table seconds.
+        self.served = policy.ServedStepCosts()
+        self._last_step: tuple[float, int, bool, float] | None = None
+        self._table_seconds: dict[tuple[int, int], float] = {}
         self.update: DynamicSDScheduleUpdate | None = None
         self._version = 0
         self._clock = clock
@@ -109,6 +123,59 @@ class DDTreeBudgetPlanner:
         along: queue a snapshot when the interval is over, re-plan once a
         queued one has landed."""
         self.acceptance.count(num_accepted, src_row, query_start_loc, cu_num_logits)
+        self._tick()
+
+    def begin_step(
+        self,
+        num_reqs: int,
+        num_draft_tokens_np: Any,
+        next_num_draft_tokens: int,
+    ) -> bool:
+        """At the start of every step that runs the model: the step before
+        ends here (its served time, host clock only), this one starts with
+        ``num_reqs`` requests verifying the largest of
+        ``num_draft_tokens_np`` (the runner's per-request draft counts, a
+        numpy array; None: no drafts). A step
+        without drafts moves the re-plan along (`observe_walk` does on the
+        others). Returns whether this step drafts for the next: the
+        scheduler gives the next step ``next_num_draft_tokens`` per request
+        (async scheduling: the placeholders it sets from this step's batch
+        size, ``SchedulerOutput.num_spec_tokens_to_schedule``). Before
+        `start` (the warm-up's steps, which carry no such number) always."""
+        if not self.started:
+            return True
+        now = self._clock()
+        if self._last_step is not None:
+            start, batch, speculating, table_seconds = self._last_step
+            if now - start <= MAX_SERVED_STEP_SECONDS:
+                self.served.observe(batch, speculating, now - start, table_seconds)
+        budget = (
+            0 if num_draft_tokens_np is None else num_draft_tokens_np.max(initial=0)
+        )
+        self._last_step = (
+            now,
+            num_reqs,
+            budget > 0,
+            self._table_cost(num_reqs, budget),
+        )
+        if budget == 0:
+            self._tick()
+        return next_num_draft_tokens > 0
+
+    def _table_cost(self, num_reqs: int, budget: int) -> float:
+        """The table's seconds for a step's shape (remembered: a step's
+        shapes repeat)."""
+        key = (num_reqs, budget)
+        seconds = self._table_seconds.get(key)
+        if seconds is None:
+            assert self.costs is not None
+            seconds = self.costs.cost(num_reqs, 1 + budget)
+            self._table_seconds[key] = seconds
+        return seconds
+
+    def _tick(self) -> None:
+        """Queue a snapshot of the counters when the interval is over;
+        re-plan once a queued one has landed."""
         if self.acceptance.pending:
             if self.acceptance.snapshot_ready():
                 self._replan()
@@ -128,6 +195,7 @@ class DDTreeBudgetPlanner:
         and the largest captured batch size per budget; budgets without a
         timed graph drop out of the options (0 cannot)."""
         self.costs = step_costs.combine_step_costs(target, drafter)
+        self._table_seconds.clear()
         timed_tokens = set(self.costs.token_counts)
         self.timed_budgets = [b for b in self.budgets if 1 + b in timed_tokens]
         if 0 not in self.timed_budgets:
@@ -150,6 +218,7 @@ class DDTreeBudgetPlanner:
             self.prior_weight,
             self.max_num_batched_tokens,
             self.max_batch_per_budget,
+            self.served,
         )
 
     def begin(self) -> None:
@@ -160,15 +229,8 @@ class DDTreeBudgetPlanner:
         self._publish(self.plan_from_counts(zeros, zeros), None)
         self._snapshot_interval = min(self.interval, FIRST_REPLAN_INTERVAL)
         self._next_snapshot = self._clock() + self._snapshot_interval
+        self._last_step = None
         self.started = True
-
-    def drafts_needed(self, next_num_draft_tokens: int) -> bool:
-        """Whether this step's drafts will be verified: the scheduler gives
-        the next step ``next_num_draft_tokens`` per request (async
-        scheduling: the placeholders it sets from this step's batch size,
-        ``SchedulerOutput.num_spec_tokens_to_schedule``). Before `start`
-        (the warm-up's steps, which carry no such number) always."""
-        return not self.started or next_num_draft_tokens > 0
 
     def _replan(self) -> None:
         """From the landed snapshot (host memory, no device access)."""
@@ -176,10 +238,11 @@ class DDTreeBudgetPlanner:
             return
         accepted_np, verified_np = self.acceptance.host_np
         accepted, verified = accepted_np.tolist(), verified_np.tolist()
-        self._publish(
-            self.plan_from_counts(accepted, verified),
-            policy.summarize_counts(accepted, verified),
-        )
+        observed = dict(policy.summarize_counts(accepted, verified))
+        observed["served"] = self.served.describe()
+        self._publish(self.plan_from_counts(accepted, verified), observed)
+        # Recent steps weigh most in the next plan.
+        self.served.decay()
 
     def _publish(
         self,
@@ -213,9 +276,11 @@ class DDTreeBudgetPlanner:
         else:
             logger.info(
                 "DDTree measured budget policy re-planned after %d tree "
-                "request-steps (observed tau %.2f): schedule by batch size %s.",
+                "request-steps (observed tau %.2f; served steps over the "
+                "startup timings: %s): schedule by batch size %s.",
                 observed["tree_steps"],
                 1.0 + observed["accepted_per_step"],
+                observed.get("served", "none yet"),
                 described,
             )
 
