@@ -514,3 +514,37 @@ def test_prompts_are_cut_to_their_last_tokens_and_the_cut_passed_on(tmp_path):
     assert a.prompt_tokens == 160
     cmd = run_pairs.engine_command(a, "dense-8b", "bfloat16", "chain", "1")
     assert cmd[cmd.index("--prompt-tokens") + 1] == "160"
+
+
+def test_steady_window_step_times_and_their_spread():
+    """Each busy step inside the steady window is timed from the previous
+    busy step's return; the spread shows slow steps (prefill chunks mixed
+    in) apart from the rest."""
+    engine = _FakeEngine([1, 2, 4] * 4, 12)
+    ticks = iter(range(10**6))
+    counted = run_pairs._CountedSteps(engine, clock=lambda: float(next(ticks)))
+    run_pairs.decode_continuous(
+        counted,
+        [None] * 12,
+        ["delta"] * 12,
+        3,
+        "c3-t0",
+        lambda: engine.now,
+        counted.mark_window,
+    )
+    opened, closed = counted.window_marks[True], counted.window_marks[False]
+    # One interval per busy step in the window (the clock ticks once a call).
+    assert len(counted.window_step_seconds) == closed[0] - opened[0]
+    assert set(counted.window_step_seconds) == {1.0}
+    # 18 steps of 25 ms and 2 of 150 ms (a prefill chunk each).
+    spread = run_pairs.step_time_spread([0.025] * 18 + [0.15] * 2)
+    assert spread["step_ms_percentiles"]["p50"] == 25.0
+    assert spread["step_ms_percentiles"]["max"] == 150.0
+    assert spread["step_ms_percentiles"]["p99"] == 150.0
+    assert spread["step_ms_percentiles"]["p90"] == 37.5
+    assert spread["slow_steps_share"] == 0.1
+    assert spread["slow_steps_time_share"] == round(0.3 / 0.75, 3)
+    assert spread["slow_step_ms"] == 150.0
+    uniform = run_pairs.step_time_spread([0.02] * 10)
+    assert uniform["slow_steps_share"] == 0.0 and uniform["slow_step_ms"] is None
+    assert run_pairs.step_time_spread([0.02]) == {}

@@ -269,7 +269,7 @@ class _CountedSteps:
     calls that returned outputs (one per engine step that emitted tokens),
     ``outputs``: the requests that emitted tokens, summed over them."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, clock=time.perf_counter):
         self.engine = engine
         self.steps = 0
         self.joined = 0
@@ -277,10 +277,18 @@ class _CountedSteps:
         self.outputs = 0
         # (busy_steps, outputs) when the steady window opened / closed.
         self.window_marks: dict[bool, tuple[int, int]] = {}
+        # Seconds between consecutive busy steps' returns inside the steady
+        # window: one engine step each (continuous traffic keeps it busy).
+        self.window_step_seconds: list[float] = []
+        self._clock = clock
+        self._last_busy: float | None = None
+        self._in_window = False
 
     def mark_window(self, opened: bool) -> None:
         """`decode_continuous`'s ``on_window``."""
         self.window_marks[opened] = (self.busy_steps, self.outputs)
+        self._in_window = opened
+        self._last_busy = self._clock() if opened else None
 
     def add_request(self, *args, **kwargs):
         self.joined += 1
@@ -292,7 +300,40 @@ class _CountedSteps:
         if outs:
             self.busy_steps += 1
             self.outputs += len(outs)
+            if self._in_window:
+                now = self._clock()
+                if self._last_busy is not None:
+                    self.window_step_seconds.append(now - self._last_busy)
+                self._last_busy = now
         return outs
+
+
+def step_time_spread(step_seconds: list[float]) -> dict:
+    """How the steady window's engine steps spread in time: percentiles of
+    the steps' wall time, and the steps slower than twice the median (under
+    continuous traffic, mostly those that carry a joining request's prefill
+    chunk): their share of the steps and of the window's time, and their
+    mean. A step's time is the interval between two busy steps' returns."""
+    if len(step_seconds) < 2:
+        return {}
+    ms = sorted(x * 1e3 for x in step_seconds)
+
+    def percentile(q: float) -> float:
+        # Linear between the closest ranks (numpy's default).
+        pos = (len(ms) - 1) * q / 100
+        lo = int(pos)
+        hi = min(lo + 1, len(ms) - 1)
+        return ms[lo] + (ms[hi] - ms[lo]) * (pos - lo)
+
+    median = percentile(50)
+    slow = [x for x in ms if x > 2 * median]
+    return dict(
+        step_ms_percentiles={f"p{q}": round(percentile(q), 2) for q in (10, 50, 90, 99)}
+        | {"max": round(ms[-1], 2)},
+        slow_steps_share=round(len(slow) / len(ms), 3),
+        slow_steps_time_share=round(sum(slow) / sum(ms), 3),
+        slow_step_ms=round(sum(slow) / len(slow), 2) if slow else None,
+    )
 
 
 def window_step_stats(
@@ -550,6 +591,7 @@ def run_engine(a) -> None:
             max_concurrency=max_concurrency,
             max_running=running.max_running,
             **window_step_stats(counted.window_marks, steady_s),
+            **step_time_spread(counted.window_step_seconds),
             # The timed decode, in the engine log's clock (`jit_compiles_in`).
             timed_from=time.strftime(LOG_TIME, time.localtime(t)),
             timed_to=time.strftime(LOG_TIME, time.localtime(t + dt)),
