@@ -283,12 +283,11 @@ def test_window_hooks_bracket_the_steady_window_and_steps_are_counted():
     assert counted.joined == 12 and j0 == 3 and j1 == 12
 
 
-def test_steady_window_per_engine_step():
-    """The timed rows' per-step figures of the steady window: its wall time
-    per engine step that emitted tokens, and the requests that did in each
-    (3 in flight all along here, one step per tick of the fake clock)."""
+def _counted_decode(**counted_kwargs):
+    """12 requests, 3 in flight, through `_CountedSteps` with its window
+    hooks: (engine, counted, steady window seconds)."""
     engine = _FakeEngine([1, 2, 4] * 4, 12)
-    counted = run_pairs._CountedSteps(engine)
+    counted = run_pairs._CountedSteps(engine, **counted_kwargs)
     _, _, window_s = run_pairs.decode_continuous(
         counted,
         [None] * 12,
@@ -298,6 +297,14 @@ def test_steady_window_per_engine_step():
         lambda: engine.now,
         counted.mark_window,
     )
+    return engine, counted, window_s
+
+
+def test_steady_window_per_engine_step():
+    """The timed rows' per-step figures of the steady window: its wall time
+    per engine step that emitted tokens, and the requests that did in each
+    (3 in flight all along here, one step per tick of the fake clock)."""
+    engine, counted, window_s = _counted_decode()
     stats = run_pairs.window_step_stats(counted.window_marks, window_s)
     assert stats["window_engine_steps"] == window_s
     assert stats["ms_per_engine_step"] == 1000.0
@@ -520,18 +527,8 @@ def test_steady_window_step_times_and_their_spread():
     """Each busy step inside the steady window is timed from the previous
     busy step's return; the spread shows slow steps (prefill chunks mixed
     in) apart from the rest."""
-    engine = _FakeEngine([1, 2, 4] * 4, 12)
     ticks = iter(range(10**6))
-    counted = run_pairs._CountedSteps(engine, clock=lambda: float(next(ticks)))
-    run_pairs.decode_continuous(
-        counted,
-        [None] * 12,
-        ["delta"] * 12,
-        3,
-        "c3-t0",
-        lambda: engine.now,
-        counted.mark_window,
-    )
+    _, counted, _ = _counted_decode(clock=lambda: float(next(ticks)))
     opened, closed = counted.window_marks[True], counted.window_marks[False]
     # One interval per busy step in the window (the clock ticks once a call).
     assert len(counted.window_step_seconds) == closed[0] - opened[0]
