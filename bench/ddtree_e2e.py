@@ -321,7 +321,8 @@ def mismatch_gaps(ref, toks, ref_gaps) -> list[float]:
     return sorted(out)
 
 
-DRAFT_RANGE = "ddtree_e2e::draft"
+RANGE_PREFIX = "ddtree_e2e::"
+DRAFT_RANGE = RANGE_PREFIX + "draft"
 
 
 def _label_draft_passes() -> None:
@@ -346,6 +347,111 @@ def _label_draft_passes() -> None:
 
     propose._labelled = True  # type: ignore[attr-defined]
     DFlashSpeculator.propose = propose
+
+
+# The engine steps' own ranges (`_label_steps`): the model runner's
+# execute_model and sample_tokens of a step that carries a prefill chunk
+# ("mixed") or only decodes and verifies ("decode").
+STEP_KINDS = ("mixed", "decode")
+
+
+def _step_range(phase: str, kind: str) -> str:
+    return f"ddtree_e2e::{phase}_{kind}"
+
+
+def _has_prefill(scheduler_output) -> bool:
+    """Whether a step schedules more tokens for some request than one plus
+    its drafts: a prefill chunk (a new request's or a long prompt's next)."""
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    return any(
+        n > 1 + len(spec.get(req_id, ()))
+        for req_id, n in scheduler_output.num_scheduled_tokens.items()
+    )
+
+
+def _label_steps() -> None:
+    """Wrap the V2 model runner's execute_model and sample_tokens in
+    profiler ranges named by the step's kind (engine in-process), so that a
+    profile tells steps with a prefill chunk from the others."""
+    import torch
+
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    except ImportError:
+        return
+    execute, sample = GPUModelRunner.execute_model, GPUModelRunner.sample_tokens
+    if getattr(execute, "_labelled", False):
+        return
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if kwargs.get("dummy_run") or scheduler_output.total_num_scheduled_tokens == 0:
+            return execute(self, scheduler_output, *args, **kwargs)
+        kind = "mixed" if _has_prefill(scheduler_output) else "decode"
+        self._ddtree_e2e_step_kind = kind
+        with torch.profiler.record_function(_step_range("execute", kind)):
+            return execute(self, scheduler_output, *args, **kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        kind = getattr(self, "_ddtree_e2e_step_kind", None)
+        if kind is None:
+            return sample(self, *args, **kwargs)
+        self._ddtree_e2e_step_kind = None
+        with torch.profiler.record_function(_step_range("sample", kind)):
+            return sample(self, *args, **kwargs)
+
+    execute_model._labelled = True  # type: ignore[attr-defined]
+    GPUModelRunner.execute_model = execute_model
+    GPUModelRunner.sample_tokens = sample_tokens
+
+
+def step_kind_summary(events, cuda_type) -> dict:
+    """Per step kind (`STEP_KINDS`) of a profile with `_label_steps`' ranges:
+    the steps, and per step the host time inside the runner's two calls,
+    the GPU kernel time of the kernels that start inside their GPU-side
+    ranges, and those ranges' span (first to last kernel: the kernel time
+    plus the GPU's idle gaps inside the step). Kinds with no step are left
+    out."""
+    events = list(events)
+    out = {}
+    for kind in STEP_KINDS:
+        names = {_step_range("execute", kind), _step_range("sample", kind)}
+        cpu = [ev for ev in events if ev.name in names and ev.device_type != cuda_type]
+        steps = sum(1 for ev in cpu if ev.name == _step_range("execute", kind))
+        if not steps:
+            continue
+        spans = sorted(
+            (ev.time_range.start, ev.time_range.end)
+            for ev in events
+            if ev.name in names and ev.device_type == cuda_type
+        )
+        starts = [start for start, _ in spans]
+        kernel_us = 0.0
+        for ev in events:
+            if ev.device_type != cuda_type or ev.name.startswith(RANGE_PREFIX):
+                continue
+            i = bisect.bisect_right(starts, ev.time_range.start) - 1
+            if i >= 0 and ev.time_range.start <= spans[i][1]:
+                kernel_us += _device_us(ev)
+        out[kind] = dict(
+            steps=steps,
+            host_ms_per_step=round(
+                sum(ev.time_range.end - ev.time_range.start for ev in cpu)
+                / steps
+                / 1e3,
+                3,
+            ),
+            gpu_kernel_ms_per_step=round(kernel_us / steps / 1e3, 3),
+            gpu_span_ms_per_step=round(
+                sum(end - start for start, end in spans) / steps / 1e3, 3
+            ),
+        )
+    return out
+
+
+def _device_us(ev) -> float:
+    return (
+        ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    )
 
 
 def split_gpu_time(events, cuda_type) -> tuple[dict, dict, float, bool, dict]:
@@ -373,13 +479,10 @@ def split_gpu_time(events, cuda_type) -> tuple[dict, dict, float, bool, dict]:
     calls: dict[str, int] = {}
     draft_us = 0.0
     for ev in events:
-        if ev.device_type != cuda_type or ev.name == DRAFT_RANGE:
+        # Ranges (the draft pass's, the steps') are spans, not kernel time.
+        if ev.device_type != cuda_type or ev.name.startswith(RANGE_PREFIX):
             continue
-        dur = (
-            ev.device_time_total
-            if hasattr(ev, "device_time_total")
-            else ev.cuda_time_total
-        )
+        dur = _device_us(ev)
         name = ev.name
         if TREE_BUILD_KERNELS.search(name):
             us["tree_build"] += dur
@@ -434,6 +537,9 @@ def profile_summary(prof, steps: float, wall_s: float) -> dict:
         ddtree_share_of_step=round(
             (us["tree_build"] + us["bookkeeping"]) / steps / wall_us, 4
         ),
+        # Steps that carry a prefill chunk apart from the others (with
+        # `_label_steps`): their count, host and GPU time per step.
+        step_kinds=step_kind_summary(prof.events(), torch.autograd.DeviceType.CUDA),
         top_kernels_us_per_step={k: round(top[k] / steps, 1) for k in top_names},
         top_kernels_calls_per_step={k: round(calls[k] / steps, 2) for k in top_names},
         # Host side: where the step's CPU time goes (self time per op), and
@@ -456,6 +562,7 @@ def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     _label_draft_passes()
+    _label_steps()
     llm.generate(prompts[:conc], sp, use_tqdm=False)  # warm-up outside the trace
     acc0, drafts0, _ = spec_metrics(llm)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -108,3 +108,72 @@ def test_profile_summary_is_per_engine_step():
     assert list(got["top_kernels_calls_per_step"]) == list(
         got["top_kernels_us_per_step"]
     )
+
+
+def test_steps_with_a_prefill_chunk_are_told_apart():
+    """Three steps: two decode-only (4 + 1 tokens with drafts), one with a
+    new request's 160-token prompt. Per kind: the steps, the host time in
+    the runner's two calls, the kernel time inside their GPU-side ranges and
+    those ranges' span (idle gaps included); the ranges are not kernels."""
+    out = SimpleNamespace(
+        num_scheduled_tokens={"a": 16, "b": 16},
+        scheduled_spec_decode_tokens={"a": [0] * 15, "b": [0] * 15},
+    )
+    assert not e2e._has_prefill(out)
+    out.num_scheduled_tokens["c"] = 160
+    assert e2e._has_prefill(out)
+    out = SimpleNamespace(
+        num_scheduled_tokens={"a": 1}, scheduled_spec_decode_tokens={}
+    )
+    assert not e2e._has_prefill(out)  # a decode without drafts
+
+    ex_d, sa_d = (
+        e2e._step_range("execute", "decode"),
+        e2e._step_range("sample", "decode"),
+    )
+    ex_m, sa_m = e2e._step_range("execute", "mixed"), e2e._step_range("sample", "mixed")
+    events = [
+        # decode step 1: host 0-100 + 100-120; GPU range 1000-1300, kernels 250
+        ev(ex_d, 0, 100, device=CPU),
+        ev(sa_d, 100, 120, device=CPU),
+        ev(ex_d, 1000, 1200),
+        ev(sa_d, 1200, 1300),
+        ev("gemm", 1000, 1150),
+        ev("sampler", 1200, 1300),
+        # decode step 2
+        ev(ex_d, 200, 280, device=CPU),
+        ev(sa_d, 280, 300, device=CPU),
+        ev(ex_d, 1400, 1600),
+        ev(sa_d, 1600, 1650),
+        ev("gemm", 1400, 1550),
+        ev("sampler", 1600, 1650),
+        # mixed step: long host part, the GPU idle half of its span
+        ev(ex_m, 400, 3400, device=CPU),
+        ev(sa_m, 3400, 3500, device=CPU),
+        ev(ex_m, 2000, 5000),
+        ev(sa_m, 5000, 5100),
+        ev("gemm", 2000, 2800),
+        ev("chunk_gated_delta_rule", 4000, 4700),
+        ev("sampler", 5000, 5100),
+        ev("outside", 6000, 6100),  # in no step range
+    ]
+    got = e2e.step_kind_summary(events, CUDA)
+    assert got == {
+        "mixed": dict(
+            steps=1,
+            host_ms_per_step=3.1,
+            gpu_kernel_ms_per_step=1.6,
+            gpu_span_ms_per_step=3.1,
+        ),
+        "decode": dict(
+            steps=2,
+            host_ms_per_step=0.11,
+            gpu_kernel_ms_per_step=0.225,
+            gpu_span_ms_per_step=0.275,
+        ),
+    }
+    # The step ranges are spans, never kernel time in the split.
+    us, top, _, _, _ = e2e.split_gpu_time(events, CUDA)
+    assert not any(name.startswith(e2e.RANGE_PREFIX) for name in top)
+    assert sum(us.values()) == 150 + 100 + 150 + 50 + 800 + 700 + 100 + 100
+    assert e2e.step_kind_summary([ev("gemm", 0, 10)], CUDA) == {}

@@ -363,10 +363,11 @@ def profile_continuous(llm, a, requests: list, params: list, conc: int) -> dict:
     (prefill chunks of the requests that join included, as in the timed rows),
     split as ``ddtree_e2e.py --profile`` splits it."""
     import torch
-    from ddtree_e2e import _label_draft_passes, profile_summary
+    from ddtree_e2e import _label_draft_passes, _label_steps, profile_summary
     from torch.profiler import ProfilerActivity, profile
 
     _label_draft_passes()
+    _label_steps()
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     engine = _CountedSteps(llm.llm_engine)
     marks: dict[bool, tuple[float, int, int]] = {}
