@@ -373,12 +373,17 @@ def test_served_ratios_are_ratios_of_sums_past_enough_steps():
     assert xs.tolist() == [8.0]
     assert rs[0] == pytest.approx((3 * 0.02 + 0.14) / 0.04)
     assert served.ratios(False)[0].size == 0  # kinds are apart
-    served.decay()  # 0.5: 2 weighted steps now, below min_steps
-    assert served.ratios(True)[0].size == 0
+    served.decay()  # halves the sums, not the ratio: no new step replaced it
+    for _ in range(5):
+        served.decay()
+    xs, rs = served.ratios(True)
+    assert xs.tolist() == [8.0] and rs[0] == pytest.approx(5.0)
+    served.decay()  # the old steps at 1/128 of their weight
     for _ in range(3):
         served.observe(8, True, 0.01, 0.01)
-    xs, rs = served.ratios(True)  # old and new steps, old at half weight
-    assert rs[0] == pytest.approx((0.1 + 0.03) / (0.02 + 0.03))
+    xs, rs = served.ratios(True)  # new steps outweigh the old ones
+    assert rs[0] == pytest.approx((0.2 / 128 + 0.03) / (0.04 / 128 + 0.03))
+    assert rs[0] < 1.1
     with pytest.raises(ValueError):
         P.ServedStepCosts(min_steps=0)
     with pytest.raises(ValueError):
@@ -434,9 +439,27 @@ def test_served_steps_move_large_batches_to_no_speculation():
     assert with_served[64] == 0 and with_served[32] == 0
     tau = P.expected_tau(P.rank_acceptance(accepted, verified, prior))
     assert with_served == _brute_force(BUDGETS, tau, served.cost_fn(table), 64)
+    # Served without speculation at what the table says, and re-planned many
+    # times (each halving the sums): no tree step replaced the trees' ratio
+    # at 32 and 64, so they stay without speculation. A forgotten ratio
+    # would bring the table's cost back, and the plan back to trees, over and
+    # over (`forgotten`).
+    forgotten = P.ServedStepCosts(min_steps=1)
+    for _ in range(8):
+        for n in (32, 64):
+            for s in (served, forgotten):
+                s.observe(n, False, table.cost(n, 1), table.cost(n, 1))
+        served.decay()
+    kept = _dense(P.plan(BUDGETS, table, accepted, verified, prior, 64, served=served))
+    assert kept[32] == 0 and kept[64] == 0 and kept[1] > 0
+    lost = _dense(
+        P.plan(BUDGETS, table, accepted, verified, prior, 64, served=forgotten)
+    )
+    assert lost[32] > 0 and lost[64] > 0
     # Once the steps without speculation are served too and cost more than
     # the optimistic guess, large batches go back to trees if those win.
     for n in (32, 64):
-        served.observe(n, False, 3.0 * table.cost(n, 1), table.cost(n, 1))
+        for _ in range(8):
+            served.observe(n, False, 3.0 * table.cost(n, 1), table.cost(n, 1))
     back = _dense(P.plan(BUDGETS, table, accepted, verified, prior, 64, served=served))
     assert back[64] > 0

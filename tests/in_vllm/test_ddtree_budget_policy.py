@@ -839,7 +839,10 @@ def test_served_steps_are_timed_between_step_starts_and_move_the_plan():
     assert (
         _by_batch(second.schedule)[64] == 0
     )  # 3x the table for trees: no speculation wins
-    assert planner.served.sums[(64, True)][2] == pytest.approx(41 * 0.5)  # decayed
+    # The re-plan halved the sums (not the step count, nor the ratio).
+    assert planner.served.sums[(64, True)][:3] == pytest.approx(
+        [41 * 1.5 * table_15, 41 * 0.5 * table_15, 41]
+    )
 
     # Steps without drafts: timed as their own kind, and they re-plan.
     nodrafts = np.zeros(64, dtype=np.int32)
@@ -849,13 +852,14 @@ def test_served_steps_are_timed_between_step_starts_and_move_the_plan():
         clock.now += 1.05 * table_0
         planner.begin_step(64, nodrafts, 0)
     assert planner.served.sums[(64, False)][2] == 30
-    assert planner.served.sums[(64, True)][2] == pytest.approx(41 * 0.5)
+    assert planner.served.sums[(64, True)][2] == 41
     clock.now += 20.0
     before = planner.acceptance.pending
     planner.begin_step(64, nodrafts, 0)  # queues the snapshot
     assert planner.acceptance.pending and not before
     planner.begin_step(64, nodrafts, 0)  # landed: re-plan (decays the sums)
-    assert planner.served.sums[(64, False)][2] == pytest.approx(31 * 0.5)
+    assert planner.served.sums[(64, False)][1] == pytest.approx(31 * 0.5 * table_0)
+    assert _by_batch(planner.update.schedule)[64] == 0
 
 
 def test_a_step_without_next_drafts_only_stores_its_context(monkeypatch):

@@ -270,10 +270,14 @@ class ServedStepCosts:
     `observe` adds one served step: its wall time and the table's cost of
     its shape. The ratio of a batch size is the ratio of the sums (a step
     that mixes in a prefill chunk weighs by its time, as it does in
-    throughput). `cost_fn` scales the table by the ratios, interpolated
-    linearly between the observed batch sizes and constant past them;
-    steps with drafts and steps without each by their own. `decay` scales
-    the sums down (called at each re-plan)."""
+    throughput), once ``min_steps`` steps were served there. `cost_fn`
+    scales the table by the ratios, interpolated linearly between the
+    observed batch sizes and constant past them; steps with drafts and steps
+    without each by their own. `decay` scales the sums down (called at each
+    re-plan), so that new steps outweigh old ones; it does not forget a
+    ratio that no new step replaces: a batch size the plan moved away from
+    a kind of step keeps that kind's ratio (forgetting it would bring back
+    the table's cost, and the plan back to the option it left)."""
 
     def __init__(
         self,
@@ -285,6 +289,7 @@ class ServedStepCosts:
         self.min_steps = min_steps
         self.decay_factor = decay
         # (batch, speculating) -> [served seconds, table seconds, steps]
+        # (the first two decayed, the steps not).
         self.sums: dict[tuple[int, bool], list[float]] = {}
 
     def observe(
@@ -297,12 +302,12 @@ class ServedStepCosts:
 
     def decay(self) -> None:
         for acc in self.sums.values():
-            for i in range(3):
-                acc[i] *= self.decay_factor
+            acc[0] *= self.decay_factor
+            acc[1] *= self.decay_factor
 
     def ratios(self, speculating: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Batch sizes with at least ``min_steps`` steps (weighted by the
-        decay) and their served / table ratios, by batch size."""
+        """Batch sizes with at least ``min_steps`` served steps and their
+        served / table ratios, by batch size."""
         points = sorted(
             (batch, acc[0] / acc[1])
             for (batch, spec), acc in self.sums.items()
