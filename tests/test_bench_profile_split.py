@@ -127,34 +127,43 @@ def test_steps_with_a_prefill_chunk_are_told_apart():
     )
     assert not e2e._has_prefill(out)  # a decode without drafts
 
-    ex_d, sa_d = (
-        e2e._step_range("execute", "decode"),
-        e2e._step_range("sample", "decode"),
-    )
-    ex_m, sa_m = e2e._step_range("execute", "mixed"), e2e._step_range("sample", "mixed")
+    def step(kind, host, gpu, kernels):
+        """The runner's two calls of one step: their CPU ranges (``host``:
+        execute and sample, each (start, end)), their GPU-side ranges
+        (``gpu``, likewise) and the step's kernels."""
+        names = (e2e._step_range("execute", kind), e2e._step_range("sample", kind))
+        return [
+            *(ev(n, a, b, device=CPU) for n, (a, b) in zip(names, host)),
+            *(ev(n, a, b) for n, (a, b) in zip(names, gpu)),
+            *(ev(name, a, b) for name, a, b in kernels),
+        ]
+
     events = [
-        # decode step 1: host 0-100 + 100-120; GPU range 1000-1300, kernels 250
-        ev(ex_d, 0, 100, device=CPU),
-        ev(sa_d, 100, 120, device=CPU),
-        ev(ex_d, 1000, 1200),
-        ev(sa_d, 1200, 1300),
-        ev("gemm", 1000, 1150),
-        ev("sampler", 1200, 1300),
-        # decode step 2
-        ev(ex_d, 200, 280, device=CPU),
-        ev(sa_d, 280, 300, device=CPU),
-        ev(ex_d, 1400, 1600),
-        ev(sa_d, 1600, 1650),
-        ev("gemm", 1400, 1550),
-        ev("sampler", 1600, 1650),
-        # mixed step: long host part, the GPU idle half of its span
-        ev(ex_m, 400, 3400, device=CPU),
-        ev(sa_m, 3400, 3500, device=CPU),
-        ev(ex_m, 2000, 5000),
-        ev(sa_m, 5000, 5100),
-        ev("gemm", 2000, 2800),
-        ev("chunk_gated_delta_rule", 4000, 4700),
-        ev("sampler", 5000, 5100),
+        # decode steps: host 100 + 20 and 80 + 20 us; kernels 250 and 200 us
+        # in GPU ranges of 300 and 250 us
+        *step(
+            "decode",
+            [(0, 100), (100, 120)],
+            [(1000, 1200), (1200, 1300)],
+            [("gemm", 1000, 1150), ("sampler", 1200, 1300)],
+        ),
+        *step(
+            "decode",
+            [(200, 280), (280, 300)],
+            [(1400, 1600), (1600, 1650)],
+            [("gemm", 1400, 1550), ("sampler", 1600, 1650)],
+        ),
+        # the mixed step: a long host part, the GPU idle half of its span
+        *step(
+            "mixed",
+            [(400, 3400), (3400, 3500)],
+            [(2000, 5000), (5000, 5100)],
+            [
+                ("gemm", 2000, 2800),
+                ("chunk_gated_delta_rule", 4000, 4700),
+                ("sampler", 5000, 5100),
+            ],
+        ),
         ev("outside", 6000, 6100),  # in no step range
     ]
     got = e2e.step_kind_summary(events, CUDA)
