@@ -799,9 +799,9 @@ def test_served_steps_are_timed_between_step_starts_and_move_the_plan():
     """The host clock between two steps' starts is the first one's served
     time, filed under its batch size and kind (drafts or none) against the
     table's cost of its shape; idle gaps are not steps. Steps without drafts
-    re-plan on the interval too, and the re-plan scales the table by the
-    served ratios: tree steps served at 3x the table turn 64 requests to no
-    speculation."""
+    re-plan on the interval too, and the re-plan adds to the table what the
+    served steps add: tree steps served at 3x the table turn 64 requests to
+    no speculation."""
     from vllm.v1.worker.gpu.spec_decode.ddtree import budget
 
     planner, clock = _planner()
@@ -839,10 +839,13 @@ def test_served_steps_are_timed_between_step_starts_and_move_the_plan():
     assert (
         _by_batch(second.schedule)[64] == 0
     )  # 3x the table for trees: no speculation wins
-    # The re-plan halved the sums (not the step count, nor the ratio).
-    assert planner.served.sums[(64, True)][:3] == pytest.approx(
-        [41 * 1.5 * table_15, 41 * 0.5 * table_15, 41]
+    # The re-plan halved the sums and their weight (not the step count, nor
+    # what a step adds: twice the table entry here).
+    assert planner.served.sums[(64, True)] == pytest.approx(
+        [41 * 1.5 * table_15, 41 * 0.5 * table_15, 41 * 0.5, 41]
     )
+    xs, extra = planner.served.extra(True)
+    assert xs.tolist() == [64.0] and extra[0] == pytest.approx(2 * table_15)
 
     # Steps without drafts: timed as their own kind, and they re-plan.
     nodrafts = np.zeros(64, dtype=np.int32)
@@ -851,8 +854,8 @@ def test_served_steps_are_timed_between_step_starts_and_move_the_plan():
     for _ in range(30):
         clock.now += 1.05 * table_0
         planner.begin_step(64, nodrafts, 0)
-    assert planner.served.sums[(64, False)][2] == 30
-    assert planner.served.sums[(64, True)][2] == 41
+    assert planner.served.sums[(64, False)][3] == 30
+    assert planner.served.sums[(64, True)][3] == 41
     clock.now += 20.0
     before = planner.acceptance.pending
     planner.begin_step(64, nodrafts, 0)  # queues the snapshot

@@ -34,10 +34,10 @@ into the batch, which cost more with speculation than without (H200,
 Qwen3.6-27B shape: served DDTree steps 1.1-2.6x the table from 1 to 64
 requests, steps without speculation 1.06-1.16x). `ServedStepCosts` keeps
 the served step times against the table's, per batch size and for steps
-with and without speculation, and scales the table by their ratio
+with and without speculation, and adds what the served steps add
 (`ServedStepCosts.cost_fn`). A kind of step never served keeps the table's
-cost (ratio 1): the optimistic guess, so that an option that the table
-favours is tried and then judged by its own served steps.
+cost: the optimistic guess, so that an option that the table favours is
+tried and then judged by its own served steps.
 
 The choice (`choose_budgets`): for each batch size, the budget with the
 largest ``batch * tau(b) / cost(batch, 1 + b)``, budget 0 having ``tau = 1``.
@@ -268,77 +268,85 @@ class ServedStepCosts:
     whether the step verified drafts).
 
     `observe` adds one served step: its wall time and the table's cost of
-    its shape. The ratio of a batch size is the ratio of the sums (a step
-    that mixes in a prefill chunk weighs by its time, as it does in
-    throughput), once ``min_steps`` steps were served there. `cost_fn`
-    scales the table by the ratios, interpolated linearly between the
-    observed batch sizes and constant past them; steps with drafts and steps
-    without each by their own. `decay` scales the sums down (called at each
-    re-plan), so that new steps outweigh old ones; it does not forget a
-    ratio that no new step replaces: a batch size the plan moved away from
-    a kind of step keeps that kind's ratio (forgetting it would bring back
-    the table's cost, and the plan back to the option it left)."""
+    its shape. What a batch size's steps add to the table is the difference
+    of the sums per step (a step that mixes in a prefill chunk weighs by its
+    time, as it does in throughput), once ``min_steps`` steps were served
+    there. It is added, not scaled: the host work and the prefill chunks a
+    step carries do not grow with its tree (a 7-node step served beside
+    15-node ones pays about what they pay over the table, not the same
+    multiple of a smaller table entry). `cost_fn` adds it to the table,
+    linear between the observed batch sizes and constant past them; steps
+    with drafts and steps without each their own. `decay` scales the sums
+    down (called at each re-plan), so that new steps outweigh old ones; it
+    does not forget what no new step replaces: a batch size the plan moved
+    away from a kind of step keeps that kind's figure (forgetting it would
+    bring back the table's cost, and the plan back to the option it
+    left)."""
 
     def __init__(
         self,
         min_steps: int = DEFAULT_MIN_SERVED_STEPS,
         decay: float = DEFAULT_SERVED_DECAY,
     ):
-        if min_steps < 1 or not 0.0 <= decay <= 1.0:
+        if min_steps < 1 or not 0.0 < decay <= 1.0:
             raise ValueError(f"bad served-step settings: {min_steps}, {decay}")
         self.min_steps = min_steps
         self.decay_factor = decay
-        # (batch, speculating) -> [served seconds, table seconds, steps]
-        # (the first two decayed, the steps not).
+        # (batch, speculating) -> [served seconds, table seconds, weight,
+        # steps]: the first three decayed, the served steps not.
         self.sums: dict[tuple[int, bool], list[float]] = {}
 
     def observe(
         self, batch: int, speculating: bool, seconds: float, table_seconds: float
     ) -> None:
-        acc = self.sums.setdefault((batch, speculating), [0.0, 0.0, 0.0])
+        acc = self.sums.setdefault((batch, speculating), [0.0, 0.0, 0.0, 0.0])
         acc[0] += seconds
         acc[1] += table_seconds
         acc[2] += 1.0
+        acc[3] += 1.0
 
     def decay(self) -> None:
         for acc in self.sums.values():
-            acc[0] *= self.decay_factor
-            acc[1] *= self.decay_factor
+            for i in range(3):
+                acc[i] *= self.decay_factor
 
-    def ratios(self, speculating: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Batch sizes with at least ``min_steps`` served steps and their
-        served / table ratios, by batch size."""
+    def extra(self, speculating: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Batch sizes with at least ``min_steps`` served steps and the
+        seconds their steps add to the table, by batch size."""
         points = sorted(
-            (batch, acc[0] / acc[1])
+            (batch, (acc[0] - acc[1]) / acc[2])
             for (batch, spec), acc in self.sums.items()
-            if spec == speculating and acc[2] >= self.min_steps and acc[1] > 0
+            if spec == speculating and acc[3] >= self.min_steps
         )
         xs = np.array([b for b, _ in points], dtype=np.float64)
-        return xs, np.array([r for _, r in points], dtype=np.float64)
+        return xs, np.array([e for _, e in points], dtype=np.float64)
 
     def cost_fn(self, table: StepCostTable) -> CostFn:
-        by_kind = {spec: self.ratios(spec) for spec in (False, True)}
+        by_kind = {spec: self.extra(spec) for spec in (False, True)}
 
         def cost(batches: np.ndarray, tokens: int) -> np.ndarray:
             base = np.asarray(table.cost(batches, tokens), dtype=np.float64)
-            xs, rs = by_kind[tokens > 1]
+            xs, es = by_kind[tokens > 1]
             if len(xs) == 0:
                 return base
-            return base * np.interp(np.asarray(batches, dtype=np.float64), xs, rs)
+            added = np.interp(np.asarray(batches, dtype=np.float64), xs, es)
+            return np.maximum(base + added, 1e-9)
 
         return cost
 
     def describe(self) -> str:
-        """``with drafts 1.14x (1) .. 2.57x (64); without 1.16x (64)``."""
+        """``with drafts +2.9 ms (1) .. +63.2 ms (64); without +3.4 ms (64)``."""
         parts = []
         for spec, name in ((True, "with drafts"), (False, "without")):
-            xs, rs = self.ratios(spec)
+            xs, es = self.extra(spec)
             if len(xs) == 0:
                 continue
-            ends = [(int(xs[0]), rs[0])]
+            ends = [(int(xs[0]), es[0])]
             if len(xs) > 1:
-                ends.append((int(xs[-1]), rs[-1]))
-            parts.append(name + " " + " .. ".join(f"{r:.2f}x ({n})" for n, r in ends))
+                ends.append((int(xs[-1]), es[-1]))
+            parts.append(
+                name + " " + " .. ".join(f"{e * 1e3:+.1f} ms ({n})" for n, e in ends)
+            )
         return "; ".join(parts) if parts else "none yet"
 
 

@@ -21,9 +21,9 @@
 3. every step (`begin_step`, called by the runner before the forward):
    time the step before on the host clock (the interval between two
    steps' starts) and add it to `policy.ServedStepCosts` with the table's
-   cost of its shape; a re-plan scales the table by the served steps'
-   ratios, so that what the graph timings leave out (host work, steps
-   that mix in a prefill chunk) weighs in the choice;
+   cost of its shape; a re-plan adds to the table what the served steps
+   add per step, so that what the graph timings leave out (host work,
+   steps that mix in a prefill chunk) weighs in the choice;
 4. hand the current schedule to the scheduler: the runner puts `update` (a
    versioned `DynamicSDScheduleUpdate`) into every ``ModelRunnerOutput``; the
    scheduler rebuilds its per-batch-size lookup when the version changes,
