@@ -90,25 +90,18 @@ def test_drafter_group_plans_for_the_drafter_layers():
     }
     config = target_vllm_config({**target_layers, **draft_layers})
 
-    draft = FlashAttentionMetadataBuilder(
-        group_spec(DRAFT_KV_HEADS, DRAFT_HEAD_SIZE),
-        list(draft_layers),
-        config,
-        torch.device("cpu"),
-    )
-    assert (draft.num_heads_q, draft.num_heads_kv, draft.headdim) == (
+    def planned_shape(kv_heads, head_size, layers):
+        builder = FlashAttentionMetadataBuilder(
+            group_spec(kv_heads, head_size), list(layers), config, torch.device("cpu")
+        )
+        return builder.num_heads_q, builder.num_heads_kv, builder.headdim
+
+    assert planned_shape(DRAFT_KV_HEADS, DRAFT_HEAD_SIZE, draft_layers) == (
         DRAFT_HEADS,
         DRAFT_KV_HEADS,
         DRAFT_HEAD_SIZE,
     )
-
-    target = FlashAttentionMetadataBuilder(
-        group_spec(TARGET_KV_HEADS, TARGET_HEAD_SIZE),
-        list(target_layers),
-        config,
-        torch.device("cpu"),
-    )
-    assert (target.num_heads_q, target.num_heads_kv, target.headdim) == (
+    assert planned_shape(TARGET_KV_HEADS, TARGET_HEAD_SIZE, target_layers) == (
         TARGET_HEADS,
         TARGET_KV_HEADS,
         TARGET_HEAD_SIZE,

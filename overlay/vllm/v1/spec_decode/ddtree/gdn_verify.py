@@ -351,17 +351,31 @@ class DDTreeGDN:
         src_row = torch.zeros(
             1, self.draft_depth + 1, dtype=torch.int64, device=self.device
         )
+        self._launch_commit(slots, nothing[:1], nothing, nothing[:1], src_row, nothing)
+
+    def _launch_commit(
+        self,
+        slots: torch.Tensor,
+        spec_batch_rows: torch.Tensor,
+        spec_query_start: torch.Tensor,
+        num_accepted: torch.Tensor,
+        src_row: torch.Tensor,
+        query_start_loc: torch.Tensor,
+    ) -> None:
+        """The one-launch commit over every GDN layer, on this verifier's
+        tables and verify buffers."""
+        assert self.tables is not None
         commit_accepted_paths(
             self.tables,
             self.x_buf,
             self.a_buf,
             self.b_buf,
             slots,
-            nothing[:1],
-            nothing,
-            nothing[:1],
+            spec_batch_rows,
+            spec_query_start,
+            num_accepted,
             src_row,
-            nothing,
+            query_start_loc,
             self.draft_depth,
         )
 
@@ -585,18 +599,13 @@ class DDTreeGDN:
             flat = self.slot_buf[: len(slot_cols) * n]
             torch.cat(slot_cols, out=flat)
             slots = flat.view(len(slot_cols), n)
-        commit_accepted_paths(
-            self.tables,
-            self.x_buf,
-            self.a_buf,
-            self.b_buf,
+        self._launch_commit(
             slots,
             self.spec_batch_rows[:n],
             self.spec_query_start[: n + 1],
             num_accepted,
             src_row,
             query_start_loc,
-            self.draft_depth,
         )
 
 

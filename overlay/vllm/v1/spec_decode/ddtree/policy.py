@@ -256,9 +256,9 @@ CostFn = Callable[[np.ndarray, int], np.ndarray]
 
 
 # ---------------------------------------------------------- served steps
-# Served steps a (batch size, speculation or not) needs before its ratio
-# counts, and the weight left to the sums at each re-plan (recent traffic
-# counts most).
+# Served steps a (batch size, speculation or not) needs before what they
+# add to the table counts, and the weight left to the sums at each re-plan
+# (recent traffic counts most).
 DEFAULT_MIN_SERVED_STEPS = 16
 DEFAULT_SERVED_DECAY = 0.5
 
@@ -272,16 +272,15 @@ class ServedStepCosts:
     of the sums per step (a step that mixes in a prefill chunk weighs by its
     time, as it does in throughput), once ``min_steps`` steps were served
     there. It is added, not scaled: the host work and the prefill chunks a
-    step carries do not grow with its tree (a 7-node step served beside
-    15-node ones pays about what they pay over the table, not the same
-    multiple of a smaller table entry). `cost_fn` adds it to the table,
-    linear between the observed batch sizes and constant past them; steps
-    with drafts and steps without each their own. `decay` scales the sums
-    down (called at each re-plan), so that new steps outweigh old ones; it
-    does not forget what no new step replaces: a batch size the plan moved
-    away from a kind of step keeps that kind's figure (forgetting it would
-    bring back the table's cost, and the plan back to the option it
-    left)."""
+    step carries need not grow with its tree, and a multiple of the table
+    would rate the smaller trees of a batch size too cheap. `cost_fn` adds
+    it to the table, linear between the observed batch sizes and constant
+    past them; steps with drafts and steps without each their own. `decay`
+    scales the sums down (called at each re-plan), so that new steps
+    outweigh old ones; it does not forget what no new step replaces: a
+    batch size the plan moved away from a kind of step keeps that kind's
+    figure (forgetting it would bring back the table's cost, and the plan
+    back to the option it left)."""
 
     def __init__(
         self,
@@ -441,7 +440,7 @@ def plan(
     served: ServedStepCosts | None = None,
 ) -> list[BudgetChoice]:
     """The whole policy: acceptance estimate, tau per budget, choice (on
-    the table's costs scaled by the served steps', if given)."""
+    the table's costs plus what the served steps add, if given)."""
     rates = rank_acceptance(accepted, verified, prior, prior_weight)
     tau = expected_tau(rates)
     return choose_budgets(

@@ -135,13 +135,13 @@ class DDTreeBudgetPlanner:
         ends here (its served time, host clock only), this one starts with
         ``num_reqs`` requests verifying the largest of
         ``num_draft_tokens_np`` (the runner's per-request draft counts, a
-        numpy array; None: no drafts). A step
-        without drafts moves the re-plan along (`observe_walk` does on the
-        others). Returns whether this step drafts for the next: the
-        scheduler gives the next step ``next_num_draft_tokens`` per request
-        (async scheduling: the placeholders it sets from this step's batch
-        size, ``SchedulerOutput.num_spec_tokens_to_schedule``). Before
-        `start` (the warm-up's steps, which carry no such number) always."""
+        numpy array; None: no drafts). A step without drafts moves the
+        re-plan along (`observe_walk` does on the others). Returns whether
+        this step drafts for the next: the scheduler gives the next step
+        ``next_num_draft_tokens`` per request (async scheduling: the
+        placeholders it sets from this step's batch size,
+        ``SchedulerOutput.num_spec_tokens_to_schedule``). Before `start`
+        (the warm-up's steps, which carry no such number) always."""
         if not self.started:
             return True
         now = self._clock()
@@ -280,7 +280,7 @@ class DDTreeBudgetPlanner:
                 "startup timings: %s): schedule by batch size %s.",
                 observed["tree_steps"],
                 1.0 + observed["accepted_per_step"],
-                observed.get("served", "none yet"),
+                observed["served"],
                 described,
             )
 
