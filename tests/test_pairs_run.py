@@ -323,11 +323,14 @@ def test_steady_window_per_engine_step():
         counted.mark_window,
     )
     assert run_pairs.window_step_stats(counted.window_marks, None) == {}
-    assert run_pairs.window_step_stats({True: (5, 10), False: (9, 18)}, 2.0) == {
+    assert run_pairs.window_step_stats({True: (5, 10, 3), False: (9, 18, 5)}, 2.0) == {
         "window_engine_steps": 4,
         "ms_per_engine_step": 500.0,
         "requests_per_engine_step": 2.0,
+        "joined_per_engine_step": 0.5,
     }
+    assert run_pairs.window_joined({True: (5, 10, 3), False: (9, 18, 5)}) == 2
+    assert run_pairs.window_joined({True: (5, 10, 3)}) is None
 
 
 def test_engine_command_passes_the_profile_flag():
@@ -542,6 +545,11 @@ def test_steady_window_step_times_and_their_spread():
     assert spread["slow_steps_share"] == 0.1
     assert spread["slow_steps_time_share"] == round(0.3 / 0.75, 3)
     assert spread["slow_step_ms"] == 150.0
+    assert "ms_over_median_per_join" not in spread
+    # The same steps with 4 joins: 2 x 125 ms over the median, per join.
+    joins = run_pairs.step_time_spread([0.025] * 18 + [0.15] * 2, joined=4)
+    assert joins["ms_over_median_per_join"] == 62.5
+    assert run_pairs.step_time_spread([0.025] * 18 + [0.15] * 2, joined=0) == spread
     uniform = run_pairs.step_time_spread([0.02] * 10)
     assert uniform["slow_steps_share"] == 0.0 and uniform["slow_step_ms"] is None
     assert run_pairs.step_time_spread([0.02]) == {}

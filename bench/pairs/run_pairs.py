@@ -275,8 +275,8 @@ class _CountedSteps:
         self.joined = 0
         self.busy_steps = 0
         self.outputs = 0
-        # (busy_steps, outputs) when the steady window opened / closed.
-        self.window_marks: dict[bool, tuple[int, int]] = {}
+        # (busy_steps, outputs, joined) when the steady window opened / closed.
+        self.window_marks: dict[bool, tuple[int, int, int]] = {}
         # Seconds between consecutive busy steps' returns inside the steady
         # window: one engine step each (continuous traffic keeps it busy).
         self.window_step_seconds: list[float] = []
@@ -286,7 +286,7 @@ class _CountedSteps:
 
     def mark_window(self, opened: bool) -> None:
         """`decode_continuous`'s ``on_window``."""
-        self.window_marks[opened] = (self.busy_steps, self.outputs)
+        self.window_marks[opened] = (self.busy_steps, self.outputs, self.joined)
         self._in_window = opened
         self._last_busy = self._clock() if opened else None
 
@@ -308,12 +308,17 @@ class _CountedSteps:
         return outs
 
 
-def step_time_spread(step_seconds: list[float]) -> dict:
+def step_time_spread(step_seconds: list[float], joined: int | None = None) -> dict:
     """How the steady window's engine steps spread in time: percentiles of
     the steps' wall time, and the steps slower than twice the median (under
     continuous traffic, mostly those that carry a joining request's prefill
     chunk): their share of the steps and of the window's time, and their
-    mean. A step's time is the interval between two busy steps' returns."""
+    mean. A step's time is the interval between two busy steps' returns.
+    With ``joined``, the requests that joined in the window: the window's
+    time over ``len(step_seconds)`` median steps per joined request, i.e. what
+    a join costs the engine if the median step is a step without one (the
+    speculative methods finish requests in fewer steps, so they take more
+    joins per step)."""
     if len(step_seconds) < 2:
         return {}
     ms = sorted(x * 1e3 for x in step_seconds)
@@ -333,20 +338,33 @@ def step_time_spread(step_seconds: list[float]) -> dict:
         slow_steps_share=round(len(slow) / len(ms), 3),
         slow_steps_time_share=round(sum(slow) / sum(ms), 3),
         slow_step_ms=round(sum(slow) / len(slow), 2) if slow else None,
+    ) | (
+        dict(ms_over_median_per_join=round((sum(ms) - len(ms) * median) / joined, 2))
+        if joined
+        else {}
     )
+
+
+def window_joined(marks: dict[bool, tuple[int, int, int]]) -> int | None:
+    """The requests that joined inside the steady window (`_CountedSteps`'
+    marks), or None without a window."""
+    if True not in marks or False not in marks:
+        return None
+    return marks[False][2] - marks[True][2]
 
 
 def window_step_stats(
     marks: dict[bool, tuple[int, int]], window_s: float | None
 ) -> dict:
     """Per engine step of the steady window, from `_CountedSteps`'
-    ``(busy_steps, outputs)`` when it opened (True) and closed (False): its
-    wall time and the requests that emitted tokens in it. The timed rows'
-    ``ms_per_step`` divides the whole decode by drafts per ``c`` instead, which
-    reads a step as slower where fewer than ``c`` requests decode in it."""
+    ``(busy_steps, outputs, joined)`` when it opened (True) and closed
+    (False): its wall time, the requests that emitted tokens in it and those
+    that joined. The timed rows' ``ms_per_step`` divides the whole decode by
+    drafts per ``c`` instead, which reads a step as slower where fewer than
+    ``c`` requests decode in it."""
     if not window_s or True not in marks or False not in marks:
         return {}
-    (s0, o0), (s1, o1) = marks[True], marks[False]
+    (s0, o0, j0), (s1, o1, j1) = marks[True], marks[False]
     steps = s1 - s0
     if steps <= 0:
         return {}
@@ -354,6 +372,7 @@ def window_step_stats(
         window_engine_steps=steps,
         ms_per_engine_step=round(window_s * 1e3 / steps, 3),
         requests_per_engine_step=round((o1 - o0) / steps, 2),
+        joined_per_engine_step=round((j1 - j0) / steps, 3),
     )
 
 
@@ -592,7 +611,9 @@ def run_engine(a) -> None:
             max_concurrency=max_concurrency,
             max_running=running.max_running,
             **window_step_stats(counted.window_marks, steady_s),
-            **step_time_spread(counted.window_step_seconds),
+            **step_time_spread(
+                counted.window_step_seconds, window_joined(counted.window_marks)
+            ),
             # The timed decode, in the engine log's clock (`jit_compiles_in`).
             timed_from=time.strftime(LOG_TIME, time.localtime(t)),
             timed_to=time.strftime(LOG_TIME, time.localtime(t + dt)),
