@@ -28,9 +28,10 @@ except ImportError:
     from vllm.v1.core import kv_cache_utils as grouping
 
 # The Qwen3.6-27B shape: attention 4 KV heads of 256, GDN conv over 16 key
-# heads x 2 of 128 + 48 value heads of 128 (kernel 4), state 48 x 128 x 128.
+# heads x 2 of 128 + 48 value heads of 128 (kernel 4, bf16), float32 state
+# 48 x 128 x 128.
 CONV_DIM = 2 * 16 * 128 + 48 * 128
-MAMBA_BYTES = 3 * CONV_DIM * 2 + 48 * 128 * 128 * 2
+MAMBA_BYTES = 3 * CONV_DIM * 2 + 48 * 128 * 128 * 4
 # The attention block size vLLM raises so that a block holds a state's page.
 BLOCK = cdiv(MAMBA_BYTES, 4 * 256 * 2 * 2 * 16) * 16
 PAGE = BLOCK * 4 * 256 * 2 * 2
@@ -49,7 +50,7 @@ def gdn(num_speculative_blocks=0):
     return MambaSpec(
         block_size=BLOCK,
         shapes=((3, CONV_DIM), (48, 128, 128)),
-        dtypes=(torch.bfloat16, torch.bfloat16),
+        dtypes=(torch.bfloat16, torch.float32),
         page_size_padded=PAGE,
         num_speculative_blocks=num_speculative_blocks,
     )
