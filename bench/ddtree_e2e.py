@@ -369,16 +369,90 @@ def _has_prefill(scheduler_output) -> bool:
     )
 
 
+# Ranges inside a step (`_label_steps`), by the runner's parts they wrap:
+# (range, module, class, method). The draft pass has its own (`DRAFT_RANGE`);
+# what no range covers (the eager model call, the runner's own code) is the
+# step's host time less theirs.
+_RUNNER = "vllm.v1.worker.gpu.model_runner"
+_STATES = "vllm.v1.worker.gpu.model_states"
+_GRAPHS = "vllm.v1.worker.gpu.cudagraph_utils"
+_DDTREE = "vllm.v1.worker.gpu.spec_decode.ddtree.verifier"
+STEP_PHASES = (
+    ("requests", _RUNNER, "GPUModelRunner", "add_requests"),
+    ("inputs", _RUNNER, "GPUModelRunner", "prepare_inputs"),
+    ("block_tables", _RUNNER, "GPUModelRunner", "prepare_attn"),
+    ("attn_metadata", f"{_STATES}.default", "DefaultModelState", "prepare_attn"),
+    (
+        "attn_metadata",
+        f"{_STATES}.mamba_hybrid",
+        "MambaHybridModelState",
+        "prepare_attn",
+    ),
+    ("full_graph", _GRAPHS, "CudaGraphManager", "run_fullgraph"),
+    ("piecewise", _GRAPHS, "CudaGraphManager", "run_pw_graph"),
+    ("sample", _RUNNER, "GPUModelRunner", "sample"),
+    ("ddtree_prepare", _DDTREE, "DDTreeVerifier", "prepare_verify"),
+    ("ddtree_compact", _DDTREE, "DDTreeVerifier", "compact"),
+    ("ddtree_store_trees", _DDTREE, "DDTreeVerifier", "store_trees"),
+    (
+        "ddtree_gdn_commit",
+        "vllm.v1.spec_decode.ddtree.gdn_verify",
+        "DDTreeGDN",
+        "commit",
+    ),
+)
+
+
+def _phase_range(phase: str) -> str:
+    return f"{RANGE_PREFIX}phase_{phase}"
+
+
+def _label_phases() -> None:
+    """Wrap the runner's parts listed in `STEP_PHASES` in profiler ranges
+    (those this vLLM has), so a step's host time splits by part."""
+    import importlib
+
+    for phase, module, cls_name, method in STEP_PHASES:
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+        except (ImportError, AttributeError):
+            continue
+        # Only the class's own method: a subclass that inherits it is
+        # labelled through its base (no range inside a range of itself).
+        orig = cls.__dict__.get(method)
+        if orig is None or getattr(orig, "_labelled", False):
+            continue
+
+        setattr(cls, method, _in_range(orig, _phase_range(phase)))
+
+
+def _in_range(fn, name: str):
+    """``fn`` (a method) inside a profiler range ``name``."""
+    import functools
+
+    import torch
+
+    @functools.wraps(fn)
+    def wrapped(self, *args, **kwargs):
+        with torch.profiler.record_function(name):
+            return fn(self, *args, **kwargs)
+
+    wrapped._labelled = True  # type: ignore[attr-defined]
+    return wrapped
+
+
 def _label_steps() -> None:
     """Wrap the V2 model runner's execute_model and sample_tokens in
     profiler ranges named by the step's kind (engine in-process), so that a
-    profile tells steps with a prefill chunk from the others."""
+    profile tells steps with a prefill chunk from the others, and the
+    runner's parts in ranges of their own (`_label_phases`)."""
     import torch
 
     try:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner
     except ImportError:
         return
+    _label_phases()
     execute, sample = GPUModelRunner.execute_model, GPUModelRunner.sample_tokens
     if getattr(execute, "_labelled", False):
         return
@@ -404,13 +478,20 @@ def _label_steps() -> None:
     GPUModelRunner.sample_tokens = sample_tokens
 
 
+# Host operators kept per step kind.
+TOP_HOST_OPS = 12
+
+
 def step_kind_summary(events, cuda_type) -> dict:
     """Per step kind (`STEP_KINDS`) of a profile with `_label_steps`' ranges:
     the steps, and per step the host time inside the runner's two calls,
     the GPU kernel time of the kernels that start inside their GPU-side
     ranges, and those ranges' span (first to last kernel: the kernel time
-    plus the GPU's idle gaps inside the step). Kinds with no step are left
-    out."""
+    plus the GPU's idle gaps inside the step). Then where the host time
+    goes: per part of the runner (`STEP_PHASES`' ranges and the draft
+    pass's, by their start inside the step's host ranges; ``other``: the
+    rest) and the host operators with the most self time. Kinds with no
+    step are left out."""
     events = list(events)
     out = {}
     for kind in STEP_KINDS:
@@ -419,6 +500,33 @@ def step_kind_summary(events, cuda_type) -> dict:
         steps = sum(1 for ev in cpu if ev.name == _step_range("execute", kind))
         if not steps:
             continue
+        host_ranges = sorted((ev.time_range.start, ev.time_range.end) for ev in cpu)
+        host_starts = [start for start, _ in host_ranges]
+
+        def in_step(ev, ranges=host_ranges, starts=host_starts) -> bool:
+            i = bisect.bisect_right(starts, ev.time_range.start) - 1
+            return i >= 0 and ev.time_range.start < ranges[i][1]
+
+        host_us = sum(end - start for start, end in host_ranges)
+        by_phase: dict[str, float] = {}
+        phase_ranges: list[tuple[float, float]] = []
+        ops: dict[str, float] = {}
+        for ev in events:
+            if ev.device_type == cuda_type or ev.name in names or not in_step(ev):
+                continue
+            if ev.name.startswith(RANGE_PREFIX):
+                phase = ev.name[len(RANGE_PREFIX) :].removeprefix("phase_")
+                by_phase[phase] = by_phase.get(phase, 0.0) + (
+                    ev.time_range.end - ev.time_range.start
+                )
+                phase_ranges.append((ev.time_range.start, ev.time_range.end))
+            else:
+                self_us = getattr(ev, "self_cpu_time_total", 0.0)
+                ops[ev.name[:60]] = ops.get(ev.name[:60], 0.0) + self_us
+        # A range inside another (DDTree's sampling inside the runner's) is
+        # counted in both; "other" is the host time outside every range.
+        by_phase["other"] = host_us - _union_us(phase_ranges)
+        top_ops = sorted(ops.items(), key=lambda kv: -kv[1])[:TOP_HOST_OPS]
         spans = sorted(
             (ev.time_range.start, ev.time_range.end)
             for ev in events
@@ -444,8 +552,23 @@ def step_kind_summary(events, cuda_type) -> dict:
             gpu_span_ms_per_step=round(
                 sum(end - start for start, end in spans) / steps / 1e3, 3
             ),
+            host_ms_per_step_by_phase={
+                k: round(v / steps / 1e3, 3) for k, v in by_phase.items()
+            },
+            top_host_ops_us_per_step={k: round(v / steps, 1) for k, v in top_ops},
         )
     return out
+
+
+def _union_us(ranges: list[tuple[float, float]]) -> float:
+    """The time the ``(start, end)`` ranges cover together."""
+    total = 0.0
+    end = float("-inf")
+    for start, stop in sorted(ranges):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
 
 
 def _device_us(ev) -> float:

@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The runner parts that bench/ddtree_e2e.py's profiles time by range
+(`STEP_PHASES`) exist in this vLLM under the names listed, as methods of
+the classes themselves, and `_label_phases` wraps each once."""
+
+import importlib
+import importlib.util
+import pathlib
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location(
+    "ddtree_e2e", ROOT / "bench" / "ddtree_e2e.py"
+)
+e2e = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(e2e)
+
+
+@pytest.mark.parametrize("phase", e2e.STEP_PHASES, ids=lambda p: f"{p[0]}-{p[2]}")
+def test_every_phase_names_a_method_of_its_class(phase):
+    _, module, cls_name, method = phase
+    cls = getattr(importlib.import_module(module), cls_name)
+    assert callable(cls.__dict__.get(method))
+
+
+def test_label_phases_wraps_each_method_once(monkeypatch):
+    classes = {}
+    for _, module, cls_name, method in e2e.STEP_PHASES:
+        cls = getattr(importlib.import_module(module), cls_name)
+        classes[cls, method] = cls.__dict__[method]
+        # Restored after the test (the wrappers stay otherwise).
+        monkeypatch.setattr(cls, method, cls.__dict__[method])
+    e2e._label_phases()
+    e2e._label_phases()
+    for (cls, method), orig in classes.items():
+        wrapped = cls.__dict__[method]
+        assert getattr(wrapped, "_labelled", False) and wrapped.__wrapped__ is orig
