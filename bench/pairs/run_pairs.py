@@ -354,7 +354,7 @@ def window_joined(marks: dict[bool, tuple[int, int, int]]) -> int | None:
 
 
 def window_step_stats(
-    marks: dict[bool, tuple[int, int]], window_s: float | None
+    marks: dict[bool, tuple[int, int, int]], window_s: float | None
 ) -> dict:
     """Per engine step of the steady window, from `_CountedSteps`'
     ``(busy_steps, outputs, joined)`` when it opened (True) and closed
