@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -269,8 +270,12 @@ class _CountedSteps:
     calls that returned outputs (one per engine step that emitted tokens),
     ``outputs``: the requests that emitted tokens, summed over them."""
 
-    def __init__(self, engine, clock=time.perf_counter):
+    def __init__(self, engine, clock=time.perf_counter, read_counters=None):
         self.engine = engine
+        # ``read_counters()`` when the window opens and closes, outside its
+        # step times (before the first, after the last): ``window_counters``.
+        self._read_counters = read_counters
+        self.window_counters: dict[bool, dict] = {}
         self.steps = 0
         self.joined = 0
         self.busy_steps = 0
@@ -286,9 +291,13 @@ class _CountedSteps:
 
     def mark_window(self, opened: bool) -> None:
         """`decode_continuous`'s ``on_window``."""
+        if opened and self._read_counters is not None:
+            self.window_counters[opened] = self._read_counters()
         self.window_marks[opened] = (self.busy_steps, self.outputs, self.joined)
         self._in_window = opened
         self._last_busy = self._clock() if opened else None
+        if not opened and self._read_counters is not None:
+            self.window_counters[opened] = self._read_counters()
 
     def add_request(self, *args, **kwargs):
         self.joined += 1
@@ -306,6 +315,11 @@ class _CountedSteps:
                     self.window_step_seconds.append(now - self._last_busy)
                 self._last_busy = now
         return outs
+
+
+def _first_worker_call(llm, method: str):
+    """``method``'s result on the engine's first worker (``collective_rpc``)."""
+    return llm.collective_rpc(method)[0]
 
 
 def step_time_spread(step_seconds: list[float], joined: int | None = None) -> dict:
@@ -343,6 +357,23 @@ def step_time_spread(step_seconds: list[float], joined: int | None = None) -> di
         if joined
         else {}
     )
+
+
+def allocator_in_window(before: dict | None, after: dict | None) -> dict:
+    """What the target worker's CUDA caching allocator did inside the steady
+    window (`pair_worker.cuda_allocator_counts` when it opened and closed):
+    each counter's increase, and the bytes it held at the close. A retry
+    (``num_alloc_retries``) frees every cached block and synchronises the
+    device, tens of milliseconds on a full GPU: steps that need memory the
+    pool does not hold pay it, which timings alone cannot tell from slow
+    kernels."""
+    if not before or not after:
+        return {}
+    counts = {
+        k: after[k] - before[k] for k in after if k != "reserved_bytes" and k in before
+    }
+    counts["reserved_gib_at_close"] = round(after.get("reserved_bytes", 0) / 2**30, 2)
+    return dict(allocator_in_window=counts)
 
 
 def window_joined(marks: dict[bool, tuple[int, int, int]]) -> int | None:
@@ -571,7 +602,13 @@ def run_engine(a) -> None:
         toks: list[list[int]] = []
         running.max_running = None
         steady_tokens = steady_s = None
-        counted = _CountedSteps(llm.llm_engine)
+        counted = _CountedSteps(
+            llm.llm_engine,
+            # The first worker's (tensor-parallel ranks allocate alike).
+            read_counters=None
+            if small
+            else functools.partial(_first_worker_call, llm, "cuda_allocator_counts"),
+        )
         t = time.time()
         with running:
             if continuous:
@@ -613,6 +650,9 @@ def run_engine(a) -> None:
             **window_step_stats(counted.window_marks, steady_s),
             **step_time_spread(
                 counted.window_step_seconds, window_joined(counted.window_marks)
+            ),
+            **allocator_in_window(
+                counted.window_counters.get(True), counted.window_counters.get(False)
             ),
             # The timed decode, in the engine log's clock (`jit_compiles_in`).
             timed_from=time.strftime(LOG_TIME, time.localtime(t)),
