@@ -195,6 +195,40 @@ def time_graph(fn: Callable[[], object], iters: int, warmup: int) -> float:
     return statistics.median(samples)
 
 
+def kernel_times(
+    fn: Callable[[], object], device: torch.device, iters: int, warmup: int
+) -> dict[str, float]:
+    """GPU time per call of ``fn`` by kernel (torch profiler, CUDA kernels:
+    µs summed over ``iters`` calls, divided by ``iters``), largest first;
+    empty off CUDA."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return kernel_table(prof.events(), iters)
+
+
+def kernel_table(events, calls: int) -> dict[str, float]:
+    """µs per call by kernel name from profiler events (``device_type``
+    CUDA, ``name``, ``device_time`` in µs), largest first."""
+    totals: dict[str, float] = {}
+    for e in events:
+        if getattr(e.device_type, "name", str(e.device_type)) != "CUDA":
+            continue
+        totals[e.name] = totals.get(e.name, 0.0) + float(e.device_time)
+    return {
+        name: round(us / calls, 2)
+        for name, us in sorted(totals.items(), key=lambda kv: -kv[1])
+    }
+
+
 def bench_case(
     T,
     ref,
@@ -209,6 +243,7 @@ def bench_case(
     use_graph: bool,
     backend: str = "auto",
     columns: tuple[str, ...] = (),
+    kernels: tuple[str, ...] = (),
 ) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     # Peaked logits (like a trained drafter) in the requested dtype.
@@ -358,6 +393,10 @@ def bench_case(
         result[f"{name}_eager_us"] = time_eager(fn, device, iters, warmup)
         if use_graph:
             result[f"{name}_graph_us"] = time_graph(fn, iters, warmup)
+    for name in kernels:
+        fn = fns[name]
+        if fn is not None:
+            result[f"{name}_kernels_us"] = kernel_times(fn, device, iters, warmup)
     return result
 
 
@@ -391,6 +430,12 @@ def main() -> None:
         "whose files replace those of the imported vLLM (a "
         "candidate variant); default: none",
     )
+    parser.add_argument(
+        "--kernels",
+        default="",
+        help="columns whose GPU time to split by kernel (torch profiler, "
+        "µs per call: '<column>_kernels_us'), e.g. 'build'",
+    )
     parser.add_argument("--out", default=None, help="write JSON here")
     args = parser.parse_args()
 
@@ -402,7 +447,8 @@ def main() -> None:
     budgets = [int(x) for x in args.budgets.split(",")]
 
     columns = [c for c in args.stages.split(",") if c]
-    unknown = set(columns) - set(ALL_COLUMNS)
+    kernel_columns = [c for c in args.kernels.split(",") if c]
+    unknown = set(columns + kernel_columns) - set(ALL_COLUMNS)
     if unknown:
         parser.error(f"unknown stages {sorted(unknown)}")
     ref = load_reference() if set(columns) & set(REFERENCE_COLUMNS) else None
@@ -434,6 +480,7 @@ def main() -> None:
                 use_graph,
                 args.backend,
                 tuple(columns),
+                tuple(kernel_columns),
             )
             results.append(res)
             print(
@@ -443,6 +490,13 @@ def main() -> None:
                 ),
                 flush=True,
             )
+            for c in kernel_columns:
+                split = res.get(f"{c}_kernels_us", {})
+                print(
+                    f"     {c} by kernel (us per call): "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in split.items()),
+                    flush=True,
+                )
     if args.out:
         meta = {
             "device": str(device),

@@ -66,3 +66,29 @@ def test_command_line(tmp_path):
         if root is not None:
             assert head.endswith(str(root / tree_rel))
         assert [float(x) for x in row.split()][:2] == [1, 4]
+
+
+def test_kernel_table_sums_cuda_kernels_per_call():
+    """``--kernels``: the profiler's CUDA kernel events summed by name and
+    divided by the calls; CPU events left out; off CUDA, no table."""
+
+    class Kind:
+        def __init__(self, name):
+            self.name = name
+
+    class Event:
+        def __init__(self, kind, name, us):
+            self.device_type, self.name, self.device_time = Kind(kind), name, us
+
+    events = [
+        Event("CUDA", "_vocab_stats_kernel", 30.0),
+        Event("CUDA", "_tree_kernel", 50.0),
+        Event("CUDA", "_vocab_stats_kernel", 34.0),
+        Event("CPU", "aten::empty", 999.0),
+        Event("CUDA", "_tree_kernel", 48.0),
+    ]
+    assert core.kernel_table(events, 2) == {
+        "_tree_kernel": 49.0,
+        "_vocab_stats_kernel": 32.0,
+    }
+    assert core.kernel_times(lambda: None, torch.device("cpu"), 1, 0) == {}
