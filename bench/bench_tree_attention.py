@@ -220,6 +220,9 @@ def split_fn(case: dict, out: torch.Tensor, reference: bool) -> Callable[[], Non
         attention_config=SimpleNamespace(
             flash_attn_max_num_splits_for_cuda_graph=FA3_CUDA_GRAPH_SPLITS
         ),
+        # T = 1 + tree_budget: a longer prefill chunk (last in the batch, as
+        # the V2 model runner orders it) runs on FA3 alone, causal.
+        speculative_config=SimpleNamespace(tree_budget=case["tree_mask"].shape[1] - 1),
     )
     prefix_attention = None
     if reference:
@@ -241,6 +244,7 @@ def split_fn(case: dict, out: torch.Tensor, reference: bool) -> Callable[[], Non
         num_reqs=case["batch"],
         num_actual_tokens=case["query"].shape[0],
         query_start_loc=case["cu_seqlens_q"],
+        query_start_loc_cpu=case["cu_seqlens_q"].cpu(),
         seq_lens=case["seq_lens"],
         max_query_len=case["max_query_len"],
         max_seq_len=case["max_seq_len"],

@@ -699,8 +699,10 @@ def test_backend_takes_the_split_with_a_short_prefill_chunk():
 
 @needs_kernel
 def test_backend_runs_unified_for_a_long_prefill_chunk(monkeypatch):
-    """Trees with a prefill chunk longer than `SPLIT_MAX_CHUNK`: the unified
-    kernel (the split's prefix pass is not called)."""
+    """Trees with a prefill chunk longer than `SPLIT_MAX_CHUNK`, in metadata
+    that does not split the batch in two (`long_from` unset, as the builder
+    leaves it where the longer requests are not last): the unified kernel
+    (the split's prefix pass is not called)."""
 
     def prefix(*args, **kwargs):
         raise AssertionError("the split ran for a batch with a long prefill chunk")
@@ -748,6 +750,231 @@ def test_backend_no_tree_batch_is_causal_over_the_whole_sequence(monkeypatch):
     assert_untouched(out, batch)
 
 
+# As vLLM's V2 model runner orders a batch: the uniform tree verifications
+# first, then the other requests by query length (`sort_batch_req_ids`), so
+# the prefill chunks longer than the split's bound come last; CUDA-graph
+# padding after them.
+TREES_THEN_LONG_CHUNKS = [
+    ("tree", 21),
+    ("tree", 40),
+    ("tree", 3),
+    ("plain", 33),
+    ("subtree", 12),
+    ("short", 5),
+    ("prefill", 18),
+    ("prefill", 0),
+    ("pad", 0),
+]
+
+
+def common_metadata(batch, num_reqs=None):
+    """The `CommonAttentionMetadata` fields `SplitTreeAttention.build` reads."""
+    num_reqs = len(batch["query_lens"]) if num_reqs is None else num_reqs
+    return SimpleNamespace(
+        num_reqs=num_reqs,
+        query_start_loc=batch["cu_seqlens_q"],
+        query_start_loc_cpu=batch["cu_seqlens_q"].cpu(),
+        seq_lens=batch["seq_lens"],
+        num_actual_tokens=sum(batch["query_lens"]),
+        max_query_len=max(batch["query_lens"]),
+        max_seq_len=max(batch["kv_lens"]),
+        causal=True,
+    )
+
+
+def split_in_two(monkeypatch, specs, seed, prefix):
+    """A batch of T = 9 whose prefill chunks (2 T + 3 = 21 tokens) are
+    longer than the split's bound (12 here, for the interpreter's sake), and
+    the metadata `SplitTreeAttention.build` makes of it."""
+    monkeypatch.setattr(ta, "SPLIT_MAX_CHUNK", 12)
+    batch = make_batch(9, specs, 8, 2, 64, torch.float32, KERNEL_DEVICE, seed=seed)
+    split = ta.SplitTreeAttention(
+        fake_vllm_config(tree_budget=8, max_num_seqs=16),
+        8,
+        2,
+        64,
+        16,
+        torch.float32,
+        torch.device(KERNEL_DEVICE),
+        prefix_attention=prefix,
+    )
+    return batch, split, split.build(common_metadata(batch))
+
+
+@needs_kernel
+def test_backend_splits_a_batch_with_long_prefill_chunks_in_two(monkeypatch):
+    """Trees with prefill chunks longer than the split's bound, last in the
+    batch: the split over the requests before them (FA3's prefix pass,
+    non-causal, then the intra-tree pass over those requests alone) and FA3
+    alone, causal, over the chunks' whole sequences; equal to the unified
+    kernel with the same mask, padding rows untouched."""
+    calls, own_keys = [], []
+
+    def prefix(*args, **kwargs):
+        calls.append(
+            dict(
+                rows=args[0].shape[0],
+                cu=args[4].tolist(),
+                max_q=args[5],
+                lens=args[6].tolist(),
+                scheduler=args[12],
+                causal=kwargs.get("causal"),
+            )
+        )
+        return paged_prefix_attention(*args, **kwargs)
+
+    real_tree_attention = ta.tree_attention
+
+    def tree_pass(*args, **kwargs):
+        own_keys.append(args[5].shape[0])  # the requests it runs over
+        return real_tree_attention(*args, **kwargs)
+
+    monkeypatch.setattr(ta, "tree_attention", tree_pass)
+    batch, split, meta = split_in_two(monkeypatch, TREES_THEN_LONG_CHUNKS, 11, prefix)
+    qlens, kv = batch["query_lens"], batch["kv_lens"]
+    first, first_row = 6, sum(qlens[:6])
+    assert meta.long_from == (first, first_row)
+    assert meta.short_max_query_len == 9 and meta.long_max_query_len == 21
+    assert meta.long_num_tokens == sum(qlens[first:])
+    assert meta.long_query_start.tolist() == [0, 21, 42, 42]
+    assert meta.scheduler_metadata is None and not meta.whole_sequence
+    out = backend_forward(batch, meta)
+    short, chunks = calls
+    assert short == dict(
+        rows=first_row,
+        cu=batch["cu_seqlens_q"][: first + 1].tolist(),
+        max_q=9,
+        lens=[k - q for k, q in zip(kv[:first], qlens[:first])],
+        scheduler=None,
+        causal=False,
+    )
+    assert chunks == dict(
+        rows=sum(qlens[first:]),
+        cu=[0, 21, 42, 42],
+        max_q=21,
+        lens=kv[first:],
+        scheduler=None,
+        causal=True,
+    )
+    assert own_keys == [first]
+    torch.testing.assert_close(out, run_unified(batch), atol=TOL, rtol=TOL)
+    assert_untouched(out, batch)
+
+
+@needs_kernel
+def test_backend_long_chunks_alone_run_causal_over_their_sequences(monkeypatch):
+    """Every request longer than the bound (a batch of prompts' chunks that
+    still carries a tree mask): only FA3, causal, over the whole sequences."""
+    calls = []
+
+    def prefix(*args, **kwargs):
+        calls.append(kwargs.get("causal"))
+        return paged_prefix_attention(*args, **kwargs)
+
+    def no_tree_pass(*args, **kwargs):
+        raise AssertionError("the intra-tree pass ran without a short request")
+
+    monkeypatch.setattr(ta, "tree_attention", no_tree_pass)
+    batch, _, meta = split_in_two(
+        monkeypatch, [("prefill", 18), ("prefill", 3), ("pad", 0)], 12, prefix
+    )
+    assert meta.long_from == (0, 0)
+    out = backend_forward(batch, meta)
+    assert calls == [True]
+    torch.testing.assert_close(out, run_unified(batch), atol=TOL, rtol=TOL)
+    assert_untouched(out, batch)
+
+
+@needs_kernel
+def test_backend_runs_unified_when_a_long_chunk_is_not_last(monkeypatch):
+    """A longer request before a shorter one (not the V2 runner's order):
+    the builder does not split the batch, the unified kernel runs."""
+
+    def prefix(*args, **kwargs):
+        raise AssertionError("the split ran for a batch it cannot split")
+
+    specs = [("tree", 21), ("prefill", 18), ("plain", 33), ("tree", 4)]
+    batch, _, meta = split_in_two(monkeypatch, specs, 13, prefix)
+    assert meta.long_from is None
+    out = backend_forward(batch, meta)
+    torch.testing.assert_close(out, run_unified(batch), atol=TOL, rtol=TOL)
+
+
+@needs_kernel
+def test_backend_no_tree_batch_with_long_chunks_is_causal_throughout(monkeypatch):
+    """The verifier marks the batch as verifying no tree after the build:
+    one causal pass over every whole sequence, as before the split in two."""
+    calls = []
+
+    def prefix(*args, **kwargs):
+        calls.append((args[6].tolist(), kwargs.get("causal")))
+        return paged_prefix_attention(*args, **kwargs)
+
+    specs = [("plain", 33), ("short", 5), ("prefill", 18), ("prefill", 40)]
+    batch, _, meta = split_in_two(monkeypatch, specs, 14, prefix)
+    batch["tree_mask"].zero_()
+    assert meta.long_from is not None
+    meta.no_tree = True
+    out = backend_forward(batch, meta)
+    assert calls == [(batch["kv_lens"], True)]
+    torch.testing.assert_close(out, run_unified(batch), atol=TOL, rtol=TOL)
+
+
+def test_build_keeps_the_long_chunks_rows_in_one_buffer(monkeypatch):
+    """The longer requests' query starts, from 0, in a persistent buffer,
+    step after step; a batch within the bound has none."""
+    monkeypatch.setattr(ta, "SPLIT_MAX_CHUNK", 12)
+    split = ta.SplitTreeAttention(
+        fake_vllm_config(tree_budget=8),
+        8,
+        2,
+        128,
+        16,
+        torch.bfloat16,
+        torch.device("cpu"),
+        prefix_attention=paged_prefix_attention,
+    )
+    assert split.max_split_query_len == 12
+    pointers = set()
+    for query_lens, first, starts in (
+        ([9, 9, 1, 13, 40], 3, [0, 13, 53]),
+        ([9, 30, 0], 1, [0, 30, 30]),
+        ([20], 0, [0, 20]),
+    ):
+        qsl = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+        common = SimpleNamespace(
+            num_reqs=len(query_lens),
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl.clone(),
+            seq_lens=torch.tensor([q + 50 for q in query_lens], dtype=torch.int32),
+            num_actual_tokens=int(qsl[-1]),
+            max_query_len=max(query_lens),
+            max_seq_len=max(query_lens) + 50,
+            causal=True,
+        )
+        meta = split.build(common)
+        assert meta.long_from == (first, int(qsl[first]))
+        assert meta.long_query_start.tolist() == starts
+        assert meta.long_num_tokens == starts[-1]
+        pointers.add(meta.long_query_start.data_ptr())
+    assert pointers == {split.long_query_start.data_ptr()}
+    # Within the bound (the tree's own length counts: T = 9 here is below
+    # it), or a longer request that is not last: no split in two.
+    for query_lens in ([9, 12, 1], [30, 9]):
+        qsl = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+        common = SimpleNamespace(
+            num_reqs=len(query_lens),
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl.clone(),
+            seq_lens=torch.tensor([q + 50 for q in query_lens], dtype=torch.int32),
+            num_actual_tokens=int(qsl[-1]),
+            max_query_len=max(query_lens),
+            max_seq_len=max(query_lens) + 50,
+            causal=True,
+        )
+        assert split.build(common).long_from is None
+
+
 def test_applies_rule():
     bias = torch.zeros(4, 17, 1, dtype=torch.int32)
     meta = ta.SplitTreeAttentionMetadata(prefix_lens=torch.zeros(4, dtype=torch.int32))
@@ -777,6 +1004,16 @@ def test_applies_rule():
     assert not meta.applies(attn(causal=torch.ones(4, dtype=torch.bool)), None)
     assert not meta.applies(attn(), torch.ones(()))
     assert not meta.applies(attn(mm_prefix_range_tensor=torch.zeros(4, 1, 2)), None)
+    # A batch whose longer requests come last (split in two) takes it.
+    in_two = ta.SplitTreeAttentionMetadata(
+        prefix_lens=torch.zeros(4, dtype=torch.int32),
+        long_from=(2, 34),
+        long_query_start=torch.zeros(3, dtype=torch.int32),
+        short_max_query_len=17,
+        long_max_query_len=4096,
+    )
+    assert in_two.applies(attn(max_query_len=4096), None)
+    assert not in_two.applies(attn(max_query_len=4096), torch.ones(()))
     # A batch that verifies no tree takes it with a longer request too, under
     # the same other conditions.
     no_tree = ta.SplitTreeAttentionMetadata(
@@ -792,11 +1029,16 @@ def test_applies_rule():
 
 
 def fake_vllm_config(
-    full_cuda_graphs=False, method="ddtree", max_capture_size=64, dtype=torch.bfloat16
+    full_cuda_graphs=False,
+    method="ddtree",
+    max_capture_size=64,
+    dtype=torch.bfloat16,
+    tree_budget=8,
+    max_num_seqs=8,
 ):
     return SimpleNamespace(
         model_config=SimpleNamespace(dtype=dtype, get_head_size=lambda: 128),
-        scheduler_config=SimpleNamespace(max_num_seqs=8),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
         compilation_config=SimpleNamespace(
             cudagraph_mode=SimpleNamespace(
                 has_full_cudagraphs=lambda: full_cuda_graphs
@@ -804,7 +1046,9 @@ def fake_vllm_config(
             max_cudagraph_capture_size=max_capture_size,
         ),
         attention_config=SimpleNamespace(flash_attn_max_num_splits_for_cuda_graph=32),
-        speculative_config=SimpleNamespace(use_ddtree=lambda: method == "ddtree"),
+        speculative_config=SimpleNamespace(
+            use_ddtree=lambda: method == "ddtree", tree_budget=tree_budget
+        ),
     )
 
 
@@ -1162,9 +1406,9 @@ def test_sinks_only_known_once_the_layers_are_built(monkeypatch):
             "FlashAttention 3 over each request's prefix + a Triton kernel over "
             "its tree, merged by LSE, in batches whose requests have at most "
             "max(1 + tree_budget, 256) query tokens each (trees, with short "
-            "prefill chunks mixed in); a batch with a longer prefill chunk runs "
-            "FlashAttention 3 alone, causal, when it verifies no tree, else the "
-            "unified Triton kernel with the same mask.",
+            "prefill chunks mixed in); longer prefill chunks run FlashAttention "
+            "3 alone, causal, over their whole sequences, beside the trees of "
+            "their batch.",
         ),
         (
             None,
@@ -1197,9 +1441,9 @@ def test_sinks_only_known_once_the_layers_are_built(monkeypatch):
             "FlashAttention 3 over each request's prefix + a Triton kernel over "
             "its tree, merged by LSE, in batches whose requests have at most "
             "max(1 + tree_budget, 256) query tokens each (trees, with short "
-            "prefill chunks mixed in); a batch with a longer prefill chunk runs "
-            "FlashAttention 3 alone, causal, when it verifies no tree, else the "
-            "unified Triton kernel with the same mask.",
+            "prefill chunks mixed in); longer prefill chunks run FlashAttention "
+            "3 alone, causal, over their whole sequences, beside the trees of "
+            "their batch.",
         ),
     ],
 )
@@ -1318,6 +1562,56 @@ def test_gpu_no_tree_batch_is_fa3_causal_over_the_whole_sequence(shape):
     unmasked = run_unified({**batch, "tree_mask": None})
     torch.cuda.synchronize()
     torch.testing.assert_close(out, unmasked, atol=2e-2, rtol=2e-2)
+    assert_untouched(out, batch)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_trees_with_long_chunks_split_in_two(monkeypatch, shape):
+    """Trees with prefill chunks longer than `SPLIT_MAX_CHUNK` last in the
+    batch (the V2 runner's order), through the builder and the metadata's
+    forward with FA3: the split over the trees, FA3 causal over the chunks'
+    whole sequences; equal to the unified kernel with the same mask."""
+    t = 16
+    specs = [("tree", 1000), ("tree", 4097), ("plain", 1500), ("short", 1024)]
+    specs += [("prefill", 1200), ("prefill", 0), ("pad", 0)]
+    # Chunks of 2 T + 3 = 35 tokens, longer than a bound of 24.
+    monkeypatch.setattr(ta, "SPLIT_MAX_CHUNK", 24)
+    num_q, num_kv, head_size = shape
+    batch = make_batch(t, specs, num_q, num_kv, head_size, torch.bfloat16, "cuda", 9)
+    split = ta.SplitTreeAttention(
+        fake_vllm_config(tree_budget=t - 1, max_num_seqs=16),
+        num_q,
+        num_kv,
+        head_size,
+        16,
+        torch.bfloat16,
+        torch.device("cuda"),
+    )
+    meta = split.build(common_metadata(batch))
+    assert meta.long_from == (4, sum(batch["query_lens"][:4]))
+    attn = SimpleNamespace(
+        query_start_loc=batch["cu_seqlens_q"],
+        seq_lens=batch["seq_lens"],
+        block_table=batch["block_table"],
+        max_seq_len=max(batch["kv_lens"]),
+        tree_attn_bias=batch["tree_mask"],
+    )
+    out = torch.full_like(batch["query"], SENTINEL)
+    meta.forward(
+        batch["query"],
+        batch["key_cache"],
+        batch["value_cache"],
+        out,
+        attn,
+        batch["scale"],
+        0.0,
+        None,
+    )
+    unified = run_unified(batch)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, unified, atol=2e-2, rtol=2e-2)
     assert_untouched(out, batch)
 
 

@@ -33,9 +33,11 @@ and no request of the batch has more than ``max(T, SPLIT_MAX_CHUNK)`` query
 tokens: decode and tree verification steps (the batches the decode CUDA
 graphs capture), and those steps with a new prompt's prefill chunk mixed in,
 as continuous batching schedules them. A batch with a longer chunk runs FA3
-alone, causal, over whole sequences when it verifies no tree, and the
-unified kernel when it does. The rule is only about speed: a graph captured
-on the split path stays exact whatever batch replays it.
+alone, causal, over whole sequences when it verifies no tree; when it does,
+its requests split in two: the longer ones (prefill chunks, never trees),
+which vLLM's V2 model runner orders last, run FA3 alone, causal, over their
+whole sequences, and the others the split. The rule is only about speed: a
+graph captured on the split path stays exact whatever batch replays it.
 
 The shapes are fixed per batch (grid from the token and request counts, the
 prefix lengths and FA3's scheduler metadata in persistent buffers written
@@ -48,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from vllm.logger import init_logger
@@ -256,10 +259,9 @@ def verify_tree_attention_layers(vllm_config: "VllmConfig") -> None:
             "DDTree: split tree attention (%s): FlashAttention 3 over each "
             "request's prefix + a Triton kernel over its tree, merged by LSE, "
             "in batches whose requests have at most max(1 + tree_budget, %d) "
-            "query tokens each (trees, with short prefill chunks mixed in); a "
-            "batch with a longer prefill chunk runs FlashAttention 3 alone, "
-            "causal, when it verifies no tree, else the unified Triton kernel "
-            "with the same mask.",
+            "query tokens each (trees, with short prefill chunks mixed in); "
+            "longer prefill chunks run FlashAttention 3 alone, causal, over "
+            "their whole sequences, beside the trees of their batch.",
             setting,
             SPLIT_MAX_CHUNK,
         )
@@ -754,18 +756,38 @@ class SplitTreeAttentionMetadata:
     # captured (captures run no verifier, so never this route), and such a
     # batch is a mixed one, which full decode graphs do not take.
     no_tree: bool = False
+    # A batch with requests of more than ``max(T, SPLIT_MAX_CHUNK)`` query
+    # tokens (prefill chunks: a tree has at most T), all after the others, as
+    # vLLM's V2 model runner orders a batch (by query length, uniform decodes
+    # first): (the first of them, its first query token); their query start
+    # locations from 0 (``long_query_start``, a persistent buffer's rows; its
+    # last entry, their tokens, on the host); and each part's longest query.
+    # The shorter requests take the split, the longer ones FA3 alone, causal,
+    # over their whole sequences, as the FLASH_ATTN backend attends without
+    # speculation. Eager steps only, as ``no_tree``. None: no longer request
+    # (or not all last, which takes the unified kernel).
+    long_from: tuple[int, int] | None = None
+    long_query_start: torch.Tensor | None = None
+    long_num_tokens: int = 0
+    short_max_query_len: int = 0
+    long_max_query_len: int = 0
 
     def applies(self, attn_metadata: Any, output_scale: torch.Tensor | None) -> bool:
         """Host-side rule: a tree mask is attached and no request has more
         than ``max(T, SPLIT_MAX_CHUNK)`` query tokens (decode and tree
-        verification steps, with short prefill chunks mixed in), or the
-        batch verifies no tree (`no_tree`); otherwise the unified kernel
-        runs, as without the split."""
+        verification steps, with short prefill chunks mixed in), or those
+        that have are the batch's last (`long_from`), or the batch verifies
+        no tree (`no_tree`); otherwise the unified kernel runs, as without
+        the split."""
         tree_mask = attn_metadata.tree_attn_bias
         if tree_mask is None:
             return False
         max_query_len = max(tree_mask.shape[1], SPLIT_MAX_CHUNK)
-        if attn_metadata.max_query_len > max_query_len and not self.no_tree:
+        if (
+            attn_metadata.max_query_len > max_query_len
+            and not self.no_tree
+            and (self.long_from is None or self.short_max_query_len > max_query_len)
+        ):
             return False
         if attn_metadata.causal is not True:
             # A per-request causal flag (bidirectional drafter batches).
@@ -791,6 +813,18 @@ class SplitTreeAttentionMetadata:
         softcap: float,
         sinks: torch.Tensor | None,
     ) -> None:
+        if self.long_from is not None and not self.no_tree:
+            self._forward_in_two(
+                query,
+                key_cache,
+                value_cache,
+                output,
+                attn_metadata,
+                softmax_scale,
+                softcap,
+                sinks,
+            )
+            return
         # A batch without trees and with a longer query than one token: every
         # key of a query's own request up to its position, no mask. FA3
         # schedules itself (the schedule built with the metadata is the
@@ -817,6 +851,62 @@ class SplitTreeAttentionMetadata:
             causal=causal,
         )
 
+    def _forward_in_two(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        output: torch.Tensor,
+        attn_metadata: Any,
+        softmax_scale: float,
+        softcap: float,
+        sinks: torch.Tensor | None,
+    ) -> None:
+        """`long_from`'s batch: the split over the requests before it, FA3
+        alone, causal, over the whole sequences of the longer ones. Each part
+        reads its own rows of the batch's tensors; FA3 schedules both."""
+        assert self.long_from is not None and self.long_query_start is not None
+        first_long, first_row = self.long_from
+        num_reqs = self.prefix_lens.shape[0]
+        seq_lens = attn_metadata.seq_lens
+        block_table = attn_metadata.block_table
+        if first_long > 0:
+            split_tree_attention(
+                query[:first_row],
+                key_cache,
+                value_cache,
+                output[:first_row],
+                attn_metadata.query_start_loc[: first_long + 1],
+                self.short_max_query_len,
+                seq_lens[:first_long],
+                self.prefix_lens[:first_long],
+                attn_metadata.max_seq_len,
+                block_table[:first_long],
+                attn_metadata.tree_attn_bias,
+                softmax_scale,
+                softcap,
+                sinks,
+                self.prefix_attention,
+            )
+        last_row = first_row + self.long_num_tokens
+        self.prefix_attention(
+            query[first_row:last_row],
+            key_cache,
+            value_cache,
+            output[first_row:last_row],
+            self.long_query_start,
+            self.long_max_query_len,
+            seq_lens[first_long:num_reqs],
+            attn_metadata.max_seq_len,
+            block_table[first_long:num_reqs],
+            softmax_scale,
+            softcap,
+            sinks,
+            None,
+            0,
+            causal=True,
+        )
+
 
 class SplitTreeAttention:
     """Per TRITON_ATTN metadata builder, under DDTree with the split tree
@@ -838,6 +928,15 @@ class SplitTreeAttention:
     ):
         max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.prefix_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        # The query start locations of a batch's longer requests, from 0
+        # (`SplitTreeAttentionMetadata.long_from`).
+        self.long_query_start = torch.zeros(
+            max_num_reqs + 1, dtype=torch.int32, device=device
+        )
+        # Requests with more query tokens are prefill chunks: a tree has at
+        # most 1 + tree_budget.
+        tree_tokens = 1 + getattr(vllm_config.speculative_config, "tree_budget", 0)
+        self.max_split_query_len = max(tree_tokens, SPLIT_MAX_CHUNK)
         self.num_heads_q = num_heads_q
         self.num_heads_kv = num_heads_kv
         self.head_size = head_size
@@ -917,6 +1016,15 @@ class SplitTreeAttention:
                 query_start_loc[1 : num_reqs + 1] - query_start_loc[:num_reqs],
                 out=prefix_lens,
             )
+        longer = self._longer_requests(common_attn_metadata)
+        if longer is not None:
+            # FA3 schedules both parts itself (eager steps: such a batch has a
+            # prefill chunk, which full decode graphs do not take).
+            return SplitTreeAttentionMetadata(
+                prefix_lens=prefix_lens,
+                prefix_attention=self.prefix_attention,
+                **longer,
+            )
         num_splits = 0  # FA3's own heuristics outside full CUDA graphs
         if (
             self.use_full_cuda_graph
@@ -955,4 +1063,34 @@ class SplitTreeAttention:
             scheduler_metadata=scheduler_metadata,
             num_splits=num_splits,
             whole_sequence=whole_sequence,
+        )
+
+    def _longer_requests(self, common_attn_metadata: Any) -> dict[str, Any] | None:
+        """`SplitTreeAttentionMetadata.long_from` and the fields that go with
+        it, for a batch whose requests of more than ``max_split_query_len``
+        query tokens come after all the others (requests with no tokens, CUDA
+        graph padding, may follow them); None for any other batch. Host data
+        only (the batch's query start locations on the host), and one
+        subtraction on the device into a persistent buffer."""
+        if common_attn_metadata.max_query_len <= self.max_split_query_len:
+            return None
+        num_reqs = common_attn_metadata.num_reqs
+        starts = common_attn_metadata.query_start_loc_cpu[: num_reqs + 1].numpy()
+        query_lens = np.diff(starts)
+        longer = query_lens > self.max_split_query_len
+        first = int(np.argmax(longer))
+        if not (longer[first:] | (query_lens[first:] == 0)).all():
+            return None
+        first_row = int(starts[first])
+        torch.sub(
+            common_attn_metadata.query_start_loc[first : num_reqs + 1],
+            first_row,
+            out=self.long_query_start[: num_reqs - first + 1],
+        )
+        return dict(
+            long_from=(first, first_row),
+            long_query_start=self.long_query_start[: num_reqs - first + 1],
+            long_num_tokens=int(starts[num_reqs]) - first_row,
+            short_max_query_len=int(query_lens[:first].max(initial=0)),
+            long_max_query_len=int(query_lens[first:].max()),
         )
