@@ -204,10 +204,14 @@ def unified_fn(case: dict, out: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def split_fn(case: dict, out: torch.Tensor, reference: bool) -> Callable[[], None]:
+def split_fn(
+    case: dict, out: torch.Tensor, reference: bool, in_two: bool = False
+) -> Callable[[], None]:
     """The backend's split path: `SplitTreeAttention` built as the
     TRITON_ATTN builder builds it under full CUDA graphs, `build` once
-    outside the graph, then the impl's call."""
+    outside the graph, then the impl's call. ``in_two``: any request longer
+    than the tree (not only past `SPLIT_MAX_CHUNK`) runs FA3 causal over its
+    whole sequence (method ``split_in_two``: where that bound should lie)."""
     from vllm.v1.spec_decode.ddtree.tree_attention import SplitTreeAttention
 
     num_q, num_kv, head_size = case["shape"]
@@ -240,6 +244,8 @@ def split_fn(case: dict, out: torch.Tensor, reference: bool) -> Callable[[], Non
         out.device,
         prefix_attention=prefix_attention,
     )
+    if in_two:
+        split.max_split_query_len = case["tree_mask"].shape[1]
     attn = SimpleNamespace(
         num_reqs=case["batch"],
         num_actual_tokens=case["query"].shape[0],
@@ -405,8 +411,10 @@ def bench_case(
         out = torch.zeros_like(case["query"])
         if method == "unified":
             fn = unified_fn(case, out)
-        elif method == "split":
-            fn = split_fn(case, out, reference=not on_gpu)
+        elif method in ("split", "split_in_two"):
+            fn = split_fn(
+                case, out, reference=not on_gpu, in_two=method == "split_in_two"
+            )
         elif method.startswith("tree:"):
             fn = tree_kernel_fn(case, out, method.removeprefix("tree:"))
         else:
@@ -422,6 +430,9 @@ def bench_case(
     if "split" in outputs and "unified" in outputs:
         diff = (outputs["split"].float() - outputs["unified"].float()).abs().max()
         diff = float(diff)
+    if "split_in_two" in outputs and "unified" in outputs:
+        in_two = outputs["split_in_two"].float() - outputs["unified"].float()
+        diff = max(diff or 0.0, float(in_two.abs().max()))
     tree = [m for m in outputs if m.startswith("tree:")]
     tree_diff = {
         m: float((outputs[m].float() - outputs[tree[0]].float()).abs().max())

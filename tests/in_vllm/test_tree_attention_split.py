@@ -1739,11 +1739,12 @@ def test_bench_script_smoke(tmp_path):
     argv = ["--device", "cpu", "--shapes", "tiny", "--contexts", "40"]
     argv += ["--tree-tokens", "5", "--batch", "2", "--iters", "1", "--repeats", "1"]
     # With and without a new prompt's 20-token prefill chunk in the batch.
-    argv += ["--chunks", "0,20"]
+    # The split as shipped and split in two at any chunk longer than the tree.
+    argv += ["--chunks", "0,20", "--methods", "unified,split,split_in_two"]
     assert bench.main([*argv, "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["method"] for r in rows] == ["unified", "split"] * 2
-    assert [r["prefill_chunk"] for r in rows] == [0, 0, 20, 20]
+    assert [r["method"] for r in rows] == ["unified", "split", "split_in_two"] * 2
+    assert [r["prefill_chunk"] for r in rows] == [0, 0, 0, 20, 20, 20]
     for row in rows:
         assert row["us"] > 0 and row["tree_tokens"] == 5 and row["batch"] == 2
         assert row["split_vs_unified_max_abs_diff"] < 1e-4
