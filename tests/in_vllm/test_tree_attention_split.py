@@ -920,6 +920,22 @@ def test_backend_no_tree_batch_with_long_chunks_is_causal_throughout(monkeypatch
     torch.testing.assert_close(out, run_unified(batch), atol=TOL, rtol=TOL)
 
 
+def common_for_query_lens(query_lens, context=50):
+    """Common metadata of a batch of these query lengths after ``context``
+    keys each."""
+    qsl = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+    return SimpleNamespace(
+        num_reqs=len(query_lens),
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor([q + context for q in query_lens], dtype=torch.int32),
+        num_actual_tokens=int(qsl[-1]),
+        max_query_len=max(query_lens),
+        max_seq_len=max(query_lens) + context,
+        causal=True,
+    )
+
+
 def test_build_keeps_the_long_chunks_rows_in_one_buffer(monkeypatch):
     """The longer requests' query starts, from 0, in a persistent buffer,
     step after step; a batch within the bound has none."""
@@ -942,17 +958,7 @@ def test_build_keeps_the_long_chunks_rows_in_one_buffer(monkeypatch):
         ([20], 0, [0, 20]),
     ):
         qsl = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
-        common = SimpleNamespace(
-            num_reqs=len(query_lens),
-            query_start_loc=qsl,
-            query_start_loc_cpu=qsl.clone(),
-            seq_lens=torch.tensor([q + 50 for q in query_lens], dtype=torch.int32),
-            num_actual_tokens=int(qsl[-1]),
-            max_query_len=max(query_lens),
-            max_seq_len=max(query_lens) + 50,
-            causal=True,
-        )
-        meta = split.build(common)
+        meta = split.build(common_for_query_lens(query_lens))
         assert meta.long_from == (first, int(qsl[first]))
         assert meta.long_query_start.tolist() == starts
         assert meta.long_num_tokens == starts[-1]
@@ -961,18 +967,7 @@ def test_build_keeps_the_long_chunks_rows_in_one_buffer(monkeypatch):
     # Within the bound (the tree's own length counts: T = 9 here is below
     # it), or a longer request that is not last: no split in two.
     for query_lens in ([9, 12, 1], [30, 9]):
-        qsl = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
-        common = SimpleNamespace(
-            num_reqs=len(query_lens),
-            query_start_loc=qsl,
-            query_start_loc_cpu=qsl.clone(),
-            seq_lens=torch.tensor([q + 50 for q in query_lens], dtype=torch.int32),
-            num_actual_tokens=int(qsl[-1]),
-            max_query_len=max(query_lens),
-            max_seq_len=max(query_lens) + 50,
-            causal=True,
-        )
-        assert split.build(common).long_from is None
+        assert split.build(common_for_query_lens(query_lens)).long_from is None
 
 
 def test_applies_rule():
