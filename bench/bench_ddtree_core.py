@@ -217,12 +217,13 @@ def kernel_times(
 
 def kernel_table(events, calls: int) -> dict[str, float]:
     """µs per call by kernel name from profiler events (``device_type``
-    CUDA, ``name``, ``device_time`` in µs), largest first."""
+    CUDA, ``name``, ``device_time_total``: a kernel event's duration in µs),
+    largest first."""
     totals: dict[str, float] = {}
     for e in events:
         if getattr(e.device_type, "name", str(e.device_type)) != "CUDA":
             continue
-        totals[e.name] = totals.get(e.name, 0.0) + float(e.device_time)
+        totals[e.name] = totals.get(e.name, 0.0) + float(e.device_time_total)
     return {
         name: round(us / calls, 2)
         for name, us in sorted(totals.items(), key=lambda kv: -kv[1])

@@ -78,7 +78,8 @@ def test_kernel_table_sums_cuda_kernels_per_call():
 
     class Event:
         def __init__(self, kind, name, us):
-            self.device_type, self.name, self.device_time = Kind(kind), name, us
+            self.device_type, self.name = Kind(kind), name
+            self.device_time_total = us
 
     events = [
         Event("CUDA", "_vocab_stats_kernel", 30.0),
