@@ -936,6 +936,50 @@ def common_for_query_lens(query_lens, context=50):
     )
 
 
+def test_the_v2_runner_orders_the_longer_requests_last():
+    """The split in two relies on vLLM's V2 model runner ordering a batch
+    by query length after its tree verifications (`sort_batch_req_ids`;
+    0.33.0 also puts the requests with drafts first): requests longer than
+    the split's bound come last, and the builder splits such a batch."""
+    import inspect
+
+    from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
+
+    t = 16  # 1 + tree_budget
+    tokens = {
+        "chunk-1000": 1000,
+        "tree-a": t,
+        "chunk-20": 20,
+        "plain": 1,
+        "chunk-300": 300,
+        "tree-b": t,
+        "subtree": 9,
+        "chunk-257": 257,
+    }
+    drafts = {r: [0] * (n - 1) for r, n in tokens.items() if "tree" in r}
+    params = inspect.signature(sort_batch_req_ids).parameters
+    if "draft_tokens" in params:
+        order = sort_batch_req_ids(tokens, drafts, t)
+    else:
+        order = sort_batch_req_ids(tokens, t)
+    query_lens = [tokens[r] for r in order]
+    bound = max(t, ta.SPLIT_MAX_CHUNK)
+    first = next(i for i, n in enumerate(query_lens) if n > bound)
+    assert all(n > bound for n in query_lens[first:]), order
+    split = ta.SplitTreeAttention(
+        fake_vllm_config(tree_budget=t - 1, max_num_seqs=16),
+        8,
+        2,
+        64,
+        16,
+        torch.bfloat16,
+        torch.device("cpu"),
+        prefix_attention=paged_prefix_attention,
+    )
+    meta = split.build(common_for_query_lens(query_lens))
+    assert meta.long_from == (first, sum(query_lens[:first]))
+
+
 def test_build_keeps_the_long_chunks_rows_in_one_buffer(monkeypatch):
     """The longer requests' query starts, from 0, in a persistent buffer,
     step after step; a batch within the bound has none."""
