@@ -786,7 +786,7 @@ class SplitTreeAttentionMetadata:
         if (
             attn_metadata.max_query_len > max_query_len
             and not self.no_tree
-            and (self.long_from is None or self.short_max_query_len > max_query_len)
+            and self.long_from is None
         ):
             return False
         if attn_metadata.causal is not True:
