@@ -125,7 +125,7 @@ test: $(TEST_DEPS)
 	  $(MAKE) --no-print-directory line-check LINE=$$line || exit 1; done
 
 # The checks of one other release line that need no wheel venv of its own
-# (README, "Release lines"): series and headers, the stack on its pristine
+# (docs/maintaining.md, "Release lines"): series and headers, the stack on its pristine
 # sdist (tree id), no export drift, ruff with that release's settings.
 line-check: $(TEST_DEPS)
 	@echo "== line $(LINE): check, apply --verify, export --dry-run, lint"

@@ -7,6 +7,7 @@ from (``bench/results/policy.json``). Every number in it must be that file's
 value for the row's pair and concurrency, to the digits printed.
 """
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -59,7 +60,9 @@ def results_tables(path: Path) -> list[tuple[Path, list[str], list[list[str]]]]:
             paragraph.append(lines[j])
             j -= 1
         sources = [
-            t for t in LINK.findall(" ".join(paragraph)) if t.split("#")[0].endswith(".json")
+            t
+            for t in LINK.findall(" ".join(paragraph))
+            if t.split("#")[0].endswith(".json")
         ]
         assert len(sources) == 1, (
             f"{path.name}: the paragraph above the table at line {i + 1} must link "
@@ -100,9 +103,9 @@ def check_table(source: Path, header: list[str], rows: list[list[str]]) -> list[
             value = data[key][COLUMNS[name]]
             if cell == NO_VALUE:
                 if not (COLUMNS[name] == "tau" and data[key]["budget_chosen"] == 0):
-                    errors.append(f"{key} {name}: '{NO_VALUE}' where the file has {value}")
+                    errors.append(f"{key} {name}: '{NO_VALUE}', the file has {value}")
             elif not _matches(cell, value):
-                errors.append(f"{key} {name}: printed {cell}, {source.name} has {value}")
+                errors.append(f"{key} {name}: printed {cell}, the file has {value}")
     # A table may cover some pairs only, but every concurrency of those.
     pairs = {pair for pair, _ in seen}
     missing = sorted(k for k in set(data) - seen if k[0] in pairs)
@@ -140,7 +143,8 @@ def test_a_wrong_number_is_caught():
     wrong[1][budget] = str(int(wrong[1][budget]) * 2 + 1)
     assert len(check_table(source, header, wrong)) == 2
     # A concurrency the file does not have, and the row it replaced missing.
-    assert len(check_table(source, header, [[rows[0][0], "3", *rows[0][2:]], *rows[1:]])) == 2
+    moved = [[rows[0][0], "3", *rows[0][2:]], *rows[1:]]
+    assert len(check_table(source, header, moved)) == 2
 
 
 def _slug(heading: str) -> str:
@@ -164,9 +168,10 @@ def test_relative_links_resolve(path):
             continue  # https:, mailto:
         file_part, _, anchor = target.partition("#")
         linked = (path.parent / file_part).resolve() if file_part else path
-        if not linked.exists():
-            broken.append(target)
-        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+        resolves = linked.exists() and not (
+            anchor and linked.suffix == ".md" and anchor not in _anchors(linked)
+        )
+        if not resolves:
             broken.append(target)
     assert broken == [], f"{path.name}: links to nothing: {broken}"
 
@@ -180,12 +185,11 @@ def patch_stack() -> dict[str, tuple[list[str], int, int]]:
         if not name or name.startswith("#"):
             continue
         text = (REPO / "patches" / name).read_text()
-        files = [f.removeprefix("vllm/") for f in re.findall(r"^\+\+\+ b/(\S+)", text, re.M)]
+        touched = re.findall(r"^\+\+\+ b/(\S+)", text, re.M)
+        files = [f.removeprefix("vllm/") for f in touched]
         diff = text.split("\ndiff --git", 1)[1].splitlines()
-        added = sum(1 for line in diff if line.startswith("+") and not line.startswith("+++"))
-        removed = sum(
-            1 for line in diff if line.startswith("-") and not line.startswith("---")
-        )
+        added = sum(1 for x in diff if x.startswith("+") and not x.startswith("+++"))
+        removed = sum(1 for x in diff if x.startswith("-") and not x.startswith("---"))
         stack[name.removesuffix(".patch")] = (files, added, removed)
     return stack
 
@@ -194,7 +198,8 @@ def test_the_hook_table_is_the_patch_stack():
     """docs/architecture.md lists every patch of the series, in order, with the
     files it touches and its line counts, and the stack's totals."""
     lines = (REPO / "docs" / "architecture.md").read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if _cells(line)[:2] == ["patch", "upstream files"])
+    header = ["patch", "upstream files"]
+    start = next(i for i, line in enumerate(lines) if _cells(line)[:2] == header)
     rows = []
     for line in lines[start + 2 :]:
         if not line.startswith("|"):
@@ -210,3 +215,43 @@ def test_the_hook_table_is_the_patch_stack():
     assert total[0] == f"total ({len(stack)} patches)"
     assert int(total[2]) == sum(s[1] for s in stack.values())
     assert int(total[3]) == sum(s[2] for s in stack.values())
+
+
+def _message_pattern(node: ast.expr) -> str:
+    """A regex for the strings an expression can build: its literal parts
+    as they are, anything for the values formatted or joined in."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return re.escape(node.value)
+    if isinstance(node, ast.JoinedStr):
+        return "".join(_message_pattern(v) for v in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _message_pattern(node.left) + _message_pattern(node.right)
+    return ".+?"
+
+
+def code_messages() -> list[re.Pattern]:
+    """Patterns of every DDTree message string in the overlay's modules."""
+    patterns = set()
+    for path in (REPO / "overlay").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Constant, ast.JoinedStr, ast.BinOp)):
+                pattern = _message_pattern(node)
+                if "DDTree" in pattern:
+                    patterns.add(pattern)
+    return [re.compile(p, re.S) for p in patterns]
+
+
+def test_documented_refusals_are_messages_of_the_code():
+    """Every refusal docs/configuration.md shows in a code block (a startup
+    line after ``vllm serve: error:``, or a per-request message) is one the
+    overlay can raise."""
+    patterns = code_messages()
+    text = (REPO / "docs" / "configuration.md").read_text()
+    shown = [
+        line[4:].removeprefix("vllm serve: error: ")
+        for line in text.splitlines()
+        if line.startswith(("    vllm serve: error: ", "    DDTree"))
+    ]
+    assert len(shown) > 40
+    unknown = [m for m in shown if not any(p.fullmatch(m) for p in patterns)]
+    assert unknown == []

@@ -508,18 +508,21 @@ def test_streaming_input_requests_are_refused_under_ddtree():
         run(stub, resumable=True)
 
 
-# ------------------------------------------------------------------ README
+# ------------------------------------------------------ docs/configuration.md
 def _message(check, *args) -> str:
     with pytest.raises(ValueError) as info:
         check(*args)
     return str(info.value)
 
 
-def test_readme_lists_every_refusal_with_its_message(monkeypatch):
-    """The README's startup-error examples are the code's messages."""
+def test_docs_list_every_refusal_with_its_message(monkeypatch):
+    """The startup-error examples of docs/configuration.md are the code's
+    messages."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    docs = (
+        Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    ).read_text()
     c = ddtree_config
 
     def cfg(**kw):
@@ -562,13 +565,13 @@ def test_readme_lists_every_refusal_with_its_message(monkeypatch):
     ]
     startup += tree_attention_refusals(monkeypatch)
     for message in startup:
-        assert f"    vllm serve: error: {message}\n" in readme, message
+        assert f"    vllm serve: error: {message}\n" in docs, message
     streaming = _message(c.verify_ddtree_streaming_input)
-    assert f"    {streaming}\n" in readme
+    assert f"    {streaming}\n" in docs
 
 
 def tree_attention_refusals(monkeypatch) -> list[str]:
-    """The README's VLLM_DDTREE_TREE_ATTENTION lines, from the code: a bad
+    """The documented VLLM_DDTREE_TREE_ATTENTION lines, from the code: a bad
     value, a float32 model, an FP8 KV cache, an A100 (no FA3)."""
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability

@@ -1502,8 +1502,8 @@ def test_the_mode_in_use_is_logged_once_the_layers_are_built(
     assert lines == [expected]
 
 
-def test_readme_shows_the_logged_line(monkeypatch):
-    """The README's example of the startup line is the code's."""
+def test_docs_show_the_logged_line(monkeypatch):
+    """The example of the startup line in docs/tuning.md is the code's."""
     from pathlib import Path
 
     set_mode(monkeypatch, None)
@@ -1515,8 +1515,8 @@ def test_readme_shows_the_logged_line(monkeypatch):
         SimpleNamespace(info_once=lambda msg, *args: lines.append(msg % args)),
     )
     ta.verify_tree_attention_layers(startup_config(torch.float32))
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert len(lines) == 1 and f"\n    {lines[0]}\n" in readme, lines
+    tuning = (Path(__file__).resolve().parents[2] / "docs" / "tuning.md").read_text()
+    assert len(lines) == 1 and f"\n    {lines[0]}\n" in tuning, lines
 
 
 # ----------------------------------------------------------------------------
