@@ -1,10 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The documentation's figures are the committed results', and its links resolve.
+"""The documentation agrees with what it documents.
 
-A results table is a Markdown table whose first two columns are ``pair`` and
-``requests``; the paragraph right above it links the JSON file its rows come
-from (``bench/results/policy.json``). Every number in it must be that file's
-value for the row's pair and concurrency, to the digits printed.
+- Results tables: a Markdown table whose first two columns are ``pair`` and
+  ``requests``; the paragraph right above it links the JSON file its rows come
+  from (``bench/results/policy.json``). Every number in it must be that file's
+  value for the row's pair and concurrency, to the digits printed, and the
+  table must have every row of the pairs it shows.
+- Relative links in README.md, docs/*.md and CHANGELOG.md reach a file (and a
+  heading, for a Markdown anchor).
+- docs/architecture.md's hook table is ``patches/series``, each patch with the
+  upstream files it touches and its added and removed lines.
+- Every refusal docs/configuration.md shows is a message the overlay builds.
 """
 
 import ast
@@ -17,6 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
+CHANGELOG = REPO / "CHANGELOG.md"
 
 # Column header -> key of a policy.json row.
 COLUMNS = {
@@ -159,7 +166,7 @@ def _anchors(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "path", [README, *DOCS], ids=lambda p: str(p.relative_to(REPO))
+    "path", [README, *DOCS, CHANGELOG], ids=lambda p: str(p.relative_to(REPO))
 )
 def test_relative_links_resolve(path):
     broken = []
