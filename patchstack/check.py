@@ -20,6 +20,7 @@ from patchstack.series import patch_message, read_series
 
 SPDX_LINE = "# SPDX-License-Identifier: Apache-2.0"
 REQUIRED_HEADERS = ("Why", "Origin", "Forwarded", "Test")
+FORWARDED_VALUES = ("no", "not-needed", "not yet, candidate")
 COMPILED_PATHS = ("csrc/", "CMakeLists.txt", "setup.py", "cmake/")
 
 
@@ -30,9 +31,6 @@ def header_fields(body: str) -> dict[str, str]:
         if m and m.group(1) not in fields:
             fields[m.group(1)] = m.group(2)
     return fields
-
-
-FORWARDED_VALUES = ("no", "not-needed", "not yet, candidate")
 
 
 @dataclass

@@ -14,6 +14,7 @@ OVERLAY_SUBJECT = (
     "overlay: the files vllm-ddtree owns (overlay/, not applied by git am)"
 )
 OVERLAY_TAG = "overlay"
+# Fixed identity and dates for the overlay commit, as for the base commit.
 OVERLAY_ENV = {
     "GIT_AUTHOR_NAME": "vllm-ddtree",
     "GIT_AUTHOR_EMAIL": "ddtree@vllm.invalid",

@@ -4,14 +4,8 @@
 from __future__ import annotations
 
 from patchstack.common import OVERLAY_DIRNAME
+from patchstack.replay import FATE_TEXT, FATES
 
-FATES = ("clean", "merged", "conflict", "already-upstream")
-FATE_TEXT = {
-    "clean": "clean (applies as is)",
-    "merged": "merged three-way",
-    "conflict": "CONFLICT",
-    "already-upstream": "already upstream (empty after merge)",
-}
 MD_DIFF_LINES = 150  # upstream diff lines per conflicted patch in the Markdown report
 MD_REGION_LINES = 40  # lines per conflict region in the Markdown report
 

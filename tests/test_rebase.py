@@ -33,7 +33,8 @@ from patchstack.cli import main
 from patchstack.common import DEFAULT_PATCHES, LINES_DIR, DDTreeError
 from patchstack.fetch import newest_release
 from patchstack.lock import Lock
-from patchstack.rebase import release_line, replay_patch
+from patchstack.rebase import release_line
+from patchstack.replay import replay_patch
 from patchstack.repo import new_files
 from patchstack.series import read_series
 
