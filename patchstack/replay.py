@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One patch of the stack replayed onto another release's tree in a scratch repo
-(`rebase`): its fate (clean, merged three-way, conflict, already upstream), the
-hunks that do not apply as they are and the conflict regions."""
+"""The scratch repo of `rebase`: each release's vllm/ as a commit, and one patch of
+the stack replayed from the old onto the new: its fate (clean, merged three-way,
+conflict, already upstream), the hunks that do not apply as they are, the
+conflict regions and what upstream changed in the patch's files."""
 
 from __future__ import annotations
 
