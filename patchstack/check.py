@@ -185,6 +185,7 @@ def check_all(
 def cmd_check(args: argparse.Namespace) -> int:
     lock = Lock.load(args.lock)
     _ = lock.version  # validates the version fields
+    _ = lock.entry_points  # and [ddtree.entry_points]
     stats: dict[str, PatchStats] = {}
     problems = check_all(lock, args.patches, args.overlay, stats)
     for p in problems:

@@ -201,6 +201,17 @@ def test_check_reports_the_stack_size() -> None:
     assert int(total[5]) == len(overlay_files(REPO_ROOT / "overlay"))
 
 
+def test_check_refuses_a_malformed_entry_point(stack_copy: tuple[Path, Path]) -> None:
+    lock, patches = stack_copy
+    lock.write_text(
+        lock.read_text() + '\n[ddtree.entry_points."vllm.general_plugins"]\n'
+        'ddtree = "not an object reference"\n'
+    )
+    r = tool(lock, patches, "check")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert "ddtree.entry_points.vllm.general_plugins.ddtree: want" in r.stderr
+
+
 @pytest.mark.parametrize(
     ("rel", "text", "message"),
     [
