@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # Files and directories we own that ruff checks with vLLM's settings (add a path
 # to cover more). bench's scripts are listed by wildcard: `apply_patches.py lint`
 # takes paths only, and an exclude in ruff.toml would not be upstream's setting.
-LINT_PATHS ?= overlay tests apply_patches.py $(wildcard bench/*.py) $(wildcard bench/pairs/*.py)
+LINT_PATHS ?= overlay tests apply_patches.py patchstack $(wildcard bench/*.py) $(wildcard bench/pairs/*.py)
 # One directory of rebase reports per line (the default line's at the top).
 ifeq ($(LINE),)
 REPORT_DIR ?= docs/rebase
@@ -89,7 +89,7 @@ wheel: $(WHEEL)
 
 OVERLAY_FILES := $(shell find overlay -name '*.py' -not -path '*/__pycache__/*' 2>/dev/null)
 
-$(WHEEL): $(LINE_DIR)/upstream.lock $(LINE_DIR)/patches/series $(wildcard $(LINE_DIR)/patches/*.patch) $(OVERLAY_FILES) apply_patches.py
+$(WHEEL): $(LINE_DIR)/upstream.lock $(LINE_DIR)/patches/series $(wildcard $(LINE_DIR)/patches/*.patch) $(OVERLAY_FILES) apply_patches.py $(wildcard patchstack/*.py)
 	@echo "== wheel $(VERSION): fetch, apply, repack"
 	$(TOOL) fetch
 	$(TOOL) apply --src $(SRC) --verify

@@ -34,15 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(OVERLAY))
 
 
-def _tooling():
-    """apply_patches (needs GitPython and unidiff), imported only by the
-    fixtures that use it: the DDTree core tests also run on a GPU host that
-    has torch and Triton but not the patch tooling."""
-    import apply_patches
-
-    return apply_patches
-
-
 def patched_src() -> Path:
     return Path(
         os.environ.get("VLLM_DDTREE_SRC", REPO_ROOT / "build" / "src")
@@ -57,15 +48,22 @@ def src_tree() -> Path:
     return src
 
 
+# The fixtures that use the patch tool (patchstack: GitPython and unidiff) import
+# it: the DDTree core tests also run on a GPU host that has torch and Triton but
+# not the patch tool.
 @pytest.fixture(scope="session")
 def lock():
-    tool = _tooling()
-    return tool.Lock.load(tool.DEFAULT_LOCK)
+    from patchstack.common import DEFAULT_LOCK
+    from patchstack.lock import Lock
+
+    return Lock.load(DEFAULT_LOCK)
 
 
 @pytest.fixture(scope="session")
 def our_wheel(lock) -> Path:
-    wheel = REPO_ROOT / "dist" / _tooling().wheel_name(lock)
+    from patchstack.wheel import wheel_name
+
+    wheel = REPO_ROOT / "dist" / wheel_name(lock)
     if not wheel.is_file():
         pytest.fail(f"{wheel} missing; run `make wheel` first")
     return wheel
@@ -83,14 +81,15 @@ def wheel_venv(our_wheel: Path) -> Path:
 def stack_copy(tmp_path: Path) -> tuple[Path, Path]:
     """Copies of upstream.lock, patches/ and overlay/ (beside patches/, where the
     tool looks for it) that a test may corrupt."""
+    from patchstack.common import DEFAULT_LOCK, DEFAULT_PATCHES, OVERLAY_DIRNAME
+
     lock = tmp_path / "upstream.lock"
-    tool = _tooling()
-    shutil.copy(tool.DEFAULT_LOCK, lock)
+    shutil.copy(DEFAULT_LOCK, lock)
     patches = tmp_path / "patches"
-    shutil.copytree(tool.DEFAULT_PATCHES, patches)
+    shutil.copytree(DEFAULT_PATCHES, patches)
     shutil.copytree(
-        REPO_ROOT / tool.OVERLAY_DIRNAME,
-        tmp_path / tool.OVERLAY_DIRNAME,
+        REPO_ROOT / OVERLAY_DIRNAME,
+        tmp_path / OVERLAY_DIRNAME,
         ignore=shutil.ignore_patterns("__pycache__"),
     )
     return lock, patches

@@ -27,7 +27,7 @@ def cache_dir() -> Path:
 
 # Also run as a script (`python3 tests/ddtree_venv.py WHEEL`): find the tool.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from apply_patches import sha256_file  # noqa: E402
+from patchstack.fetch import sha256_file  # noqa: E402
 
 
 def venv_python(venv: Path) -> Path:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -11,7 +12,21 @@ from pathlib import Path
 
 import pytest
 
-import apply_patches
+from patchstack.check import check_all
+from patchstack.cli import resolve_line
+from patchstack.common import (
+    DEFAULT_LOCK,
+    DEFAULT_PATCHES,
+    DEFAULT_SRC,
+    LINES_DIR,
+    DDTreeError,
+)
+from patchstack.fetch import fetch_artifact, verify_sha256
+from patchstack.lint import RUFF_CONFIG, lint_patched_files, ruff_config_drift
+from patchstack.lock import Lock
+from patchstack.overlay import OVERLAY_SUBJECT, overlay_files
+from patchstack.repo import new_files, stack_tree
+from patchstack.series import read_series, series_hash
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOOL = [sys.executable, str(REPO_ROOT / "apply_patches.py")]
@@ -52,29 +67,29 @@ def test_check_passes_on_repo() -> None:
 def test_line_picks_its_lock_patches_and_tree() -> None:
     """--line VERSION reads lines/VERSION/ and keeps overlay/ shared; without it
     every path is the repo root's, as before lines existed."""
-    for line in sorted(p.name for p in apply_patches.LINES_DIR.iterdir()):
-        args = apply_patches.argparse.Namespace(
+    for line in sorted(p.name for p in LINES_DIR.iterdir()):
+        args = argparse.Namespace(
             line=line, lock=None, patches=None, overlay=None, src=None, config=None
         )
-        apply_patches.resolve_line(args)
-        root = apply_patches.LINES_DIR / line
+        resolve_line(args)
+        root = LINES_DIR / line
         assert args.lock == root / "upstream.lock"
         assert args.patches == root / "patches"
         assert args.overlay == REPO_ROOT / "overlay"
         assert args.src == REPO_ROOT / "build" / f"src-{line}"
-        assert apply_patches.Lock.load(args.lock).upstream["version"] == line
+        assert Lock.load(args.lock).upstream["version"] == line
         r = run_tool("--line", line, "check")
         assert r.returncode == 0, r.stderr
-    args = apply_patches.argparse.Namespace(
+    args = argparse.Namespace(
         line=None, lock=None, patches=None, overlay=None, src=None, config=None
     )
-    apply_patches.resolve_line(args)
+    resolve_line(args)
     assert (args.lock, args.patches, args.overlay, args.src, args.config) == (
-        apply_patches.DEFAULT_LOCK,
-        apply_patches.DEFAULT_PATCHES,
+        DEFAULT_LOCK,
+        DEFAULT_PATCHES,
         REPO_ROOT / "overlay",
-        apply_patches.DEFAULT_SRC,
-        apply_patches.RUFF_CONFIG,
+        DEFAULT_SRC,
+        RUFF_CONFIG,
     )
 
 
@@ -85,7 +100,7 @@ def test_unknown_line_is_one_line_error() -> None:
 
 
 def test_first_patch_is_listed_first() -> None:
-    assert apply_patches.read_series(apply_patches.DEFAULT_PATCHES)[0] == FIRST_PATCH
+    assert read_series(DEFAULT_PATCHES)[0] == FIRST_PATCH
 
 
 def test_series_entry_without_file(stack_copy: tuple[Path, Path]) -> None:
@@ -176,14 +191,25 @@ def test_check_reports_the_stack_size() -> None:
     )
     assert total, r.stdout
     stats: dict = {}
-    apply_patches.check_all(
-        apply_patches.Lock.load(apply_patches.DEFAULT_LOCK),
-        apply_patches.DEFAULT_PATCHES,
+    check_all(
+        Lock.load(DEFAULT_LOCK),
+        DEFAULT_PATCHES,
         None,
         stats,
     )
     assert int(total[2]) == sum(s.added for s in stats.values())
-    assert int(total[5]) == len(apply_patches.overlay_files(REPO_ROOT / "overlay"))
+    assert int(total[5]) == len(overlay_files(REPO_ROOT / "overlay"))
+
+
+def test_check_refuses_a_malformed_entry_point(stack_copy: tuple[Path, Path]) -> None:
+    lock, patches = stack_copy
+    lock.write_text(
+        lock.read_text() + '\n[ddtree.entry_points."vllm.general_plugins"]\n'
+        'ddtree = "not an object reference"\n'
+    )
+    r = tool(lock, patches, "check")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert "ddtree.entry_points.vllm.general_plugins.ddtree: want" in r.stderr
 
 
 @pytest.mark.parametrize(
@@ -255,15 +281,13 @@ def test_unparsable_patch(stack_copy: tuple[Path, Path]) -> None:
 
 def test_wrong_sha256_is_refused(stack_copy: tuple[Path, Path], tmp_path: Path) -> None:
     lock, patches = stack_copy
-    real = apply_patches.fetch_artifact(
-        apply_patches.Lock.load(apply_patches.DEFAULT_LOCK), "sdist"
-    )
+    real = fetch_artifact(Lock.load(DEFAULT_LOCK), "sdist")
     cache = tmp_path / "cache"
     cache.mkdir()
     os.symlink(real, cache / real.name)
     wrong = "0" * 64
     text = lock.read_text()
-    good = apply_patches.Lock.load(lock).artifact("sdist").sha256
+    good = Lock.load(lock).artifact("sdist").sha256
     lock.write_text(text.replace(good, wrong))
     r = tool(lock, patches, "fetch", env={"VLLM_DDTREE_CACHE": str(cache)})
     assert r.returncode == 1
@@ -287,11 +311,9 @@ def test_verify_sha256_unit(tmp_path: Path) -> None:
     f = tmp_path / "a.bin"
     f.write_bytes(b"abc")
     good = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
-    apply_patches.verify_sha256(f, good)
-    with pytest.raises(
-        apply_patches.DDTreeError, match=f"a.bin.*{good[:8]}.*got {good}"
-    ):
-        apply_patches.verify_sha256(f, good[:8] + "0" * 56)
+    verify_sha256(f, good)
+    with pytest.raises(DDTreeError, match=f"a.bin.*{good[:8]}.*got {good}"):
+        verify_sha256(f, good[:8] + "0" * 56)
 
 
 # ------------------------------------------------------------------ apply / export
@@ -397,16 +419,14 @@ def test_new_commit_becomes_a_new_patch(
         "none",
     )
     assert tool(lock, patches, "export", "--src", src).returncode == 0
-    series = apply_patches.read_series(patches)
+    series = read_series(patches)
     assert series[0] == FIRST_PATCH and series[-1] == "ddtree-add-package.patch"
-    assert (
-        len(series) == len(apply_patches.read_series(apply_patches.DEFAULT_PATCHES)) + 1
-    )
+    assert len(series) == len(read_series(DEFAULT_PATCHES)) + 1
     assert tool(lock, patches, "check").returncode == 0
 
 
 def test_lock_version_is_consistent() -> None:
-    lock = apply_patches.Lock.load(apply_patches.DEFAULT_LOCK)
+    lock = Lock.load(DEFAULT_LOCK)
     assert re.fullmatch(r"0\.26\.0\+ddtree\.\d+", lock.version)
     assert lock.upstream["tag"] == "v0.26.0"
     assert lock.upstream["commit"] == "ffd46bfab"
@@ -427,16 +447,14 @@ def test_apply_copies_the_overlay_after_the_patches(
     src = tmp_path / "src"
     r = tool(lock, patches, "apply", "--src", src, "--verify")
     assert r.returncode == 0, r.stderr
-    files = apply_patches.overlay_files(overlay)
-    assert apply_patches.new_files(src) == sorted(files)
+    files = overlay_files(overlay)
+    assert new_files(src) == sorted(files)
     for rel, path in files.items():
         assert (src / rel).read_bytes() == path.read_bytes(), rel
     # one commit on top of the patches, tagged; the patches alone are patched_tree
-    assert git(src, "log", "-1", "--format=%s") == apply_patches.OVERLAY_SUBJECT + "\n"
+    assert git(src, "log", "-1", "--format=%s") == OVERLAY_SUBJECT + "\n"
     assert git(src, "rev-parse", "HEAD") == git(src, "rev-parse", "overlay^{commit}")
-    assert (
-        apply_patches.stack_tree(src) == git(src, "rev-parse", "HEAD~1^{tree}").strip()
-    )
+    assert stack_tree(src) == git(src, "rev-parse", "HEAD~1^{tree}").strip()
     # an overlay file that an upstream file already occupies is refused
     clash = overlay / "vllm/config/speculative.py"
     clash.parent.mkdir(parents=True)
@@ -558,10 +576,10 @@ def test_export_splits_a_mixed_commit(
 
 def test_series_hash_covers_the_overlay(stack_copy: tuple[Path, Path]) -> None:
     lock, patches = stack_copy
-    before = apply_patches.series_hash(patches)
+    before = series_hash(patches)
     f = patches.parent / "overlay" / OVERLAY_FILE
     f.write_text(f.read_text() + "\n")
-    assert apply_patches.series_hash(patches) != before
+    assert series_hash(patches) != before
 
 
 # ------------------------------------------------------------------ lint
@@ -571,21 +589,20 @@ def test_lint_passes_on_the_repo(src_tree: Path) -> None:
     # The Makefile's LINT_PATHS.
     bench = sorted((REPO_ROOT / "bench").glob("*.py"))
     bench += sorted((REPO_ROOT / "bench" / "pairs").glob("*.py"))
-    r = run_tool(
-        "lint", "--src", src_tree, "overlay", "tests", "apply_patches.py", *bench
-    )
+    paths = ["overlay", "tests", "apply_patches.py", "patchstack", *bench]
+    r = run_tool("lint", "--src", src_tree, *paths)
     assert r.returncode == 0, r.stderr
     assert "clean" in r.stdout
 
 
 def test_ruff_toml_is_upstreams(src_tree: Path, tmp_path: Path) -> None:
-    assert apply_patches.ruff_config_drift(src_tree, REPO_ROOT / "ruff.toml") == []
+    assert ruff_config_drift(src_tree, REPO_ROOT / "ruff.toml") == []
     changed = tmp_path / "ruff.toml"
     changed.write_text(
         (REPO_ROOT / "ruff.toml").read_text().replace('"E731", ', "")
         + "\nline-length = 100\n"
     )
-    drift = apply_patches.ruff_config_drift(src_tree, changed)
+    drift = ruff_config_drift(src_tree, changed)
     assert any(d.startswith("lint.ignore: upstream") for d in drift), drift
     assert "format.line-length: not upstream's" in drift
 
@@ -607,10 +624,10 @@ def test_lint_takes_only_the_added_lines_of_patched_files(tmp_path: Path) -> Non
     git(repo, "tag", "upstream")
     (repo / "vllm/x.py").write_text(old + "\n\ndef h():\n    return 3\n")
     git(repo, "commit", "-q", "-a", "-m", "clean edit")
-    assert apply_patches.lint_patched_files(repo) == ([], 1)
+    assert lint_patched_files(repo) == ([], 1)
     (repo / "vllm/y.py").write_text("import sys\n\ndef g():\n    return  2\n")
     git(repo, "commit", "-q", "-a", "-m", "bad edit")
-    problems, num_files = apply_patches.lint_patched_files(repo)
+    problems, num_files = lint_patched_files(repo)
     assert num_files == 2
     assert any("vllm/y.py: F401" in p and "import sys" in p for p in problems), problems
     assert any("vllm/y.py: not formatted" in p for p in problems), problems
@@ -634,7 +651,7 @@ def test_make_targets_take_the_line_and_test_checks_every_line() -> None:
     default = make_n("-B", "wheel")
     assert "apply_patches.py apply --src build/src --verify" in default
     assert "--line" not in default
-    lines = sorted(p.name for p in apply_patches.LINES_DIR.iterdir())
+    lines = sorted(p.name for p in LINES_DIR.iterdir())
     assert lines
     for line in lines:
         out = make_n("-B", "wheel", f"LINE={line}")

@@ -27,7 +27,16 @@ from pathlib import Path
 
 import pytest
 
-import apply_patches
+from patchstack import fetch
+from patchstack.check import check_all
+from patchstack.cli import main
+from patchstack.common import DEFAULT_PATCHES, LINES_DIR, DDTreeError
+from patchstack.fetch import newest_release
+from patchstack.lock import Lock
+from patchstack.rebase import release_line
+from patchstack.replay import replay_patch
+from patchstack.repo import new_files
+from patchstack.series import read_series
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OLD, NEW = "1.0.0", "1.1.0"
@@ -137,8 +146,8 @@ class FakeUpstream:
 def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeUpstream:
     monkeypatch.setenv("VLLM_DDTREE_CACHE", str(tmp_path / "cache"))
     up = FakeUpstream(tmp_path)
-    monkeypatch.setattr(apply_patches, "pypi_index", up.index)
-    monkeypatch.setattr(apply_patches, "download", up.download)
+    monkeypatch.setattr(fetch, "pypi_index", up.index)
+    monkeypatch.setattr(fetch, "download", up.download)
     return up
 
 
@@ -195,7 +204,7 @@ def stack(fake: FakeUpstream, tmp_path: Path) -> tuple[Path, Path]:
         path.write_text(f"{SPDX}\n# {rel}\n")
     src = tmp_path / "src"
     assert (
-        apply_patches.main(
+        main(
             ["--lock", str(lock), "--patches", str(patches), "apply", "--src", str(src)]
         )
         == 0
@@ -220,7 +229,7 @@ def stack(fake: FakeUpstream, tmp_path: Path) -> tuple[Path, Path]:
             "2026-01-01T00:00:00+0000",
         )
     assert (
-        apply_patches.main(
+        main(
             [
                 "--lock",
                 str(lock),
@@ -233,7 +242,7 @@ def stack(fake: FakeUpstream, tmp_path: Path) -> tuple[Path, Path]:
         )
         == 0
     )
-    assert apply_patches.read_series(patches) == list(FATES)
+    assert read_series(patches) == list(FATES)
     return lock, patches
 
 
@@ -242,7 +251,7 @@ OVERLAY = ["vllm/ours/__init__.py", "vllm/ours/mod.py"]
 
 
 def run_rebase(lock: Path, patches: Path, reports: Path, *extra: str) -> int:
-    return apply_patches.main(
+    return main(
         [
             "--lock",
             str(lock),
@@ -361,7 +370,7 @@ def test_write_when_clean(
     report = json.loads((tmp_path / "r" / f"{NEW}.json").read_text())
     assert report["written"] is True
     # the lock now pins 1.1.0, with both sha256s and the wheel's commit
-    new = apply_patches.Lock.load(lock)
+    new = Lock.load(lock)
     assert new.upstream["version"] == NEW and new.upstream["tag"] == f"v{NEW}"
     assert new.upstream["commit"] == "abc1234"
     assert new.upstream["base_image"] == f"vllm/vllm-openai:v{NEW}"
@@ -373,7 +382,7 @@ def test_write_when_clean(
     assert new.tree("patched_tree") == report["to"]["patched_tree"] != ""
     assert lock.read_text().startswith("# fake lock")  # comments kept
     # already-upstream patch dropped; the merged one refreshed; headers intact
-    assert apply_patches.read_series(patches) == [
+    assert read_series(patches) == [
         "fake-a-clean.patch",
         "fake-b-merged.patch",
     ]
@@ -383,15 +392,15 @@ def test_write_when_clean(
     assert new_b != old_b and "b_12 = 'upstream'" in new_b
     assert new_b.split("\ndiff --git")[0] == old_b.split("\ndiff --git")[0]
     assert (patches / "fake-a-clean.patch").read_text() != old_a  # new line numbers
-    assert apply_patches.check_all(new, patches) == []
+    assert check_all(new, patches) == []
     # the ordinary tools agree: apply --verify and no export drift
     src = tmp_path / "src-new"
     base = ["--lock", str(lock), "--patches", str(patches)]
-    assert apply_patches.main([*base, "apply", "--src", str(src), "--verify"]) == 0
-    assert apply_patches.main([*base, "export", "--src", str(src), "--dry-run"]) == 0
+    assert main([*base, "apply", "--src", str(src), "--verify"]) == 0
+    assert main([*base, "export", "--src", str(src), "--dry-run"]) == 0
     assert (src / "vllm/b.py").read_text().count("'patched'") == 1
     # the overlay came along, copied as it is
-    assert apply_patches.new_files(src) == OVERLAY
+    assert new_files(src) == OVERLAY
     assert (src / "vllm/ours/mod.py").read_text() == f"{SPDX}\n# vllm/ours/mod.py\n"
 
 
@@ -448,7 +457,7 @@ def test_unknown_release(
 ) -> None:
     lock, patches = stack
     assert (
-        apply_patches.main(
+        main(
             [
                 "--lock",
                 str(lock),
@@ -479,11 +488,11 @@ def test_newest_release_is_the_highest_final_sdist(
         "vllm-0.35.0-cp38-abi3-manylinux_2_28_x86_64.whl": False,  # no sdist
     }
     index = {n: {"url": n, "sha256": "", "yanked": y} for n, y in files.items()}
-    monkeypatch.setattr(apply_patches, "pypi_index", lambda project: index)
-    assert apply_patches.newest_release("vllm") == "0.33.0"
-    monkeypatch.setattr(apply_patches, "pypi_index", lambda project: {})
-    with pytest.raises(apply_patches.DDTreeError, match="no final release"):
-        apply_patches.newest_release("vllm")
+    monkeypatch.setattr(fetch, "pypi_index", lambda project: index)
+    assert newest_release("vllm") == "0.33.0"
+    monkeypatch.setattr(fetch, "pypi_index", lambda project: {})
+    with pytest.raises(DDTreeError, match="no final release"):
+        newest_release("vllm")
 
 
 def test_onto_latest_rebases_onto_the_newest_release(
@@ -497,19 +506,19 @@ def test_onto_latest_rebases_onto_the_newest_release(
     argv += ["--onto", "latest", "--report-dir", str(tmp_path / "r")]
     # The fake index has OLD (pinned) and NEW: the report is NEW's (one patch
     # of the fake stack conflicts, hence 1).
-    assert apply_patches.main(argv) == 1
+    assert main(argv) == 1
     assert (
         json.loads((tmp_path / "r" / f"{NEW}.json").read_text())["to"]["version"] == NEW
     )
     # Pinned to the newest already: nothing to do, no report.
     full = fake.index
     monkeypatch.setattr(
-        apply_patches,
+        fetch,
         "pypi_index",
         lambda project: {k: v for k, v in full(project).items() if NEW not in k},
     )
     argv[-1] = str(tmp_path / "r2")
-    assert apply_patches.main(argv) == 0
+    assert main(argv) == 0
     assert not (tmp_path / "r2").exists()
 
 
@@ -575,7 +584,7 @@ def test_conflict_when_upstream_deleted_the_file(tmp_path: Path) -> None:
     git(r, "checkout", "-q", "-b", "new", "old-base")
     git(r, "rm", "-q", "vllm/e.py")
     git(r, "commit", "-q", "-m", "upstream deletes e.py")
-    rec = apply_patches.replay_patch(r, patch, pre)
+    rec = replay_patch(r, patch, pre)
     assert rec["fate"] == "conflict" and rec["conflict"]["files"] == ["vllm/e.py"]
     assert "upstream deleted or renamed" in rec["conflict"]["regions"][0]["text"]
     assert git(r, "status", "--porcelain") == ""  # reset for the next patch
@@ -584,12 +593,10 @@ def test_conflict_when_upstream_deleted_the_file(tmp_path: Path) -> None:
 def test_release_line_names_the_hand_resolved_stack() -> None:
     """A release with a line in lines/: the report says where its stack lives
     and which patches of the series it dropped; no line, nothing to say."""
-    series = apply_patches.read_series(apply_patches.DEFAULT_PATCHES)
-    for version in (p.name for p in apply_patches.LINES_DIR.iterdir()):
-        line_series = apply_patches.read_series(
-            apply_patches.LINES_DIR / version / "patches"
-        )
-        line = apply_patches.release_line(version, [*series, "gone-upstream.patch"])
+    series = read_series(DEFAULT_PATCHES)
+    for version in (p.name for p in LINES_DIR.iterdir()):
+        line_series = read_series(LINES_DIR / version / "patches")
+        line = release_line(version, [*series, "gone-upstream.patch"])
         assert line is not None
         assert line["dir"] == f"lines/{version}"
         assert line["patches"] == len(line_series)
@@ -597,7 +604,7 @@ def test_release_line_names_the_hand_resolved_stack() -> None:
         assert set(line["already_upstream"]) - {"gone-upstream.patch"} == (
             set(series) - set(line_series)
         )
-    assert apply_patches.release_line("0.0.1", series) is None
+    assert release_line("0.0.1", series) is None
 
 
 def test_scheduled_rebase_check_tries_every_line(tmp_path: Path) -> None:
