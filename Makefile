@@ -1,6 +1,6 @@
 # vllm-ddtree: vLLM 0.26.0 + the patch stack in patches/ + our files in overlay/ (see README.md).
 # LINE=<vLLM version> works on the release line in lines/<version>/ instead
-# (e.g. `make wheel LINE=0.33.0`); overlay/ is shared by every line.
+# (e.g. `make wheel LINE=0.34.0`); overlay/ is shared by every line.
 PYTHON ?= python3
 .DEFAULT_GOAL := all
 LINE ?=

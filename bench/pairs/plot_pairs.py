@@ -60,7 +60,7 @@ def main() -> None:
         1, len(pairs), figsize=(6 * len(pairs), 4.5), squeeze=False
     )
     for ax, pair in zip(axes[0], pairs):
-        for k, (method, label) in enumerate(LABELS.items()):
+        for method, label in LABELS.items():
             pts = sorted(
                 (r["concurrency"], r["tok_s"], r.get("tau"))
                 for r in rows

@@ -22,7 +22,7 @@ TINYPAIR = Path(
     or Path(__file__).resolve().parents[3] / "shared" / "models" / "tinypair"
 ).resolve()
 
-# A build on a release line without GPU checks (vLLM 0.33.0 today) refuses
+# A build on a release line without GPU checks (vLLM 0.34.0 today) refuses
 # DDTree at startup unless opted in; these tests exercise that line's code
 # too (the refusal itself is tested with the variable removed).
 os.environ.setdefault("VLLM_DDTREE_ALLOW_UNVERIFIED_LINE", "1")

@@ -127,7 +127,7 @@ def test_tree_gdn_matches_the_sequential_kernel_on_every_path(
     )
     assert out is None
     state_after = state_dev.cpu()
-    for r, n in enumerate(budgets):
+    for r in range(len(budgets)):
         parent_row = parent[int(idx_mapping[r])]
         rows = [int(qsl[r]) + i for i in _path(parent_row, int(accepted[r, 0]))]
         _, ref_state = _reference(inputs, committed[int(state_idx[r])], rows, l2norm)

@@ -175,17 +175,17 @@ def test_ddtree_on_a_release_line_without_gpu_checks_is_refused(monkeypatch):
     monkeypatch.delenv(config.ALLOW_UNVERIFIED_LINE_ENV, raising=False)
     config.verify_release_line("0.26.0+ddtree.1")
     config.verify_release_line("0.26.1")
-    for version in ("0.33.0+ddtree.1", "0.27.0", "dev"):
+    for version in ("0.34.0+ddtree.1", "0.27.0", "dev"):
         with pytest.raises(ValueError, match="CPU checks only") as info:
             config.verify_release_line(version)
         message = str(info.value)
         assert "\n" not in message and version in message
         assert f"{config.ALLOW_UNVERIFIED_LINE_ENV}=1" in message
     monkeypatch.setenv(config.ALLOW_UNVERIFIED_LINE_ENV, "1")
-    config.verify_release_line("0.33.0+ddtree.1")
+    config.verify_release_line("0.34.0+ddtree.1")
     # resolve_ddtree_method checks the installed build's line.
     monkeypatch.delenv(config.ALLOW_UNVERIFIED_LINE_ENV)
-    monkeypatch.setattr(vllm.version, "__version__", "0.33.0+ddtree.1")
+    monkeypatch.setattr(vllm.version, "__version__", "0.34.0+ddtree.1")
     spec = SimpleNamespace(
         method="ddtree",
         model="drafter",
@@ -193,7 +193,7 @@ def test_ddtree_on_a_release_line_without_gpu_checks_is_refused(monkeypatch):
         draft_depth=None,
         num_speculative_tokens=None,
     )
-    with pytest.raises(ValueError, match="0.33.0"):
+    with pytest.raises(ValueError, match="0.34.0"):
         config.resolve_ddtree_method(spec)
 
 

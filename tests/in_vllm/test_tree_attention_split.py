@@ -1086,7 +1086,9 @@ def fake_vllm_config(
         ),
         attention_config=SimpleNamespace(flash_attn_max_num_splits_for_cuda_graph=32),
         speculative_config=SimpleNamespace(
-            use_ddtree=lambda: method == "ddtree", tree_budget=tree_budget
+            method=method,
+            use_ddtree=lambda: method == "ddtree",
+            tree_budget=tree_budget,
         ),
     )
 

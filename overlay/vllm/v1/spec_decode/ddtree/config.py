@@ -34,6 +34,51 @@ logger = init_logger(__name__)
 
 DDTREE_METHOD = "ddtree"
 DEFAULT_TREE_BUDGET = 64
+
+# DDTree's own options, with their defaults: fields of the patched
+# SpeculativeConfig on the 0.26.0 line; the keys of ``speculator_options`` where
+# vLLM's speculative-method interface registers DDTree (0.34.0 and later).
+DDTREE_OPTION_DEFAULTS: dict[str, Any] = {
+    "tree_budget": None,
+    "draft_depth": None,
+    "budget_policy": None,
+    "verify_tokens_per_step": 128,
+    "budget_replan_interval": 10.0,
+    "acceptance_prior": 0.8,
+    "acceptance_prior_weight": 256,
+}
+
+
+def ddtree_options(speculator_options: object) -> dict[str, Any]:
+    """DDTree's options from ``speculator_options``, defaults filled in; a
+    one-line refusal of anything else."""
+    if speculator_options is None:
+        speculator_options = {}
+    if not isinstance(speculator_options, dict):
+        raise ValueError(
+            "DDTree: speculator_options must be a mapping of DDTree's options "
+            f"({', '.join(DDTREE_OPTION_DEFAULTS)}), got "
+            f"{type(speculator_options).__name__}."
+        )
+    unknown = sorted(set(speculator_options) - set(DDTREE_OPTION_DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"DDTree: unknown speculator_options {', '.join(map(repr, unknown))}; "
+            f"DDTree takes {', '.join(DDTREE_OPTION_DEFAULTS)}."
+        )
+    return {**DDTREE_OPTION_DEFAULTS, **speculator_options}
+
+
+def is_ddtree(spec: "SpeculativeConfig | None") -> bool:
+    """Whether ``spec`` runs DDTree: its method is "ddtree" (the 0.26.0 line's
+    patched config keeps it), or its custom method is (vLLM's speculative-method
+    interface, where ``method`` becomes the base method, "dflash")."""
+    return spec is not None and DDTREE_METHOD in (
+        spec.method,
+        getattr(spec, "custom_method", None),
+    )
+
+
 # The Triton unified-attention kernel takes the per-request tree bias; the
 # other backends have no per-request mask that works inside CUDA graphs.
 DDTREE_TARGET_ATTENTION_BACKEND = "TRITON_ATTN"
@@ -106,7 +151,7 @@ def verify_release_line(vllm_version: str) -> None:
     if line in GPU_CHECKED_VLLM_LINES:
         return
     if os.environ.get(ALLOW_UNVERIFIED_LINE_ENV) == "1":
-        logger.warning(
+        logger.warning_once(
             "DDTree on vLLM %s: this release line has passed its CPU checks "
             "only, not its GPU exactness and speed checks (%s=1).",
             vllm_version,

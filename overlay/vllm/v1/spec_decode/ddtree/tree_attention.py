@@ -982,8 +982,12 @@ class SplitTreeAttention:
         or the unified mode). The mode is resolved here from the config and
         its built layers, as at startup (`verify_tree_attention_layers`, which
         logged it), so every builder of every process takes the same."""
-        spec = vllm_config.speculative_config
-        if spec is None or not spec.use_ddtree():
+        from vllm.v1.spec_decode.ddtree.config import is_ddtree
+
+        # Also reached through the neutral tree hook (vllm.v1.spec_decode.
+        # tree_hooks), for every engine of a process where DDTree's plugin is
+        # loaded: is_ddtree reads the configs of both release lines.
+        if not is_ddtree(vllm_config.speculative_config):
             return None
         if tree_attention_mode(vllm_config) != "split":
             return None
