@@ -26,10 +26,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO_ROOT
 
 import apply_patches
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 OLD, NEW = "1.0.0", "1.1.0"
 WHEEL = "vllm-{v}-cp38-abi3-manylinux_2_28_x86_64.whl"
 FATES = {

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO_ROOT
 
 import apply_patches
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TOOL = [sys.executable, str(REPO_ROOT / "apply_patches.py")]
 FIRST_PATCH = "dflash-swa-draft-layers-keep-full-kv.patch"
 
