@@ -66,7 +66,7 @@ IMAGE ?= vllm-ddtree:$(subst +,-,$(VERSION))
 # Where pip puts console scripts (hadolint) for $(PYTHON).
 SCRIPTS = $$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
 
-.PHONY: all deps fetch check apply export wheel lint test lint-docker image clean rebase-check line-check
+.PHONY: all deps fetch check apply export wheel lint test test-gpu lint-docker image clean rebase-check line-check
 
 all: wheel
 
@@ -103,32 +103,45 @@ lint-docker: $(TEST_DEPS)
 lint: $(TEST_DEPS)
 	$(TOOL) lint --src $(SRC) $(LINT_PATHS)
 
+# The wheel's venv (tests/helpers/ddtree_venv.py): vLLM's dependencies
+# installed once per set of them (about 8 GB, minutes), our wheel over them.
+WHEEL_VENV = $$($(PYTHON) tests/helpers/ddtree_venv.py $(WHEEL))
+
 test: $(TEST_DEPS)
-	@echo "== [1/8] fetch (cache: $${VLLM_DDTREE_CACHE:-~/.cache/vllm-ddtree})"
+	@echo "== [1/9] fetch (cache: $${VLLM_DDTREE_CACHE:-~/.cache/vllm-ddtree})"
 	$(TOOL) fetch
-	@echo "== [2/8] apply --verify into $(SRC)"
+	@echo "== [2/9] apply --verify into $(SRC)"
 	$(TOOL) apply --src $(SRC) --verify
-	@echo "== [3/8] check"
+	@echo "== [3/9] check"
 	$(TOOL) check
-	@echo "== [4/8] export --dry-run (drift gate: patches and overlay)"
+	@echo "== [4/9] export --dry-run (drift gate: patches and overlay)"
 	$(TOOL) export --src $(SRC) --dry-run
-	@echo "== [5/8] lint (ruff, vLLM's settings)"
+	@echo "== [5/9] lint (ruff, vLLM's settings)"
 	$(MAKE) --no-print-directory lint
-	@echo "== [6/8] wheel + Dockerfile lint"
+	@echo "== [6/9] wheel + Dockerfile lint"
 	$(MAKE) --no-print-directory wheel lint-docker
-	@echo "== [7/8] pytest (tooling, wheel round trip, DDTree core)"
+	@echo "== [7/9] the wheel's venv (the first time: about 8 GB of dependencies, minutes)"
+	$(PYTHON) tests/helpers/ddtree_venv.py $(WHEEL) >/dev/null
+	@echo "== [8/9] pytest: tests/unit, tests/tooling, tests/bench"
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
-	@echo "== [8/8] pytest inside the wheel's venv (tests that import the patched vLLM)"
-	VENV=$$($(PYTHON) tests/ddtree_venv.py $(WHEEL)) && \
+	@echo "== [9/9] pytest inside the wheel's venv: tests/in_vllm (imports the patched vLLM)"
+	VENV=$(WHEEL_VENV) && \
 	  $$VENV/bin/python -m pytest -c tests/in_vllm/pytest.ini tests/in_vllm $(PYTEST_ARGS)
 	@for line in $(if $(LINE),,$(OTHER_LINES)); do \
 	  $(MAKE) --no-print-directory line-check LINE=$$line || exit 1; done
+
+# Every GPU test (a CUDA host; `make test` skips them): those of tests/unit
+# with $(PYTHON), those of tests/in_vllm in the wheel's venv.
+test-gpu: $(TEST_DEPS) $(WHEEL)
+	$(PYTHON) -m pytest -m gpu $(PYTEST_ARGS)
+	VENV=$(WHEEL_VENV) && \
+	  $$VENV/bin/python -m pytest -c tests/in_vllm/pytest.ini -m gpu tests/in_vllm $(PYTEST_ARGS)
 
 # The checks of one other release line that need no wheel venv of its own
 # (docs/maintaining.md, "Release lines"): series and headers, the stack on its pristine
 # sdist (tree id), no export drift, ruff with that release's settings.
 line-check: $(TEST_DEPS)
-	@echo "== line $(LINE): check, apply --verify, export --dry-run, lint"
+	@echo "== line $(LINE): check, apply --verify, export --dry-run, lint (fetches vLLM $(LINE)'s sdist, about 50 MB, unless cached)"
 	$(TOOL) check
 	$(TOOL) apply --src $(SRC) --verify
 	$(TOOL) export --src $(SRC) --dry-run

@@ -1,21 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 """Shared fixtures for vllm-ddtree tests.
 
-The files we own are imported from ``overlay/`` where they stand: it goes on
-``sys.path`` first, so ``vllm`` is a namespace package holding only our
-modules (``vllm.v1.spec_decode.ddtree.tree`` and friends need torch, not the
-rest of vLLM, which this interpreter does not have). Tests that import the
-patched vLLM itself live in tests/in_vllm and run in the wheel's venv.
+The files we own are imported from ``overlay/`` where they stand: pytest.ini's
+``pythonpath`` puts it first on ``sys.path``, so ``vllm`` is a namespace
+package holding only our modules (``vllm.v1.spec_decode.ddtree.tree`` and
+friends need torch, not the rest of vLLM, which this interpreter does not
+have). Tests that import the patched vLLM itself live in tests/in_vllm and run
+in the wheel's venv, under tests/in_vllm/pytest.ini.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO_ROOT
 
 # Triton kernels (the DDTree core's Triton backend) run in the interpreter on
 # CPU tensors where there is no GPU; this must happen before Triton loads.
@@ -26,12 +27,6 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # pragma: no cover
     pass
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-OVERLAY = REPO_ROOT / "overlay"
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(OVERLAY))
 
 
 def patched_src() -> Path:

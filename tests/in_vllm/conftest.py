@@ -7,20 +7,9 @@ Triton is imported, so this happens when the conftest loads.
 """
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-# tests/: the torch reference implementations (ddtree_reference.py).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-# The tiny trained pair (target + DFlash drafter): ../shared/models/tinypair
-# beside the checkout, or $TINYPAIR_DIR.
-TINYPAIR = Path(
-    os.environ.get("TINYPAIR_DIR")
-    or Path(__file__).resolve().parents[3] / "shared" / "models" / "tinypair"
-).resolve()
+from repo_paths import TARGET
 
 # A build on a release line without GPU checks (vLLM 0.34.0 today) refuses
 # DDTree at startup unless opted in; these tests exercise that line's code
@@ -72,28 +61,10 @@ def cpu_uva_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(buffer_utils.UvaBuffer, "__init__", cpu_buffer)
 
 
-def find_tinypair(root: Path = TINYPAIR) -> Path:
-    """The tiny pair's directory. Missing: skipped on a developer machine,
-    a failure in CI (CI=true), where ../shared is always laid beside the
-    checkout and a silent skip would hide the tests that need it."""
-    if (root / "target").is_dir() and (root / "drafter").is_dir():
-        return root
-    message = f"tinypair not found at {root} (../shared/models or $TINYPAIR_DIR)"
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(message + "; CI must have it")
-    pytest.skip(message)
-
-
-@pytest.fixture(scope="session")
-def tinypair() -> Path:
-    return find_tinypair()
-
-
 @pytest.fixture(scope="module")
-def target_model_config(tinypair: Path):
-    """The tiny pair's target as a float32 ModelConfig."""
+def target_model_config():
+    """The dense benchmark pair's target (tests/helpers/repo_paths.py) as a
+    float32 ModelConfig."""
     from vllm.config import ModelConfig
 
-    return ModelConfig(
-        model=str(tinypair / "target"), dtype="float32", max_model_len=2048
-    )
+    return ModelConfig(model=str(TARGET), dtype="float32", max_model_len=2048)

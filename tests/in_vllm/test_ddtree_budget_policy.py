@@ -111,10 +111,9 @@ def test_other_policies_count_nothing():
 
 
 # ------------------------------------------------------------------ config
-from verifier_fakes import DRAFTER, make_spec, needs_models  # noqa: E402
+from verifier_fakes import DRAFTER, make_spec  # noqa: E402
 
 
-@needs_models
 def test_measured_policy_starts_from_the_batch_schedule(target_model_config):
     from vllm.v1.spec_decode.ddtree.config import capture_budgets
 
@@ -153,7 +152,6 @@ def test_measured_policy_starts_from_the_batch_schedule(target_model_config):
     assert capture_budgets(batch) == [15, 32, 64]
 
 
-@needs_models
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -316,7 +314,6 @@ def test_the_default_policy_is_measured_where_it_can_run(monkeypatch):
     assert chosen.speculative_config.budget_policy == "measured"
 
 
-@needs_models
 def test_an_unset_policy_with_a_pinned_schedule_is_batch(target_model_config):
     spec = make_spec(
         target_model_config,

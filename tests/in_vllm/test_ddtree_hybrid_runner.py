@@ -30,7 +30,6 @@ from verifier_fakes import (  # noqa: E402
     logits_for,
     make_spec,
     make_verifier,
-    needs_models,
     store_trees,
 )
 
@@ -165,7 +164,6 @@ def _spec(model_config, **kw):
     return make_spec(model_config, model=DRAFTER, **kw)
 
 
-@needs_models
 def test_real_hybrid_config_is_accepted(hybrid_model_config):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -186,7 +184,6 @@ def test_real_hybrid_config_is_accepted(hybrid_model_config):
     assert cfg.attention_config.backend == AttentionBackendEnum.TRITON_ATTN
 
 
-@needs_models
 def test_mamba_state_is_sized_for_one_committed_state_under_ddtree(
     hybrid_model_config,
 ):
@@ -416,7 +413,6 @@ def test_one_verifier_step_advances_the_gdn_states_along_the_walk(monkeypatch):
         )
 
 
-@needs_models
 def test_verifier_sizes_the_gdn_buffers_from_the_hybrid_config(
     hybrid_model_config, monkeypatch
 ):

@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 vllm = pytest.importorskip("vllm")
 
-from verifier_fakes import DRAFTER, TARGET, needs_models  # noqa: E402
+from verifier_fakes import DRAFTER, TARGET  # noqa: E402
 
 from vllm.v1.spec_decode.ddtree import config as ddtree_config  # noqa: E402
 
@@ -184,7 +184,7 @@ ENGINE_CASES = {
 
 
 @pytest.fixture(scope="module")
-def engine_configs(tinypair):
+def engine_configs():
     """Every case's engine config, built in one subprocess (one vLLM import)."""
     cases = {name: kw for name, (kw, _) in ENGINE_CASES.items()}
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="ERROR")
@@ -209,7 +209,6 @@ def engine_configs(tinypair):
     return json.loads(line[len("RESULT ") :])
 
 
-@needs_models
 @pytest.mark.parametrize("name", list(ENGINE_CASES))
 def test_engine_config_refusals(engine_configs, name):
     status, detail = engine_configs[name]

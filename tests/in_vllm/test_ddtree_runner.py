@@ -6,6 +6,7 @@ forward. They import the patched vLLM, so they run where it is installed."""
 
 import copy
 import inspect
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,17 +15,18 @@ import pytest
 torch = pytest.importorskip("torch")
 vllm = pytest.importorskip("vllm")
 
+from repo_paths import HELDOUT_PROMPTS  # noqa: E402
 from verifier_fakes import (  # noqa: E402
     DEPTH,
     DRAFTER,
     PARENT,
+    TARGET,
     TOKENS,
     ArgmaxSampler,
     B,
     logits_for,
     make_spec,
     make_verifier,
-    needs_models,
     store_trees,
 )
 
@@ -32,7 +34,6 @@ from verifier_fakes import (  # noqa: E402
 _spec = make_spec
 
 
-@needs_models
 def test_ddtree_config_keeps_its_method_and_drafts_like_dflash(target_model_config):
     spec = _spec(target_model_config, method="ddtree", model=DRAFTER, tree_budget=32)
     assert spec.method == "ddtree"  # visible in the resolved config
@@ -56,7 +57,6 @@ def test_ddtree_config_keeps_its_method_and_drafts_like_dflash(target_model_conf
     assert not plain.use_ddtree() and plain.tree_budget is None
 
 
-@needs_models
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -74,7 +74,6 @@ def test_ddtree_config_rejects_bad_values(target_model_config, kwargs, message):
     assert message in str(info.value)
 
 
-@needs_models
 def test_tree_budget_without_ddtree_method_is_refused(target_model_config):
     with pytest.raises(Exception, match="only valid with method='ddtree'"):
         _spec(
@@ -86,7 +85,6 @@ def test_tree_budget_without_ddtree_method_is_refused(target_model_config):
         )
 
 
-@needs_models
 def test_non_dflash_drafter_is_refused(target_model_config):
     from vllm.v1.spec_decode.ddtree.config import verify_ddtree_drafter
 
@@ -869,7 +867,6 @@ def test_budget_schedule_shrinks_with_batch_and_keeps_a_floor():
     assert budget_schedule(64, 15, 128) == [(1, 1, 64), (2, 3, 32), (4, 1024, 15)]
 
 
-@needs_models
 def test_batch_policy_schedule_and_fixed_pins_the_budget(target_model_config):
     fixed = _spec(
         target_model_config,
@@ -911,18 +908,16 @@ def test_batch_policy_schedule_and_fixed_pins_the_budget(target_model_config):
         )
 
 
-def test_missing_tinypair_fails_in_ci_and_skips_elsewhere(monkeypatch, tmp_path):
-    from conftest import find_tinypair
-
-    monkeypatch.setenv("CI", "true")
-    with pytest.raises(pytest.fail.Exception, match="CI must have it"):
-        find_tinypair(tmp_path)
-    monkeypatch.delenv("CI")
-    with pytest.raises(pytest.skip.Exception, match="tinypair not found"):
-        find_tinypair(tmp_path)
-    (tmp_path / "target").mkdir()
-    (tmp_path / "drafter").mkdir()
-    assert find_tinypair(tmp_path) == tmp_path
+def test_the_pair_the_tests_load_is_in_the_checkout():
+    """The configs, weights and tokenizer that these tests and
+    test_gpu_greedy_exact.py load are committed (bench/pairs/models): a clone
+    runs every test, and a missing file fails here by name."""
+    for model in (TARGET, DRAFTER):
+        for name in ("config.json", "model.safetensors"):
+            assert os.path.isfile(os.path.join(model, name)), (model, name)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert os.path.isfile(os.path.join(TARGET, name)), name
+    assert HELDOUT_PROMPTS.is_file()
 
 
 def test_every_block_width_of_the_drafters_input_kernel_is_compiled_at_warm_up(

@@ -16,7 +16,7 @@ vllm = pytest.importorskip("vllm")
 prometheus_client = pytest.importorskip("prometheus_client")
 
 from test_ddtree_runner import _spec  # noqa: E402
-from verifier_fakes import DRAFTER, TARGET, needs_models  # noqa: E402
+from verifier_fakes import DRAFTER, TARGET  # noqa: E402
 
 LABELS = ["model_name", "engine"]
 PER_ENGINE = {0: ["tiny", "0"]}
@@ -41,7 +41,6 @@ def _series(registry, name):
 
 
 # ---------------------------------------------------------------- metrics
-@needs_models
 def test_ddtree_prometheus_series_exist_and_move(target_model_config, registry):
     from vllm.v1.spec_decode.ddtree.metrics import DDTREE_METRIC_NAMES
     from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
@@ -114,7 +113,6 @@ def test_ddtree_prometheus_series_exist_and_move(target_model_config, registry):
     assert _value(registry, d, depth="1") == 3
 
 
-@needs_models
 def test_plain_dflash_keeps_upstream_series_only(target_model_config, registry):
     from vllm.v1.spec_decode.metrics import SpecDecodingProm
 
@@ -166,7 +164,6 @@ print("RESULT " + json.dumps({"samples": samples, "log": lines,
 """
 
 
-@needs_models
 def test_vllm_stat_loggers_export_ddtree_series():
     """The PrometheusStatLogger and LoggingStatLogger of vLLM, built from the
     engine config that `vllm serve` would build (EngineArgs ->
@@ -206,7 +203,6 @@ def test_vllm_stat_loggers_export_ddtree_series():
     ), r["log"]
 
 
-@needs_models
 def test_periodic_log_line_names_ddtree_and_budget(target_model_config):
     from vllm.v1.spec_decode.metrics import SpecDecodingLogging, SpecDecodingStats
 
@@ -373,7 +369,7 @@ CLI_ON_CPU = (
 
 
 @pytest.fixture(scope="module")
-def cli_runs(tmp_path_factory, tinypair):
+def cli_runs(tmp_path_factory):
     """Run `vllm serve` with every bad config at once (each start imports vLLM)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="WARNING")
     port = 18000
@@ -417,7 +413,6 @@ def cli_runs(tmp_path_factory, tinypair):
     return out
 
 
-@needs_models
 @pytest.mark.parametrize(
     "name, spec, extra, message", BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS]
 )

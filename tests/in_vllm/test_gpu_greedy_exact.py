@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """GPU, end to end: greedy DDTree generates what the target alone generates.
 
-vLLM's LLM API on the tiny pair in float32 with CUDA graphs: 16 held-out
+vLLM's LLM API on the dense benchmark pair in float32 with CUDA graphs: 16 held-out
 prompts, 64 new tokens each, once without speculation (the reference, with
 its top-2 logprobs) and once per tree budget (3, 16 and 64, fixed budget
 policy, so that every step verifies that many nodes; 3 is one of the measured
@@ -11,8 +11,8 @@ differing token is below 0.01 nats: a float32 near-tie that the batch shape
 decides (stock DFlash diverges there too).
 
 Each engine runs in its own process (one GPU, engines one after the other).
-The pair comes from $TINYPAIR_DIR (target/, drafter/, prompts_heldout.jsonl),
-default ../shared/models/tinypair beside the checkout. Run on a GPU host:
+The pair and its held-out prompts are the checkout's (bench/pairs/models,
+tests/helpers/repo_paths.py). Run on a GPU host:
 
     python -m pytest -c tests/in_vllm/pytest.ini -m gpu \\
         tests/in_vllm/test_gpu_greedy_exact.py
@@ -25,6 +25,7 @@ import sys
 import textwrap
 
 import pytest
+from repo_paths import DRAFTER, HELDOUT_PROMPTS, TARGET
 
 NUM_PROMPTS = 16
 MAX_TOKENS = 64
@@ -79,11 +80,11 @@ ENGINE = textwrap.dedent(
 )
 
 
-def run_engine(tinypair, budget: int | None) -> dict:
+def run_engine(budget: int | None) -> dict:
     args = dict(
-        target=str(tinypair / "target"),
-        drafter=str(tinypair / "drafter"),
-        prompts=str(tinypair / "prompts_heldout.jsonl"),
+        target=str(TARGET),
+        drafter=str(DRAFTER),
+        prompts=str(HELDOUT_PROMPTS),
         n=NUM_PROMPTS,
         max_tokens=MAX_TOKENS,
         budget=budget,
@@ -109,14 +110,14 @@ def first_divergence(ref: list[int], out: list[int]) -> int | None:
 
 
 @pytest.fixture(scope="module")
-def reference(tinypair):
-    return run_engine(tinypair, None)
+def reference():
+    return run_engine(None)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("budget", BUDGETS)
-def test_greedy_ddtree_equals_no_speculation(tinypair, reference, budget):
-    got = run_engine(tinypair, budget)
+def test_greedy_ddtree_equals_no_speculation(reference, budget):
+    got = run_engine(budget)
     assert got["method"] == "ddtree"
     assert got["drafts"] > 0  # the trees were verified
     assert len(got["tokens"]) == len(reference["tokens"]) == NUM_PROMPTS

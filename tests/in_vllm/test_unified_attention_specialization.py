@@ -1,20 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """The patched upstream unified attention kernels take their per-batch counts
-unspecialised, as DDTree's own per-step kernels do (tests/
-test_kernel_specialization.py): DDTree serves the target on TRITON_ATTN, where
-a batch of a new size class (1 sequence, a multiple of 16, or neither) would
-compile a kernel variant mid-serving. Read from the installed source (the
-Triton interpreter drops the option)."""
+unspecialised, as DDTree's own per-step kernels do
+(tests/unit/test_kernel_specialization.py): DDTree serves the target on
+TRITON_ATTN, where a batch of a new size class (1 sequence, a multiple of 16,
+or neither) would compile a kernel variant mid-serving. Read from the
+installed source (the Triton interpreter drops the option)."""
 
 import importlib.util
 import pathlib
-import sys
 
 import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-
-from test_kernel_specialization import unspecialised  # noqa: E402
+from kernel_source import unspecialised
 
 MODULE = "vllm.v1.attention.ops.triton_unified_attention"
 

@@ -1,22 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """Fakes shared by the verifier tests (test_ddtree_runner.py,
-test_ddtree_hybrid_runner.py): the tiny pair's paths, a DDTreeVerifier on a
-minimal config, a stored 4-node tree, an argmax sampler."""
+test_ddtree_hybrid_runner.py): the dense benchmark pair's paths, a
+DDTreeVerifier on a minimal config, a stored 4-node tree, an argmax sampler."""
 
-import os
 from types import SimpleNamespace
 
-import pytest
+import repo_paths
 import torch
 
-# The tiny pair (tests/in_vllm/conftest.py: TINYPAIR, the `tinypair` fixture).
-from conftest import TINYPAIR  # noqa: E402
-
-SHARED = str(TINYPAIR)
-TARGET = os.path.join(SHARED, "target")
-DRAFTER = os.path.join(SHARED, "drafter")
-# Skipped without the pair on a developer machine; a failure in CI (CI=true).
-needs_models = pytest.mark.usefixtures("tinypair")
+TARGET = str(repo_paths.TARGET)
+DRAFTER = str(repo_paths.DRAFTER)
 
 B, D = 4, 3
 # Request state 2 in most tests: root -> 1 -> 3, root -> 2, 1 -> 4

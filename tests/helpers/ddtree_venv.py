@@ -7,12 +7,14 @@ the first build pulls torch and CUDA libraries from PyPI (several GB, minutes).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -25,18 +27,51 @@ def cache_dir() -> Path:
     return d
 
 
-# Also run as a script (`python3 tests/ddtree_venv.py WHEEL`): find the tool.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from patchstack.fetch import sha256_file  # noqa: E402
-
-
 def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
 def _log(msg: str) -> None:
-    # stderr: stdout of `python tests/ddtree_venv.py WHEEL` is the venv path.
+    # stderr: stdout of `python tests/helpers/ddtree_venv.py WHEEL` is the
+    # venv path.
     print(f"[ddtree] {msg}", file=sys.stderr, flush=True)
+
+
+def _sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            # A file pip removes meanwhile.
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def _run_with_progress(cmd: list[str], venv: Path, every_s: float = 20.0) -> None:
+    """Run ``cmd`` (pip, its output on stderr) and say every ``every_s``
+    seconds how long it has run and how large ``venv`` has grown: pip prints
+    nothing while it downloads a wheel of a GB or more (torch, the CUDA
+    libraries) with its progress bar off."""
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def report() -> None:
+        while not done.wait(every_s):
+            size = _tree_bytes(venv) / 2**30
+            _log(f"... {time.monotonic() - t0:.0f}s, {venv.name} is {size:.1f} GB")
+
+    reporter = threading.Thread(target=report, daemon=True)
+    reporter.start()
+    try:
+        subprocess.run(cmd, check=True, stdout=sys.stderr)
+    finally:
+        done.set()
+        reporter.join()
 
 
 def _requires(wheel: Path) -> str:
@@ -76,8 +111,11 @@ def ensure_venv(wheel: Path, python: str | None = None) -> Path:
         t0 = time.monotonic()
         _log(f"creating venv {base} with {python}")
         subprocess.run([python, "-m", "venv", str(base)], check=True)
-        _log(f"pip install {wheel.name} with dependencies (several GB) ...")
-        subprocess.run(
+        _log(
+            f"pip install {wheel.name} with dependencies: about 8 GB, minutes "
+            "(once per set of dependencies)"
+        )
+        _run_with_progress(
             [
                 str(venv_python(base)),
                 "-m",
@@ -89,12 +127,11 @@ def ensure_venv(wheel: Path, python: str | None = None) -> Path:
                 str(wheel),
                 *TEST_TOOLS,
             ],
-            check=True,
-            stdout=sys.stderr,
+            base,
         )
         (base / ".ddtree-complete").write_text(str(wheel) + "\n")
         _log(f"venv ready in {time.monotonic() - t0:.0f}s")
-    wheel_sha = sha256_file(wheel)[:16]
+    wheel_sha = _sha256_file(wheel)[:16]
     layer = cache_dir() / f"wheel-{key}-{wheel_sha}"
     if not (layer / ".ddtree-complete").exists():
         t0 = time.monotonic()

@@ -16,14 +16,10 @@ import socket
 import sys
 
 import pytest
-
+import soak
 import soak_fake
+from repo_paths import BENCH
 from soak_fake import FakeConfig
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-import soak  # noqa: E402
 
 CRITERIA = {
     "requests",
@@ -282,9 +278,9 @@ def test_launched_server_restarted_mid_run(tmp_path):
     # the pair into it (bench/pairs/load_served_pair.py), after each start.
     port = _free_port()
     out = str(tmp_path / "soak.json")
-    fake = os.path.join(ROOT, "tests", "soak_fake.py")
+    fake = soak_fake.__file__
     cmd = f"{sys.executable} {fake} --port {port} --needs-rpc"
-    load = os.path.join(ROOT, "bench", "pairs", "load_served_pair.py")
+    load = str(BENCH / "pairs" / "load_served_pair.py")
     after = f"{sys.executable} {load} http://127.0.0.1:{port} {tmp_path}/dense-8b"
     argv = small_args(
         out, "--base-url", f"http://127.0.0.1:{port}", "--launch", cmd,

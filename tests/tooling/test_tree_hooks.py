@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from repo_paths import REPO_ROOT
 
 from vllm.v1.spec_decode import tree_hooks
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 LINE_0_34 = REPO_ROOT / "lines" / "0.34.0"
 OVERLAY = REPO_ROOT / "overlay"
 

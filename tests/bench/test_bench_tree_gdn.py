@@ -3,14 +3,8 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
 import bench_tree_gdn  # noqa: E402
+import pytest
 
 
 def test_variant_settings_are_typed():

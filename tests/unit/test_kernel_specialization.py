@@ -5,12 +5,9 @@ compiles a variant per argument that is 1, a multiple of 16 or neither, and a
 variant first met in serving stalls the engine while it compiles. Read from
 the source (the Triton interpreter, which CI runs, drops the option)."""
 
-import ast
-import pathlib
-
 import pytest
+from kernel_source import unspecialised
 
-OVERLAY = pathlib.Path(__file__).resolve().parent.parent / "overlay" / "vllm"
 # (file, kernel) -> parameters that change from one batch to the next.
 PER_BATCH = {
     ("v1/spec_decode/ddtree/tree_attention.py", "_tree_attention_kernel"): [
@@ -36,23 +33,6 @@ PER_BATCH = {
         "slot_stride",
     ],
 }
-
-
-def unspecialised(path: str | pathlib.Path, kernel: str) -> tuple[list[str], list[str]]:
-    """(the kernel's parameters, its do_not_specialize names); ``path`` is
-    relative to the overlay's ``vllm/`` or absolute."""
-    tree = ast.parse((OVERLAY / path).read_text())
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == kernel:
-            params = [a.arg for a in node.args.args]
-            names: list[str] = []
-            for dec in node.decorator_list:
-                if isinstance(dec, ast.Call) and ast.unparse(dec.func) == "triton.jit":
-                    for kw in dec.keywords:
-                        if kw.arg == "do_not_specialize":
-                            names = list(ast.literal_eval(kw.value))
-            return params, names
-    raise AssertionError(f"{kernel} not found in {path}")
 
 
 @pytest.mark.parametrize("path, kernel", list(PER_BATCH))

@@ -4,13 +4,9 @@ threshold against a brute force over (value desc, id asc), and its layouts."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "pairs"))
 
 import threshold_overflow as tov  # noqa: E402
 

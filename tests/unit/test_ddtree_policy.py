@@ -11,11 +11,11 @@ import itertools
 import json
 import math
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from repo_paths import BENCH_RESULTS
 
 import ddtree_reference as ref
 from vllm.v1.spec_decode.ddtree import policy as P
@@ -494,7 +494,7 @@ def test_the_policy_replayed_on_the_measured_hybrid_rows():
     Acceptance by rank: geometric, 0.51 x 0.87^k, which gives the run's
     observed tau within 0.2 at 7, 15 and 64 nodes (its counts by rank are
     not in the rows)."""
-    results = Path(__file__).resolve().parent.parent / "bench" / "results"
+    results = BENCH_RESULTS
     name = "2026-12-04-h200-policy-hybrid-27b-fa3-schedule-fix-rows.json"
     rows = json.loads((results / name).read_text())
     ddtree = {r["concurrency"]: r for r in rows if r["method"] == "ddtree_measured"}

@@ -4,15 +4,15 @@ times, and its columns run (CPU, tiny shapes: a smoke test, not a timing)."""
 
 import importlib.util
 import math
-import pathlib
 import shutil
 import subprocess
 import sys
 
 import torch
+from repo_paths import BENCH as BENCH_DIR
+from repo_paths import REPO_ROOT as ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-BENCH = ROOT / "bench" / "bench_ddtree_core.py"
+BENCH = BENCH_DIR / "bench_ddtree_core.py"
 spec = importlib.util.spec_from_file_location("bench_ddtree_core", BENCH)
 core = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(core)

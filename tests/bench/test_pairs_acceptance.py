@@ -6,13 +6,10 @@ count what vLLM's greedy verification accepts."""
 from __future__ import annotations
 
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "pairs"))
 
 import acceptance  # noqa: E402
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A fake OpenAI-compatible server for tests/test_soak.py, on 127.0.0.1 (http.server
+"""A fake OpenAI-compatible server for tests/bench/test_soak.py, on 127.0.0.1 (http.server
 in threads; standard library only).
 
 It speaks what bench/soak.py uses: ``/v1/models`` (with ``max_model_len``),

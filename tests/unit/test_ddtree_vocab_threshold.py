@@ -8,8 +8,8 @@ with the tournament alone (``_vocab_threshold_plan`` -> None: the Triton pass
 as it was before the filter), on rows whose threshold candidates fit and
 rows that overflow the capacity (the per-row fallback), in the same batch.
 
-Runs from the repository (``pytest tests/test_ddtree_vocab_threshold.py``):
-``tests/conftest.py`` puts ``overlay/`` on ``sys.path``.
+Runs from the repository (``pytest tests/unit/test_ddtree_vocab_threshold.py``):
+pytest.ini puts ``overlay/`` on ``sys.path``.
 """
 
 from __future__ import annotations

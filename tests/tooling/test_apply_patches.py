@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO_ROOT
 
 from patchstack.check import check_all
 from patchstack.cli import resolve_line
@@ -28,7 +29,6 @@ from patchstack.overlay import OVERLAY_SUBJECT, overlay_files
 from patchstack.repo import new_files, stack_tree
 from patchstack.series import read_series, series_hash
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TOOL = [sys.executable, str(REPO_ROOT / "apply_patches.py")]
 FIRST_PATCH = "dflash-swa-draft-layers-keep-full-kv.patch"
 

@@ -8,20 +8,17 @@ equal the small models' in float32, and padded tokens get no probability."""
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-PAIRS_DIR = Path(__file__).resolve().parent.parent / "bench" / "pairs"
-sys.path.insert(0, str(PAIRS_DIR))
 
 import embed  # noqa: E402
 import pair_configs as pc  # noqa: E402
 from dflash_ref import DFlashDrafter, draft_logits, target_forward  # noqa: E402
+from repo_paths import PAIR_MODELS  # noqa: E402
 
 # Reduced production shapes: the same structure as Qwen3-8B / Qwen3.6-27B.
 TEST_SHAPES = {
@@ -281,7 +278,7 @@ def test_production_configs_embed(name):
 
 # ---------------------------------------------------------------- committed pairs
 
-MODELS = PAIRS_DIR / "models"
+MODELS = PAIR_MODELS
 
 
 @pytest.mark.parametrize("name", list(pc.PAIRS))

@@ -7,16 +7,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
 import engine_probe  # noqa: E402
+import pytest
 import step_cost  # noqa: E402
 
 

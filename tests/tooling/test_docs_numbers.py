@@ -19,8 +19,9 @@ import re
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_ROOT
 README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
 CHANGELOG = REPO / "CHANGELOG.md"

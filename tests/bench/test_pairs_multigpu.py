@@ -6,10 +6,7 @@ way DDTree does."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "pairs"))
 
 import run_multigpu  # noqa: E402
 import run_pairs  # noqa: E402

@@ -26,6 +26,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO_ROOT
 
 from patchstack import fetch
 from patchstack.check import check_all
@@ -38,7 +39,6 @@ from patchstack.replay import replay_patch
 from patchstack.repo import new_files
 from patchstack.series import read_series
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 OLD, NEW = "1.0.0", "1.1.0"
 WHEEL = "vllm-{v}-cp38-abi3-manylinux_2_28_x86_64.whl"
 FATES = {
@@ -152,7 +152,7 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeUpstream:
 
 
 LOCK = """\
-# fake lock for tests/test_rebase.py
+# fake lock for tests/tooling/test_rebase.py
 [upstream]
 repository = "https://github.com/vllm-project/vllm"
 tag = "v{v}"

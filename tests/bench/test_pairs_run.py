@@ -5,14 +5,10 @@ and how outputs are compared with no speculation."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "pairs"))
-
-import run_pairs  # noqa: E402
+import run_pairs
+from repo_paths import BENCH_RESULTS
 
 
 def test_prompts_per_concurrency():
@@ -52,11 +48,7 @@ def test_compare_counts_equal_outputs(tmp_path):
 def test_committed_results_have_the_rows_the_yardstick_needs():
     """bench/results/pairs.json: every measured row carries the fields readers
     compare on, and each pair has its embedding check."""
-    rows = json.loads(
-        (
-            Path(__file__).resolve().parent.parent / "bench" / "results" / "pairs.json"
-        ).read_text()
-    )
+    rows = json.loads((BENCH_RESULTS / "pairs.json").read_text())
     measured = [r for r in rows if "tok_s" in r]
     assert measured
     for r in measured:
@@ -496,11 +488,7 @@ def test_cycled_prompts_repeat_the_list():
 def test_committed_policy_table_has_the_rows_the_policy_is_judged_by():
     """bench/results/policy.json: one row per pair and concurrency with the
     three methods' tokens/s side by side, the budget chosen and tau."""
-    rows = json.loads(
-        (
-            Path(__file__).resolve().parent.parent / "bench" / "results" / "policy.json"
-        ).read_text()
-    )
+    rows = json.loads((BENCH_RESULTS / "policy.json").read_text())
     assert rows
     keys = {"pair", "concurrency", "nospec_tok_s", "chain_tok_s", "ddtree_tok_s"}
     for r in rows:

@@ -13,9 +13,9 @@ import json
 import subprocess
 from pathlib import Path
 
-import pytest
-
 import ddtree_venv
+import pytest
+from repo_paths import TEST_HELPERS
 
 REL = "vllm/model_executor/models/qwen3_dflash.py"
 
@@ -32,7 +32,7 @@ def test_swa_draft_layer_keeps_full_kv(
             capture_output=True,
         ).stdout
     )
-    probe = Path(__file__).with_name("dflash_swa_probe.py")
+    probe = TEST_HELPERS / "dflash_swa_probe.py"
     proc = subprocess.run(
         [
             str(ddtree_venv.venv_python(wheel_venv)),

@@ -1,17 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""tests/ddtree_venv.py's pruning of wheel layers: the newest few stay, and so
+"""tests/helpers/ddtree_venv.py's pruning of wheel layers: the newest few stay, and so
 does any layer used recently (a test run may still be running from it)."""
 
 from __future__ import annotations
 
 import os
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import ddtree_venv  # noqa: E402
+import ddtree_venv
 
 
 def test_prune_keeps_the_newest_and_the_recently_used(tmp_path, monkeypatch):

@@ -12,8 +12,7 @@ runner does; this check is about the code we add."""
 import ast
 
 import pytest
-
-from conftest import OVERLAY
+from repo_paths import OVERLAY
 
 # Files of ours that run in the decoding loop, and the functions in them
 # that run every step (setup code such as __init__ / bind may allocate).

@@ -5,14 +5,11 @@ temperature 0 and 1, and how its rows replace those of pairs.json."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "pairs"))
 
 import offline_tau  # noqa: E402
 

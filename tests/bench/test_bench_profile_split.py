@@ -4,13 +4,11 @@ the rest: kernels are assigned by their start inside the GPU-side draft
 range; the range events themselves are not kernel time."""
 
 import importlib.util
-import pathlib
 from types import SimpleNamespace
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location(
-    "ddtree_e2e", ROOT / "bench" / "ddtree_e2e.py"
-)
+from repo_paths import BENCH
+
+spec = importlib.util.spec_from_file_location("ddtree_e2e", BENCH / "ddtree_e2e.py")
 e2e = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(e2e)
 
