@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-import bench_tree_gdn  # noqa: E402
+from bench.kernels import tree_gdn as bench_tree_gdn
 
 
 def test_variant_settings_are_typed():

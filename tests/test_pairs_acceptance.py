@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "pairs"))
-
-import acceptance  # noqa: E402
+from bench.pairs import acceptance
 
 
 @pytest.mark.parametrize("seed", range(4))

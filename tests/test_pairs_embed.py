@@ -17,11 +17,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 PAIRS_DIR = Path(__file__).resolve().parent.parent / "bench" / "pairs"
-sys.path.insert(0, str(PAIRS_DIR))
 
-import embed  # noqa: E402
-import pair_configs as pc  # noqa: E402
-from dflash_ref import DFlashDrafter, draft_logits, target_forward  # noqa: E402
+from bench.pairs import embed
+from bench.pairs import pair_configs as pc
+from bench.pairs.dflash_ref import DFlashDrafter, draft_logits, target_forward
 
 # Reduced production shapes: the same structure as Qwen3-8B / Qwen3.6-27B.
 TEST_SHAPES = {

@@ -12,9 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "pairs"))
-
-import offline_tau  # noqa: E402
+from bench.pairs import offline_tau
 
 
 def test_merge_replaces_the_same_pair_and_temperature_only():

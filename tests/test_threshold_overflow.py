@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "pairs"))
-
-import threshold_overflow as tov  # noqa: E402
+from bench.pairs import threshold_overflow as tov
 
 
 def brute_count(row: list[float], k: int, sub: int, keep: int, group: int = 1) -> int:

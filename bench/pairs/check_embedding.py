@@ -23,13 +23,12 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
-import embed  # noqa: E402
-import pair_configs as pc  # noqa: E402
+from bench.common import PAIR_MODELS
+from bench.pairs import embed
+from bench.pairs import pair_configs as pc
 import torch  # noqa: E402
-from dflash_ref import DFlashDrafter, draft_logits, target_forward  # noqa: E402
+from bench.pairs.dflash_ref import DFlashDrafter, draft_logits, target_forward
 
 
 def hf_text_model(cfg: dict, device):
@@ -100,7 +99,7 @@ def reduce_production(spec: dict, placed_only: bool, vocab_cap: int | None) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=os.path.join(HERE, "models"))
+    ap.add_argument("--models", default=PAIR_MODELS)
     ap.add_argument("--pair", required=True, choices=list(pc.PAIRS))
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

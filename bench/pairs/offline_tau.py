@@ -22,8 +22,6 @@ import sys
 import time
 import types
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
 
 def log(msg: str) -> None:
@@ -49,7 +47,7 @@ def merge_rows(rows: list[dict], new: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=os.path.join(HERE, "models"))
+    ap.add_argument("--models", default=PAIR_MODELS)
     ap.add_argument("--pairs", default="dense-8b,hybrid-27b")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--prompts", type=int, default=48)
@@ -73,9 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args(argv)
 
-    import pair_configs as pc
+    from bench.pairs import pair_configs as pc
     import torch
-    import train
+    from bench.pairs import train
 
     device = torch.device("cuda" if torch.cuda.is_available() and not a.cpu else "cpu")
     new: list[dict] = []

@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import time
 
-import embed
-import pair_configs as pc
+from bench.pairs import embed
+from bench.pairs import pair_configs as pc
 import torch
 
 

@@ -35,11 +35,10 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
-import pair_configs as pc  # noqa: E402
-import run_pairs  # noqa: E402
+from bench import common
+from bench.pairs import pair_configs as pc
+from bench.pairs import run_pairs
 
 log = run_pairs.log
 
@@ -160,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
             a.workdir, f"{pair}_{dtype}_{method}_tp{tp}_pp{pp}.log"
         )
         t = time.time()
-        new, rc, tail = run_pairs.run_engine_process(
+        new, rc, tail, _ = common.run_engine_process(
             cmd, a.engine_timeout, stderr_path=stderr_path
         )
         for r in new:
@@ -180,8 +179,7 @@ def main(argv: list[str] | None = None) -> None:
             new.append(row)
         rows += new
         annotate(rows, a.workdir)
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        common.write_json(a.out, rows)
     print(json.dumps(rows))
 
 

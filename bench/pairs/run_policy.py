@@ -29,8 +29,6 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
 POLICY_METHODS = {"measured": "ddtree_measured", "batch": "ddtree"}
 
@@ -108,7 +106,7 @@ def plot(table: list[dict], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from plot_pairs import format_axes
+    from bench.pairs.plot_pairs import format_axes
 
     pairs = sorted({r["pair"] for r in table})
     fig, axes = plt.subplots(

@@ -47,8 +47,8 @@ def log(msg: str) -> None:
 def drafter_rows(models: str, pair: str, n_prompts: int):
     """[rows, V_small] float32 of bf16-rounded drafter logits."""
     import torch
-    import train
-    from dflash_ref import draft_logits, target_forward
+    from bench.pairs import train
+    from bench.pairs.dflash_ref import draft_logits, target_forward
 
     model, drafter = train.load_trained_pair(models, pair, torch.device("cpu"))
     with open(os.path.join(models, "prompts", "heldout.jsonl")) as f:
@@ -117,7 +117,7 @@ def layouts(small):
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=os.path.join(HERE, "models"))
+    ap.add_argument("--models", default=PAIR_MODELS)
     ap.add_argument("--pair", default="dense-8b")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--budgets", default="15,64")

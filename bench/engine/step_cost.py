@@ -3,7 +3,7 @@
 """The cost of a DDTree step against a DFlash chain step at production shapes,
 with dummy weights (tau = 1: the figures are pure step cost), bf16, CUDA graphs:
 
-    python3 bench/step_cost.py --out bench/results/step-cost.json \\
+    python3 -m bench.engine.step_cost --out bench/results/step-cost.json \\
         [--shapes dense-8b,hybrid-27b] [--conc 1,8,32] [--chain-k 15] \\
         [--equal-budget 15] [--c1-budgets 64] [--profile-batches 4] \\
         [--tree-attention unified,split] [--prompt-len 128]
@@ -27,7 +27,7 @@ profiler sees its kernels) and, per concurrency: an untimed batch (kernels
 specialised on its shapes compile there), ``--timed-repeats`` timed decodes of
 the same prompts (wall time per engine step, no profiler; the row takes the
 median and keeps them all), then ``--profile-batches`` batches under the
-profiler (ddtree_e2e.py's ``profile_steps``: the share of the step the GPU is
+profiler (profile.py's ``profile_steps``: the share of the step the GPU is
 busy, GPU time by kernel class and by phase, the top kernels and host ops).
 
 With ``--weights dummy,pair`` each engine, once its dummy-weight figures are
@@ -36,8 +36,7 @@ taken, gets the shape's trained benchmark pair written in place
 prompts (rows with ``"weights": "pair"`` and both taus). Dummy weights give
 tau = 1, but the chain's drafts are then likely one token repeated (every
 mask position of a near-zero drafter reads alike): a verify batch that the
-GPU, at its power cap, runs faster than the distinct tokens of a tree
-(measured with bench/gemm_power.py). Trained weights give both methods real
+GPU, at its power cap, runs faster than the distinct tokens of a tree. Trained weights give both methods real
 drafts.
 
 ``--out`` holds ``{"command", "rows", "profiles"}``: one row per (shape,
@@ -56,6 +55,7 @@ keeps what finished.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -67,26 +67,21 @@ import time
 import traceback
 from statistics import median_low
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PAIRS = os.path.join(HERE, "pairs")
-sys.path.insert(0, HERE)
-
-from engine_probe import RunningProbe, engine_max_concurrency  # noqa: E402
+from bench import common
+from bench.common import PAIR_MODELS
+from bench.engine import profile
+from bench.engine.probe import RunningProbe, engine_max_concurrency
 
 SHAPES = ("dense-8b", "hybrid-27b")
 # Options the orchestrator passes on to each engine process.
 FORWARDED_OPTIONS = (
-    "models",
+    *common.ENGINE_OPTIONS,
     "out",
-    "chain_k",
     "timed_batches",
     "timed_repeats",
     "profile_batches",
     "prompt_len",
-    "max_tokens",
     "profile_max_tokens",
-    "max_model_len",
-    "gpu_memory_utilization",
     "stack_dump_s",
     "host_profile_conc",
     "profile_conc",
@@ -99,8 +94,7 @@ HYBRID_LLM_KWARGS = {
 }
 
 
-def log(msg: str) -> None:
-    print(f"[step_cost {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = functools.partial(common.progress, "step_cost")
 
 
 def engines_for(
@@ -440,16 +434,14 @@ def host_profile(llm, prompts, sp, conc: int, steps_of, top: int = 40) -> dict:
 def timed_decode(llm, prompts, sp, conc: int) -> tuple[float, int, float]:
     """Decode ``prompts`` ``conc`` at a time: (seconds, new tokens, engine
     steps; the draft counter counts one per request and step)."""
-    import ddtree_e2e
-
-    drafts0 = ddtree_e2e.spec_metrics(llm)[1]
+    drafts0 = profile.spec_metrics(llm)[1]
     t = time.time()
     toks = 0
     for i in range(0, len(prompts), conc):
         outs = llm.generate(prompts[i : i + conc], sp, use_tqdm=False)
         toks += sum(len(o.outputs[0].token_ids) for o in outs)
     dt = time.time() - t
-    return dt, toks, (ddtree_e2e.spec_metrics(llm)[1] - drafts0) / conc
+    return dt, toks, (profile.spec_metrics(llm)[1] - drafts0) / conc
 
 
 def decode_ms_per_step(
@@ -508,9 +500,7 @@ def run_engine(a) -> None:
     if "pair" in weights_modes:
         # The trained pair is written into the dummy engine in place
         # (bench/pairs/pair_worker.py) after the dummy-weight measurements.
-        sys.path.insert(0, PAIRS)
-        os.environ["PYTHONPATH"] = PAIRS + os.pathsep + os.environ.get("PYTHONPATH", "")
-        kw["worker_extension_cls"] = "pair_worker.EmbeddedPairWorker"
+        kw["worker_extension_cls"] = "bench.pairs.pair_worker.EmbeddedPairWorker"
     if a.method == "chain":
         kw["speculative_config"] = dict(
             method="dflash", model=drafter, num_speculative_tokens=a.chain_k
@@ -561,15 +551,18 @@ def run_engine(a) -> None:
     llm.generate(random_set[:2], sp, use_tqdm=False)  # warm-up
     stage_done(f"warm-up in {time.time() - t:.1f} s")
     sampler = GpuSampler()
-    profile_args = argparse.Namespace(
-        mode="ddtree" if a.method == "ddtree" else "dflash", budget=budget, k=a.chain_k
+    ddtree = a.method == "ddtree"
+    profile_labels = dict(
+        mode="ddtree" if ddtree else "dflash",
+        budget=budget if ddtree else None,
+        k=None if ddtree else a.chain_k,
     )
     ctx = argparse.Namespace(
         llm=llm,
         sp=sp,
         profile_sp=profile_sp,
         prefill_sp=prefill_sp,
-        profile_args=profile_args,
+        profile_labels=profile_labels,
         sampler=sampler,
         conc=conc,
         profile_conc=profile_conc,
@@ -606,8 +599,6 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
     """Per concurrency of ``ctx.conc``: an untimed batch, the timed decodes,
     then the profiled ones; one ``ROW {json}`` line each. ``ctx`` holds the
     engine and what run_engine set up for it."""
-    import ddtree_e2e
-
     llm, sp, profile_sp, sampler = ctx.llm, ctx.sp, ctx.profile_sp, ctx.sampler
     budget, mode, stage_done = ctx.budget, ctx.mode, ctx.stage_done
     for c in ctx.conc:
@@ -620,14 +611,14 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
         # methods decode in different numbers of steps, over which the
         # prefill's time would otherwise be spread unequally.
         prefill_s, _, prefill_steps = timed_decode(llm, timed, ctx.prefill_sp, c)
-        acc0, drafts0, _ = ddtree_e2e.spec_metrics(llm)
+        acc0, drafts0, _ = profile.spec_metrics(llm)
         repeats, gpu_repeats = [], []
         ctx.running.max_running = None
         for _ in range(max(1, a.timed_repeats)):
             with sampler, ctx.running:
                 repeats.append(timed_decode(llm, timed, sp, c))
             gpu_repeats.append(sampler.summary())
-        acc1, drafts1, _ = ddtree_e2e.spec_metrics(llm)
+        acc1, drafts1, _ = profile.spec_metrics(llm)
         ms_repeats = [round(dt * 1e3 / steps, 3) for dt, _, steps in repeats]
         # The repeat of the median step time (the same prompts each time; no
         # prefix caching): one slow repeat does not move the figure.
@@ -647,8 +638,8 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
         ]
         prof = None
         if c in ctx.profile_conc:
-            prof = ddtree_e2e.profile_steps(
-                llm, ctx.profile_args, tag, profiled, profile_sp, c
+            prof = profile.profile_steps(
+                llm, profiled, profile_sp, c, tag=tag, **ctx.profile_labels
             )
             stage_done("")
         host = None
@@ -660,7 +651,7 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
                 profiled,
                 profile_sp,
                 c,
-                lambda c=c: ddtree_e2e.spec_metrics(llm)[1] / c,
+                lambda c=c: profile.spec_metrics(llm)[1] / c,
             )
             stage_done(
                 f"c={c}: host profile {host['wall_ms_per_step']} ms/step "
@@ -693,7 +684,7 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
         )
         if host is not None:
             row["host_profile"] = host
-        print("ROW " + json.dumps(row), flush=True)
+        common.emit("ROW", row)
         log(
             f"{tag}: {row['ms_per_step']} ms/step, GPU busy {row['gpu_busy']}, "
             f"tau {row['tau']}"
@@ -706,10 +697,9 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--models", default=os.path.join(PAIRS, "models"))
+    common.add_engine_options(ap, max_tokens=128)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--conc", default="1,8,32")
-    ap.add_argument("--chain-k", type=int, default=15)
     ap.add_argument("--equal-budget", type=int, default=15)
     ap.add_argument("--c1-budgets", default="64")
     ap.add_argument(
@@ -750,16 +740,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--profile-batches", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument(
         "--profile-max-tokens",
         type=int,
         default=0,
         help="new tokens per profiled request (0: --max-tokens)",
     )
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--engine-timeout", type=int, default=900)
     ap.add_argument(
         "--stack-dump-s",
         type=int,
@@ -828,7 +814,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         cmd = [
             sys.executable,
-            os.path.abspath(__file__),
+            "-m",
+            "bench.engine.step_cost",
             "--engine",
             "--shape",
             shape,
@@ -839,8 +826,7 @@ def main(argv: list[str] | None = None) -> None:
             "--conc",
             ",".join(map(str, e["conc"])),
         ]
-        for name in FORWARDED_OPTIONS:
-            cmd += ["--" + name.replace("_", "-"), str(getattr(a, name))]
+        cmd += common.forward(a, FORWARDED_OPTIONS)
         if e.get("budget"):
             cmd += ["--budget", str(e["budget"])]
         if e.get("tree_attention"):
@@ -866,7 +852,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_command(argv: list[str] | None) -> str:
-    return " ".join(["python3", "bench/step_cost.py", *(argv or sys.argv[1:])])
+    return common.command_line("bench.engine.step_cost", argv)
 
 
 # vLLM's startup line of the KV cache's capacity in requests.
@@ -896,8 +882,7 @@ def write_result(a, result: dict) -> None:
     result["rows"] = summarize(
         [r for r in result["engines"] if "ms_per_step" in r], a.chain_k
     )
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
+    common.write_json(a.out, result)
 
 
 def rows_from_logs(a, argv: list[str] | None) -> None:

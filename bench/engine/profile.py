@@ -1,49 +1,22 @@
-#!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Greedy decoding through vLLM with no speculation, the DFlash chain or DDTree:
-tokens/s, the acceptance length tau, and exactness against a reference run.
+"""Where an engine step's time goes, under the torch profiler (engine
+in-process): wall time per step, the share of it the GPU is busy, GPU kernel
+time per step split into the DDTree tree build (our Triton build kernels),
+DDTree bookkeeping (tree bias, walk, KV compaction kernels) and everything
+else (the target and drafter forwards, sampling), the same time by phase
+(the DFlash pass: a profiler range around the speculator's propose(), the
+tree build taken out; tree build, bookkeeping, verify, the rest), host time
+by op, and the steps with a prefill chunk apart from the others. Only the
+Triton build backend (the CUDA default) has kernels of its own names; with
+``VLLM_DDTREE_BACKEND=torch`` the build counts as "other". Used by
+``engine/step_cost.py`` and ``pairs/run_pairs.py --profile``."""
 
-Run on a GPU host, one engine per invocation (one configuration per process):
-
-    python3 bench/ddtree_e2e.py --target T --drafter D --prompts P... \
-        --mode none --tag ref
-    python3 bench/ddtree_e2e.py ... --mode dflash --k 15 --ref ref
-    python3 bench/ddtree_e2e.py ... --mode ddtree --budget 64 --ref ref
-
-Prints one ``RESULT {json}`` line per concurrency and writes the generated
-token ids to ``<outdir>/tokens_<tag>_c<conc>.json``, which a later run given
-``--ref <tag>`` compares against (exactness: run both in float32).
-
-``--sync-check N`` instead decodes N prompts at concurrency 1 with
-``torch.cuda.set_sync_debug_mode("warn")`` (engine in-process) and prints one
-``SYNCCHECK {json}`` line: every host synchronisation the steady-state steps
-made, counted by the Python line that made it, and how many of them come
-from DDTree's own files. Run it for ``--mode dflash`` too: DDTree adds no
-host synchronisation when its count per step is the chain's and none comes
-from a ``ddtree`` file.
-
-``--profile N`` instead decodes N batches of each ``--conc`` under the torch
-profiler (engine in-process) and prints one ``PROFILE {json}`` line per
-concurrency: wall time per engine step, the share of it the GPU is busy,
-and the GPU kernel time per step, split into the
-DDTree tree build (our Triton build kernels), DDTree bookkeeping (tree bias,
-walk, KV compaction kernels) and everything else (the target and drafter
-forwards, sampling), and the same time by phase: the DFlash pass (a
-profiler range around the speculator's propose(); the tree build taken out),
-tree build, bookkeeping, verify and the rest. Only the Triton build backend
-(the CUDA default) has kernels of its own names; with
-``VLLM_DDTREE_BACKEND=torch`` the build counts as "other".
-"""
-
-import argparse
 import bisect
 import json
-import os
 import re
-import sys
 import time
 
-# Kernel-name patterns of DDTree's own GPU work (see --profile).
+# Kernel-name patterns of DDTree's own GPU work.
 TREE_BUILD_KERNELS = re.compile(
     r"_vocab_chunk_kernel|_topk_merge_kernel|_vocab_merge_kernel|_tree_kernel\b"
     r"|_vocab_stats_kernel|_vocab_threshold_kernel|_vocab_filter_kernel"
@@ -54,15 +27,6 @@ BOOKKEEPING_KERNELS = re.compile(
     r"|_ddtree_compact_rows_kernel|_commit_conv_kernel|_commit_gdn_kernel"
     r"|_ddtree_tree_positions_kernel|_ddtree_store_trees_kernel"
 )
-
-
-def load_prompts(paths: list[str], n: int) -> list[str]:
-    prompts: list[str] = []
-    for path in paths:
-        with open(path) as f:
-            rows = [json.loads(line)["prompt"] for line in f if line.strip()]
-        prompts += rows[:n] if n > 0 else rows
-    return prompts
 
 
 def num_preemptions(llm) -> float:
@@ -85,243 +49,7 @@ def spec_metrics(llm) -> tuple[float, float, list[float]]:
     return accepted, drafts, per_pos
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--drafter")
-    ap.add_argument("--mode", choices=["none", "dflash", "ddtree"], required=True)
-    ap.add_argument("--k", type=int, default=15, help="DFlash chain length")
-    ap.add_argument("--budget", type=int, default=64, help="DDTree tree_budget")
-    ap.add_argument("--depth", type=int, default=None, help="DDTree draft_depth")
-    ap.add_argument(
-        "--policy",
-        choices=["batch", "fixed", "measured"],
-        default=None,
-        help="DDTree budget_policy (default: the engine's, measured where it can run)",
-    )
-    ap.add_argument("--prompts", nargs="+", required=True)
-    ap.add_argument("--n", type=int, default=32, help="prompts per file (0 = all)")
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--conc", type=int, nargs="+", default=[1, 32])
-    ap.add_argument(
-        "--c1-n",
-        type=int,
-        default=None,
-        help="concurrency-1 phases use only the first N prompts of each file",
-    )
-    ap.add_argument("--tag", default=None)
-    ap.add_argument("--ref", default=None, help="tag of a reference run")
-    ap.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="sampling temperature (0 = greedy; > 0: speed and tau only, no --ref)",
-    )
-    ap.add_argument(
-        "--save-gaps",
-        action="store_true",
-        help="(reference run) also save each token's top-1 minus top-2 logprob, "
-        "so that later runs can tell near-tie divergences from real ones",
-    )
-    ap.add_argument("--outdir", default=os.environ.get("OUT", "/tmp"))
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    ap.add_argument("--attention-backend", default=None)
-    ap.add_argument(
-        "--llm-kwargs",
-        type=json.loads,
-        default=None,
-        help="JSON object of extra LLM(...) keyword arguments, e.g. "
-        '\'{"enable_prefix_caching": false, "limit_mm_per_prompt": {"image": 0}}\'',
-    )
-    ap.add_argument(
-        "--profile",
-        type=int,
-        default=0,
-        help="profile N batches at each --conc (only that)",
-    )
-    ap.add_argument(
-        "--sync-check",
-        type=int,
-        default=0,
-        help="count host syncs while decoding N prompts at c=1 (only that)",
-    )
-    a = ap.parse_args()
-    if a.ref and a.temperature > 0:
-        ap.error("--ref compares greedy outputs; drop it with --temperature > 0")
-    if a.ref and not (a.profile or a.sync_check):
-        # Fail before the engine starts, not after the run: a missing
-        # reference would otherwise leave the RESULT rows without "identical".
-        missing = [
-            p
-            for p in (
-                os.path.join(a.outdir, f"tokens_{a.ref}_c{c}.json") for c in a.conc
-            )
-            if not os.path.exists(p)
-        ]
-        if missing:
-            ap.error(f"--ref {a.ref}: missing {', '.join(missing)}")
-    if a.profile or a.sync_check:
-        # The profiler sees the engine's kernels only in this process.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-
-    from vllm import LLM, SamplingParams
-
-    kw = dict(
-        model=a.target,
-        dtype=a.dtype,
-        max_model_len=a.max_model_len,
-        gpu_memory_utilization=a.gpu_memory_utilization,
-        seed=0,
-        enforce_eager=a.eager,
-        disable_log_stats=False,
-        load_format=a.load_format,
-    )
-    if a.attention_backend:
-        kw["attention_config"] = {"backend": a.attention_backend}
-    if a.llm_kwargs:
-        kw.update(a.llm_kwargs)
-    if a.mode == "dflash":
-        kw["speculative_config"] = dict(
-            method="dflash", model=a.drafter, num_speculative_tokens=a.k
-        )
-    elif a.mode == "ddtree":
-        spec = dict(method="ddtree", model=a.drafter, tree_budget=a.budget)
-        if a.depth is not None:
-            spec["draft_depth"] = a.depth
-        if a.policy is not None:
-            spec["budget_policy"] = a.policy
-        kw["speculative_config"] = spec
-    t0 = time.time()
-    llm = LLM(**kw)
-    startup_s = time.time() - t0
-    prompts = load_prompts(a.prompts, a.n)
-    prompts_c1 = load_prompts(a.prompts, a.c1_n) if a.c1_n else prompts
-    sp = SamplingParams(
-        temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=True
-    )
-    sp_gaps = SamplingParams(
-        temperature=a.temperature, max_tokens=a.max_tokens, ignore_eos=True, logprobs=2
-    )
-    llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
-
-    tag = a.tag or f"{a.mode}_{a.dtype}"
-    if a.profile or a.sync_check:
-        # One engine for every concurrency and for the sync count.
-        for conc in a.conc if a.profile else []:
-            profile_steps(llm, a, tag, prompts[: a.profile * conc], sp, conc)
-        if a.sync_check:
-            count_host_syncs(llm, a, tag, prompts_c1[: a.sync_check], sp)
-        return
-    for conc in a.conc:
-        phase_prompts = prompts_c1 if conc == 1 else prompts
-        acc0, drafts0, pos0 = spec_metrics(llm)
-        preempted0 = num_preemptions(llm)
-        t = time.time()
-        toks: list[list[int]] = []
-        gaps: list[list[float]] = []
-        for i in range(0, len(phase_prompts), conc):
-            outs = llm.generate(
-                phase_prompts[i : i + conc],
-                sp_gaps if a.save_gaps else sp,
-                use_tqdm=False,
-            )
-            toks += [list(o.outputs[0].token_ids) for o in outs]
-            if a.save_gaps:
-                gaps += [top2_gaps(o.outputs[0].logprobs) for o in outs]
-        dt = time.time() - t
-        acc1, drafts1, pos1 = spec_metrics(llm)
-        drafts = drafts1 - drafts0
-        res = dict(
-            tag=tag,
-            mode=a.mode,
-            k=a.k if a.mode == "dflash" else None,
-            budget=a.budget if a.mode == "ddtree" else None,
-            policy=a.policy if a.mode == "ddtree" else None,
-            dtype=a.dtype,
-            eager=a.eager,
-            temperature=a.temperature,
-            conc=conc,
-            prompts=len(phase_prompts),
-            tok_s=round(sum(map(len, toks)) / dt, 1),
-            tau=round(1 + (acc1 - acc0) / drafts, 3) if drafts else None,
-            steps=drafts,
-            # Share of draft steps whose accepted path reached depth d + 1
-            # (vLLM's per-position acceptance counters).
-            per_depth_acceptance=[
-                round((b - a0) / drafts, 4)
-                for a0, b in zip(pos0 or [0.0] * len(pos1), pos1)
-            ]
-            if drafts
-            else None,
-            # Wall time of one engine step (all requests of the batch).
-            ms_per_step=round(
-                dt * 1e3 * conc / (drafts if drafts else sum(map(len, toks))), 3
-            ),
-            startup_s=round(startup_s, 1),
-            preemptions=num_preemptions(llm) - preempted0,
-        )
-        ref_path = (
-            os.path.join(a.outdir, f"tokens_{a.ref}_c{conc}.json") if a.ref else None
-        )
-        if ref_path:
-            with open(ref_path) as f:
-                ref = json.load(f)
-            same = [x == y for x, y in zip(ref, toks)]
-            res["identical"] = f"{sum(same)}/{len(same)}"
-            if not all(same):
-                first = same.index(False)
-                diff_at = next(
-                    (
-                        j
-                        for j, (x, y) in enumerate(zip(ref[first], toks[first]))
-                        if x != y
-                    ),
-                    None,
-                )
-                res["first_mismatch"] = dict(prompt=first, token=diff_at)
-                gaps_path = os.path.join(a.outdir, f"gaps_{a.ref}_c{conc}.json")
-                if os.path.exists(gaps_path):
-                    with open(gaps_path) as f:
-                        ref_gaps = json.load(f)
-                    res["mismatch_ref_gaps"] = mismatch_gaps(ref, toks, ref_gaps)
-        print("RESULT", json.dumps(res), flush=True)
-        with open(os.path.join(a.outdir, f"tokens_{tag}_c{conc}.json"), "w") as f:
-            json.dump(toks, f)
-        if a.save_gaps:
-            with open(os.path.join(a.outdir, f"gaps_{tag}_c{conc}.json"), "w") as f:
-                json.dump(gaps, f)
-    sys.stdout.flush()
-
-
-def top2_gaps(logprobs) -> list[float]:
-    """Per generated token: top-1 minus top-2 logprob (0 = an exact tie)."""
-    out = []
-    for step in logprobs or []:
-        vals = sorted((lp.logprob for lp in step.values()), reverse=True)
-        out.append(float(f"{vals[0] - vals[1]:.3g}") if len(vals) > 1 else float("inf"))
-    return out
-
-
-def mismatch_gaps(ref, toks, ref_gaps) -> list[float]:
-    """For every output that differs from the reference: the reference's
-    top-1 minus top-2 logprob at the first differing token, ascending. A
-    divergence at a gap of ~1e-5 is a near-tie that the batch shape decides
-    (float32 rounding); a large gap would point at a real error."""
-    out = []
-    for r, t, g in zip(ref, toks, ref_gaps):
-        j = next((j for j, (x, y) in enumerate(zip(r, t)) if x != y), None)
-        if j is None and len(r) != len(t):
-            j = min(len(r), len(t))
-        if j is not None and j < len(g):
-            out.append(g[j])
-    return sorted(out)
-
-
-RANGE_PREFIX = "ddtree_e2e::"
+RANGE_PREFIX = "ddtree_bench::"
 DRAFT_RANGE = RANGE_PREFIX + "draft"
 
 
@@ -677,7 +405,7 @@ def profile_summary(prof, steps: float, wall_s: float) -> dict:
     )
 
 
-def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> dict:
+def profile_steps(llm, prompts, sp, conc: int = 1, **labels) -> dict:
     """Decode ``prompts`` ``conc`` at a time under the torch profiler; print
     (and return) the wall time and the GPU kernel time per engine step, by
     category."""
@@ -700,10 +428,7 @@ def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> dict:
     # Draft counters are per request: an engine step drafts for `conc` of them.
     steps = ((drafts1 - drafts0) or toks) / conc
     res = dict(
-        tag=tag,
-        mode=a.mode,
-        budget=a.budget if a.mode == "ddtree" else None,
-        k=a.k if a.mode == "dflash" else None,
+        **labels,
         conc=conc,
         prompts=len(prompts),
         steps=round(steps, 1),
@@ -714,47 +439,3 @@ def profile_steps(llm, a, tag, prompts, sp, conc: int = 1) -> dict:
     )
     print("PROFILE", json.dumps(res), flush=True)
     return res
-
-
-def count_host_syncs(llm, a, tag, prompts, sp) -> None:
-    """Decode ``prompts`` one at a time with CUDA sync debugging on; print
-    the host synchronisations per decoding step by calling line."""
-    import warnings
-    from collections import Counter
-
-    import torch
-
-    llm.generate(prompts[:1], sp, use_tqdm=False)  # warm-up: startup syncs
-    acc0, drafts0, _ = spec_metrics(llm)
-    where: Counter[str] = Counter()
-    toks = 0
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for p in prompts:
-                out = llm.generate([p], sp, use_tqdm=False)
-                toks += len(out[0].outputs[0].token_ids)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    for w in caught:
-        if "synchroniz" in str(w.message).lower():
-            where[f"{w.filename}:{w.lineno}"] += 1
-    acc1, drafts1, _ = spec_metrics(llm)
-    steps = (drafts1 - drafts0) or toks
-    ddtree = sum(n for loc, n in where.items() if "ddtree" in loc)
-    res = dict(
-        tag=tag,
-        mode=a.mode,
-        prompts=len(prompts),
-        steps=steps,
-        syncs=sum(where.values()),
-        syncs_per_step=round(sum(where.values()) / steps, 3),
-        ddtree_file_syncs=ddtree,
-        by_line=dict(where.most_common(20)),
-    )
-    print("SYNCCHECK", json.dumps(res), flush=True)
-
-
-if __name__ == "__main__":
-    main()
