@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -136,6 +137,32 @@ def run_engine_process(
         with open(stderr_path) as f:
             tail = f.read()[-4000:]
     return rows_in(lines), rc, tail, log_lines
+
+
+def use_overlay() -> None:
+    """Import DDTree's modules from this checkout's ``overlay/`` where no vLLM
+    is installed (``vllm`` is then a namespace package of our modules, as in
+    the tests; torch and Triton suffice for the core)."""
+    overlay = str(REPO / "overlay")
+    if overlay not in sys.path:
+        sys.path.insert(0, overlay)
+
+
+def torch_reference():
+    """The torch reference implementations of the checkout's tests
+    (``ddtree_reference.py``, not in the wheel)."""
+    found = sorted(REPO.glob("tests/**/ddtree_reference.py"))
+    if not found:
+        raise SystemExit(
+            f"no ddtree_reference.py under {REPO / 'tests'}: the reference "
+            "columns time the torch reference of a checkout"
+        )
+    if "ddtree_reference" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("ddtree_reference", found[0])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["ddtree_reference"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["ddtree_reference"]
 
 
 def check_loopback(base_url: str, tool: str) -> str:

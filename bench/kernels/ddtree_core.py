@@ -38,8 +38,8 @@ Each column is timed eagerly and (on CUDA) captured in a CUDA graph whose
 replay is timed with CUDA events; the median over ``--iters`` runs is
 reported in microseconds.  Prints a table and writes JSON with ``--out``.
 
-GPU:  python bench/bench_ddtree_core.py --out ddtree_core.json
-CPU:  python bench/bench_ddtree_core.py --device cpu --vocab 64 \
+GPU:  python3 -m bench.kernels.ddtree_core --out ddtree_core.json
+CPU:  python3 -m bench.kernels.ddtree_core --device cpu --vocab 64 \
           --requests 1,8 --budgets 16,64 --stages build,walk,core
       (``--backend triton`` or ``step`` on CPU: TRITON_INTERPRET=1
       CUDA_VISIBLE_DEVICES= , ``step`` with our wheel installed; a smoke
@@ -62,7 +62,8 @@ from types import ModuleType
 
 import torch
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from bench import common
+
 ALL_COLUMNS = (
     "build",
     "build_fast",
@@ -119,7 +120,7 @@ def load_tree_module(src: str | None) -> ModuleType:
                 f"{installed.origin}: this vLLM has no {DDTREE_PACKAGE}; "
                 "install our wheel (or run where no vLLM is installed)"
             ) from None
-        sys.path.insert(0, str(REPO / "overlay"))
+        common.use_overlay()
         package = importlib.import_module(DDTREE_PACKAGE)
     if src:
         variant = pathlib.Path(src).resolve() / DDTREE_PACKAGE.replace(".", "/")
@@ -130,16 +131,8 @@ def load_tree_module(src: str | None) -> ModuleType:
 
 
 def load_reference() -> ModuleType:
-    """The torch reference verification (``tests/ddtree_reference.py``, not
-    in the wheel: the reference columns need this checkout's tests/)."""
-    tests = REPO / "tests"
-    if not (tests / "ddtree_reference.py").is_file():
-        raise SystemExit(
-            f"{tests / 'ddtree_reference.py'} missing: the columns "
-            f"{','.join(REFERENCE_COLUMNS)} time the torch reference of a checkout"
-        )
-    sys.path.insert(0, str(tests))
-    return importlib.import_module("ddtree_reference")
+    """The torch reference verification (the reference columns time it)."""
+    return common.torch_reference()
 
 
 def time_eager(
@@ -510,8 +503,7 @@ def main() -> None:
             "iters": args.iters,
             "tree": T.__file__,
         }
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
+        common.write_json(args.out, {"meta": meta, "results": results}, indent=2)
         print(f"wrote {args.out}")
 
 

@@ -35,13 +35,13 @@ JSON rows with ``--out``.
 
 GPU (an H100/H200: FA3; our wheel installed):
 
-    python3 bench/bench_tree_attention.py --out bench/results/tree-attention.json
+    python3 -m bench.kernels.tree_attention --out bench/results/tree-attention.json
 
 CPU smoke run (Triton interpreter, the torch reference of the prefix pass
 instead of FA3, no graph, no ``fa3_causal``: checks the plumbing, times
 nothing):
 
-    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= python3 bench/bench_tree_attention.py \\
+    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= python3 -m bench.kernels.tree_attention \\
         --device cpu --shapes tiny --contexts 40 --tree-tokens 5 --batch 2 \\
         --iters 1 --repeats 1
 """
@@ -59,7 +59,8 @@ from types import SimpleNamespace
 
 import torch
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from bench import common
+
 
 # name -> (query heads, KV heads, head size, attention layers per step)
 SHAPES = {
@@ -230,10 +231,7 @@ def split_fn(
     )
     prefix_attention = None
     if reference:
-        sys.path.insert(0, str(REPO / "tests"))
-        from ddtree_reference import paged_prefix_attention
-
-        prefix_attention = paged_prefix_attention
+        prefix_attention = common.torch_reference().paged_prefix_attention
     split = SplitTreeAttention(
         config,
         num_q,
@@ -544,8 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         timing="cuda graph replay" if device.type == "cuda" else "eager (smoke)",
     )
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+        common.write_json(str(args.out), {"meta": meta, "rows": rows}, indent=2)
         print(f"wrote {args.out}")
     return 0
 

@@ -29,7 +29,7 @@ without it, the form then follows the table's width). ``--variants`` times
 other launch settings of `tree_gdn` beside the defaults. Prints a table,
 writes JSON rows with ``--out``.
 
-    python3 bench/bench_tree_gdn.py --out bench/results/tree-gdn.json
+    python3 -m bench.kernels.tree_gdn --out bench/results/tree-gdn.json
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ import statistics
 import sys
 
 import torch
+
+from bench import common
 
 H, HV, K, V = 16, 48, 128, 128
 GDN_LAYERS = 48
@@ -319,17 +321,14 @@ def main(argv: list[str] | None = None) -> None:
                 del case
                 torch.cuda.empty_cache()
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(
-                dict(
-                    command="python3 bench/bench_tree_gdn.py "
-                    + " ".join(sys.argv[1:] if argv is None else argv),
-                    device=torch.cuda.get_device_name(),
-                    rows=rows,
-                ),
-                f,
-                indent=1,
-            )
+        common.write_json(
+            a.out,
+            dict(
+                command=common.command_line("bench.kernels.tree_gdn", argv),
+                device=torch.cuda.get_device_name(),
+                rows=rows,
+            ),
+        )
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-# tests/: the torch reference implementations (ddtree_reference.py).
+# tests/: the torch reference implementations (ddtree_reference.py); the
+# checkout's root: the bench package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))
 
 # The tiny trained pair (target + DFlash drafter): ../shared/models/tinypair
 # beside the checkout, or $TINYPAIR_DIR.
