@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""bench/soak.py against fake OpenAI servers on 127.0.0.1 (tests/soak_fake.py):
+"""bench/serving/soak.py against fake OpenAI servers on 127.0.0.1 (tests/soak_fake.py):
 a good fake passes every criterion; fakes that misbehave (a 500, a request that
 never answers, growing RSS and GPU memory, /health failing, non-greedy output,
 nothing refused, bad input accepted, counters that fall or disagree, a server
@@ -20,10 +20,9 @@ import pytest
 import soak_fake
 from soak_fake import FakeConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+from bench.serving import soak
 
-import soak  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CRITERIA = {
     "requests",

@@ -90,7 +90,7 @@ Progress: one line to stderr every ``--progress-interval`` seconds. The full
 report goes to ``--out`` (default ``bench/results/<date>-soak-<pair>.json``),
 one ``RESULT {json}`` line (criteria) to stdout.
 
-Standard library only (an asyncio HTTP/1.1 client), plus bench/serve_load.py.
+HTTP through httpx (a vLLM dependency).
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import functools
 import json
 import math
 import os
@@ -113,18 +114,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import httpx
 
-from serve_load import (  # noqa: E402
-    check_loopback,
-    chunk_logprobs,
-    chunk_text,
-    divergence_gap,
-    load_prompts,
-    parse_prometheus,
-)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.common import REPO, check_loopback, percentiles, progress
 
 REFUSE_STRUCTURED = "DDTree does not support structured outputs"
 REFUSE_BAD_WORDS = "DDTree does not support bad_words"
@@ -154,110 +146,72 @@ FAULT_ONLY = {"server_error", "connection_error"}
 FAULT_ONLY_KINDS = {"missing_choices"}
 
 
-def log(msg: str) -> None:
-    print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = functools.partial(progress, "soak")
+
+_SAMPLE_RE = re.compile(
+    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)"
+)
+_LABEL_RE = re.compile(r'(?P<key>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<val>(?:[^"\\]|\\.)*)"')
+# Per-engine labels, summed away.
+DROP_LABELS = {"model_name", "engine"}
+
+
+def parse_prometheus(text: str, prefixes: tuple[str, ...]) -> dict[str, float]:
+    """Samples of the Prometheus text format whose name starts with one of
+    ``prefixes``, keyed ``name{label="v",...}`` without the per-engine labels
+    (summed over engines). ``_created`` samples are skipped."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = None if line.startswith("#") else _SAMPLE_RE.match(line)
+        if m is None:
+            continue
+        name = m.group("name")
+        if not name.startswith(prefixes) or name.endswith("_created"):
+            continue
+        labels = sorted(
+            (lm.group("key"), lm.group("val"))
+            for lm in _LABEL_RE.finditer(m.group("labels") or "")
+            if lm.group("key") not in DROP_LABELS
+        )
+        key = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else "")
+        with contextlib.suppress(ValueError):
+            out[key] = out.get(key, 0.0) + float(m.group("value"))
+    return out
+
+
+def load_prompts(path: str | None) -> list[str]:
+    if not path:
+        return [f"def function_{i}(x):\n    " for i in range(16)]
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    prompts = [r["prompt"] if isinstance(r, dict) else str(r) for r in rows]
+    if not prompts:
+        raise SystemExit(f"soak: no prompts in {path}")
+    return prompts
 
 
 # ------------------------------------------------------------- HTTP client
-class HttpResponse:
-    """One HTTP/1.1 response on its own connection (``Connection: close``)."""
-
-    def __init__(self, status: int, headers: dict, reader, writer):
-        self.status = status
-        self.headers = headers
-        self.reader = reader
-        self.writer = writer
-
-    async def iter_body(self):
-        r = self.reader
-        if "chunked" in self.headers.get("transfer-encoding", "").lower():
-            while True:
-                line = await r.readline()
-                if not line:
-                    raise ConnectionError("connection closed inside a chunked body")
-                size = int(line.split(b";", 1)[0].strip() or b"0", 16)
-                if size == 0:
-                    while (await r.readline()) not in (b"\r\n", b"\n", b""):
-                        pass
-                    return
-                data = await r.readexactly(size)
-                await r.readexactly(2)
-                yield data
-        elif "content-length" in self.headers:
-            left = int(self.headers["content-length"])
-            while left > 0:
-                data = await r.read(min(left, 1 << 16))
-                if not data:
-                    raise ConnectionError("connection closed inside the body")
-                left -= len(data)
-                yield data
-        else:
-            while data := await r.read(1 << 16):
-                yield data
-
-    async def read(self) -> bytes:
-        return b"".join([c async for c in self.iter_body()])
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-async def http_send(
-    host: str,
-    port: int,
-    method: str,
-    path: str,
-    body: bytes | None = None,
-    content_type: str = "application/json",
-    holder: list | None = None,
-):
-    """Connect and send one request; (reader, writer)."""
-    reader, writer = await asyncio.open_connection(host, port, limit=1 << 24)
-    if holder is not None:
-        holder.append(writer)  # the caller closes it on timeout or abort
-    head = [
-        f"{method} {path} HTTP/1.1",
-        f"Host: {host}:{port}",
-        "Connection: close",
-        "Accept: */*",
-    ]
-    if body is not None:
-        head += [f"Content-Type: {content_type}", f"Content-Length: {len(body)}"]
-    writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + (body or b""))
-    await writer.drain()
-    return reader, writer
-
-
-async def read_head(reader, writer) -> HttpResponse:
-    status_line = await reader.readline()
-    parts = status_line.decode("latin-1").split()
-    if len(parts) < 2 or not parts[1].isdigit():
-        raise ConnectionError(f"bad status line {status_line[:80]!r}")
-    headers = {}
-    while True:
-        line = await reader.readline()
-        if line in (b"\r\n", b"\n", b""):
-            break
-        k, _, v = line.decode("latin-1").partition(":")
-        headers[k.strip().lower()] = v.strip()
-    return HttpResponse(int(parts[1]), headers, reader, writer)
-
-
-async def http_open(
-    host, port, method, path, body=None, content_type="application/json", holder=None
-) -> HttpResponse:
-    reader, writer = await http_send(
-        host, port, method, path, body, content_type, holder
-    )
-    return await read_head(reader, writer)
-
-
 class Endpoint:
+    """A loopback server; each request on its own connection, so that a
+    client that gives up closes its connection as a real one does."""
+
     def __init__(self, base_url: str):
         self.base_url = check_loopback(base_url, "soak")
-        u = urlparse(self.base_url)
-        self.host = u.hostname
-        self.port = u.port or 80
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:  # inside the running loop
+            self._client = httpx.AsyncClient(
+                base_url=self.base_url,
+                timeout=None,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+            )
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
 
     async def call(
         self,
@@ -265,27 +219,18 @@ class Endpoint:
         path: str,
         body: bytes | None = None,
         timeout: float = 10.0,
-        content_type: str = "application/json",
     ) -> tuple[int, bytes]:
         """(status, body); status 0 when there was no answer in time or no
         connection."""
-        holder: list = []
-
-        async def go():
-            resp = await http_open(
-                self.host, self.port, method, path, body, content_type, holder
-            )
-            return resp.status, await resp.read()
-
+        headers = {"content-type": "application/json"} if body is not None else None
         try:
-            return await asyncio.wait_for(go(), timeout)
-        except (asyncio.TimeoutError, OSError, ConnectionError, ValueError):
+            r = await asyncio.wait_for(
+                self.client.request(method, path, content=body, headers=headers),
+                timeout,
+            )
+        except (asyncio.TimeoutError, httpx.HTTPError, OSError):
             return 0, b""
-        except asyncio.IncompleteReadError:
-            return 0, b""
-        finally:
-            for w in holder:
-                w.close()
+        return r.status_code, r.content
 
     async def json(self, method: str, path: str, payload=None, timeout=10.0):
         body = None if payload is None else json.dumps(payload).encode()
@@ -650,49 +595,82 @@ def served(out: Outcome, plan: Plan) -> None:
 
 
 def _choice_text(api: str, c: dict, stream: bool) -> str:
-    if stream:
-        return chunk_text(api, {"choices": [c]})[0]
     if api == "chat":
-        return (c.get("message") or {}).get("content") or ""
+        return (c.get("delta" if stream else "message") or {}).get("content") or ""
     return c.get("text") or ""
 
 
-async def read_stream(resp: HttpResponse, out: Outcome, plan: Plan, t0: float):
-    buf = b""
+def _top2_gap(logprobs: list[float]) -> float:
+    vals = sorted(logprobs, reverse=True)
+    return vals[0] - vals[1] if len(vals) > 1 else float("inf")
+
+
+def choice_logprobs(api: str, c: dict) -> list[tuple[str, float]]:
+    """(token text, top-1 minus top-2 logprob) of each token of a choice."""
+    lp = c.get("logprobs") or {}
+    if api == "chat":
+        return [
+            (e.get("token", ""), _top2_gap([t["logprob"] for t in e.get("top_logprobs") or []]))
+            for e in lp.get("content") or []
+        ]
+    return [
+        (tok, _top2_gap(list((top or {}).values())))
+        for tok, top in zip(lp.get("tokens") or [], lp.get("top_logprobs") or [])
+    ]
+
+
+def divergence_gap(
+    text: str, ref_text: str, ref_tokens: list[str], ref_gaps: list[float]
+) -> float | None:
+    """The reference's top-1 minus top-2 logprob at the token where ``text``
+    first differs from ``ref_text`` (None when that token is unknown). Where
+    the first differing character starts a reference token, ours may have
+    parted one token earlier (a longer or shorter token spelling the same
+    characters so far): the smaller gap of the two counts."""
+    i = first_difference(text, ref_text)
+    i = min(len(text), len(ref_text)) if i is None else i
+    pos = 0
+    prev_gap = None
+    for tok, gap in zip(ref_tokens, ref_gaps):
+        start = pos
+        pos += len(tok)
+        if pos > i:
+            return min(gap, prev_gap) if start == i and prev_gap is not None else gap
+        prev_gap = gap
+    return None
+
+
+async def read_stream(resp: httpx.Response, out: Outcome, plan: Plan, t0: float):
     chunks = 0
-    async for raw in resp.iter_body():
-        buf += raw
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                served(out, plan)
-                return
-            payload = json.loads(data)
-            err = payload.get("error")
-            if err is not None:
-                code = int(err.get("code") or 500) if isinstance(err, dict) else 500
-                msg = err.get("message", "") if isinstance(err, dict) else str(err)
-                classify_error(out, plan, code, str(msg), "stream_error")
-                return
-            for c in payload.get("choices") or []:
-                idx = int(c.get("index", 0))
-                text = _choice_text(plan.api, c, True)
-                if text and out.ttft is None:
-                    out.ttft = time.monotonic() - t0
-                out.texts[idx] = out.texts.get(idx, "") + text
-                if c.get("finish_reason"):
-                    out.finish[idx] = c["finish_reason"]
-            usage = payload.get("usage")
-            if usage:
-                out.completion_tokens = usage.get("completion_tokens")
-            chunks += 1
-            if plan.abort_chunks is not None and chunks >= plan.abort_chunks:
-                out.status = "aborted"
-                return
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            served(out, plan)
+            return
+        payload = json.loads(data)
+        err = payload.get("error")
+        if err is not None:
+            code = int(err.get("code") or 500) if isinstance(err, dict) else 500
+            msg = err.get("message", "") if isinstance(err, dict) else str(err)
+            classify_error(out, plan, code, str(msg), "stream_error")
+            return
+        for c in payload.get("choices") or []:
+            idx = int(c.get("index", 0))
+            text = _choice_text(plan.api, c, True)
+            if text and out.ttft is None:
+                out.ttft = time.monotonic() - t0
+            out.texts[idx] = out.texts.get(idx, "") + text
+            if c.get("finish_reason"):
+                out.finish[idx] = c["finish_reason"]
+        usage = payload.get("usage")
+        if usage:
+            out.completion_tokens = usage.get("completion_tokens")
+        chunks += 1
+        if plan.abort_chunks is not None and chunks >= plan.abort_chunks:
+            out.status = "aborted"
+            return
     out.status, out.error_kind = "connection_error", "stream_ended_without_done"
 
 
@@ -700,64 +678,72 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
     out = Outcome(plan.id, plan.category, plan.name, plan.api, plan.stream, plan.greedy)
     out.t_start = clock()
     t0 = time.monotonic()
-    holder: list = []
+    sent = asyncio.Event()
 
-    async def receive(reader, writer) -> None:
-        resp = await read_head(reader, writer)
-        out.http = resp.status
-        if resp.status != 200:
-            classify_error(
-                out, plan, resp.status, error_message(await resp.read()), "http"
-            )
-            return
-        if plan.stream:
-            if "text/event-stream" not in resp.headers.get("content-type", ""):
-                out.status, out.error_kind = "bad_response", "not_an_event_stream"
-                out.error = resp.headers.get("content-type")
+    async def trace(event: str, info: dict) -> None:
+        if event.endswith("send_request_body.complete"):
+            sent.set()
+
+    async def receive() -> None:
+        async with ep.client.stream(
+            "POST",
+            plan.path,
+            content=plan.payload(),
+            headers={"content-type": plan.content_type},
+            extensions={"trace": trace},
+        ) as resp:
+            out.http = resp.status_code
+            if resp.status_code != 200:
+                body = await resp.aread()
+                classify_error(out, plan, resp.status_code, error_message(body), "http")
                 return
-            await read_stream(resp, out, plan, t0)
-            return
-        payload = json.loads(await resp.read())
+            if plan.stream:
+                if "text/event-stream" not in resp.headers.get("content-type", ""):
+                    out.status, out.error_kind = "bad_response", "not_an_event_stream"
+                    out.error = resp.headers.get("content-type")
+                    return
+                await read_stream(resp, out, plan, t0)
+                return
+            payload = json.loads(await resp.aread())
         for c in payload.get("choices") or []:
             out.texts[int(c.get("index", 0))] = _choice_text(plan.api, c, False)
             out.finish[int(c.get("index", 0))] = c.get("finish_reason")
         out.completion_tokens = (payload.get("usage") or {}).get("completion_tokens")
         served(out, plan)
 
-    async def go() -> None:
-        reader, writer = await http_send(
-            ep.host,
-            ep.port,
-            "POST",
-            plan.path,
-            plan.payload(),
-            plan.content_type,
-            holder,
-        )
-        if plan.abort_s is None:
-            await receive(reader, writer)
-            return
+    async def give_up() -> None:
         # A client that gives up this long after sending (0: at once).
+        await sent.wait()
+        await asyncio.sleep(plan.abort_s)
+
+    async def go() -> None:
+        if plan.abort_s is None:
+            await receive()
+            return
+        tasks = [asyncio.ensure_future(receive()), asyncio.ensure_future(give_up())]
         try:
-            await asyncio.wait_for(receive(reader, writer), plan.abort_s)
-        except asyncio.TimeoutError:
-            out.status = "aborted"
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if tasks[0].done():
+                tasks[0].result()
+            else:
+                out.status = "aborted"
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     try:
         await asyncio.wait_for(go(), timeout)
     except asyncio.TimeoutError:
         out.status, out.error_kind = "hang", "client_timeout"
         out.error = f"no complete answer within {timeout:g}s"
-    except (ConnectionError, asyncio.IncompleteReadError, OSError) as e:
+    except (httpx.TransportError, OSError) as e:
         out.status = "connection_error"
         out.error_kind = type(e).__name__
         out.error = str(e)[:300]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         out.status, out.error_kind = "bad_response", type(e).__name__
         out.error = str(e)[:300]
-    finally:
-        for w in holder:
-            w.close()
     out.t_end = clock()
     return out
 
@@ -933,24 +919,6 @@ class LaunchedServer:
 
 
 # --------------------------------------------------------------- analysis
-def percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"n": 0}
-    v = sorted(values)
-
-    def q(p: float) -> float:
-        return round(v[min(len(v) - 1, max(0, math.ceil(p * len(v)) - 1))], 4)
-
-    return {
-        "n": len(v),
-        "mean": round(sum(v) / len(v), 4),
-        "p50": q(0.5),
-        "p90": q(0.9),
-        "p99": q(0.99),
-        "max": round(v[-1], 4),
-    }
-
-
 def flatness(
     samples: list[tuple[float, float]], start: float, warmup: float, tol: float
 ) -> dict:
@@ -1536,7 +1504,7 @@ class Soak:
                 )
                 return
             ref_text = _choice_text(plan.api, c, False)
-            tg = chunk_logprobs(plan.api, {"choices": [c]})
+            tg = choice_logprobs(plan.api, c)
             ref_tokens = [tok for tok, _ in tg]
             gaps = [g for _, g in tg]
             res["compared"] += 1
@@ -1602,6 +1570,9 @@ class Soak:
         finally:
             if self.server is not None:
                 await self.server.stop(a.stop_grace)
+            for ep in (self.ep, self.ref):
+                if ep is not None:
+                    await ep.close()
 
     async def _run(self, report: dict) -> dict:
         a = self.a
@@ -2086,7 +2057,7 @@ def main(argv: list[str] | None = None) -> int:
         r"[^A-Za-z0-9_.-]+", "_", os.path.basename(str(result.get("model") or "server"))
     )
     out = a.out or os.path.join(
-        ROOT, "bench", "results", f"{datetime.date.today():%Y-%m-%d}-soak-{pair}.json"
+        REPO, "bench", "results", f"{datetime.date.today():%Y-%m-%d}-soak-{pair}.json"
     )
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
