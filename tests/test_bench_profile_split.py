@@ -3,8 +3,6 @@
 the rest: kernels are assigned by their start inside the GPU-side draft
 range; the range events themselves are not kernel time."""
 
-import importlib.util
-import pathlib
 from types import SimpleNamespace
 
 from bench.engine import profile as e2e

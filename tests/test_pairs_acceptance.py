@@ -6,13 +6,11 @@ count what vLLM's greedy verification accepts."""
 from __future__ import annotations
 
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
-from bench.pairs import acceptance
+from bench.pairs import acceptance  # noqa: E402
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -8,7 +8,6 @@ equal the small models' in float32, and padded tokens get no probability."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,13 @@ pytest.importorskip("transformers")
 
 PAIRS_DIR = Path(__file__).resolve().parent.parent / "bench" / "pairs"
 
-from bench.pairs import embed
-from bench.pairs import pair_configs as pc
-from bench.pairs.dflash_ref import DFlashDrafter, draft_logits, target_forward
+from bench.pairs import embed  # noqa: E402
+from bench.pairs import pair_configs as pc  # noqa: E402
+from bench.pairs.dflash_ref import (  # noqa: E402
+    DFlashDrafter,
+    draft_logits,
+    target_forward,
+)
 
 # Reduced production shapes: the same structure as Qwen3-8B / Qwen3.6-27B.
 TEST_SHAPES = {

@@ -6,7 +6,6 @@ way DDTree does."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from bench import common

@@ -5,8 +5,6 @@ temperature 0 and 1, and how its rows replace those of pairs.json."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 

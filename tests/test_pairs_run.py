@@ -5,7 +5,6 @@ and how outputs are compared with no speculation."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest

@@ -18,9 +18,8 @@ import sys
 import pytest
 
 import soak_fake
-from soak_fake import FakeConfig
-
 from bench.serving import soak
+from soak_fake import FakeConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

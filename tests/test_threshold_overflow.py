@@ -4,13 +4,10 @@ threshold against a brute force over (value desc, id asc), and its layouts."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
-from bench.pairs import threshold_overflow as tov
+from bench.pairs import threshold_overflow as tov  # noqa: E402
 
 
 def brute_count(row: list[float], k: int, sub: int, keep: int, group: int = 1) -> int:

@@ -6,11 +6,11 @@ row measured at a concurrency the engine could not hold says so."""
 
 from __future__ import annotations
 
-import sys
+import functools
 
+from bench.common import progress
 
-def log(msg: str) -> None:
-    print(f"[engine_probe] {msg}", file=sys.stderr, flush=True)
+log = functools.partial(progress, "engine_probe")
 
 
 def engine_core(llm):

@@ -36,8 +36,8 @@ taken, gets the shape's trained benchmark pair written in place
 prompts (rows with ``"weights": "pair"`` and both taus). Dummy weights give
 tau = 1, but the chain's drafts are then likely one token repeated (every
 mask position of a near-zero drafter reads alike): a verify batch that the
-GPU, at its power cap, runs faster than the distinct tokens of a tree. Trained weights give both methods real
-drafts.
+GPU, at its power cap, runs faster than the distinct tokens of a tree.
+Trained weights give both methods real drafts.
 
 ``--out`` holds ``{"command", "rows", "profiles"}``: one row per (shape,
 concurrency, tree budget) with ``chain_ms_per_step``, ``ddtree_ms_per_step``,
@@ -68,7 +68,6 @@ import traceback
 from statistics import median_low
 
 from bench import common
-from bench.common import PAIR_MODELS
 from bench.engine import profile
 from bench.engine.probe import RunningProbe, engine_max_concurrency
 

@@ -51,11 +51,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import json
 import os
 import pathlib
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from types import ModuleType

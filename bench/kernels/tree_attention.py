@@ -49,7 +49,6 @@ nothing):
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import sys
@@ -60,7 +59,6 @@ from types import SimpleNamespace
 import torch
 
 from bench import common
-
 
 # name -> (query heads, KV heads, head size, attention layers per step)
 SHAPES = {

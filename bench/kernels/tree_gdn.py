@@ -35,9 +35,7 @@ writes JSON rows with ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 
 import torch
 

@@ -20,14 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
+import torch  # noqa: E402
 
+from bench import common
 from bench.common import PAIR_MODELS
 from bench.pairs import embed
 from bench.pairs import pair_configs as pc
-import torch  # noqa: E402
 from bench.pairs.dflash_ref import DFlashDrafter, draft_logits, target_forward
 
 
@@ -218,10 +218,9 @@ def main() -> None:
         "production_vocab": pc.text_config(spec["big_target"])["vocab_size"],
         "seconds": round(time.time() - t0, 1),
     }
-    print("EMBEDDING " + json.dumps(row), flush=True)
+    common.emit("EMBEDDING", row)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(row, f)
+        common.write_json(a.out, row)
 
 
 if __name__ == "__main__":

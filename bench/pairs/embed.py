@@ -38,6 +38,7 @@ import math
 from collections.abc import Iterator
 
 import torch
+
 from bench.pairs.pair_configs import text_config
 
 INIT_RANGE = 1e-3  # vLLM's dummy loader draws weights from U(-1e-3, 1e-3)

@@ -16,18 +16,15 @@ pair's ``offline_heldout_tau_t<T>`` row in the file (run_pairs.py's rows).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import sys
 import time
 import types
 
+from bench import common
 
-
-def log(msg: str) -> None:
-    print(
-        f"[offline_tau {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True
-    )
+log = functools.partial(common.progress, "offline_tau")
 
 
 def row_key(temperature: float) -> str:
@@ -47,7 +44,7 @@ def merge_rows(rows: list[dict], new: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=PAIR_MODELS)
+    ap.add_argument("--models", default=common.PAIR_MODELS)
     ap.add_argument("--pairs", default="dense-8b,hybrid-27b")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--prompts", type=int, default=48)
@@ -71,8 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args(argv)
 
-    from bench.pairs import pair_configs as pc
     import torch
+
+    from bench.pairs import pair_configs as pc
     from bench.pairs import train
 
     device = torch.device("cuda" if torch.cuda.is_available() and not a.cpu else "cpu")
@@ -100,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
                 drafter_id=pc.weights_id(a.models, pair),
             )
             row = {"pair": pair, row_key(t): res}
-            print("TAU " + json.dumps(row), flush=True)
+            common.emit("TAU", row)
             log(f"{pair} T={t:g}: {res} ({time.time() - t0:.0f} s on {device})")
             new.append(row)
     if a.out:
@@ -108,8 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         if os.path.exists(a.out):
             with open(a.out) as f:
                 rows = json.load(f)
-        with open(a.out, "w") as f:
-            json.dump(merge_rows(rows, new), f, indent=1)
+        common.write_json(a.out, merge_rows(rows, new))
 
 
 if __name__ == "__main__":

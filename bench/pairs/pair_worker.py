@@ -18,9 +18,10 @@ from __future__ import annotations
 import os
 import time
 
+import torch
+
 from bench.pairs import embed
 from bench.pairs import pair_configs as pc
-import torch
 
 
 def _load_small(path: str) -> dict[str, torch.Tensor]:

@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-
 
 from bench import common
 from bench.pairs import pair_configs as pc

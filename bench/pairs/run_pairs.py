@@ -29,7 +29,6 @@ then one embedding row per pair (check_embedding.py) and the plot.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -37,7 +36,6 @@ import re
 import subprocess
 import sys
 import time
-
 
 from bench import common
 from bench.engine.probe import RunningProbe, engine_max_concurrency
@@ -411,12 +409,13 @@ def profile_continuous(llm, a, requests: list, params: list, conc: int) -> dict:
     (prefill chunks of the requests that join included, as in the timed rows),
     split as ``ddtree_e2e.py --profile`` splits it."""
     import torch
+    from torch.profiler import ProfilerActivity, profile
+
     from bench.engine.profile import (
         _label_draft_passes,
         _label_steps,
         profile_summary,
     )
-    from torch.profiler import ProfilerActivity, profile
 
     _label_draft_passes()
     _label_steps()
@@ -481,9 +480,7 @@ def run_engine(a) -> None:
         jit_monitor_verbose=True,
     )
     if not small:
-        kw.update(
-            load_format="dummy", worker_extension_cls=PAIR_WORKER
-        )
+        kw.update(load_format="dummy", worker_extension_cls=PAIR_WORKER)
     if spec["kind"] == "hybrid":
         kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
         kw["gdn_prefill_backend"] = "triton"

@@ -23,19 +23,18 @@ other policy's tokens/s and budget, both alternatives' tau and
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
 import sys
-import time
 
+from bench import common
 
 POLICY_METHODS = {"measured": "ddtree_measured", "batch": "ddtree"}
 
 
-def log(msg: str) -> None:
-    stamp = time.strftime("%H:%M:%S")
-    print(f"[run_policy {stamp}] {msg}", file=sys.stderr, flush=True)
+log = functools.partial(common.progress, "run_policy")
 
 
 def tabulate(
@@ -106,6 +105,7 @@ def plot(table: list[dict], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from bench.pairs.plot_pairs import format_axes
 
     pairs = sorted({r["pair"] for r in table})
@@ -193,7 +193,8 @@ def main() -> None:
         extra = [x for x in a.run_pairs_args if x != "--"]
         cmd = [
             sys.executable,
-            os.path.join(HERE, "run_pairs.py"),
+            "-m",
+            "bench.pairs.run_pairs",
             "--out",
             rows_path,
             "--pairs",

@@ -26,27 +26,27 @@ keys kept per sub-block, the group their maxima are taken over
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(ROOT, "overlay"))
+from bench import common
+
+common.use_overlay()  # the build's constants, without a vLLM install
 
 PROD_VOCAB = 151936
 FAR_BELOW = -1e4
 
 
-def log(msg: str) -> None:
-    print(f"[threshold_overflow {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+log = functools.partial(common.progress, "threshold_overflow")
 
 
 def drafter_rows(models: str, pair: str, n_prompts: int):
     """[rows, V_small] float32 of bf16-rounded drafter logits."""
     import torch
+
     from bench.pairs import train
     from bench.pairs.dflash_ref import draft_logits, target_forward
 
@@ -117,7 +117,7 @@ def layouts(small):
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=PAIR_MODELS)
+    ap.add_argument("--models", default=common.PAIR_MODELS)
     ap.add_argument("--pair", default="dense-8b")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--budgets", default="15,64")

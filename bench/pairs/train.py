@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import glob
 import json
 import math
@@ -42,7 +43,7 @@ import sys
 import sysconfig
 import time
 
-
+from bench import common
 from bench.pairs import pair_configs as pc
 
 PROMPT_LEN = 128  # self-distillation: corpus window the target continues
@@ -52,8 +53,7 @@ EVAL_BUDGETS = (16, 64, 256)
 EVAL_PROMPT_LEN = 160
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+log = functools.partial(common.progress, "train")
 
 
 # ---------------------------------------------------------------- corpus, tokenizer
@@ -463,6 +463,7 @@ def train_drafter(
     a, model, drafter, data, plen, device, deadline: float, rec: dict
 ) -> None:
     import torch
+
     from bench.pairs.dflash_ref import draft_logits, target_forward
 
     dcfg = drafter.cfg
@@ -565,8 +566,9 @@ def evaluate(
     greedily or, with ``temperature`` > 0, sampled at that temperature (seeded
     by ``seed``): acceptance.py says why the same replay then gives the tau of
     sampled verification."""
-    from bench.pairs import acceptance
     import torch
+
+    from bench.pairs import acceptance
     from bench.pairs.dflash_ref import draft_logits, target_forward
 
     dcfg = drafter.cfg
@@ -632,6 +634,7 @@ def evaluate(
 
 def run_pair(a) -> None:
     import torch
+
     from bench.pairs.dflash_ref import DFlashDrafter
 
     torch.manual_seed(a.seed)

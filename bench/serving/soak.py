@@ -112,7 +112,6 @@ import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from urllib.parse import urlparse
 
 import httpx
 
@@ -173,7 +172,9 @@ def parse_prometheus(text: str, prefixes: tuple[str, ...]) -> dict[str, float]:
             for lm in _LABEL_RE.finditer(m.group("labels") or "")
             if lm.group("key") not in DROP_LABELS
         )
-        key = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else "")
+        key = name + (
+            "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else ""
+        )
         with contextlib.suppress(ValueError):
             out[key] = out.get(key, 0.0) + float(m.group("value"))
     return out
@@ -610,7 +611,10 @@ def choice_logprobs(api: str, c: dict) -> list[tuple[str, float]]:
     lp = c.get("logprobs") or {}
     if api == "chat":
         return [
-            (e.get("token", ""), _top2_gap([t["logprob"] for t in e.get("top_logprobs") or []]))
+            (
+                e.get("token", ""),
+                _top2_gap([t["logprob"] for t in e.get("top_logprobs") or []]),
+            )
             for e in lp.get("content") or []
         ]
     return [

@@ -5,7 +5,6 @@ the classes themselves, and `_label_phases` wraps each once."""
 
 import importlib
 import importlib.util
-import pathlib
 
 import pytest
 
