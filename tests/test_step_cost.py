@@ -421,7 +421,7 @@ def test_heldout_prompts_cut_and_repeat(tmp_path):
     assert got == [[6, 7, 8, 9], [7, 8, 9, 10], [8, 9, 10, 11], [6, 7, 8, 9],
                    [7, 8, 9, 10]]  # fmt: skip
     # The committed pairs' prompts: enough for a c = 32 engine without repeats.
-    committed = step_cost.heldout_prompts(step_cost.PAIR_MODELS, 128, 128)
+    committed = step_cost.heldout_prompts(step_cost.common.PAIR_MODELS, 128, 128)
     assert len({tuple(p) for p in committed}) == 128
     assert max(map(len, committed)) == 128 and min(map(len, committed)) > 0
 

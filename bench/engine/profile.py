@@ -84,7 +84,7 @@ STEP_KINDS = ("mixed", "decode")
 
 
 def _step_range(phase: str, kind: str) -> str:
-    return f"ddtree_e2e::{phase}_{kind}"
+    return f"{RANGE_PREFIX}{phase}_{kind}"
 
 
 def _has_prefill(scheduler_output) -> bool:
@@ -189,15 +189,15 @@ def _label_steps() -> None:
         if kwargs.get("dummy_run") or scheduler_output.total_num_scheduled_tokens == 0:
             return execute(self, scheduler_output, *args, **kwargs)
         kind = "mixed" if _has_prefill(scheduler_output) else "decode"
-        self._ddtree_e2e_step_kind = kind
+        self._ddtree_bench_step_kind = kind
         with torch.profiler.record_function(_step_range("execute", kind)):
             return execute(self, scheduler_output, *args, **kwargs)
 
     def sample_tokens(self, *args, **kwargs):
-        kind = getattr(self, "_ddtree_e2e_step_kind", None)
+        kind = getattr(self, "_ddtree_bench_step_kind", None)
         if kind is None:
             return sample(self, *args, **kwargs)
-        self._ddtree_e2e_step_kind = None
+        self._ddtree_bench_step_kind = None
         with torch.profiler.record_function(_step_range("sample", kind)):
             return sample(self, *args, **kwargs)
 

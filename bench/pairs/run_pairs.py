@@ -407,7 +407,7 @@ def profile_continuous(llm, a, requests: list, params: list, conc: int) -> dict:
     """The steady window of a continuous decode at ``conc`` under the torch
     profiler (the engine in this process): wall and GPU time per engine step
     (prefill chunks of the requests that join included, as in the timed rows),
-    split as ``ddtree_e2e.py --profile`` splits it."""
+    split as ``bench.engine.profile`` splits it."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
