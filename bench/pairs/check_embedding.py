@@ -5,7 +5,7 @@
 (Hugging Face transformers, float32) on real prompts, and the same for the
 DFlash drafters (dflash_ref.py) at every anchor of those prompts.
 
-    python3 bench/pairs/check_embedding.py --models bench/pairs/models \\
+    python3 -m bench.pairs.check_embedding --models bench/pairs/models \\
         --pair dense-8b [--prompts N] [--device cuda] [--out FILE.json]
 
 Prints one ``EMBEDDING {json}`` line: {"pair", "embedding_max_abs_logit_diff",

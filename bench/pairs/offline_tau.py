@@ -4,7 +4,7 @@
 and 1: the DFlash chain (K = 15) and DDTree at budgets 16 / 64 / 256, replayed
 as vLLM verifies them (acceptance.py), without vLLM.
 
-    python3 bench/pairs/offline_tau.py [--models bench/pairs/models] \\
+    python3 -m bench.pairs.offline_tau [--models bench/pairs/models] \\
         [--pairs dense-8b,hybrid-27b] [--temperatures 0,1] [--prompts 48] \\
         [--seed 0] [--out bench/results/pairs.json]
 

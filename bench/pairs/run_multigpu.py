@@ -4,7 +4,7 @@
 at their production shapes (needs a host with as many GPUs as the largest
 ``--tp``):
 
-    python3 bench/pairs/run_multigpu.py --out bench/results/multigpu.json \\
+    python3 -m bench.pairs.run_multigpu --out bench/results/multigpu.json \\
         [--tp 2,4] [--pp 2] [--pairs dense-8b,hybrid-27b] \\
         [--conc 1,8,32] [--float32-conc 1,8]
 

@@ -4,7 +4,7 @@
 no speculation, the DFlash chain (K = 15) and DDTree, side by side on held-out
 prompts at concurrency 1 .. 64, bf16, one engine per method.
 
-    python3 bench/pairs/run_policy.py --out bench/results/policy.json \\
+    python3 -m bench.pairs.run_policy --out bench/results/policy.json \\
         --plot bench/results/policy.png [--pairs dense-8b] \\
         [--conc 1,2,4,8,16,32,64] [--policies measured,batch] \\
         [--rows bench/results/policy-rows.json]

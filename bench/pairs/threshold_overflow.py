@@ -13,7 +13,7 @@ vocabulary layouts:
 - ``contiguous``: its tokens as ids 0-8191 of 151936 (the embedded benchmark
   pairs), the rest far below.
 
-    python3 bench/pairs/threshold_overflow.py [--prompts 6] \\
+    python3 -m bench.pairs.threshold_overflow [--prompts 6] \\
         [--out bench/results/threshold-overflow.json]
 
 Runs on the CPU in a few minutes. Counts are computed in torch from the

@@ -3,7 +3,7 @@
 """Train the benchmark pairs: a small target and its DFlash drafter, per pair in
 pair_configs.py, on Python source, seeded and time-boxed.
 
-    python3 bench/pairs/train.py --out DIR [--pairs dense-8b,hybrid-27b]
+    python3 -m bench.pairs.train --out DIR [--pairs dense-8b,hybrid-27b]
         [--seconds 560] [--heldout jax,networkx] [--seed 0]
 
 One GPU; the pairs train side by side in subprocesses after one shared

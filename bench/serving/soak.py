@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Bounded soak and bad-input check of a DDTree ``vllm serve`` (loopback only).
 
-    python3 bench/soak.py --base-url http://127.0.0.1:8000 \\
+    python3 -m bench.serving.soak --base-url http://127.0.0.1:8000 \\
         --prompts P.jsonl --reference-url http://127.0.0.1:8001 --float32 \\
         [--launch "vllm serve ..." --restart-at 300] [--server-pid PID]
 
@@ -1555,7 +1555,7 @@ class Soak:
     async def run(self) -> dict:
         a = self.a
         report: dict = {
-            "tool": "bench/soak.py",
+            "tool": "bench.serving.soak",
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "base_url": self.ep.base_url,
             "reference_url": self.ref.base_url if self.ref else None,
@@ -1905,7 +1905,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="command (split like a shell line) run after every start of "
         "--launch once /health answers, before any request, e.g. "
-        "bench/pairs/load_served_pair.py; must exit 0",
+        "python3 -m bench.pairs.load_served_pair; must exit 0",
     )
     g.add_argument("--server-log", default="/tmp/soak-server.log")
     g.add_argument("--start-timeout", type=float, default=900.0)
