@@ -77,9 +77,7 @@ def add_engine_options(
 ) -> None:
     """The options every engine process of step_cost.py and run_pairs.py
     takes (``forward`` passes them on to it)."""
-    ap.add_argument(
-        "--models", default=PAIR_MODELS, help="the trained pairs (pairs/train.py --out)"
-    )
+    ap.add_argument("--models", default=PAIR_MODELS, help="the trained pairs")
     ap.add_argument("--max-tokens", type=int, default=max_tokens)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=gpu_util)

@@ -47,10 +47,10 @@ def drafter_rows(models: str, pair: str, n_prompts: int):
     """[rows, V_small] float32 of bf16-rounded drafter logits."""
     import torch
 
-    from bench.pairs import train
     from bench.pairs.dflash_ref import draft_logits, target_forward
+    from bench.pairs.offline_tau import load_trained_pair
 
-    model, drafter = train.load_trained_pair(models, pair, torch.device("cpu"))
+    model, drafter = load_trained_pair(models, pair, torch.device("cpu"))
     with open(os.path.join(models, "prompts", "heldout.jsonl")) as f:
         prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
     prompts = [p[-256:] for p in prompts if len(p) >= 256][:n_prompts]
