@@ -1883,58 +1883,125 @@ class Soak:
 
 
 # -------------------------------------------------------------------- CLI
+# (option, default, help) per group; the type is the default's (str for None).
+OPTIONS = {
+    "server": [
+        ("--base-url", "http://127.0.0.1:8000", None),
+        ("--model", None, "default: the server's first model"),
+        ("--max-model-len", 0, "default: from /v1/models"),
+        (
+            "--launch",
+            None,
+            "start this server command (split like a shell line) "
+            "and stop it at the end",
+        ),
+        (
+            "--after-start",
+            None,
+            "command run after every start of --launch once "
+            "/health answers, before any request, e.g. python3 -m "
+            "bench.pairs.load_served_pair; must exit 0",
+        ),
+        ("--server-log", "/tmp/soak-server.log", None),
+        ("--start-timeout", 900.0, None),
+        ("--stop-grace", 30.0, "seconds between SIGTERM and SIGKILL"),
+        (
+            "--restart-at",
+            0.0,
+            "with --launch: restart the server this many "
+            "seconds into the load (0: never)",
+        ),
+        ("--fault-grace", 5.0, "seconds after a restart still inside its fault window"),
+        (
+            "--server-pid",
+            0,
+            "pid whose RSS (with its descendants) is sampled, "
+            "when the server was not launched here",
+        ),
+        (
+            "--tree-budget",
+            0,
+            "the server's tree_budget: bounds the draft tokens "
+            "per draft (unchecked without it)",
+        ),
+    ],
+    "load": [
+        ("--duration", 600.0, "seconds, at least"),
+        ("--requests", 2000, "requests, at least"),
+        ("--max-duration", 1800.0, "the load stops here whatever was sent"),
+        ("--concurrency", 96, None),
+        ("--prompts", None, "JSONL with a 'prompt' field"),
+        ("--num-prompts", 64, None),
+        ("--seed", 0, None),
+        ("--max-tokens-max", 1024, None),
+        ("--chat-fraction", 0.4, None),
+        ("--stream-fraction", 0.5, None),
+        ("--greedy-fraction", 0.5, None),
+        ("--n-fraction", 0.15, "of the sampled requests, n in 2..4"),
+        (
+            "--long-fraction",
+            0.05,
+            "prompts of token ids within 80 tokens of max_model_len",
+        ),
+        ("--abort-fraction", 0.2, None),
+        ("--abort-max-s", 3.0, "aborts after a delay: uniform in [0, this]"),
+        ("--refuse-fraction", 0.05, None),
+        ("--bad-fraction", 0.02, None),
+        ("--timeout", 300.0, "client-side limit per request, s (past it: hang)"),
+    ],
+    "monitoring and criteria": [
+        ("--health-interval", 2.0, None),
+        ("--health-timeout", 5.0, None),
+        ("--metrics-interval", 10.0, None),
+        ("--memory-interval", 5.0, None),
+        ("--progress-interval", 15.0, None),
+        (
+            "--warmup",
+            None,
+            "seconds of each server lifetime before memory must "
+            "be flat (default: 20%% of --duration)",
+        ),
+        ("--rss-growth-mib", 256.0, None),
+        ("--gpu-growth-mib", 128.0, None),
+        ("--nvidia-smi", "nvidia-smi", None),
+        ("--gpus", None, "nvidia-smi -i, e.g. 0 or 0,1"),
+        ("--drain-timeout", 120.0, None),
+        (
+            "--reference-url",
+            None,
+            "a no-spec server of the same model (loopback), "
+            "started with --logprobs-mode processed_logprobs",
+        ),
+        ("--reference-concurrency", 32, None),
+        ("--reference-max-s", 1200.0, None),
+        (
+            "--tie-tolerance",
+            0.01,
+            "with --float32: reference top-2 logprob gap of a near-tie",
+        ),
+    ],
+    "output": [
+        ("--pair", None, "name in the output file (default: the model name)"),
+        ("--out", None, "default: bench/results/<date>-soak-<pair>.json"),
+    ],
+}
+# Options whose "unset" is None although their type is a number.
+NUMBER_OR_NONE = {"--max-model-len", "--server-pid", "--tree-budget", "--warmup"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n")[1],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    g = ap.add_argument_group("server")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000")
-    g.add_argument("--model", default=None, help="default: the server's first model")
-    g.add_argument(
-        "--max-model-len", type=int, default=None, help="default: from /v1/models"
-    )
-    g.add_argument(
-        "--launch",
-        default=None,
-        help="start this server command (split like a shell line) and "
-        "stop it at the end",
-    )
-    g.add_argument(
-        "--after-start",
-        default=None,
-        help="command (split like a shell line) run after every start of "
-        "--launch once /health answers, before any request, e.g. "
-        "python3 -m bench.pairs.load_served_pair; must exit 0",
-    )
-    g.add_argument("--server-log", default="/tmp/soak-server.log")
-    g.add_argument("--start-timeout", type=float, default=900.0)
-    g.add_argument(
-        "--stop-grace",
-        type=float,
-        default=30.0,
-        help="seconds between SIGTERM and SIGKILL",
-    )
-    g.add_argument(
-        "--restart-at",
-        type=float,
-        default=0.0,
-        help="with --launch: restart the server this many seconds "
-        "into the load (0: never)",
-    )
-    g.add_argument(
-        "--fault-grace",
-        type=float,
-        default=5.0,
-        help="seconds after a restart still inside its fault window",
-    )
-    g.add_argument(
-        "--server-pid",
-        type=int,
-        default=None,
-        help="pid whose RSS (with its descendants) is sampled, when the "
-        "server was not launched here",
-    )
+    groups = {name: ap.add_argument_group(name) for name in OPTIONS}
+    for name, options in OPTIONS.items():
+        for flag, default, help_ in options:
+            kind = float if flag == "--warmup" else type(default)
+            if default is None or flag in NUMBER_OR_NONE:
+                kind, default = (str if kind is type(None) else kind), None
+            groups[name].add_argument(flag, type=kind, default=default, help=help_)
+    g = groups["server"]
     g.add_argument(
         "--expect-ddtree",
         action=argparse.BooleanOptionalAction,
@@ -1942,112 +2009,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="DDTree server: send the refused kinds, check its series",
     )
     g.add_argument(
-        "--tree-budget",
-        type=int,
-        default=None,
-        help="the server's tree_budget: bounds the draft tokens per draft "
-        "(unchecked without it)",
-    )
-    g.add_argument(
         "--expect-preemption",
         action="store_true",
         help="fail unless vllm:num_preemptions moved",
     )
-    g = ap.add_argument_group("load")
-    g.add_argument("--duration", type=float, default=600.0, help="seconds, at least")
-    g.add_argument("--requests", type=int, default=2000, help="requests, at least")
-    g.add_argument(
-        "--max-duration",
-        type=float,
-        default=1800.0,
-        help="the load stops here whatever was sent",
-    )
-    g.add_argument("--concurrency", type=int, default=96)
-    g.add_argument("--prompts", default=None, help="JSONL with a 'prompt' field")
-    g.add_argument("--num-prompts", type=int, default=64)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-tokens-max", type=int, default=1024)
-    g.add_argument("--chat-fraction", type=float, default=0.4)
-    g.add_argument("--stream-fraction", type=float, default=0.5)
-    g.add_argument("--greedy-fraction", type=float, default=0.5)
-    g.add_argument(
-        "--n-fraction",
-        type=float,
-        default=0.15,
-        help="of the sampled requests, n in 2..4",
-    )
-    g.add_argument(
-        "--long-fraction",
-        type=float,
-        default=0.05,
-        help="prompts of token ids within 80 tokens of max_model_len",
-    )
-    g.add_argument("--abort-fraction", type=float, default=0.2)
-    g.add_argument(
-        "--abort-max-s",
-        type=float,
-        default=3.0,
-        help="aborts after a delay: uniform in [0, this]",
-    )
-    g.add_argument("--refuse-fraction", type=float, default=0.05)
-    g.add_argument("--bad-fraction", type=float, default=0.02)
-    g.add_argument(
-        "--timeout",
-        type=float,
-        default=300.0,
-        help="client-side limit per request, s (past it: hang)",
-    )
-    g = ap.add_argument_group("monitoring and criteria")
-    g.add_argument("--health-interval", type=float, default=2.0)
-    g.add_argument("--health-timeout", type=float, default=5.0)
-    g.add_argument("--metrics-interval", type=float, default=10.0)
-    g.add_argument("--memory-interval", type=float, default=5.0)
-    g.add_argument("--progress-interval", type=float, default=15.0)
-    g.add_argument(
-        "--warmup",
-        type=float,
-        default=None,
-        help="seconds of each server lifetime before memory must be "
-        "flat (default: 20%% of --duration)",
-    )
-    g.add_argument("--rss-growth-mib", type=float, default=256.0)
-    g.add_argument("--gpu-growth-mib", type=float, default=128.0)
+    g = groups["monitoring and criteria"]
     g.add_argument(
         "--gpu-memory",
         choices=("auto", "server", "device"),
         default="auto",
-        help="GPU memory of the server's processes (nvidia-smi's compute "
-        "apps; auto: when nvidia-smi lists them, else each GPU's total) or "
-        "each GPU's total",
+        help="GPU memory of the server's processes (nvidia-smi's compute apps; "
+        "auto: when nvidia-smi lists them, else each GPU's total) or each GPU's "
+        "total",
     )
-    g.add_argument("--nvidia-smi", default="nvidia-smi")
-    g.add_argument("--gpus", default=None, help="nvidia-smi -i, e.g. 0 or 0,1")
-    g.add_argument("--drain-timeout", type=float, default=120.0)
-    g.add_argument(
-        "--reference-url",
-        default=None,
-        help="a no-spec server of the same model (loopback), started with "
-        "--logprobs-mode processed_logprobs",
-    )
-    g.add_argument("--reference-concurrency", type=int, default=32)
-    g.add_argument("--reference-max-s", type=float, default=1200.0)
     g.add_argument(
         "--float32",
         action="store_true",
         help="both servers run float32: near-ties are reported, not failed",
-    )
-    g.add_argument(
-        "--tie-tolerance",
-        type=float,
-        default=0.01,
-        help="with --float32: reference top-2 logprob gap of a near-tie",
-    )
-    g = ap.add_argument_group("output")
-    g.add_argument(
-        "--pair", default=None, help="name in the output file (default: the model name)"
-    )
-    g.add_argument(
-        "--out", default=None, help="default: bench/results/<date>-soak-<pair>.json"
     )
     return ap
 
