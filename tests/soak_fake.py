@@ -2,7 +2,7 @@
 """A fake OpenAI-compatible server for tests/test_soak.py, on 127.0.0.1 (http.server
 in threads; standard library only).
 
-It speaks what bench/soak.py uses: ``/v1/models`` (with ``max_model_len``),
+It speaks what bench/serving/soak.py uses: ``/v1/models`` (with ``max_model_len``),
 ``/tokenize``, ``/v1/completions`` and ``/v1/chat/completions`` (streaming
 over chunked transfer encoding, or not; ``n``, logprobs, prompt logprobs,
 stop strings and stop token ids), ``/health`` and ``/metrics`` with vLLM's

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""bench/bench_tree_gdn.py's --variants parsing (the timing needs a GPU)."""
+"""bench/kernels/tree_gdn.py's --variants parsing (the timing needs a GPU)."""
 
 from __future__ import annotations
 

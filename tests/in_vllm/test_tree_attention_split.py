@@ -1756,7 +1756,7 @@ def test_gpu_split_cuda_graph_replay(shape):
 
 
 # ----------------------------------------------------------------------------
-# bench/bench_tree_attention.py (CPU smoke run: the plumbing, not a timing)
+# bench/kernels/tree_attention.py (CPU smoke run: the plumbing, not a timing)
 # ----------------------------------------------------------------------------
 
 
