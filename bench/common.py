@@ -87,6 +87,34 @@ def add_engine_options(
     )
 
 
+def engine_kwargs(a, target: str, dtype: str, max_num_seqs: int, hybrid: bool) -> dict:
+    """``LLM(...)`` keywords of a benchmark engine with ``a``'s engine
+    options: token ids in and out, stats kept (tau comes from them), no
+    prefix caching (every timed prompt is computed); a hybrid target without
+    its vision inputs and with the Triton GDN prefill."""
+    kw = dict(
+        model=target,
+        dtype=dtype,
+        max_model_len=a.max_model_len,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        seed=0,
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=False,
+    )
+    if hybrid:
+        kw.update(
+            limit_mm_per_prompt={"image": 0, "video": 0}, gdn_prefill_backend="triton"
+        )
+    return kw
+
+
+def chain_config(drafter: str, k: int) -> dict:
+    """The DFlash chain's speculative_config: K draft tokens per step."""
+    return dict(method="dflash", model=drafter, num_speculative_tokens=k)
+
+
 ENGINE_OPTIONS = ("models", "max_tokens", "max_model_len", "gpu_memory_utilization")
 ENGINE_OPTIONS += ("chain_k",)
 

@@ -86,11 +86,6 @@ FORWARDED_OPTIONS = (
     "profile_conc",
     "weights",
 )
-HYBRID_LLM_KWARGS = {
-    "enable_prefix_caching": False,
-    "limit_mm_per_prompt": {"image": 0, "video": 0},
-    "gdn_prefill_backend": "triton",
-}
 
 
 log = functools.partial(common.progress, "step_cost")
@@ -481,29 +476,17 @@ def run_engine(a) -> None:
     drafter = os.path.join(pdir, "production-drafter")
     conc = [int(c) for c in a.conc.split(",")]
     budget = a.budget if a.method == "ddtree" else None
-    kw = dict(
-        model=target,
-        dtype="bfloat16",
-        load_format="dummy",
-        max_model_len=a.max_model_len,
-        gpu_memory_utilization=a.gpu_memory_utilization,
-        seed=0,
-        skip_tokenizer_init=True,
-        disable_log_stats=False,
-        max_num_seqs=max(conc),
-        enable_prefix_caching=False,
+    kw = common.engine_kwargs(
+        a, target, "bfloat16", max(conc), a.shape.startswith("hybrid")
     )
-    if a.shape.startswith("hybrid"):
-        kw.update(HYBRID_LLM_KWARGS)
+    kw["load_format"] = "dummy"
     weights_modes = [w for w in a.weights.split(",") if w]
     if "pair" in weights_modes:
         # The trained pair is written into the dummy engine in place
         # (bench/pairs/pair_worker.py) after the dummy-weight measurements.
         kw["worker_extension_cls"] = "bench.pairs.pair_worker.EmbeddedPairWorker"
     if a.method == "chain":
-        kw["speculative_config"] = dict(
-            method="dflash", model=drafter, num_speculative_tokens=a.chain_k
-        )
+        kw["speculative_config"] = common.chain_config(drafter, a.chain_k)
     else:
         kw["speculative_config"] = dict(
             method="ddtree",

@@ -465,32 +465,20 @@ def run_engine(a) -> None:
     )
     pdir = os.path.join(a.models, a.pair)
     target = os.path.join(pdir, "target" if small else "production-target")
-    kw = dict(
-        model=target,
-        dtype=a.dtype,
-        max_model_len=a.max_model_len,
-        gpu_memory_utilization=a.gpu_memory_utilization,
-        seed=0,
-        skip_tokenizer_init=True,
-        disable_log_stats=False,
-        max_num_seqs=max(a.conc + sampled_conc(a)),
-        enable_prefix_caching=False,
-        # Every kernel compile after warm-up logged with its specialisation,
-        # not only each kernel's first (`jit_compiles_in`).
-        jit_monitor_verbose=True,
+    max_num_seqs = max(a.conc + sampled_conc(a))
+    kw = common.engine_kwargs(
+        a, target, a.dtype, max_num_seqs, spec["kind"] == "hybrid"
     )
+    # Every kernel compile after warm-up logged with its specialisation, not
+    # only each kernel's first (`jit_compiles_in`).
+    kw["jit_monitor_verbose"] = True
     if not small:
         kw.update(load_format="dummy", worker_extension_cls=PAIR_WORKER)
-    if spec["kind"] == "hybrid":
-        kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
-        kw["gdn_prefill_backend"] = "triton"
     drafter = os.path.join(pdir, "drafter" if small else "production-drafter")
     if a.method == "chain_v2":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if a.method in ("chain", "chain_v2"):
-        kw["speculative_config"] = dict(
-            method="dflash", model=drafter, num_speculative_tokens=a.chain_k
-        )
+        kw["speculative_config"] = common.chain_config(drafter, a.chain_k)
     elif a.method in DDTREE_METHODS:
         kw["speculative_config"] = dict(
             method="ddtree", model=drafter, **json.loads(a.ddtree)
