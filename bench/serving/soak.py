@@ -114,6 +114,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import httpx
+import psutil
 
 from bench.common import REPO, check_loopback, percentiles, progress
 
@@ -753,54 +754,20 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
 
 
 # ----------------------------------------------------------------- server
-def process_tree_pids(pid: int) -> set[int] | None:
-    """``pid`` and all its descendants (vLLM's API server and engine cores);
-    None when ``pid`` is gone or /proc is not there."""
-    children: dict[int, list[int]] = defaultdict(list)
+def process_tree(pid: int) -> tuple[set[int] | None, float | None]:
+    """``pid`` and all its descendants (vLLM's API server and engine cores)
+    and their RSS in MiB; (None, None) when ``pid`` is gone."""
     try:
-        names = os.listdir("/proc")
-    except OSError:
-        return None
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children[ppid].append(int(name))
-    if not os.path.exists(f"/proc/{pid}"):
-        return None
-    seen, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        if p not in seen:
-            seen.add(p)
-            todo.extend(children.get(p, ()))
-    return seen
-
-
-def process_tree_rss_mib(pid: int, pids: set[int] | None = None) -> float | None:
-    """RSS of ``pid`` and all its descendants (``pids``, as `process_tree_pids`
-    lists them, read again when not given), MiB; None when ``pid`` is gone or
-    /proc is not there."""
-    if pids is None:
-        pids = process_tree_pids(pid)
-    if pids is None:
-        return None
-    total = 0.0
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) / 1024
-                        break
-        except OSError:
-            if p == pid:
-                return None
-    return total
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None, None
+    pids, total = set(), 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss / 2**20
+            pids.add(p.pid)
+    return (pids, total) if pid in pids else (None, None)
 
 
 def nvidia_smi_rows(
@@ -1371,8 +1338,7 @@ class Soak:
             t, epoch, pid = self.clock(), self.epoch, self.server_pid
             pids = None
             if pid is not None:
-                pids = await asyncio.to_thread(process_tree_pids, pid)
-                rss = await asyncio.to_thread(process_tree_rss_mib, pid, pids)
+                pids, rss = await asyncio.to_thread(process_tree, pid)
                 if rss is not None:
                     self.rss.append((t, epoch, rss))
             if gpu_on:
