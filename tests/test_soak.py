@@ -287,7 +287,7 @@ def test_launched_server_restarted_mid_run(tmp_path):
     argv = small_args(
         out, "--base-url", f"http://127.0.0.1:{port}", "--launch", cmd,
         "--server-log", str(tmp_path / "server.log"), "--restart-at", "0.4",
-        "--duration", "1.2", "--fault-grace", "0.2", "--stop-grace", "2",
+        "--duration", "2.4", "--fault-grace", "0.2", "--stop-grace", "2",
         "--start-timeout", "20", "--nvidia-smi", str(tmp_path / "no-nvidia-smi"),
         "--abort-fraction", "0", "--after-start", after,
     )  # fmt: skip
