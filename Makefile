@@ -17,9 +17,8 @@ endif
 OTHER_LINES := $(notdir $(patsubst %/,%,$(dir $(wildcard lines/*/upstream.lock))))
 PYTEST_ARGS ?=
 # Files and directories we own that ruff checks with vLLM's settings (add a path
-# to cover more). bench's scripts are listed by wildcard: `apply_patches.py lint`
-# takes paths only, and an exclude in ruff.toml would not be upstream's setting.
-LINT_PATHS ?= overlay tests apply_patches.py patchstack $(wildcard bench/*.py) $(wildcard bench/pairs/*.py)
+# to cover more).
+LINT_PATHS ?= overlay tests apply_patches.py patchstack bench
 # One directory of rebase reports per line (the default line's at the top).
 ifeq ($(LINE),)
 REPORT_DIR ?= docs/rebase

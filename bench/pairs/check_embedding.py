@@ -5,7 +5,7 @@
 (Hugging Face transformers, float32) on real prompts, and the same for the
 DFlash drafters (dflash_ref.py) at every anchor of those prompts.
 
-    python3 bench/pairs/check_embedding.py --models bench/pairs/models \\
+    python3 -m bench.pairs.check_embedding --models bench/pairs/models \\
         --pair dense-8b [--prompts N] [--device cuda] [--out FILE.json]
 
 Prints one ``EMBEDDING {json}`` line: {"pair", "embedding_max_abs_logit_diff",
@@ -20,16 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import embed  # noqa: E402
-import pair_configs as pc  # noqa: E402
 import torch  # noqa: E402
-from dflash_ref import DFlashDrafter, draft_logits, target_forward  # noqa: E402
+
+from bench import common
+from bench.common import PAIR_MODELS
+from bench.pairs import embed
+from bench.pairs import pair_configs as pc
+from bench.pairs.dflash_ref import DFlashDrafter, draft_logits, target_forward
 
 
 def hf_text_model(cfg: dict, device):
@@ -100,7 +99,7 @@ def reduce_production(spec: dict, placed_only: bool, vocab_cap: int | None) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=os.path.join(HERE, "models"))
+    ap.add_argument("--models", default=PAIR_MODELS)
     ap.add_argument("--pair", required=True, choices=list(pc.PAIRS))
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -219,10 +218,9 @@ def main() -> None:
         "production_vocab": pc.text_config(spec["big_target"])["vocab_size"],
         "seconds": round(time.time() - t0, 1),
     }
-    print("EMBEDDING " + json.dumps(row), flush=True)
+    common.emit("EMBEDDING", row)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(row, f)
+        common.write_json(a.out, row)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ import math
 from collections.abc import Iterator
 
 import torch
-from pair_configs import text_config
+
+from bench.pairs.pair_configs import text_config
 
 INIT_RANGE = 1e-3  # vLLM's dummy loader draws weights from U(-1e-3, 1e-3)
 CONST_VALUE = 1e-4  # the padded-vocabulary unit: its square (over H) is far below eps

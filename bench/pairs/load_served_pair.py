@@ -3,10 +3,10 @@
 """Write an embedded benchmark pair into a running ``vllm serve`` started at the
 production shape with dummy weights, as run_pairs.py does for an offline engine:
 
-    env PYTHONPATH=bench/pairs VLLM_SERVER_DEV_MODE=1 vllm serve \\
+    env PYTHONPATH=$PWD VLLM_SERVER_DEV_MODE=1 vllm serve \\
         bench/pairs/models/dense-8b/production-target --load-format dummy \\
-        --worker-extension-cls pair_worker.EmbeddedPairWorker ...
-    python3 bench/pairs/load_served_pair.py http://127.0.0.1:8000 \\
+        --worker-extension-cls bench.pairs.pair_worker.EmbeddedPairWorker ...
+    python3 -m bench.pairs.load_served_pair http://127.0.0.1:8000 \\
         bench/pairs/models/dense-8b
 
 It POSTs ``load_embedded_pair`` to the server's ``/collective_rpc`` (a

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 
-# Token ids of the shared byte-level BPE tokenizer (trained by train.py).
+# Token ids of the shared byte-level BPE tokenizer (trained with the pairs).
 EOS_ID, MASK_ID, PAD_ID = 0, 1, 2
 SPECIAL_TOKENS = ["<|endoftext|>", "<|mask|>", "<|pad|>"]
 SMALL_VOCAB = 8192

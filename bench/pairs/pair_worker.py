@@ -3,10 +3,11 @@
 started with ``load_format="dummy"`` at the production shape, in place.
 
     LLM(model=<production config dir>, load_format="dummy",
-        worker_extension_cls="pair_worker.EmbeddedPairWorker", ...)
+        worker_extension_cls="bench.pairs.pair_worker.EmbeddedPairWorker", ...)
     llm.collective_rpc("load_embedded_pair", args=(pair_dir, pair_name))
 
-(``bench/pairs`` must be on PYTHONPATH of the engine's processes.) The tensors
+(The checkout's root must be on the engine processes' PYTHONPATH; importing
+bench.common puts it there for the processes a bench tool starts.) The tensors
 come from embed.py one at a time and go through the models' own
 ``load_weights``, as a checkpoint's would: vLLM's fused projections and tensor
 parallel shards are handled by vLLM. Parameters keep their addresses, so CUDA
@@ -18,9 +19,10 @@ from __future__ import annotations
 import os
 import time
 
-import embed
-import pair_configs as pc
 import torch
+
+from bench.pairs import embed
+from bench.pairs import pair_configs as pc
 
 
 def _load_small(path: str) -> dict[str, torch.Tensor]:

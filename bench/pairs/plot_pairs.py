@@ -4,7 +4,7 @@
 concurrency for no speculation, the DFlash chain and DDTree, one panel per pair
 and dtype, with tau written at each point.
 
-    python3 bench/pairs/plot_pairs.py bench/results/pairs.json \\
+    python3 -m bench.pairs.plot_pairs bench/results/pairs.json \\
         --out bench/results/pairs.png
 """
 

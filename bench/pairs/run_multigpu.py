@@ -4,7 +4,7 @@
 at their production shapes (needs a host with as many GPUs as the largest
 ``--tp``):
 
-    python3 bench/pairs/run_multigpu.py --out bench/results/multigpu.json \\
+    python3 -m bench.pairs.run_multigpu --out bench/results/multigpu.json \\
         [--tp 2,4] [--pp 2] [--pairs dense-8b,hybrid-27b] \\
         [--conc 1,8,32] [--float32-conc 1,8]
 
@@ -32,14 +32,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import pair_configs as pc  # noqa: E402
-import run_pairs  # noqa: E402
+from bench import common
+from bench.pairs import pair_configs as pc
+from bench.pairs import run_pairs
 
 log = run_pairs.log
 
@@ -160,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             a.workdir, f"{pair}_{dtype}_{method}_tp{tp}_pp{pp}.log"
         )
         t = time.time()
-        new, rc, tail = run_pairs.run_engine_process(
+        new, rc, tail, _ = common.run_engine_process(
             cmd, a.engine_timeout, stderr_path=stderr_path
         )
         for r in new:
@@ -180,8 +177,7 @@ def main(argv: list[str] | None = None) -> None:
             new.append(row)
         rows += new
         annotate(rows, a.workdir)
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        common.write_json(a.out, rows)
     print(json.dumps(rows))
 
 

@@ -3,7 +3,7 @@
 """No speculation, the DFlash chain and DDTree on the benchmark pairs at their
 production shapes, side by side, on held-out prompts.
 
-    python3 bench/pairs/run_pairs.py --out bench/results/pairs.json \\
+    python3 -m bench.pairs.run_pairs --out bench/results/pairs.json \\
         --plot bench/results/pairs.png [--models bench/pairs/models] \\
         [--pairs dense-8b,hybrid-27b] [--dtypes bfloat16,float32] \\
         [--methods nospec,chain,ddtree] [--conc 1,4,8,16,32] [--small] \\
@@ -29,7 +29,6 @@ then one embedding row per pair (check_embedding.py) and the plot.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -38,12 +37,9 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-
-import pair_configs as pc  # noqa: E402
-from engine_probe import RunningProbe, engine_max_concurrency  # noqa: E402
+from bench import common
+from bench.engine.probe import RunningProbe, engine_max_concurrency
+from bench.pairs import pair_configs as pc
 
 METHODS = ("nospec", "chain", "ddtree")
 # Also accepted: "chain_v2", the chain on the V2 model runner (hybrid targets
@@ -55,8 +51,8 @@ METHODS = ("nospec", "chain", "ddtree")
 DDTREE_METHODS = ("ddtree", "ddtree_measured")
 
 
-def log(msg: str) -> None:
-    print(f"[run_pairs {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+PAIR_WORKER = "bench.pairs.pair_worker.EmbeddedPairWorker"
+log = functools.partial(common.progress, "run_pairs")
 
 
 def load_prompts(path: str, last: int = 0) -> list[list[int]]:
@@ -411,10 +407,15 @@ def profile_continuous(llm, a, requests: list, params: list, conc: int) -> dict:
     """The steady window of a continuous decode at ``conc`` under the torch
     profiler (the engine in this process): wall and GPU time per engine step
     (prefill chunks of the requests that join included, as in the timed rows),
-    split as ``ddtree_e2e.py --profile`` splits it."""
+    split as ``bench.engine.profile`` splits it."""
     import torch
-    from ddtree_e2e import _label_draft_passes, _label_steps, profile_summary
     from torch.profiler import ProfilerActivity, profile
+
+    from bench.engine.profile import (
+        _label_draft_passes,
+        _label_steps,
+        profile_summary,
+    )
 
     _label_draft_passes()
     _label_steps()
@@ -446,7 +447,6 @@ def profile_continuous(llm, a, requests: list, params: list, conc: int) -> dict:
 
 def run_engine(a) -> None:
     """One engine: print one ``ROW {json}`` per concurrency, save token ids."""
-    os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")
     # Triton autotunes a kernel afresh in every process unless its timings
     # are kept on disk: the run's later engines read the first one's (the
     # same GPU and shapes, so the same choices) instead of timing again.
@@ -465,34 +465,20 @@ def run_engine(a) -> None:
     )
     pdir = os.path.join(a.models, a.pair)
     target = os.path.join(pdir, "target" if small else "production-target")
-    kw = dict(
-        model=target,
-        dtype=a.dtype,
-        max_model_len=a.max_model_len,
-        gpu_memory_utilization=a.gpu_memory_utilization,
-        seed=0,
-        skip_tokenizer_init=True,
-        disable_log_stats=False,
-        max_num_seqs=max(a.conc + sampled_conc(a)),
-        enable_prefix_caching=False,
-        # Every kernel compile after warm-up logged with its specialisation,
-        # not only each kernel's first (`jit_compiles_in`).
-        jit_monitor_verbose=True,
+    max_num_seqs = max(a.conc + sampled_conc(a))
+    kw = common.engine_kwargs(
+        a, target, a.dtype, max_num_seqs, spec["kind"] == "hybrid"
     )
+    # Every kernel compile after warm-up logged with its specialisation, not
+    # only each kernel's first (`jit_compiles_in`).
+    kw["jit_monitor_verbose"] = True
     if not small:
-        kw.update(
-            load_format="dummy", worker_extension_cls="pair_worker.EmbeddedPairWorker"
-        )
-    if spec["kind"] == "hybrid":
-        kw["limit_mm_per_prompt"] = {"image": 0, "video": 0}
-        kw["gdn_prefill_backend"] = "triton"
+        kw.update(load_format="dummy", worker_extension_cls=PAIR_WORKER)
     drafter = os.path.join(pdir, "drafter" if small else "production-drafter")
     if a.method == "chain_v2":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if a.method in ("chain", "chain_v2"):
-        kw["speculative_config"] = dict(
-            method="dflash", model=drafter, num_speculative_tokens=a.chain_k
-        )
+        kw["speculative_config"] = common.chain_config(drafter, a.chain_k)
     elif a.method in DDTREE_METHODS:
         kw["speculative_config"] = dict(
             method="ddtree", model=drafter, **json.loads(a.ddtree)
@@ -596,7 +582,7 @@ def run_engine(a) -> None:
                     llm, a, [TokensPrompt(prompt_token_ids=p) for p in batch], sps, conc
                 ),
             )
-            print("ROW " + json.dumps(row), flush=True)
+            common.emit("ROW", row)
             log(f"{a.pair} {a.dtype} {a.method} c={conc}: profiled")
             continue
         toks: list[list[int]] = []
@@ -669,7 +655,7 @@ def run_engine(a) -> None:
             row["k"] = a.chain_k
         if load:
             row["weights_written"] = load
-        print("ROW " + json.dumps(row), flush=True)
+        common.emit("ROW", row)
         if temperature == 0:
             with open(
                 os.path.join(
@@ -749,11 +735,7 @@ def annotate(rows: list[dict], workdir: str) -> None:
 
 def add_engine_options(ap: argparse.ArgumentParser) -> None:
     """The options every engine process takes (engine_command passes them on)."""
-    ap.add_argument(
-        "--models",
-        default=os.path.join(HERE, "models"),
-        help="trained pairs (train.py --out)",
-    )
+    common.add_engine_options(ap)
     ap.add_argument(
         "--prompts", default=None, help="default: <models>/prompts/heldout.jsonl"
     )
@@ -784,10 +766,6 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
         "3 per client give a steady window of a few seconds, too short to "
         "tell methods 3%% apart",
     )
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--chain-k", type=int, default=15)
     ap.add_argument(
         "--ddtree",
         default="{}",
@@ -796,7 +774,6 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--llm-kwargs", default=None, help="extra LLM(...) keyword arguments (JSON)"
     )
-    ap.add_argument("--engine-timeout", type=int, default=900)
     ap.add_argument(
         "--schedule",
         choices=["continuous", "waves"],
@@ -829,6 +806,24 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
     )
 
 
+ENGINE_OPTIONS = (
+    *common.ENGINE_OPTIONS,
+    "out",
+    "prompts",
+    "prompt_tokens",
+    "c1_prompts",
+    "per_client",
+    "min_prompts",
+    "ddtree",
+    "sampled_conc",
+    "warm_tokens",
+    "schedule",
+    "workdir",
+    "profile",
+    "llm_kwargs",
+)
+
+
 def engine_command(
     a,
     pair: str,
@@ -840,92 +835,17 @@ def engine_command(
 ) -> list[str]:
     """The command line of one engine process (``--engine``) with ``a``'s
     options; ``workdir`` and ``llm_kwargs`` override ``a``'s."""
-    cmd = [
+    a = argparse.Namespace(**vars(a))
+    a.workdir = workdir or a.workdir
+    a.llm_kwargs = llm_kwargs or a.llm_kwargs
+    return [
         sys.executable,
-        os.path.abspath(__file__),
+        "-m",
+        "bench.pairs.run_pairs",
         "--engine",
-        "--pair",
-        pair,
-        "--dtype",
-        dtype,
-        "--method",
-        method,
-        "--conc",
-        conc,
-        "--models",
-        a.models,
-        "--out",
-        a.out,
-        "--prompts",
-        a.prompts,
-        "--prompt-tokens",
-        str(a.prompt_tokens),
-        "--c1-prompts",
-        str(a.c1_prompts),
-        "--per-client",
-        str(a.per_client),
-        "--min-prompts",
-        str(a.min_prompts),
-        "--max-tokens",
-        str(a.max_tokens),
-        "--max-model-len",
-        str(a.max_model_len),
-        "--gpu-memory-utilization",
-        str(a.gpu_memory_utilization),
-        "--chain-k",
-        str(a.chain_k),
-        "--ddtree",
-        a.ddtree,
-        "--sampled-conc",
-        a.sampled_conc,
-        "--warm-tokens",
-        str(a.warm_tokens),
-        "--schedule",
-        a.schedule,
-        "--workdir",
-        workdir or a.workdir,
+        *("--pair", pair, "--dtype", dtype, "--method", method, "--conc", conc),
+        *common.forward(a, ENGINE_OPTIONS),
     ]
-    if a.profile:
-        cmd.append("--profile")
-    llm_kwargs = llm_kwargs or a.llm_kwargs
-    if llm_kwargs:
-        cmd += ["--llm-kwargs", llm_kwargs]
-    return cmd
-
-
-def run_engine_process(
-    cmd: list[str],
-    timeout: float,
-    stderr_path: str | None = None,
-    stdout_path: str | None = None,
-) -> tuple[list[dict], int | str, str]:
-    """Run one engine process: its ``ROW`` lines, its exit code (``"timeout"``
-    when it ran past ``timeout``) and, with ``stderr_path`` (where its stderr
-    goes instead of ours), the last 4000 characters of that stderr. With
-    ``stdout_path`` the rest of its stdout (vLLM's log) is saved there."""
-    with contextlib.ExitStack() as stack:
-        err = stack.enter_context(open(stderr_path, "w")) if stderr_path else None
-        try:
-            proc = subprocess.run(
-                cmd, stdout=subprocess.PIPE, stderr=err, text=True, timeout=timeout
-            )
-            out, rc = proc.stdout, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            rc = "timeout"
-    if stdout_path:
-        with open(stdout_path, "w") as f:
-            f.writelines(
-                line + "\n" for line in out.splitlines() if not line.startswith("ROW ")
-            )
-    tail = ""
-    if stderr_path:
-        with open(stderr_path) as f:
-            tail = f.read()[-4000:]
-    rows = [
-        json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW ")
-    ]
-    return rows, rc, tail
 
 
 def main() -> None:
@@ -996,7 +916,7 @@ def main() -> None:
         )
         t = time.time()
         engine_log = os.path.join(a.workdir, f"engine_{pair}_{dtype}_{method}.log")
-        new, rc, _ = run_engine_process(
+        new, rc, _, _ = common.run_engine_process(
             engine_command(a, pair, dtype, method, conc),
             a.engine_timeout,
             stdout_path=engine_log,
@@ -1022,8 +942,7 @@ def main() -> None:
         ]
         rows += new
         annotate(rows, a.workdir)
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        common.write_json(a.out, rows)
     if a.embedding != "none":
         for pair in a.pairs.split(","):
             rows = [
@@ -1032,13 +951,13 @@ def main() -> None:
                 if not (r.get("pair") == pair and "embedding_max_abs_logit_diff" in r)
             ]
             rows.append(check_embedding(a, pair))
-            with open(a.out, "w") as f:
-                json.dump(rows, f, indent=1)
+            common.write_json(a.out, rows)
     if a.plot:
         subprocess.run(
             [
                 sys.executable,
-                os.path.join(HERE, "plot_pairs.py"),
+                "-m",
+                "bench.pairs.plot_pairs",
                 a.out,
                 "--out",
                 a.plot,
@@ -1053,7 +972,8 @@ def check_embedding(a, pair: str) -> dict:
     log(f"embedding check of {pair} ({a.embedding})")
     cmd = [
         sys.executable,
-        os.path.join(HERE, "check_embedding.py"),
+        "-m",
+        "bench.pairs.check_embedding",
         "--models",
         a.models,
         "--pair",

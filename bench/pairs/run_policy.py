@@ -4,7 +4,7 @@
 no speculation, the DFlash chain (K = 15) and DDTree, side by side on held-out
 prompts at concurrency 1 .. 64, bf16, one engine per method.
 
-    python3 bench/pairs/run_policy.py --out bench/results/policy.json \\
+    python3 -m bench.pairs.run_policy --out bench/results/policy.json \\
         --plot bench/results/policy.png [--pairs dense-8b] \\
         [--conc 1,2,4,8,16,32,64] [--policies measured,batch] \\
         [--rows bench/results/policy-rows.json]
@@ -23,21 +23,18 @@ other policy's tokens/s and budget, both alternatives' tau and
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
 import sys
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from bench import common
 
 POLICY_METHODS = {"measured": "ddtree_measured", "batch": "ddtree"}
 
 
-def log(msg: str) -> None:
-    stamp = time.strftime("%H:%M:%S")
-    print(f"[run_policy {stamp}] {msg}", file=sys.stderr, flush=True)
+log = functools.partial(common.progress, "run_policy")
 
 
 def tabulate(
@@ -108,7 +105,8 @@ def plot(table: list[dict], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from plot_pairs import format_axes
+
+    from bench.pairs.plot_pairs import format_axes
 
     pairs = sorted({r["pair"] for r in table})
     fig, axes = plt.subplots(
@@ -195,7 +193,8 @@ def main() -> None:
         extra = [x for x in a.run_pairs_args if x != "--"]
         cmd = [
             sys.executable,
-            os.path.join(HERE, "run_pairs.py"),
+            "-m",
+            "bench.pairs.run_pairs",
             "--out",
             rows_path,
             "--pairs",

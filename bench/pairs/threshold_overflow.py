@@ -13,7 +13,7 @@ vocabulary layouts:
 - ``contiguous``: its tokens as ids 0-8191 of 151936 (the embedded benchmark
   pairs), the rest far below.
 
-    python3 bench/pairs/threshold_overflow.py [--prompts 6] \\
+    python3 -m bench.pairs.threshold_overflow [--prompts 6] \\
         [--out bench/results/threshold-overflow.json]
 
 Runs on the CPU in a few minutes. Counts are computed in torch from the
@@ -26,31 +26,31 @@ keys kept per sub-block, the group their maxima are taken over
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(ROOT, "overlay"))
+from bench import common
+
+common.use_overlay()  # the build's constants, without a vLLM install
 
 PROD_VOCAB = 151936
 FAR_BELOW = -1e4
 
 
-def log(msg: str) -> None:
-    print(f"[threshold_overflow {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+log = functools.partial(common.progress, "threshold_overflow")
 
 
 def drafter_rows(models: str, pair: str, n_prompts: int):
     """[rows, V_small] float32 of bf16-rounded drafter logits."""
     import torch
-    import train
-    from dflash_ref import draft_logits, target_forward
 
-    model, drafter = train.load_trained_pair(models, pair, torch.device("cpu"))
+    from bench.pairs.dflash_ref import draft_logits, target_forward
+    from bench.pairs.offline_tau import load_trained_pair
+
+    model, drafter = load_trained_pair(models, pair, torch.device("cpu"))
     with open(os.path.join(models, "prompts", "heldout.jsonl")) as f:
         prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
     prompts = [p[-256:] for p in prompts if len(p) >= 256][:n_prompts]
@@ -117,7 +117,7 @@ def layouts(small):
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=os.path.join(HERE, "models"))
+    ap.add_argument("--models", default=common.PAIR_MODELS)
     ap.add_argument("--pair", default="dense-8b")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--budgets", default="15,64")

@@ -3,7 +3,7 @@
 """Train the benchmark pairs: a small target and its DFlash drafter, per pair in
 pair_configs.py, on Python source, seeded and time-boxed.
 
-    python3 bench/pairs/train.py --out DIR [--pairs dense-8b,hybrid-27b]
+    python3 -m bench.pairs.train --out DIR [--pairs dense-8b,hybrid-27b]
         [--seconds 560] [--heldout jax,networkx] [--seed 0]
 
 One GPU; the pairs train side by side in subprocesses after one shared
@@ -42,10 +42,7 @@ import sys
 import sysconfig
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import pair_configs as pc  # noqa: E402
+from bench.pairs import pair_configs as pc
 
 PROMPT_LEN = 128  # self-distillation: corpus window the target continues
 CONT_LEN = 384  # tokens of greedy continuation
@@ -335,7 +332,7 @@ def load_drafter(drafter, path: str) -> None:
 def load_trained_pair(models: str, name: str, device):
     """The trained small pair ``name`` under ``models`` (its ``target`` and
     ``drafter`` directories): (target, drafter), both in eval mode."""
-    from dflash_ref import DFlashDrafter
+    from bench.pairs.dflash_ref import DFlashDrafter
 
     pdir = os.path.join(models, name)
     model = build_target(name, device)
@@ -465,7 +462,8 @@ def train_drafter(
     a, model, drafter, data, plen, device, deadline: float, rec: dict
 ) -> None:
     import torch
-    from dflash_ref import draft_logits, target_forward
+
+    from bench.pairs.dflash_ref import draft_logits, target_forward
 
     dcfg = drafter.cfg
     layer_ids = dcfg["dflash_config"]["target_layer_ids"]
@@ -567,9 +565,10 @@ def evaluate(
     greedily or, with ``temperature`` > 0, sampled at that temperature (seeded
     by ``seed``): acceptance.py says why the same replay then gives the tau of
     sampled verification."""
-    import acceptance
     import torch
-    from dflash_ref import draft_logits, target_forward
+
+    from bench.pairs import acceptance
+    from bench.pairs.dflash_ref import draft_logits, target_forward
 
     dcfg = drafter.cfg
     layer_ids = dcfg["dflash_config"]["target_layer_ids"]
@@ -634,7 +633,8 @@ def evaluate(
 
 def run_pair(a) -> None:
     import torch
-    from dflash_ref import DFlashDrafter
+
+    from bench.pairs.dflash_ref import DFlashDrafter
 
     torch.manual_seed(a.seed)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.cpu else "cpu")
@@ -758,7 +758,8 @@ def main() -> None:
         pc.pair(name)  # unknown names fail here
         cmd = [
             sys.executable,
-            __file__,
+            "-m",
+            "bench.pairs.train",
             "--pair",
             name,
             "--deadline",

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""bench/bench_ddtree_core.py finds the DDTree core and the torch reference it
+"""bench/kernels/ddtree_core.py finds the DDTree core and the torch reference it
 times, and its columns run (CPU, tiny shapes: a smoke test, not a timing)."""
 
 import importlib.util
@@ -9,13 +9,9 @@ import subprocess
 import sys
 
 import torch
-from repo_paths import BENCH as BENCH_DIR
 from repo_paths import REPO_ROOT as ROOT
 
-BENCH = BENCH_DIR / "bench_ddtree_core.py"
-spec = importlib.util.spec_from_file_location("bench_ddtree_core", BENCH)
-core = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(core)
+from bench.kernels import ddtree_core as core
 
 TORCH_COLUMNS = ("build", "build_fast", "vocab", "tree", "walk", "core", "mask", "full")
 
@@ -52,11 +48,13 @@ def test_command_line(tmp_path):
     variant.parent.mkdir(parents=True)
     shutil.copy(ROOT / "overlay" / tree_rel, variant)
     for src, root in ((None, default), (tmp_path, tmp_path)):
-        argv = [sys.executable, str(BENCH), "--device", "cpu", "--vocab", "16"]
+        argv = [sys.executable, "-m", "bench.kernels.ddtree_core", "--device", "cpu"]
+        argv += ["--vocab", "16"]
         argv += ["--depth", "3", "--requests", "1", "--budgets", "4"]
         argv += ["--stages", "build,walk", "--iters", "1", "--warmup", "0"]
         argv += ["--src", str(src)] if src else []
-        r = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
+        # From the checkout's root, as the bench tools run (python3 -m).
+        r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
         assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout}\n{r.stderr}"
         # (vLLM, where installed, may log to stdout before the table)
         lines = r.stdout.splitlines()

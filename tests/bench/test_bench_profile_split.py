@@ -1,16 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""bench/ddtree_e2e.py's split of profiled GPU time into the draft pass and
+"""bench/engine/profile.py's split of profiled GPU time into the draft pass and
 the rest: kernels are assigned by their start inside the GPU-side draft
 range; the range events themselves are not kernel time."""
 
-import importlib.util
 from types import SimpleNamespace
 
-from repo_paths import BENCH
-
-spec = importlib.util.spec_from_file_location("ddtree_e2e", BENCH / "ddtree_e2e.py")
-e2e = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(e2e)
+from bench.engine import profile as e2e
 
 CPU, CUDA = "cpu", "cuda"
 

@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""bench/bench_tree_gdn.py's --variants parsing (the timing needs a GPU)."""
+"""bench/kernels/tree_gdn.py's --variants parsing (the timing needs a GPU)."""
 
 from __future__ import annotations
 
-import bench_tree_gdn  # noqa: E402
 import pytest
+
+from bench.kernels import tree_gdn as bench_tree_gdn
 
 
 def test_variant_settings_are_typed():

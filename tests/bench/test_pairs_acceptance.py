@@ -10,8 +10,7 @@ import itertools
 import pytest
 
 torch = pytest.importorskip("torch")
-
-import acceptance  # noqa: E402
+from bench.pairs import acceptance  # noqa: E402
 
 
 @pytest.mark.parametrize("seed", range(4))

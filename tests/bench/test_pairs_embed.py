@@ -14,11 +14,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-
-import embed  # noqa: E402
-import pair_configs as pc  # noqa: E402
-from dflash_ref import DFlashDrafter, draft_logits, target_forward  # noqa: E402
 from repo_paths import PAIR_MODELS  # noqa: E402
+
+from bench.pairs import embed  # noqa: E402
+from bench.pairs import pair_configs as pc  # noqa: E402
+from bench.pairs.dflash_ref import (  # noqa: E402
+    DFlashDrafter,
+    draft_logits,
+    target_forward,
+)
 
 # Reduced production shapes: the same structure as Qwen3-8B / Qwen3.6-27B.
 TEST_SHAPES = {

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import run_multigpu  # noqa: E402
-import run_pairs  # noqa: E402
+from bench import common
+from bench.pairs import run_multigpu
 
 REFUSAL = (
     "DDTree does not support pipeline parallelism (pipeline_parallel_size=2): "
@@ -44,7 +44,7 @@ def _fake_engine(cmd, timeout, stderr_path=None):
     """Rows as run_pairs' engine prints them; DDTree at TP 2 differs from the
     reference on one float32 output, and PP > 1 is refused."""
     arg = {}
-    it = iter(cmd[3:])
+    it = iter(cmd[4:])
     for flag in it:
         if flag.startswith("--"):
             arg[flag] = next(it)
@@ -53,7 +53,7 @@ def _fake_engine(cmd, timeout, stderr_path=None):
     pair, dtype, method = arg["--pair"], arg["--dtype"], arg["--method"]
     if pp > 1:
         Path(stderr_path).write_text("Traceback\nValueError: " + REFUSAL + "\n")
-        return [], 1, "Traceback\nValueError: " + REFUSAL + "\n"
+        return [], 1, "Traceback\nValueError: " + REFUSAL + "\n", []
     rows = []
     for conc in map(int, arg["--conc"].split(",")):
         toks = [[1, 2, 3], [4, 5, 6]]
@@ -75,11 +75,11 @@ def _fake_engine(cmd, timeout, stderr_path=None):
             )
         )
     Path(stderr_path).write_text("INFO started\n")
-    return rows, 0, "INFO started\n"
+    return rows, 0, "INFO started\n", []
 
 
 def test_rows_compare_with_tp1_and_chain(tmp_path, monkeypatch):
-    monkeypatch.setattr(run_pairs, "run_engine_process", _fake_engine)
+    monkeypatch.setattr(common, "run_engine_process", _fake_engine)
     out = tmp_path / "multigpu.json"
     run_multigpu.main(
         ["--out", str(out), "--pairs", "dense-8b", "--tp", "2", "--pp", "2"]

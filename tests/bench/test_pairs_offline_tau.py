@@ -10,8 +10,7 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-
-import offline_tau  # noqa: E402
+from bench.pairs import offline_tau
 
 
 def test_merge_replaces_the_same_pair_and_temperature_only():

@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import run_pairs
 from repo_paths import BENCH_RESULTS
+
+from bench.pairs import run_pairs
 
 
 def test_prompts_per_concurrency():
@@ -154,7 +155,7 @@ def test_measured_step_costs_are_read_from_the_policys_cache(tmp_path):
 
 
 def test_policy_table_judges_the_first_policy_against_the_best_alternative():
-    import run_policy
+    from bench.pairs import run_policy
 
     def row(method, conc, tok_s, **kw):
         return dict(
@@ -384,7 +385,7 @@ def test_kernel_compiles_are_matched_to_the_timed_decodes():
 
 
 def test_policy_table_flags_kernel_compiles_while_timed():
-    import run_policy
+    from bench.pairs import run_policy
 
     def row(method, tok_s, compiles):
         return dict(
@@ -574,7 +575,7 @@ def test_allocator_counters_over_the_steady_window():
 
 def test_the_worker_reads_the_allocator_counters():
     torch = pytest.importorskip("torch")
-    import pair_worker
+    from bench.pairs import pair_worker
 
     if not torch.cuda.is_available():
         # The counters' names are the allocator's own: memory_stats() keys.

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""bench/soak.py against fake OpenAI servers on 127.0.0.1 (tests/soak_fake.py):
+"""bench/serving/soak.py against fake OpenAI servers on 127.0.0.1 (tests/soak_fake.py):
 a good fake passes every criterion; fakes that misbehave (a 500, a request that
 never answers, growing RSS and GPU memory, /health failing, non-greedy output,
 nothing refused, bad input accepted, counters that fall or disagree, a server
@@ -16,10 +16,11 @@ import socket
 import sys
 
 import pytest
-import soak
 import soak_fake
 from repo_paths import BENCH
 from soak_fake import FakeConfig
+
+from bench.serving import soak
 
 CRITERIA = {
     "requests",
@@ -285,7 +286,7 @@ def test_launched_server_restarted_mid_run(tmp_path):
     argv = small_args(
         out, "--base-url", f"http://127.0.0.1:{port}", "--launch", cmd,
         "--server-log", str(tmp_path / "server.log"), "--restart-at", "0.4",
-        "--duration", "1.2", "--fault-grace", "0.2", "--stop-grace", "2",
+        "--duration", "2.4", "--fault-grace", "0.2", "--stop-grace", "2",
         "--start-timeout", "20", "--nvidia-smi", str(tmp_path / "no-nvidia-smi"),
         "--abort-fraction", "0", "--after-start", after,
     )  # fmt: skip

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""bench/step_cost.py's plan and rows, with the engine processes replaced by a
+"""bench/engine/step_cost.py's plan and rows, with the engine processes replaced by a
 fake that prints the rows an engine would."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import subprocess
 import time
 from types import SimpleNamespace
 
-import engine_probe  # noqa: E402
 import pytest
-import step_cost  # noqa: E402
+
+from bench.engine import probe as engine_probe
+from bench.engine import step_cost
 
 
 def test_engines_per_shape():
@@ -64,7 +65,7 @@ FAKE = {
 
 
 def _fake_run(cmd, stdout=None, text=None, timeout=None):
-    arg, it = {}, iter(cmd[2:])
+    arg, it = {}, iter(cmd[3:])
     for flag in it:
         arg[flag] = True if flag == "--engine" else next(it)
     budget = int(arg["--budget"]) if "--budget" in arg else None
@@ -99,7 +100,7 @@ def test_rows_pair_ddtree_with_the_v2_chain(tmp_path, monkeypatch):
     out = tmp_path / "step-cost.json"
     step_cost.main(["--out", str(out), "--conc", "1,8"])
     result = json.loads(out.read_text())
-    assert result["command"].startswith("python3 bench/step_cost.py --out")
+    assert result["command"].startswith("python3 -m bench.engine.step_cost --out")
     rows = {
         (r["shape"], r["concurrency"], r["tree_budget"], r["tree_attention"]): r
         for r in result["rows"]
@@ -420,8 +421,7 @@ def test_heldout_prompts_cut_and_repeat(tmp_path):
     assert got == [[6, 7, 8, 9], [7, 8, 9, 10], [8, 9, 10, 11], [6, 7, 8, 9],
                    [7, 8, 9, 10]]  # fmt: skip
     # The committed pairs' prompts: enough for a c = 32 engine without repeats.
-    committed = step_cost.heldout_prompts(step_cost.os.path.join(
-        step_cost.PAIRS, "models"), 128, 128)  # fmt: skip
+    committed = step_cost.heldout_prompts(step_cost.common.PAIR_MODELS, 128, 128)
     assert len({tuple(p) for p in committed}) == 128
     assert max(map(len, committed)) == 128 and min(map(len, committed)) > 0
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-
-import threshold_overflow as tov  # noqa: E402
+from bench.pairs import threshold_overflow as tov  # noqa: E402
 
 
 def brute_count(row: list[float], k: int, sub: int, keep: int, group: int = 1) -> int:

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A fake OpenAI-compatible server for tests/bench/test_soak.py, on 127.0.0.1 (http.server
-in threads; standard library only).
+"""A fake OpenAI-compatible server for tests/bench/test_soak.py, on 127.0.0.1
+(http.server in threads; standard library only).
 
-It speaks what bench/soak.py uses: ``/v1/models`` (with ``max_model_len``),
+It speaks what bench/serving/soak.py uses: ``/v1/models`` (with ``max_model_len``),
 ``/tokenize``, ``/v1/completions`` and ``/v1/chat/completions`` (streaming
 over chunked transfer encoding, or not; ``n``, logprobs, prompt logprobs,
 stop strings and stop token ids), ``/health`` and ``/metrics`` with vLLM's

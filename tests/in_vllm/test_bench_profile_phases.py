@@ -1,23 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The runner parts that bench/ddtree_e2e.py's profiles time by range
+"""The runner parts that bench/engine/profile.py's profiles time by range
 (`STEP_PHASES`) exist in this vLLM under the names listed, as methods of
 the classes themselves, and `_label_phases` wraps each once."""
 
 import importlib
 import importlib.util
-import pathlib
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location(
-    "ddtree_e2e", ROOT / "bench" / "ddtree_e2e.py"
-)
-e2e = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(e2e)
+from bench.engine import profile as e2e  # noqa: E402
 
 
 @pytest.mark.parametrize("phase", e2e.STEP_PHASES, ids=lambda p: f"{p[0]}-{p[2]}")

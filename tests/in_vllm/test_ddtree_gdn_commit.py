@@ -237,7 +237,7 @@ F32 = torch.float32
         # so here the conv arithmetic is garbage, identically in both
         # implementations: the comparison checks the plumbing (dtypes,
         # addresses, the bf16 conv windows moved bit for bit); the values
-        # are checked compiled, on CUDA (bench/hybrid_stage.sh, kernel).
+        # are checked compiled, on CUDA (bench/kernels/gpu_checks.sh kernels).
         (BF16, BF16, F32),
         (BF16, BF16, BF16),
     ],
@@ -271,7 +271,7 @@ def test_commit_equals_the_per_layer_commit(
     # addresses, the conv windows moved bit for bit), and a float32 -> bf16
     # cast truncates where torch (the oracle's cast) and CUDA round to
     # nearest (bf16 rows: the post-conv rows differ by up to one bf16 ulp).
-    # Compiled, on CUDA (bench/hybrid_stage.sh, kernel), all cases are exact.
+    # Compiled, on CUDA (bench/kernels/gpu_checks.sh kernels), all cases are exact.
     interpreted = not torch.cuda.is_available() and dtype == BF16
     garbage = interpreted and conv_dtype == BF16
     truncated = interpreted and conv_dtype == F32

@@ -22,7 +22,7 @@ CPU (Triton interpreter; tests/in_vllm/conftest.py sets it up without a GPU):
   prefix lengths, the mode's resolution (``auto``: split where FA3 takes the
   target, with FA3 faked as present; the sinks only known once the layers
   are built), its refusals and its startup line;
-* bench/bench_tree_attention.py's CPU smoke run (the plumbing, not a timing).
+* bench/kernels/tree_attention.py's CPU smoke run (the plumbing, not a timing).
 
 GPU (``-m gpu``, an H200: FA3): the split against the unified kernel in bf16
 at the Qwen3-8B and Qwen3.6-27B attention shapes, and under CUDA-graph
@@ -1758,24 +1758,18 @@ def test_gpu_split_cuda_graph_replay(shape):
 
 
 # ----------------------------------------------------------------------------
-# bench/bench_tree_attention.py (CPU smoke run: the plumbing, not a timing)
+# bench/kernels/tree_attention.py (CPU smoke run: the plumbing, not a timing)
 # ----------------------------------------------------------------------------
 
 
 @needs_kernel
 def test_bench_script_smoke(tmp_path):
-    import importlib.util
     import json
-    import pathlib
+
+    from bench.kernels import tree_attention as bench
 
     if KERNEL_DEVICE != "cpu":
         pytest.skip("the GPU run is the benchmark itself")
-    path = pathlib.Path(__file__).resolve().parents[2] / "bench"
-    spec = importlib.util.spec_from_file_location(
-        "bench_tree_attention", path / "bench_tree_attention.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     out = tmp_path / "rows.json"
     argv = ["--device", "cpu", "--shapes", "tiny", "--contexts", "40"]
     argv += ["--tree-tokens", "5", "--batch", "2", "--iters", "1", "--repeats", "1"]

@@ -587,9 +587,7 @@ def test_series_hash_covers_the_overlay(stack_copy: tuple[Path, Path]) -> None:
 
 def test_lint_passes_on_the_repo(src_tree: Path) -> None:
     # The Makefile's LINT_PATHS.
-    bench = sorted((REPO_ROOT / "bench").glob("*.py"))
-    bench += sorted((REPO_ROOT / "bench" / "pairs").glob("*.py"))
-    paths = ["overlay", "tests", "apply_patches.py", "patchstack", *bench]
+    paths = ["overlay", "tests", "apply_patches.py", "patchstack", "bench"]
     r = run_tool("lint", "--src", src_tree, *paths)
     assert r.returncode == 0, r.stderr
     assert "clean" in r.stdout

@@ -87,7 +87,7 @@ SPLIT_SINKS_DTYPE = torch.bfloat16
 # small tiles, sized for trees: it wins over the unified kernel, which reads
 # every request's prefix in those tiles too, while the chunk is short (the
 # prefill a continuous batch mixes into its decode steps), not for a long
-# prompt's chunks (`bench_tree_attention.py --chunks` times both).
+# prompt's chunks (`bench/kernels/tree_attention.py --chunks` times both).
 SPLIT_MAX_CHUNK = 256
 # The remedy of a refused split: the default then resolves to unified.
 _UNSET = f"unset {TREE_ATTENTION_ENV}"
@@ -514,7 +514,7 @@ def tree_attention(
 
     ``query_block``: query tokens per program (each with its KV head's group
     of query heads); by default as many as fill 16 rows. ``query_block`` and
-    ``num_warps`` are the launch's tuning knobs (`bench_tree_attention.py
+    ``num_warps`` are the launch's tuning knobs (`bench/kernels/tree_attention.py
     --tree-configs` times them); the result does not depend on them.
     """
     num_tokens, num_query_heads, head_size = query.shape

@@ -1,0 +1,549 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Time the target's tree attention: unified vs split vs FA3 causal.
+
+One attention layer's call on a decode batch: ``--batch`` requests, each
+with ``T`` query tokens (``--tree-tokens``: 1 + budget; 16 is the DFlash
+chain's K = 15) after ``--context`` committed tokens, a random tree per
+request, bf16, a paged KV cache in the TRITON_ATTN layout (block 16),
+at the Qwen3-8B (32 query / 8 KV heads of 128, 36 attention layers) and
+Qwen3.6-27B (24 / 4 of 256, 16 attention layers) shapes:
+
+* ``unified``  the patched Triton unified attention kernel with the packed
+               tree mask as its ``qq_bias`` (what TRITON_ATTN runs today);
+* ``split``    ``VLLM_DDTREE_TREE_ATTENTION=split``: FA3 over the prefix
+               (non-causal, ahead-of-time schedule, the CUDA-graph split
+               bound) + the Triton kernel over the tree, merged in place
+               (``vllm/v1/spec_decode/ddtree/tree_attention.py``, through
+               `SplitTreeAttention` as the backend calls it);
+* ``fa3_causal`` FA3 causal over the same tokens without a tree, as the
+               FLASH_ATTN backend runs the chain's verification.
+
+``--tree-configs`` adds the Triton tree kernel alone (part (b) of the split,
+merging into a prefix output with its log-sum-exp) at each launch shape
+``<query tokens per program or auto>:<warps>``, e.g. ``auto:4,16:4,16:8``;
+its rows are ``tree:<config>`` with their largest difference from the first
+configuration's output.
+
+Each method is captured in a CUDA graph (decode batches replay full
+graphs); ``--iters`` replays between CUDA events, the median of
+``--repeats`` such runs, in microseconds per call, and per step (times the
+shape's attention layers). Each row also has the largest difference of the
+split's output from the unified kernel's (bf16). Prints a table, writes
+JSON rows with ``--out``.
+
+GPU (an H100/H200: FA3; our wheel installed):
+
+    python3 -m bench.kernels.tree_attention --out bench/results/tree-attention.json
+
+CPU smoke run (Triton interpreter, the torch reference of the prefix pass
+instead of FA3, no graph, no ``fa3_causal``: checks the plumbing, times
+nothing):
+
+    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= python3 -m bench.kernels.tree_attention \\
+        --device cpu --shapes tiny --contexts 40 --tree-tokens 5 --batch 2 \\
+        --iters 1 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+
+from bench import common
+
+# name -> (query heads, KV heads, head size, attention layers per step)
+SHAPES = {
+    "qwen3-8b": (32, 8, 128, 36),
+    "qwen3.6-27b": (24, 4, 256, 16),
+    # CPU smoke runs only.
+    "tiny": (4, 2, 64, 2),
+}
+BLOCK_SIZE = 16
+# TRITON_ATTN's 3D-kernel constants (unused by tree batches, which run the
+# 2D kernel: max_seqlen_q > 1), passed as the backend passes them.
+NUM_PAR_SOFTMAX_SEGMENTS = 16
+MIN_LAUNCH_GRID_SIZE_2D = 128
+# The FLASH_ATTN builder's split bound under full CUDA graphs
+# (attention_config.flash_attn_max_num_splits_for_cuda_graph).
+FA3_CUDA_GRAPH_SPLITS = 32
+
+
+def packed_random_trees(
+    num_reqs: int, t: int, gen: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """int32 [num_reqs, t, ceil(t / 32)]: a random tree per request (parents
+    before children), bit set where a node may not see another."""
+    visible = torch.zeros(num_reqs, t, t, dtype=torch.bool)
+    for r in range(num_reqs):
+        parents = [-1] + [
+            int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, t)
+        ]
+        for i in range(t):
+            j = i
+            while j >= 0:
+                visible[r, i, j] = True
+                j = parents[j]
+    words = (t + 31) // 32
+    hidden = torch.ones(num_reqs, t, words * 32, dtype=torch.int64)
+    hidden[:, :, :t] = (~visible).to(torch.int64)
+    packed = (hidden.view(num_reqs, t, words, 32) << torch.arange(32)).sum(-1)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.to(torch.int32).to(device)
+
+
+def make_case(
+    shape: str,
+    context: int,
+    t: int,
+    batch: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    chunk: int = 0,
+) -> dict:
+    """``batch`` requests of ``t`` tree tokens after ``context`` committed
+    ones and, with ``chunk``, one more request last: a new prompt's first
+    prefill chunk of ``chunk`` tokens (no tree: zero mask words), as a
+    continuous batch mixes them into decode steps."""
+    num_q, num_kv, head_size, _ = SHAPES[shape]
+    gen = torch.Generator().manual_seed(seed)
+    query_lens = [t] * batch + ([chunk] if chunk else [])
+    seq_lens_list = [context + t] * batch + ([chunk] if chunk else [])
+    num_reqs = len(query_lens)
+    blocks_per_req = (max(seq_lens_list) + BLOCK_SIZE - 1) // BLOCK_SIZE
+    num_blocks = num_reqs * blocks_per_req + 1
+    # TRITON_ATTN's cache: logical (blocks, KV heads, block, 2 * head size),
+    # K and V side by side in the last dim; the backend's views of it.
+    kv_cache = torch.randn(
+        num_blocks, num_kv, BLOCK_SIZE, 2 * head_size, generator=gen
+    ).to(device=device, dtype=dtype)
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    perm = torch.randperm(num_blocks, generator=gen)[: num_reqs * blocks_per_req]
+    block_table = perm.view(num_reqs, blocks_per_req).to(torch.int32).to(device)
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_q, head_size, generator=gen).to(
+        device=device, dtype=dtype
+    )
+    cu_seqlens_q = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=device)
+    tree_mask = packed_random_trees(batch, t, gen, device)
+    if chunk:
+        tree_mask = torch.cat([tree_mask, torch.zeros_like(tree_mask[:1])])
+    return dict(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_table=block_table,
+        cu_seqlens_q=cu_seqlens_q.to(device),
+        seq_lens=seq_lens,
+        tree_mask=tree_mask,
+        t=t,
+        batch=num_reqs,
+        context=context,
+        chunk=chunk,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens_list),
+        scale=head_size**-0.5,
+        shape=(num_q, num_kv, head_size),
+    )
+
+
+def unified_fn(case: dict, out: torch.Tensor) -> Callable[[], None]:
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    num_q, num_kv, head_size = case["shape"]
+    threshold = MIN_LAUNCH_GRID_SIZE_2D // num_kv
+    hs_pad = 1 << (head_size - 1).bit_length()
+    device = out.device
+    segm_out = torch.empty(
+        threshold, num_q, NUM_PAR_SOFTMAX_SEGMENTS, hs_pad, device=device
+    )
+    segm_max = torch.empty(threshold, num_q, NUM_PAR_SOFTMAX_SEGMENTS, device=device)
+    segm_sum = torch.empty_like(segm_max)
+    one = torch.ones(1, device=device)
+    descale = one.expand(case["batch"], num_kv)
+
+    def run() -> None:
+        unified_attention(
+            q=case["query"],
+            k=case["key_cache"],
+            v=case["value_cache"],
+            out=out,
+            cu_seqlens_q=case["cu_seqlens_q"],
+            max_seqlen_q=case["max_query_len"],
+            seqused_k=case["seq_lens"],
+            max_seqlen_k=case["max_seq_len"],
+            softmax_scale=case["scale"],
+            causal=True,
+            window_size=(-1, -1),
+            block_table=case["block_table"],
+            softcap=0,
+            q_descale=None,
+            k_descale=descale,
+            v_descale=descale,
+            seq_threshold_3D=threshold,
+            num_par_softmax_segments=NUM_PAR_SOFTMAX_SEGMENTS,
+            softmax_segm_output=segm_out,
+            softmax_segm_max=segm_max,
+            softmax_segm_expsum=segm_sum,
+            qq_bias=case["tree_mask"],
+            kv_quant_mode=KVQuantMode.NONE,
+        )
+
+    return run
+
+
+def split_fn(
+    case: dict, out: torch.Tensor, reference: bool, in_two: bool = False
+) -> Callable[[], None]:
+    """The backend's split path: `SplitTreeAttention` built as the
+    TRITON_ATTN builder builds it under full CUDA graphs, `build` once
+    outside the graph, then the impl's call. ``in_two``: any request longer
+    than the tree (not only past `SPLIT_MAX_CHUNK`) runs FA3 causal over its
+    whole sequence (method ``split_in_two``: where that bound should lie)."""
+    from vllm.v1.spec_decode.ddtree.tree_attention import SplitTreeAttention
+
+    num_q, num_kv, head_size = case["shape"]
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_seqs=case["batch"]),
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=SimpleNamespace(has_full_cudagraphs=lambda: True),
+            max_cudagraph_capture_size=max(512, case["query"].shape[0]),
+        ),
+        attention_config=SimpleNamespace(
+            flash_attn_max_num_splits_for_cuda_graph=FA3_CUDA_GRAPH_SPLITS
+        ),
+        # T = 1 + tree_budget: a longer prefill chunk (last in the batch, as
+        # the V2 model runner orders it) runs on FA3 alone, causal.
+        speculative_config=SimpleNamespace(tree_budget=case["tree_mask"].shape[1] - 1),
+    )
+    prefix_attention = None
+    if reference:
+        prefix_attention = common.torch_reference().paged_prefix_attention
+    split = SplitTreeAttention(
+        config,
+        num_q,
+        num_kv,
+        head_size,
+        BLOCK_SIZE,
+        case["query"].dtype,
+        out.device,
+        prefix_attention=prefix_attention,
+    )
+    if in_two:
+        split.max_split_query_len = case["tree_mask"].shape[1]
+    attn = SimpleNamespace(
+        num_reqs=case["batch"],
+        num_actual_tokens=case["query"].shape[0],
+        query_start_loc=case["cu_seqlens_q"],
+        query_start_loc_cpu=case["cu_seqlens_q"].cpu(),
+        seq_lens=case["seq_lens"],
+        max_query_len=case["max_query_len"],
+        max_seq_len=case["max_seq_len"],
+        block_table=case["block_table"],
+        tree_attn_bias=case["tree_mask"],
+        causal=True,
+    )
+    meta = split.build(attn)
+    assert meta is not None
+
+    def run() -> None:
+        meta.forward(
+            case["query"],
+            case["key_cache"],
+            case["value_cache"],
+            out,
+            attn,
+            case["scale"],
+            0.0,
+            None,
+        )
+
+    return run
+
+
+def tree_kernel_fn(case: dict, out: torch.Tensor, config: str) -> Callable[[], None]:
+    """The split's part (b) alone at launch shape ``config``
+    (``<query tokens per program or auto>:<warps>``): the tree's own keys,
+    merged in place into ``out`` under a fixed prefix log-sum-exp."""
+    from vllm.v1.spec_decode.ddtree.tree_attention import tree_attention
+
+    block, warps = config.split(":")
+    query_block = None if block == "auto" else int(block)
+    num_tokens, num_q, _ = case["query"].shape
+    gen = torch.Generator().manual_seed(1)
+    prefix_out = torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
+    prefix_lse = torch.randn(num_q, num_tokens, generator=gen).to(out.device)
+
+    def run() -> None:
+        # The merge reads and writes ``out``: the same prefix output each call.
+        out.copy_(prefix_out)
+        tree_attention(
+            case["query"],
+            case["key_cache"],
+            case["value_cache"],
+            out,
+            case["cu_seqlens_q"],
+            case["seq_lens"],
+            case["block_table"],
+            case["tree_mask"],
+            case["scale"],
+            prefix_lse=prefix_lse,
+            query_block=query_block,
+            num_warps=int(warps),
+        )
+
+    return run
+
+
+def fa3_causal_fn(case: dict, out: torch.Tensor) -> Callable[[], None]:
+    """FLASH_ATTN's call for T causal tokens under full CUDA graphs (AOT
+    schedule, the CUDA-graph split bound)."""
+    from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
+    from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+
+    num_q, num_kv, head_size = case["shape"]
+    key_cache = canonicalize_singleton_dim_strides(case["key_cache"])
+    value_cache = canonicalize_singleton_dim_strides(case["value_cache"])
+    scheduler_metadata = get_scheduler_metadata(
+        batch_size=case["batch"],
+        max_seqlen_q=case["max_query_len"],
+        max_seqlen_k=case["max_seq_len"],
+        num_heads_q=num_q,
+        num_heads_kv=num_kv,
+        headdim=head_size,
+        cache_seqlens=case["seq_lens"],
+        qkv_dtype=case["query"].dtype,
+        cu_seqlens_q=case["cu_seqlens_q"],
+        page_size=BLOCK_SIZE,
+        causal=True,
+        num_splits=FA3_CUDA_GRAPH_SPLITS,
+    )
+
+    def run() -> None:
+        flash_attn_varlen_func(
+            q=case["query"],
+            k=key_cache,
+            v=value_cache,
+            out=out,
+            cu_seqlens_q=case["cu_seqlens_q"],
+            max_seqlen_q=case["max_query_len"],
+            seqused_k=case["seq_lens"],
+            max_seqlen_k=case["max_seq_len"],
+            softmax_scale=case["scale"],
+            causal=True,
+            block_table=case["block_table"],
+            scheduler_metadata=scheduler_metadata,
+            fa_version=3,
+            num_splits=FA3_CUDA_GRAPH_SPLITS,
+        )
+
+    return run
+
+
+def time_graph(fn: Callable[[], None], iters: int, repeats: int) -> float:
+    """Median over ``repeats`` of the mean CUDA-graph replay time (us)."""
+    fn()  # compile / warm up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(samples)
+
+
+def time_eager(fn: Callable[[], None], iters: int, repeats: int) -> float:
+    """Wall time of eager calls (CPU smoke runs: the interpreter)."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        samples.append((time.perf_counter() - t0) * 1e6 / iters)
+    return statistics.median(samples)
+
+
+def bench_case(
+    shape: str,
+    context: int,
+    t: int,
+    batch: int,
+    device: torch.device,
+    methods: list[str],
+    iters: int,
+    repeats: int,
+    chunk: int = 0,
+) -> list[dict]:
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    case = make_case(shape, context, t, batch, dtype, device, chunk=chunk)
+    layers = SHAPES[shape][3]
+    outputs: dict[str, torch.Tensor] = {}
+    times: dict[str, float] = {}
+    for method in methods:
+        out = torch.zeros_like(case["query"])
+        if method == "unified":
+            fn = unified_fn(case, out)
+        elif method in ("split", "split_in_two"):
+            fn = split_fn(
+                case, out, reference=not on_gpu, in_two=method == "split_in_two"
+            )
+        elif method.startswith("tree:"):
+            fn = tree_kernel_fn(case, out, method.removeprefix("tree:"))
+        else:
+            assert method == "fa3_causal" and on_gpu
+            fn = fa3_causal_fn(case, out)
+        timer = time_graph if on_gpu else time_eager
+        times[method] = timer(fn, iters, repeats)
+        fn()  # the outputs of one plain call, for the comparison
+        outputs[method] = out
+    if on_gpu:
+        torch.cuda.synchronize()
+    diff = None
+    if "split" in outputs and "unified" in outputs:
+        diff = (outputs["split"].float() - outputs["unified"].float()).abs().max()
+        diff = float(diff)
+    if "split_in_two" in outputs and "unified" in outputs:
+        in_two = outputs["split_in_two"].float() - outputs["unified"].float()
+        diff = max(diff or 0.0, float(in_two.abs().max()))
+    tree = [m for m in outputs if m.startswith("tree:")]
+    tree_diff = {
+        m: float((outputs[m].float() - outputs[tree[0]].float()).abs().max())
+        for m in tree
+    }
+    num_q, num_kv, head_size = case["shape"]
+    return [
+        dict(
+            shape=shape,
+            num_q_heads=num_q,
+            num_kv_heads=num_kv,
+            head_size=head_size,
+            context=context,
+            tree_tokens=t,
+            batch=batch,
+            prefill_chunk=chunk,
+            method=method,
+            us=round(us, 2),
+            attention_layers=layers,
+            us_per_step=round(us * layers, 1),
+            split_vs_unified_max_abs_diff=diff,
+            **(
+                dict(tree_vs_first_config_max_abs_diff=tree_diff[method])
+                if method in tree_diff
+                else {}
+            ),
+        )
+        for method, us in times.items()
+    ]
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="qwen3-8b,qwen3.6-27b")
+    parser.add_argument("--contexts", type=ints, default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--tree-tokens", type=ints, default=[16, 65])
+    parser.add_argument("--batch", type=ints, default=[1, 8, 32])
+    parser.add_argument(
+        "--chunks",
+        type=ints,
+        default=[0],
+        help="also time each batch with one more request: a new prompt's "
+        "first prefill chunk of this many tokens (0: none), as continuous "
+        "batching mixes prefills into decode steps",
+    )
+    parser.add_argument("--methods", default="unified,split,fa3_causal")
+    parser.add_argument(
+        "--tree-configs",
+        default="",
+        help="also time the tree kernel alone at these launch shapes, "
+        "<query tokens per program or auto>:<warps>, e.g. auto:4,16:4,16:8",
+    )
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    methods = [m for m in args.methods.split(",") if m]
+    methods += [f"tree:{c}" for c in args.tree_configs.split(",") if c]
+    if device.type != "cuda":
+        # No FA3 off a GPU: the split runs its torch reference prefix pass.
+        methods = [m for m in methods if m != "fa3_causal"]
+    shapes = args.shapes.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
+    rows: list[dict] = []
+    header = (
+        f"{'shape':<12} {'ctx':>5} {'T':>3} {'batch':>5} {'chunk':>5} {'method':<10} "
+        f"{'us/call':>9} {'us/step':>9} {'|split-unified|':>15}"
+    )
+    print(header)
+    for shape in shapes:
+        for context in args.contexts:
+            for t in args.tree_tokens:
+                for batch in args.batch:
+                    for chunk in args.chunks:
+                        for row in bench_case(
+                            shape,
+                            context,
+                            t,
+                            batch,
+                            device,
+                            methods,
+                            args.iters,
+                            args.repeats,
+                            chunk=chunk,
+                        ):
+                            rows.append(row)
+                            diff = row["split_vs_unified_max_abs_diff"]
+                            print(
+                                f"{shape:<12} {context:>5} {t:>3} {batch:>5} "
+                                f"{chunk:>5} {row['method']:<10} {row['us']:>9.1f} "
+                                f"{row['us_per_step']:>9.1f} "
+                                f"{'' if diff is None else f'{diff:.2e}':>15}",
+                                flush=True,
+                            )
+    meta = dict(
+        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        iters=args.iters,
+        repeats=args.repeats,
+        block_size=BLOCK_SIZE,
+        timing="cuda graph replay" if device.type == "cuda" else "eager (smoke)",
+    )
+    if args.out is not None:
+        common.write_json(str(args.out), {"meta": meta, "rows": rows}, indent=2)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

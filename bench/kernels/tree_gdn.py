@@ -1,0 +1,333 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Time the Gated DeltaNet verify kernel of one layer: DDTree's tree
+kernels against the chain's.
+
+One GDN layer's verify call on a decode batch of ``--batch`` requests at
+the Qwen3.6-27B shape (16 key / 48 value heads of 128, 48 GDN layers), bf16
+inputs, float32 states, a random draft tree per request of ``--budgets``
+nodes at draft depth 15 (``build_tree`` of random per-depth logits; peaked
+logits give deep, spiny trees):
+
+* ``chunk``   `tree_gated_delta_rule` as the verifier runs it (the chunked
+              kernel up to `CHUNK_MAX_NODES` rows, the blocked kernel up to
+              `BLOCKED_MAX_NODES`, else the path replay);
+* ``replay``  the path-replay kernel (`_tree_gdn_kernel`) on the same tree;
+* ``chain``   upstream's `fused_sigmoid_gating_delta_rule_update` over
+              1 + budget tokens per request with a state slot per token, as
+              the DFlash chain's verification runs it (K = budget).
+
+Each call is captured ``--iters`` times in one CUDA graph; the median of
+``--repeats`` replays between CUDA events, in microseconds per call and per
+step (times 48 layers). Each row also has the largest difference of the
+chunked kernel's output from the replay kernel's. ``--table-budget 64``
+gives the trees a parent table of 64 columns, as the engine has with
+``tree_budget`` 64 when its batch policy verifies 15-node trees; the call
+gets the step's longest query as the verifier passes it (``--table-form``:
+without it, the form then follows the table's width). ``--variants`` times
+other launch settings of `tree_gdn` beside the defaults. Prints a table,
+writes JSON rows with ``--out``.
+
+    python3 -m bench.kernels.tree_gdn --out bench/results/tree-gdn.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from bench import common
+
+H, HV, K, V = 16, 48, 128, 128
+GDN_LAYERS = 48
+DRAFT_DEPTH = 15
+
+
+def make_case(
+    batch: int,
+    budget: int,
+    scale: float,
+    device: str,
+    seed: int = 0,
+    table_budget: int | None = None,
+):
+    """One layer's verify inputs; ``table_budget`` widens the parent table
+    past the trees' ``budget`` nodes, as the engine's table is as wide as
+    ``tree_budget`` when the budget policy gives smaller trees."""
+    from vllm.v1.spec_decode.ddtree.tree import build_tree
+
+    gen = torch.Generator().manual_seed(seed)
+    tree = build_tree(
+        torch.randn(batch, DRAFT_DEPTH, 32, generator=gen) * scale, budget
+    )
+    parent_idx = tree.parent_idx.to(torch.int64)
+    if table_budget is not None and table_budget > budget:
+        table = torch.zeros(batch, table_budget, dtype=torch.int64)
+        table[:, :budget] = parent_idx
+        parent_idx = table
+    T = batch * (budget + 1)
+    qsl = torch.arange(0, T + 1, budget + 1, dtype=torch.int32)
+    bf16 = dict(dtype=torch.bfloat16)
+    case = dict(
+        A_log=torch.randn(HV, generator=gen) * 0.5,
+        a=torch.randn(T, HV, generator=gen).to(**bf16),
+        b=torch.randn(T, HV, generator=gen).to(**bf16),
+        dt_bias=torch.randn(HV, generator=gen) * 0.1,
+        q=torch.randn(T, H, K, generator=gen).to(**bf16),
+        k=torch.randn(T, H, K, generator=gen).to(**bf16),
+        v=torch.randn(T, HV, V, generator=gen).to(**bf16),
+        # Slot 0 is the null slot; committed states in 1..batch, the chain's
+        # per-token slots after them.
+        state=torch.randn(1 + batch * (budget + 2), HV, V, K, generator=gen) * 0.1,
+        state_idx=torch.arange(1, batch + 1, dtype=torch.int32),
+        query_start_loc=qsl,
+        parent_idx=parent_idx,
+        idx_mapping=torch.arange(batch, dtype=torch.int32),
+    )
+    case = {n: t.to(device) for n, t in case.items()}
+    depth = max(len(_path(tree.parent_idx[0], i)) - 1 for i in range(budget + 1))
+    return case, depth
+
+
+def _path(parent_row, node):
+    path = [node]
+    while path[-1] != 0:
+        path.append(int(parent_row[path[-1] - 1]))
+    return path
+
+
+def parse_variant(text: str) -> dict[str, int | str]:
+    """``"CHUNK_MAX_NODES=64,CHUNK_NUM_WARPS=8"`` -> the tree_gdn launch
+    settings it sets."""
+    settings: dict[str, int | str] = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        choices = VARIANT_SETTINGS.get(name)
+        if choices is int and value.isdigit():
+            settings[name] = int(value)
+        elif isinstance(choices, tuple) and value in choices:
+            settings[name] = value
+        else:
+            raise SystemExit(
+                f"bad variant setting {item!r}: NAME=VALUE with NAME one of "
+                f"{', '.join(VARIANT_SETTINGS)} (INVERSE_PRECISION: "
+                f"{' or '.join(VARIANT_SETTINGS['INVERSE_PRECISION'])}, the "
+                "others integers)"
+            )
+    return settings
+
+
+VARIANT_SETTINGS: dict[str, type | tuple[str, ...]] = {
+    "CHUNK_MAX_NODES": int,
+    "CHUNK_BLOCK_V": int,
+    "CHUNK_NUM_WARPS": int,
+    "BLOCKED_MAX_NODES": int,
+    "BLOCKED_ANCESTORS_FIRST": int,
+    "BLOCKED_ROWS": int,
+    "CHUNK_BLOCK_V_BATCHED": int,
+    "CHUNK_BATCHED_ROWS": int,
+    "INVERSE_PRECISION": ("ieee", "tf32x3"),
+}
+
+
+def tree_call(
+    case,
+    replay: bool,
+    settings: dict[str, int | str] | None = None,
+    max_query_len=None,
+):
+    """The verifier's call on ``case``; ``replay``: the path replay;
+    ``settings``: tree_gdn launch settings for this call only;
+    ``max_query_len``: the step's longest query, as the verifier passes it."""
+    from vllm.v1.spec_decode.ddtree import tree_gdn
+
+    settings = dict(settings or {})
+    if replay:
+        settings.update(CHUNK_MAX_NODES=0, BLOCKED_MAX_NODES=0)
+
+    def run():
+        saved = {n: getattr(tree_gdn, n) for n in settings}
+        for n, value in settings.items():
+            setattr(tree_gdn, n, value)
+        try:
+            return tree_gdn.tree_gated_delta_rule(
+                **case,
+                draft_depth=DRAFT_DEPTH,
+                use_qk_l2norm_in_kernel=True,
+                max_query_len=max_query_len,
+            )
+        finally:
+            for n, value in saved.items():
+                setattr(tree_gdn, n, value)
+
+    return run
+
+
+def chain_call(case, batch: int, budget: int):
+    from vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating import (
+        fused_sigmoid_gating_delta_rule_update,
+    )
+
+    n = budget + 1
+    first = batch + 1
+    indices = torch.arange(
+        first, first + batch * n, dtype=torch.int32, device=case["q"].device
+    ).view(batch, n)
+    accepted = torch.ones(batch, dtype=torch.int32, device=case["q"].device)
+
+    def run():
+        return fused_sigmoid_gating_delta_rule_update(
+            A_log=case["A_log"],
+            a=case["a"],
+            b=case["b"],
+            dt_bias=case["dt_bias"],
+            q=case["q"][None],
+            k=case["k"][None],
+            v=case["v"][None],
+            initial_state=case["state"],
+            inplace_final_state=True,
+            cu_seqlens=case["query_start_loc"],
+            ssm_state_indices=indices,
+            num_accepted_tokens=accepted,
+            use_qk_l2norm_in_kernel=True,
+        )
+
+    return run
+
+
+def time_graph(fn, iters: int, repeats: int) -> float:
+    """Median microseconds per call of ``fn`` replayed in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--budgets", default="15,31,63")
+    ap.add_argument("--scales", default="8,1", help="draft logit scales")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--table-budget",
+        type=int,
+        default=None,
+        help="parent table width (the engine's tree_budget) when wider than a "
+        "row's budget: e.g. 64 times the 15-node trees of the default batch "
+        "policy as the engine runs them (the kernel form follows the table)",
+    )
+    ap.add_argument(
+        "--table-form",
+        action="store_true",
+        help="call without the step's longest query, so that the kernel "
+        "takes the form of the parent table's width (as before the verifier "
+        "passed it)",
+    )
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="other launch settings to time beside the defaults, ';' between "
+        "variants, e.g. 'CHUNK_MAX_NODES=64;CHUNK_MAX_NODES=64,CHUNK_NUM_WARPS=8'",
+    )
+    a = ap.parse_args(argv)
+    variants = {v: parse_variant(v) for v in a.variants.split(";") if v}
+    rows = []
+    header = (
+        f"{'batch':>5} {'budget':>6} {'scale':>5} {'depth':>5} "
+        f"{'chunk us':>9} {'replay us':>9} {'chain us':>9} "
+        f"{'chunk/chain':>11} {'max|diff|':>9}"
+    ) + "".join(f"  {v} us" for v in variants)
+    print(header, flush=True)
+    for batch in map(int, a.batches.split(",")):
+        for budget in map(int, a.budgets.split(",")):
+            for scale in map(float, a.scales.split(",")):
+                case, depth = make_case(
+                    batch, budget, scale, "cuda", table_budget=a.table_budget
+                )
+                query_len = None if a.table_form else budget + 1
+                chunk = tree_call(case, False, max_query_len=query_len)
+                replay = tree_call(case, True, max_query_len=query_len)
+                diff = (chunk().float() - replay().float()).abs().max().item()
+                us = {
+                    "chunk": time_graph(chunk, a.iters, a.repeats),
+                    "replay": time_graph(replay, a.iters, a.repeats),
+                    "chain": time_graph(
+                        chain_call(case, batch, budget), a.iters, a.repeats
+                    ),
+                }
+                variant_us, variant_diff = {}, {}
+                for name, settings in variants.items():
+                    fn = tree_call(case, False, settings, max_query_len=query_len)
+                    variant_diff[name] = (
+                        (fn().float() - replay().float()).abs().max().item()
+                    )
+                    variant_us[name] = time_graph(fn, a.iters, a.repeats)
+                row = dict(
+                    shape="hybrid-27b",
+                    batch=batch,
+                    budget=budget,
+                    table_budget=max(budget, a.table_budget or 0),
+                    logit_scale=scale,
+                    tree_depth=depth,
+                    us_per_call={m: round(t, 1) for m, t in us.items()},
+                    ms_per_step={
+                        m: round(t * GDN_LAYERS / 1e3, 3) for m, t in us.items()
+                    },
+                    chunk_over_chain=round(us["chunk"] / us["chain"], 3),
+                    chunk_max_abs_diff_from_replay=diff,
+                    step_query_len=query_len,
+                )
+                if variants:
+                    row["variants_us_per_call"] = {
+                        v: round(t, 1) for v, t in variant_us.items()
+                    }
+                    row["variants_max_abs_diff_from_replay"] = variant_diff
+                rows.append(row)
+                print(
+                    f"{batch:>5} {budget:>6} {scale:>5} {depth:>5} "
+                    f"{us['chunk']:>9.1f} {us['replay']:>9.1f} {us['chain']:>9.1f} "
+                    f"{row['chunk_over_chain']:>11.3f} {diff:>9.2e}"
+                    + "".join(
+                        f"  {variant_us[v]:.1f} ({variant_diff[v]:.1e})"
+                        for v in variants
+                    ),
+                    flush=True,
+                )
+                del case
+                torch.cuda.empty_cache()
+    if a.out:
+        common.write_json(
+            a.out,
+            dict(
+                command=common.command_line("bench.kernels.tree_gdn", argv),
+                device=torch.cuda.get_device_name(),
+                rows=rows,
+            ),
+        )
+
+
+if __name__ == "__main__":
+    main()
