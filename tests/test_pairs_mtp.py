@@ -162,3 +162,103 @@ def test_checkpoint_is_what_vllm_loads(tmp_path):
         torch.testing.assert_close(
             back.state_dict()[k], v.to(torch.bfloat16).float(), rtol=0, atol=0
         )
+
+
+# ---------------------------------------------------------------- embedding
+
+# A reduced Qwen3.6-27B shape (the hybrid pair's structure), as
+# test_pairs_embed.py embeds the target at.
+BIG_TEXT = dict(
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=6,
+    num_key_value_heads=1,
+    linear_num_key_heads=2,
+    linear_num_value_heads=6,
+    intermediate_size=1024,
+    vocab_size=8300,
+)
+PLACEMENT = [0, 4, 5, 7]
+
+
+def randomise_(module, gen: torch.Generator, scale: float) -> None:
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale / p.shape[-1] ** 0.5)
+            elif "A_log" in name or "dt_bias" in name:
+                p.copy_(torch.rand(p.shape, generator=gen))
+            else:  # one-plus norms start at 0
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def test_embedded_mtp_drafts_as_the_small_one():
+    """At a reduced production width, the embedded MTP head, fed the embedded
+    target's hidden states and sharing its embedding and lm_head, gives the
+    small head's logits at every draft step of vLLM's recursion (its own
+    output hidden states fed back), and padded tokens get no probability."""
+    import embed
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    spec = pc.pair("hybrid-27b")
+    big_cfg = pc.scaled(spec["big_target"], **BIG_TEXT)
+    assert pc.text_config(big_cfg)["mtp_num_hidden_layers"] == 1
+    gen = torch.Generator().manual_seed(0)
+    small = Qwen3_5ForCausalLM(
+        Qwen3_5TextConfig(**pc.text_config(spec["small_target"]))
+    ).eval()
+    randomise_(small, gen, 1.5)
+    small_sd = {
+        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v
+        for k, v in small.state_dict().items()
+    }
+    big = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**pc.text_config(big_cfg))).eval()
+    big.load_state_dict(
+        {
+            ("model." + k[len("model.language_model.") :] if k.startswith("model.") else k): v
+            for k, v in embed.target_weights(
+                spec["small_target"], big_cfg, PLACEMENT, small_sd
+            )
+        }
+    )
+    head = mtp.build_head(spec["small_target"]).eval()
+    randomise_(head, gen, 1.5)
+    small_msd = {"mtp." + k: v for k, v in head.state_dict().items()}
+    big_head = mtp.build_head(big_cfg).eval()
+    names = []
+    big_msd = {}
+    for name, t in embed.mtp_weights(spec["small_target"], big_cfg, small_msd):
+        names.append(name)
+        big_msd[name[len("mtp.") :]] = t
+    assert len(names) == len(set(names)) == len(small_msd)
+    big_head.load_state_dict(big_msd, strict=True)
+
+    toks = torch.randint(3, 8192, (1, 40), generator=gen)
+    anchors = torch.tensor([[1, 12, 25, 36]])
+    v_s = pc.SMALL_VOCAB
+    with torch.no_grad():
+        h_small = small.model(input_ids=toks).last_hidden_state
+        h_big = big.model(input_ids=toks).last_hidden_state
+        want = mtp.recursive_logits(
+            head,
+            h_small,
+            toks,
+            small.model.embed_tokens.weight,
+            small.lm_head.weight,
+            anchors,
+            3,
+            False,
+        )
+        got = mtp.recursive_logits(
+            big_head,
+            h_big,
+            toks,
+            big.model.embed_tokens.weight,
+            big.lm_head.weight,
+            anchors,
+            3,
+            False,
+        )
+    assert want.std() > 1.0  # logits spread over several nats
+    torch.testing.assert_close(got[..., :v_s], want, rtol=1e-4, atol=1e-3)
+    assert (got[..., v_s:].max(-1).values < got[..., :v_s].min(-1).values - 100).all()
