@@ -105,7 +105,9 @@ def test_teacher_forced_steps_read_the_true_tokens():
         tokens2 = tokens.clone()
         tokens2[0, p + 1] = free[0, 0, 0].argmax()
         tokens2[0, p + 2] = free[0, 0, 1].argmax()
-        forced2 = mtp.recursive_logits(head, hidden, tokens2, embed, embed, last, 3, True)
+        forced2 = mtp.recursive_logits(
+            head, hidden, tokens2, embed, embed, last, 3, True
+        )
         torch.testing.assert_close(forced2, free, rtol=1e-5, atol=1e-5)
 
 
@@ -123,7 +125,9 @@ def test_training_step_reaches_every_weight():
     loss = mtp.distill_loss(out1 @ embed.T, teacher[:, 1:])
     for s in (2, 3):
         idx = (anchors + s - 1)[..., None].expand(-1, -1, VOCAB)
-        loss = loss + mtp.distill_loss(logits[:, :, s - 1], torch.gather(teacher, 1, idx))
+        loss = loss + mtp.distill_loss(
+            logits[:, :, s - 1], torch.gather(teacher, 1, idx)
+        )
     loss.backward()
     assert torch.isfinite(loss)
     for name, p in head.named_parameters():
@@ -185,7 +189,9 @@ def randomise_(module, gen: torch.Generator, scale: float) -> None:
     with torch.no_grad():
         for name, p in module.named_parameters():
             if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * scale / p.shape[-1] ** 0.5)
+                p.copy_(
+                    torch.randn(p.shape, generator=gen) * scale / p.shape[-1] ** 0.5
+                )
             elif "A_log" in name or "dt_bias" in name:
                 p.copy_(torch.rand(p.shape, generator=gen))
             else:  # one-plus norms start at 0
@@ -209,13 +215,21 @@ def test_embedded_mtp_drafts_as_the_small_one():
     ).eval()
     randomise_(small, gen, 1.5)
     small_sd = {
-        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v
+        (
+            "model.language_model." + k[len("model.") :]
+            if k.startswith("model.")
+            else k
+        ): v
         for k, v in small.state_dict().items()
     }
     big = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**pc.text_config(big_cfg))).eval()
     big.load_state_dict(
         {
-            ("model." + k[len("model.language_model.") :] if k.startswith("model.") else k): v
+            (
+                "model." + k[len("model.language_model.") :]
+                if k.startswith("model.")
+                else k
+            ): v
             for k, v in embed.target_weights(
                 spec["small_target"], big_cfg, PLACEMENT, small_sd
             )

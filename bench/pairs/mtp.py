@@ -40,7 +40,6 @@ import argparse
 import copy
 import glob
 import json
-import math
 import os
 import random
 import sys
@@ -110,7 +109,10 @@ def build_head(target_cfg: dict):
             normed output hidden states [B, T, h]."""
             x = self.fc(
                 torch.cat(
-                    [self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)],
+                    [
+                        self.pre_fc_norm_embedding(embeds),
+                        self.pre_fc_norm_hidden(hidden),
+                    ],
                     dim=-1,
                 )
             )
@@ -150,6 +152,51 @@ def load_head(path: str):
     }
     head.load_state_dict(sd)
     return head.eval(), cfg
+
+
+def embedded_weights(spec: dict, small_msd: dict, device, dtype):
+    """The MTP head ``small_msd`` (a save_head checkpoint) at the production
+    shape of the pair ``spec`` (pair_configs.load_pair), one tensor at a time
+    (embed.mtp_weights), for the MTP model's ``load_weights``."""
+    import embed
+
+    return embed.mtp_weights(
+        spec["small_target"], spec["big_target"], small_msd, device=device, dtype=dtype
+    )
+
+
+def step_weights(big_cfg: dict) -> tuple[int, int]:
+    """Weights one decode step reads at the production shape: (the target's
+    layers and lm_head, one MTP draft step's layer, fc and lm_head)."""
+    t = pc.text_config(big_cfg)
+    h, inter, hd = t["hidden_size"], t["intermediate_size"], t["head_dim"]
+    mlp = 3 * h * inter
+    attn = h * hd * (3 * t["num_attention_heads"] + 2 * t["num_key_value_heads"])
+    dk, dv = t["linear_key_head_dim"], t["linear_value_head_dim"]
+    keys, vals = t["linear_num_key_heads"] * dk, t["linear_num_value_heads"] * dv
+    gdn = h * (2 * keys + vals) + 2 * h * vals + 2 * h * t["linear_num_value_heads"]
+    lm_head = t["vocab_size"] * h
+    layers = sum(
+        mlp + (attn if kind == "full_attention" else gdn) for kind in t["layer_types"]
+    )
+    return layers + lm_head, 2 * h * h + attn + mlp + lm_head
+
+
+def best_k(tau: dict[str, float], big_cfg: dict) -> int:
+    """The draft length with the most tokens per unit of single-request step
+    time, estimated from offline tau: a decode step at one request reads the
+    weights (memory bound), so a step with k MTP drafts costs about
+    ``1 + k * r`` target steps, r the ratio of step_weights."""
+    target, draft = step_weights(big_cfg)
+    r = draft / target
+    return max((int(k) for k in tau), key=lambda k: tau[str(k)] / (1 + k * r))
+
+
+def speculative_config(num_speculative_tokens: int) -> dict:
+    """vLLM's speculative_config for the target's own MTP module, run
+    ``num_speculative_tokens`` times per step (the draft model is the
+    target's checkpoint: no ``model``)."""
+    return {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}
 
 
 # ---------------------------------------------------------------- the recursion
@@ -283,15 +330,18 @@ def corpus_ids(tokenizer_path: str, max_bytes: int, seed: int):
     return torch.tensor(ids, dtype=torch.long)
 
 
-def train_sequences(model, ids, batch: int, deadline: float, seed: int, cache: str):
+def train_sequences(model, corpus, batch: int, deadline: float, seed: int, cache: str):
     """Greedy continuations of random corpus windows, a batch at a time until
     ``deadline`` (at least one batch); the batches already in ``cache`` (the
-    same seeded draws) are reused."""
+    same seeded draws) are reused. ``corpus()`` gives the token ids."""
     import torch
     import train
 
     gen = torch.Generator().manual_seed(seed)
     seqs = torch.load(cache) if os.path.exists(cache) else None
+    if seqs is not None and time.time() >= deadline:
+        return seqs
+    ids = corpus()
     done = 0 if seqs is None else len(seqs) // batch
     drawn = 0
     while True:
@@ -374,9 +424,11 @@ def train_head(a, head, model, seqs, hidden, deadline: float, rec: dict) -> None
             with torch.no_grad():
                 teacher = torch.stack(
                     [
-                        torch.gather(logp_t, 1, (anchors + s)[..., None].expand(
-                            -1, -1, logp_t.shape[-1]
-                        )).argmax(-1)
+                        torch.gather(
+                            logp_t,
+                            1,
+                            (anchors + s)[..., None].expand(-1, -1, logp_t.shape[-1]),
+                        ).argmax(-1)
                         for s in range(a.unroll)
                     ],
                     2,
@@ -516,14 +568,13 @@ def main(argv: list[str] | None = None) -> None:
         torch.save(held, held_path)
     log(f"held-out sequences {tuple(held.shape)} ({time.time() - t0:.0f} s)")
     t1 = time.time()
-    ids = corpus_ids(
-        os.path.join(a.models, "tokenizer", "tokenizer.json"),
-        a.corpus_mb << 20,
-        a.seed,
-    )
     seqs = train_sequences(
         model,
-        ids,
+        lambda: corpus_ids(
+            os.path.join(a.models, "tokenizer", "tokenizer.json"),
+            a.corpus_mb << 20,
+            a.seed,
+        ),
         a.gen_batch,
         t1 + a.gen_share * a.seconds,
         a.seed + 7,
