@@ -92,10 +92,11 @@ def test_teacher_forced_steps_read_the_true_tokens():
     embed = torch.randn(VOCAB, 64)
     anchors = torch.tensor([[3, 8]])
     with torch.no_grad():
-        forced, out1 = mtp.recursive_logits(
-            head, hidden, tokens, embed, embed, anchors, 3, True, with_step1=True
+        forced = mtp.recursive_logits(
+            head, hidden, tokens, embed, embed, anchors, 3, True
         )
         # step 1 at anchor p is the causal pass's output at p - 1
+        out1 = head(embed[tokens[:, 1:]], hidden[:, :-1], torch.arange(19)[None])
         torch.testing.assert_close(forced[0, :, 0], out1[0, anchors[0] - 1] @ embed.T)
         # when the drafts are the true tokens, greedy and forced agree
         # (one anchor: the tokens after it feed later positions' step 1)
@@ -117,17 +118,10 @@ def test_training_step_reaches_every_weight():
     tokens = torch.randint(0, VOCAB, (2, 16))
     hidden = torch.randn(2, 16, 64)
     embed = torch.randn(VOCAB, 64)
-    teacher = torch.randn(2, 16, VOCAB).log_softmax(-1)
+    teacher = torch.randn(2, 3, 3, VOCAB).log_softmax(-1)
     anchors = torch.tensor([[2, 7, 11], [4, 5, 12]])
-    logits, out1 = mtp.recursive_logits(
-        head, hidden, tokens, embed, embed, anchors, 3, True, with_step1=True
-    )
-    loss = mtp.distill_loss(out1 @ embed.T, teacher[:, 1:])
-    for s in (2, 3):
-        idx = (anchors + s - 1)[..., None].expand(-1, -1, VOCAB)
-        loss = loss + mtp.distill_loss(
-            logits[:, :, s - 1], torch.gather(teacher, 1, idx)
-        )
+    logits = mtp.recursive_logits(head, hidden, tokens, embed, embed, anchors, 3, True)
+    loss = sum(mtp.distill_loss(logits[:, :, s], teacher[:, :, s]) for s in range(3))
     loss.backward()
     assert torch.isfinite(loss)
     for name, p in head.named_parameters():
@@ -276,3 +270,53 @@ def test_embedded_mtp_drafts_as_the_small_one():
     assert want.std() > 1.0  # logits spread over several nats
     torch.testing.assert_close(got[..., :v_s], want, rtol=1e-4, atol=1e-3)
     assert (got[..., v_s:].max(-1).values < got[..., :v_s].min(-1).values - 100).all()
+
+
+# ---------------------------------------------------------------- the committed head
+
+MODELS = PAIRS_DIR / "models"
+
+
+def test_committed_head_and_its_draft_length():
+    """The committed head is what vLLM loads (names, config), and the mtp
+    method's default draft length is the one its offline tau gives the most
+    tokens per unit of single-request step time (``mtp.best_k``)."""
+    head, cfg = mtp.load_head(str(MODELS / "hybrid-27b" / "mtp"))
+    with open(MODELS / "hybrid-27b" / "target" / "config.json") as f:
+        assert mtp.with_mtp_keys(json.load(f)) == cfg
+    with open(MODELS / "hybrid-27b" / "mtp" / "train_log.json") as f:
+        rec = json.load(f)
+    assert rec["mtp_id"] == pc.weights_id(str(MODELS), "hybrid-27b", "mtp")
+    tau = rec["offline_heldout"]["mtp_tau"]
+    assert sorted(tau) == ["1", "2", "3", "4"]
+    big = pc.pair("hybrid-27b")["big_target"]
+    assert mtp.best_k(tau, big) == mtp.SPECULATIVE_TOKENS
+
+
+def test_best_k_weighs_tau_against_the_draft_steps():
+    big = pc.pair("hybrid-27b")["big_target"]
+    target, draft = mtp.step_weights(big)
+    # Qwen3.6-27B: about 25.6 B weights a target step, 1.7 B a draft step
+    # (its lm_head is most of it)
+    assert 25e9 < target < 26e9 and 1.6e9 < draft < 1.8e9
+    flat = {"1": 1.8, "2": 2.0, "3": 2.05, "4": 2.06}
+    steep = {"1": 1.9, "2": 2.7, "3": 3.4, "4": 4.0}
+    assert mtp.best_k(flat, big) == 2
+    assert mtp.best_k(steep, big) == 4
+
+
+def test_run_pairs_mtp_method_passes_its_draft_length():
+    sys.path.insert(0, str(PAIRS_DIR.parent))
+    import run_pairs
+
+    ap = run_pairs.argparse.ArgumentParser()
+    run_pairs.add_engine_options(ap)
+    ap.add_argument("--out", default="x.json")
+    ap.add_argument("--workdir", default="w")
+    a = ap.parse_args(["--prompts", "p.jsonl"])
+    assert a.mtp_k == mtp.SPECULATIVE_TOKENS
+    a = ap.parse_args(["--prompts", "p.jsonl", "--mtp-k", "2"])
+    cmd = run_pairs.engine_command(a, "hybrid-27b", "bfloat16", "mtp", "1,8")
+    assert cmd[cmd.index("--mtp-k") + 1] == "2"
+    assert cmd[cmd.index("--method") + 1] == "mtp"
+    assert mtp.speculative_config(2) == {"method": "mtp", "num_speculative_tokens": 2}
