@@ -455,3 +455,67 @@ def drafter_weights(
         "norm.weight",
         w.cast(geo.norm(small_dsd["norm.weight"], one_plus=False, final=True)),
     )
+
+
+def mtp_weights(
+    small_cfg: dict,
+    big_cfg: dict,
+    small_msd: dict[str, torch.Tensor],
+    *,
+    device="cpu",
+    dtype=torch.float32,
+    seed: int = 2,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The production MTP module's weights (``mtp.*``, as in Qwen3.5 / Qwen3.6
+    checkpoints) for the small target's MTP head ``small_msd`` (mtp.py); the
+    embedding and lm_head are the embedded target's, which vLLM shares.
+
+    Its inputs are the production target's final hidden state (the small one
+    on the first h units, the padded-vocabulary unit beside it) and the
+    production embedding (c times the small one, the same unit): the pre-fc
+    norms give the small normalised inputs on the first h units, as the
+    target's norms do. ``fc`` writes c times the small result into the first
+    h units of the head's residual stream and copies the padded-vocabulary
+    unit of the normalised embedding into the same unit (the embedding norm
+    passes it), so that the final norm passes it on to the shared lm_head and
+    padded tokens stay far below every real one, as in the target."""
+    small, big = text_config(small_cfg), text_config(big_cfg)
+    if big.get("mtp_num_hidden_layers", 0) < 1:
+        raise ValueError("the production config has no MTP layer")
+    check_compatible(small, big)
+    geo = Geometry(small, big, with_const_unit=big["vocab_size"] > small["vocab_size"])
+    w = _Writer(geo, device, dtype, seed)
+    h, H = geo.h, geo.H
+    hs = torch.arange(h, device=device)
+    fc = w.zeros(H, 2 * H)
+    w.put(fc, hs, hs, small_msd["mtp.fc.weight"][:, :h], geo.c)
+    w.put(fc, hs, H + hs, small_msd["mtp.fc.weight"][:, h:], geo.c)
+    emb_norm = geo.norm(
+        small_msd["mtp.pre_fc_norm_embedding.weight"], one_plus=True, final=True
+    )
+    if geo.const_unit is not None:
+        fc[geo.const_unit, geo.const_unit] = 1.0
+    yield "mtp.fc.weight", fc
+    yield "mtp.pre_fc_norm_embedding.weight", w.cast(emb_norm)
+    yield (
+        "mtp.pre_fc_norm_hidden.weight",
+        w.cast(
+            geo.norm(
+                small_msd["mtp.pre_fc_norm_hidden.weight"], one_plus=True, final=False
+            )
+        ),
+    )
+    one_layer = dict(num_hidden_layers=1, layer_types=["full_attention"])
+    yield from _layers(
+        w,
+        dict(small, **one_layer),
+        dict(big, **one_layer),
+        small_msd,
+        "mtp.",
+        [0],
+        one_plus=True,
+    )
+    yield (
+        "mtp.norm.weight",
+        w.cast(geo.norm(small_msd["mtp.norm.weight"], one_plus=True, final=True)),
+    )

@@ -89,8 +89,9 @@ def _qwen35_text(
     intermediate,
     tie,
     max_pos,
+    mtp_layers=0,
 ) -> dict:
-    return {
+    out = {
         "model_type": "qwen3_5_text",
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -124,6 +125,9 @@ def _qwen35_text(
         "initializer_range": 0.02,
         "dtype": "bfloat16",
     }
+    if mtp_layers:  # Qwen3.5 / Qwen3.6 checkpoints' MTP module (vLLM's "mtp")
+        out["mtp_num_hidden_layers"] = mtp_layers
+    return out
 
 
 def _qwen35_model(text: dict) -> dict:
@@ -279,6 +283,7 @@ PAIRS: dict[str, dict] = {
                 intermediate=17408,
                 tie=False,
                 max_pos=262144,
+                mtp_layers=1,
             )
         ),
         "big_drafter": _dflash(

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from bench.pairs import embed
+from bench.pairs import embed, mtp
 from bench.pairs import pair_configs as pc
 
 
@@ -108,24 +108,27 @@ class EmbeddedPairWorker:
         drafter = _drafter_model(runner)
         if with_drafter and drafter is not None:
             n_bytes = n_tensors = 0
-            small_d = _load_small(os.path.join(pair_dir, "drafter"))
-            drafter.load_weights(
-                counted(
-                    embed.drafter_weights(
-                        spec["small_drafter"],
-                        spec["big_drafter"],
-                        spec["small_target"],
-                        spec["big_target"],
-                        spec["placement"],
-                        small_d,
-                        device=device,
-                        dtype=dtype,
-                    )
+            if self.vllm_config.speculative_config.method == "mtp":
+                # the target's own MTP module (<pair_dir>/mtp), not a drafter
+                weights = mtp.embedded_weights(
+                    spec, _load_small(os.path.join(pair_dir, "mtp")), device, dtype
                 )
-            )
+            else:
+                weights = embed.drafter_weights(
+                    spec["small_drafter"],
+                    spec["big_drafter"],
+                    spec["small_target"],
+                    spec["big_target"],
+                    spec["placement"],
+                    _load_small(os.path.join(pair_dir, "drafter")),
+                    device=device,
+                    dtype=dtype,
+                )
+            drafter.load_weights(counted(weights))
             out.update(drafter_tensors=n_tensors, drafter_gib=round(n_bytes / 2**30, 2))
             # The drafter must read the target's embedding and lm_head (DFlash
-            # shares them at load time); a copy would still hold dummy values.
+            # and MTP share them at load time); a copy would still hold dummy
+            # values.
             lm_t = getattr(getattr(target, "language_model", target), "lm_head", None)
             out["drafter_shares_lm_head"] = bool(
                 lm_t is not None

@@ -39,6 +39,7 @@ import time
 
 from bench import common
 from bench.engine.probe import RunningProbe, engine_max_concurrency
+from bench.pairs import mtp
 from bench.pairs import pair_configs as pc
 
 METHODS = ("nospec", "chain", "ddtree")
@@ -47,7 +48,8 @@ METHODS = ("nospec", "chain", "ddtree")
 # "ddtree_measured", DDTree with ``budget_policy: "measured"`` on top of
 # ``--ddtree`` (the default policy since 2026-12-03). "ddtree" keeps the
 # meaning its earlier rows have: ``budget_policy: "batch"`` unless
-# ``--ddtree`` sets one.
+# ``--ddtree`` sets one. "mtp": the hybrid target's own MTP module
+# (``<pair>/mtp``, mtp.py), ``--mtp-k`` draft tokens, as Qwen3.6 users run it.
 DDTREE_METHODS = ("ddtree", "ddtree_measured")
 
 
@@ -461,7 +463,9 @@ def run_engine(a) -> None:
     spec = pc.load_pair(a.models, a.pair)
     small = a.method == "small"
     drafter_id = (
-        None if a.method == "nospec" or small else pc.weights_id(a.models, a.pair)
+        None
+        if a.method == "nospec" or small
+        else pc.weights_id(a.models, a.pair, "mtp" if a.method == "mtp" else "drafter")
     )
     pdir = os.path.join(a.models, a.pair)
     target = os.path.join(pdir, "target" if small else "production-target")
@@ -487,6 +491,8 @@ def run_engine(a) -> None:
             kw["speculative_config"]["budget_policy"] = "measured"
         else:
             kw["speculative_config"].setdefault("budget_policy", "batch")
+    elif a.method == "mtp":
+        kw["speculative_config"] = mtp.speculative_config(a.mtp_k)
     if a.llm_kwargs:
         kw.update(json.loads(a.llm_kwargs))
     t0 = time.time()
@@ -653,6 +659,8 @@ def run_engine(a) -> None:
                 row["step_costs_ms"] = step_costs
         elif a.method in ("chain", "chain_v2"):
             row["k"] = a.chain_k
+        elif a.method == "mtp":
+            row["k"] = a.mtp_k
         if load:
             row["weights_written"] = load
         common.emit("ROW", row)
@@ -767,6 +775,13 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
         "tell methods 3%% apart",
     )
     ap.add_argument(
+        "--mtp-k",
+        type=int,
+        default=mtp.SPECULATIVE_TOKENS,
+        help="draft tokens of the mtp method (default: mtp.py's choice from "
+        "the head's offline tau)",
+    )
+    ap.add_argument(
         "--ddtree",
         default="{}",
         help="DDTree speculative_config keys (JSON), e.g. '{\"tree_budget\": 64}'",
@@ -814,6 +829,7 @@ ENGINE_OPTIONS = (
     "c1_prompts",
     "per_client",
     "min_prompts",
+    "mtp_k",
     "ddtree",
     "sampled_conc",
     "warm_tokens",

@@ -16,7 +16,9 @@ go to ``--rows``). Then one row per pair and concurrency goes to ``--out``:
 "budget_chosen", "tau"}``, where ``ddtree_*`` is the first policy of
 ``--policies`` (the one judged), ``tau`` its acceptance length, plus each
 other policy's tokens/s and budget, both alternatives' tau and
-``ddtree_over_best``: DDTree's tokens/s over max(chain, no speculation).
+``ddtree_over_best``: DDTree's tokens/s over max(chain, no speculation,
+MTP); ``mtp_tok_s``, ``mtp_tau`` and ``mtp_k`` where the target's MTP module
+ran (``--methods mtp`` adds its engine's rows to ``--rows``).
 ``--tabulate`` rebuilds ``--out`` from existing ``--rows`` without running.
 """
 
@@ -70,12 +72,23 @@ def tabulate(
             chain_tau=chain.get("tau") if chain else None,
             chain_method=chain_method,
         )
+        # The target's own MTP module (run_pairs method "mtp"), where it ran:
+        # one more alternative DDTree is judged against.
+        mtp = by_key.get((pair, "mtp", conc))
+        if mtp:
+            row.update(
+                mtp_tok_s=mtp["tok_s"], mtp_tau=mtp.get("tau"), mtp_k=mtp.get("k")
+            )
         for other in policies[1:]:
             r = by_key.get((pair, POLICY_METHODS[other], conc))
             row[f"ddtree_{other}_tok_s"] = r["tok_s"] if r else None
             row[f"ddtree_{other}_budget"] = r.get("budget_chosen") if r else None
             row[f"ddtree_{other}_tau"] = r.get("tau") if r else None
-        best = [x for x in (row["nospec_tok_s"], row["chain_tok_s"]) if x]
+        best = [
+            x
+            for x in (row["nospec_tok_s"], row["chain_tok_s"], row.get("mtp_tok_s"))
+            if x
+        ]
         row["ddtree_over_best"] = (
             round(row["ddtree_tok_s"] / max(best), 3) if best else None
         )
@@ -91,7 +104,12 @@ def tabulate(
         # figure there carries a stall.
         compiles = {
             name: r["jit_compiles"]
-            for name, r in (("ddtree", tree), ("nospec", nospec), ("chain", chain))
+            for name, r in (
+                ("ddtree", tree),
+                ("nospec", nospec),
+                ("chain", chain),
+                ("mtp", mtp),
+            )
             if r and r.get("jit_compiles")
         }
         if compiles:

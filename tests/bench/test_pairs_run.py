@@ -196,6 +196,12 @@ def test_policy_table_judges_the_first_policy_against_the_best_alternative():
     assert c32["ddtree_batch_tok_s"] is None
     # The batch policy judged instead: only the concurrencies it ran.
     assert [r["concurrency"] for r in run_policy.tabulate(rows, ["batch"])] == [1]
+    assert "mtp_tok_s" not in c1
+    # The target's MTP module where it ran: one more alternative.
+    mtp_rows = rows + [row("mtp", 1, 400.0, tau=2.9, k=3)]
+    c1 = run_policy.tabulate(mtp_rows, ["measured", "batch"])[0]
+    assert (c1["mtp_tok_s"], c1["mtp_tau"], c1["mtp_k"]) == (400.0, 2.9, 3)
+    assert c1["ddtree_over_best"] == 0.9 and c1["ddtree_over_chain"] == 1.2
 
 
 class _FakeEngine:

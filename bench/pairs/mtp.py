@@ -1,0 +1,631 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""An MTP head for a Qwen3.5-architecture benchmark pair: the model's own
+multi-token-prediction module as vLLM's ``method: "mtp"`` loads it
+(``vllm/model_executor/models/qwen3_5_mtp.py``), trained on the small target's
+own greedy continuations, and its offline acceptance.
+
+    python3 -m bench.pairs.mtp [--models bench/pairs/models] [--pair hybrid-27b]
+        [--seconds 840] [--work /tmp/mtp-work] [--threads 2] [--seed 0]
+
+The module (``MTPHead``; checkpoint names ``mtp.*`` as in Qwen3.5 / Qwen3.6
+checkpoints): ``fc`` over ``[pre_fc_norm_embedding(embed(token t+1));
+pre_fc_norm_hidden(h_t)]``, one full-attention decoder layer of the target's
+shape, a final ``norm``; the embedding and lm_head are the target's (vLLM shares
+them). ``h_t`` is the target's last hidden state at position t (after its final
+norm, as vLLM's Qwen3.5 model returns it) and the head at position t predicts
+token t + 2. vLLM drafts k tokens by running the one layer k times: step s + 1
+reads step s's output hidden state and its argmax token, one position further,
+attending to the head's own keys and values (those of verified positions come
+from the target's hidden states).
+
+Steps (CPU is enough; seeded; time-boxed by ``--seconds``):
+
+1. the held-out evaluation sequences, as train.evaluate makes them (the prompts
+   of ``prompts/heldout.jsonl`` cut to their last 160 tokens, 256 greedy tokens);
+2. the target's greedy continuations of standard-library code windows;
+3. the head, on those, at random positions: steps 1..``--unroll`` through
+   the recursion above, teacher-forced (hard and soft targets: the target's
+   own distribution, as the DFlash drafter is trained), its decoder layer
+   started from the target's last full-attention layer;
+4. offline tau of the chain MTP drafts for k = 1..4 tokens, replayed as vLLM
+   verifies it at temperature 0 (acceptance.chain_steps).
+
+Writes ``<models>/<pair>/mtp/{model.safetensors,config.json,train_log.json}``;
+the config is the target's with ``mtp_num_hidden_layers`` (what vLLM reads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import json
+import os
+import random
+import sys
+import sysconfig
+import time
+
+from bench.pairs import pair_configs as pc
+
+MTP_LAYERS = 1  # Qwen3.5 / Qwen3.6 checkpoints carry one MTP layer
+# The mtp method's draft length: best_k of the committed hybrid-27b head's
+# offline tau (models/hybrid-27b/mtp/train_log.json).
+SPECULATIVE_TOKENS = 3
+EVAL_DEPTHS = (1, 2, 3, 4)
+TRAIN_PROMPT_LEN = 128
+TRAIN_NEW_TOKENS = 128
+
+
+def log(msg: str) -> None:
+    print(f"[mtp {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def with_mtp_keys(cfg: dict) -> dict:
+    """A Qwen3.5 model config with the key vLLM's MTP reads
+    (``mtp_num_hidden_layers`` in its text config)."""
+    out = copy.deepcopy(cfg)
+    pc.text_config(out)["mtp_num_hidden_layers"] = MTP_LAYERS
+    return out
+
+
+def layer_config(text: dict) -> dict:
+    """The text config of the head's decoder layer: the target's, one
+    full-attention layer."""
+    out = copy.deepcopy(text)
+    out.update(num_hidden_layers=1, layer_types=["full_attention"])
+    return out
+
+
+def build_head(target_cfg: dict):
+    import torch
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        Qwen3_5DecoderLayer,
+        Qwen3_5RMSNorm,
+        Qwen3_5TextRotaryEmbedding,
+    )
+
+    class MTPHead(torch.nn.Module):
+        """Qwen3.5's MTP module (vLLM's Qwen3_5MultiTokenPredictor) on
+        transformers' Qwen3.5 decoder layer; state-dict names are the
+        checkpoint's without the ``mtp.`` prefix."""
+
+        def __init__(self, text: dict):
+            super().__init__()
+            cfg = Qwen3_5TextConfig(**layer_config(text))
+            cfg._attn_implementation = "sdpa"
+            h, eps = cfg.hidden_size, cfg.rms_norm_eps
+            self.pre_fc_norm_embedding = Qwen3_5RMSNorm(h, eps=eps)
+            self.pre_fc_norm_hidden = Qwen3_5RMSNorm(h, eps=eps)
+            self.fc = torch.nn.Linear(2 * h, h, bias=False)
+            self.layers = torch.nn.ModuleList([Qwen3_5DecoderLayer(cfg, 0)])
+            self.norm = Qwen3_5RMSNorm(h, eps=eps)
+            self.rotary_emb = Qwen3_5TextRotaryEmbedding(cfg)
+
+        def forward(self, embeds, hidden, positions, mask=None):
+            """``embeds``, ``hidden`` [B, T, h]; ``positions`` [B, T]; ``mask``
+            None (causal) or bool [B, 1, T, T] (True: attend). Returns the
+            normed output hidden states [B, T, h]."""
+            x = self.fc(
+                torch.cat(
+                    [
+                        self.pre_fc_norm_embedding(embeds),
+                        self.pre_fc_norm_hidden(hidden),
+                    ],
+                    dim=-1,
+                )
+            )
+            pe = self.rotary_emb(x, positions[None].expand(3, -1, -1))
+            for layer in self.layers:
+                x = layer(x, position_embeddings=pe, attention_mask=mask)
+            return self.norm(x)
+
+    return MTPHead(pc.text_config(target_cfg))
+
+
+def save_head(head, target_cfg: dict, out_dir: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    sd = {
+        "mtp." + k: v.detach().to(torch.bfloat16).cpu().contiguous()
+        for k, v in head.state_dict().items()
+    }
+    save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(with_mtp_keys(target_cfg), f, indent=1)
+        f.write("\n")
+
+
+def load_head(path: str):
+    """(head in float32, eval mode; its config) from a directory of save_head."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    head = build_head(cfg)
+    sd = {
+        k[len("mtp.") :]: v.float()
+        for k, v in load_file(os.path.join(path, "model.safetensors")).items()
+    }
+    head.load_state_dict(sd)
+    return head.eval(), cfg
+
+
+def embedded_weights(spec: dict, small_msd: dict, device, dtype):
+    """The MTP head ``small_msd`` (a save_head checkpoint) at the production
+    shape of the pair ``spec`` (pair_configs.load_pair), one tensor at a time
+    (embed.mtp_weights), for the MTP model's ``load_weights``."""
+    from bench.pairs import embed
+
+    return embed.mtp_weights(
+        spec["small_target"], spec["big_target"], small_msd, device=device, dtype=dtype
+    )
+
+
+def step_weights(big_cfg: dict) -> tuple[int, int]:
+    """Weights one decode step reads at the production shape: (the target's
+    layers and lm_head, one MTP draft step's layer, fc and lm_head)."""
+    t = pc.text_config(big_cfg)
+    h, inter, hd = t["hidden_size"], t["intermediate_size"], t["head_dim"]
+    mlp = 3 * h * inter
+    attn = h * hd * (3 * t["num_attention_heads"] + 2 * t["num_key_value_heads"])
+    dk, dv = t["linear_key_head_dim"], t["linear_value_head_dim"]
+    keys, vals = t["linear_num_key_heads"] * dk, t["linear_num_value_heads"] * dv
+    gdn = h * (2 * keys + vals) + 2 * h * vals + 2 * h * t["linear_num_value_heads"]
+    lm_head = t["vocab_size"] * h
+    layers = sum(
+        mlp + (attn if kind == "full_attention" else gdn) for kind in t["layer_types"]
+    )
+    return layers + lm_head, 2 * h * h + attn + mlp + lm_head
+
+
+def best_k(tau: dict[str, float], big_cfg: dict) -> int:
+    """The draft length with the most tokens per unit of single-request step
+    time, estimated from offline tau: a decode step at one request reads the
+    weights (memory bound), so a step with k MTP drafts costs about
+    ``1 + k * r`` target steps, r the ratio of step_weights."""
+    target, draft = step_weights(big_cfg)
+    r = draft / target
+    return max((int(k) for k in tau), key=lambda k: tau[str(k)] / (1 + k * r))
+
+
+def speculative_config(num_speculative_tokens: int) -> dict:
+    """vLLM's speculative_config for the target's own MTP module, run
+    ``num_speculative_tokens`` times per step (the draft model is the
+    target's checkpoint: no ``model``)."""
+    return {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}
+
+
+# ---------------------------------------------------------------- the recursion
+
+
+def recursive_logits(
+    head,
+    hidden,
+    tokens,
+    embed,
+    lm_head,
+    anchors,
+    depth: int,
+    teacher_forced: bool,
+):
+    """Logits [B, N, depth, V] of the head run ``depth`` times as vLLM drafts:
+    for a bonus token at position p (``anchors`` [B, N], p >= 1), step 1 reads
+    the target's hidden state at p - 1 and token p (position p - 1) and
+    predicts token p + 1; step s >= 2 reads step s - 1's output hidden state
+    and token p + s - 1 at position p + s - 2 (``teacher_forced``: the true
+    token, else step s - 1's argmax) and predicts token p + s.
+
+    One pass per step over a packed sequence: the L - 1 step-1 inputs of the
+    whole sequence (causal), then each anchor's later steps, which attend to
+    the step-1 entries before position p and to their own anchor's earlier
+    steps: the keys and values vLLM's draft steps see."""
+    import torch
+
+    b, seq_len = tokens.shape
+    n = anchors.shape[1]
+    dev = tokens.device
+    pos1 = torch.arange(seq_len - 1, device=dev).expand(b, -1)
+    emb1 = embed[tokens[:, 1:]]
+    out1 = head(emb1, hidden[:, :-1], pos1)
+    gather = (anchors - 1)[..., None].expand(-1, -1, out1.shape[-1])
+    h_prev = torch.gather(out1, 1, gather)  # [B, N, h]
+    logits = [h_prev @ lm_head.T]
+    if depth == 1:
+        return torch.stack(logits, 2)
+    t1 = seq_len - 1
+    cols1 = torch.arange(t1, device=dev)
+    lvl_emb, lvl_hid, lvl_pos = [], [], []
+    for s in range(2, depth + 1):
+        if teacher_forced:
+            tok = torch.gather(tokens, 1, anchors + s - 1)
+        else:
+            tok = logits[-1].argmax(-1)
+        lvl_emb.append(embed[tok])
+        lvl_hid.append(h_prev)
+        lvl_pos.append(anchors + s - 2)
+        levels = s - 1
+        total = t1 + levels * n
+        mask = torch.zeros(b, total, total, dtype=torch.bool, device=dev)
+        mask[:, :t1, :t1] = torch.ones(t1, t1, dtype=torch.bool, device=dev).tril()
+        # draft rows: step-1 columns before the anchor, own anchor's levels <= own
+        before = cols1[None, None, :] < anchors[:, :, None]  # [B, N, t1]
+        for li in range(levels):
+            rows = slice(t1 + li * n, t1 + (li + 1) * n)
+            mask[:, rows, :t1] = before
+            for lj in range(li + 1):
+                cols = slice(t1 + lj * n, t1 + (lj + 1) * n)
+                mask[:, rows, cols] = torch.eye(n, dtype=torch.bool, device=dev)
+        out = head(
+            torch.cat([emb1, *lvl_emb], 1),
+            torch.cat([hidden[:, :-1], *lvl_hid], 1),
+            torch.cat([pos1, *lvl_pos], 1),
+            mask[:, None],
+        )
+        h_prev = out[:, -n:]
+        logits.append(h_prev @ lm_head.T)
+    return torch.stack(logits, 2)
+
+
+# ---------------------------------------------------------------- data
+
+
+def target_hidden(model, seqs, batch: int = 16):
+    """The target's last hidden states (after its final norm) over ``seqs``
+    [B, L]."""
+    import torch
+
+    with torch.no_grad():
+        return torch.cat(
+            [
+                model.model(input_ids=x).last_hidden_state.float()
+                for x in seqs.split(batch)
+            ]
+        )
+
+
+def init_from_target(head, model) -> None:
+    """Start the head's decoder layer and final norm from the target's last
+    full-attention layer and final norm (the same shapes), and ``fc`` from
+    passing the hidden state through (identity on the hidden half, small
+    random weights on the embedding half)."""
+    import torch
+
+    kinds = model.config.layer_types
+    last = max(i for i, k in enumerate(kinds) if k == "full_attention")
+    with torch.no_grad():
+        head.layers[0].load_state_dict(model.model.layers[last].state_dict())
+        head.norm.load_state_dict(model.model.norm.state_dict())
+        h = head.fc.weight.shape[0]
+        head.fc.weight[:, :h].mul_(0.1)
+        head.fc.weight[:, h:].copy_(torch.eye(h))
+
+
+def heldout_sequences(model, prompts_path: str, n_prompts: int, plen: int, new: int):
+    """train.evaluate's held-out sequences: prompts of at least ``plen`` tokens
+    cut to their last ``plen``, continued greedily by ``new`` tokens."""
+    import torch
+
+    from bench.pairs import train
+
+    with open(prompts_path) as f:
+        rows = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
+    rows = [r[-plen:] for r in rows if len(r) >= plen][:n_prompts]
+    return train.target_continue(model, torch.tensor(rows), new, False)
+
+
+def corpus_ids(tokenizer_path: str, max_bytes: int, seed: int):
+    """Token ids of standard-library Python files (the held-out packages of
+    train.py, jax and networkx, are not in it), EOS-separated."""
+    import torch
+    from tokenizers import Tokenizer
+
+    files = sorted(
+        glob.glob(
+            os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True
+        )
+    )
+    random.Random(seed).shuffle(files)
+    tok = Tokenizer.from_file(tokenizer_path)
+    ids, n = [], 0
+    for path in files:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if not 200 < len(text) < 200_000:
+            continue
+        ids += tok.encode(text).ids + [pc.EOS_ID]
+        n += len(text)
+        if n >= max_bytes:
+            break
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def train_sequences(model, corpus, batch: int, deadline: float, seed: int, cache: str):
+    """Greedy continuations of random corpus windows, a batch at a time until
+    ``deadline`` (at least one batch); the batches already in ``cache`` (the
+    same seeded draws) are reused. ``corpus()`` gives the token ids."""
+    import torch
+
+    from bench.pairs import train
+
+    gen = torch.Generator().manual_seed(seed)
+    seqs = torch.load(cache) if os.path.exists(cache) else None
+    if seqs is not None and time.time() >= deadline:
+        return seqs
+    ids = corpus()
+    done = 0 if seqs is None else len(seqs) // batch
+    drawn = 0
+    while True:
+        st = torch.randint(
+            0, ids.numel() - TRAIN_PROMPT_LEN - 1, (batch,), generator=gen
+        )
+        drawn += 1
+        if drawn <= done:
+            continue
+        if seqs is not None and time.time() >= deadline:
+            return seqs
+        p = torch.stack([ids[s : s + TRAIN_PROMPT_LEN] for s in st.tolist()])
+        out = train.target_continue(model, p, TRAIN_NEW_TOKENS, False)
+        seqs = out if seqs is None else torch.cat([seqs, out])
+        torch.save(seqs, cache)
+        log(f"{len(seqs)} training continuations")
+
+
+# ---------------------------------------------------------------- training, evaluation
+
+
+def distill_loss(logits, teacher_logp):
+    """Half cross-entropy on the target's argmax, half on its distribution
+    (the DFlash drafter's loss), averaged."""
+    import torch
+
+    lq = logits.float().log_softmax(-1)
+    hard = teacher_logp.argmax(-1, keepdim=True)
+    ce_hard = -torch.gather(lq, -1, hard)[..., 0]
+    ce_soft = -(teacher_logp.exp() * lq).sum(-1)
+    return (0.5 * ce_hard + 0.5 * ce_soft).mean()
+
+
+def train_head(a, head, model, seqs, hidden, deadline: float, rec: dict) -> None:
+    import torch
+
+    from bench.pairs import train
+
+    embed = model.model.embed_tokens.weight
+    lm_head = model.lm_head.weight
+    opt = torch.optim.AdamW(
+        head.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01
+    )
+    gen = torch.Generator().manual_seed(a.seed + 11)
+    seq_len, width = seqs.shape[1], hidden.shape[-1]
+    lo = TRAIN_PROMPT_LEN // 4
+    t1, step, curve = time.time(), 0, []
+    budget = max(1.0, deadline - t1)
+    head.train()
+    while time.time() < deadline:
+        rows = torch.randint(0, seqs.shape[0], (a.batch,), generator=gen)
+        x, h = seqs[rows], hidden[rows]
+        anchors = torch.stack(
+            [
+                torch.randperm(seq_len - a.unroll - lo, generator=gen)[: a.anchors] + lo
+                for _ in range(a.batch)
+            ]
+        )
+        # step s at anchor p predicts token p + s: the target's distribution
+        # at position p + s - 1
+        with torch.no_grad():
+            teacher = torch.stack(
+                [
+                    (torch.gather(h, 1, (anchors + s)[..., None].expand(-1, -1, width)))
+                    for s in range(a.unroll)
+                ],
+                2,
+            )
+            teacher = (teacher @ lm_head.T).log_softmax(-1)
+        for g in opt.param_groups:
+            g["lr"] = train.lr_at(step, (time.time() - t1) / budget, a.lr, 20, 0.05)
+        logits = recursive_logits(head, h, x, embed, lm_head, anchors, a.unroll, True)
+        losses = [
+            distill_loss(logits[:, :, s], teacher[:, :, s]) for s in range(a.unroll)
+        ]
+        loss = sum(losses) / len(losses)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if step % 10 == 0 or time.time() >= deadline:
+            acc = (logits.argmax(-1) == teacher.argmax(-1)).float().mean((0, 1))
+            curve.append(
+                [
+                    step,
+                    round(loss.item(), 4),
+                    [round(v.item(), 4) for v in losses],
+                    [round(v, 3) for v in acc.tolist()],
+                ]
+            )
+            log(f"step {step} loss {curve[-1][2]} teacher-forced acc {curve[-1][3]}")
+    head.eval()
+    rec["training"] = {
+        "steps": step,
+        "batch": a.batch,
+        "anchors_per_seq": a.anchors,
+        "unroll": a.unroll,
+        "peak_lr": a.lr,
+        "seconds": round(time.time() - t1, 1),
+        "init": "decoder layer and final norm from the target's last "
+        "full-attention layer and final norm; fc passes the hidden state",
+        "curve": "[step, loss, loss per step 1..unroll, teacher-forced "
+        "top-1 agreement with the target per step 1..unroll]",
+        "points": curve,
+    }
+
+
+def offline_tau(head, model, seqs, hidden, plen: int) -> dict:
+    """Tau of the MTP chain for k = 1..max(EVAL_DEPTHS) draft tokens on the
+    greedy sequences ``seqs`` (prompt ``plen`` tokens), replayed as vLLM
+    verifies at temperature 0; also the rate at which step s's draft is the
+    target's token when steps 1..s-1 were (the chain's per-depth acceptance)."""
+    import torch
+
+    from bench.pairs import acceptance
+
+    depth = max(EVAL_DEPTHS)
+    embed = model.model.embed_tokens.weight
+    lm_head = model.lm_head.weight
+    steps = {k: [] for k in EVAL_DEPTHS}
+    hits = torch.zeros(depth)
+    tries = torch.zeros(depth)
+    seq_len = seqs.shape[1]
+    end = seq_len - 1
+    anchors = torch.arange(plen, end)
+    with torch.no_grad():
+        for x, h in zip(seqs, hidden):
+            lg = recursive_logits(
+                head, h[None], x[None], embed, lm_head, anchors[None], depth, False
+            )
+            draft = torch.zeros(seq_len, depth, dtype=torch.long)
+            draft[plen:end] = lg[0].argmax(-1)
+            toks = x.tolist()
+            for k in EVAL_DEPTHS:
+                steps[k].append(acceptance.chain_steps(draft[:, :k], toks, plen, end))
+            for p in range(plen, end):
+                for s in range(depth):
+                    if p + 1 + s > end:
+                        break
+                    tries[s] += 1
+                    if int(draft[p, s]) != toks[p + 1 + s]:
+                        break
+                    hits[s] += 1
+    return {
+        "prompts": len(seqs),
+        "temperature": 0.0,
+        "prompt_tokens": plen,
+        "new_tokens": seq_len - plen,
+        "mtp_tau": {str(k): round(acceptance.tau(steps[k]), 3) for k in EVAL_DEPTHS},
+        "per_depth_acceptance": [
+            round(float(hits[s] / max(1.0, float(tries[s]))), 3) for s in range(depth)
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--models",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "models"),
+    )
+    ap.add_argument("--pair", default="hybrid-27b")
+    ap.add_argument(
+        "--seconds",
+        type=float,
+        default=840.0,
+        help="wall-clock budget of continuations and training (the held-out "
+        "sequences and the evaluation come on top)",
+    )
+    ap.add_argument("--work", default="/tmp/mtp-work", help="cache of sequences")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (one is fastest on a shared, oversubscribed CPU)",
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gen-batch", type=int, default=64)
+    ap.add_argument("--gen-share", type=float, default=0.35)
+    ap.add_argument("--corpus-mb", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--anchors", type=int, default=32, help="per sequence")
+    ap.add_argument("--unroll", type=int, default=3, help="draft steps trained")
+    ap.add_argument("--lr", type=float, default=2e-3, help="peak")
+    ap.add_argument("--prompts", type=int, default=48)
+    a = ap.parse_args(argv)
+
+    import torch
+    import transformers
+
+    from bench.pairs import train
+
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    t0 = time.time()
+    os.makedirs(a.work, exist_ok=True)
+    spec = pc.load_pair(a.models, a.pair)
+    if "text_config" not in spec["small_target"]:
+        sys.exit(f"{a.pair}: not a Qwen3.5-architecture target (no MTP module)")
+    pdir = os.path.join(a.models, a.pair)
+    model = train.build_target(a.pair, torch.device("cpu"))
+    train.load_target(model, os.path.join(pdir, "target"))
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    rec: dict = {
+        "pair": a.pair,
+        "seed": a.seed,
+        "device": "cpu",
+        "threads": a.threads,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "target_id": pc.weights_id(a.models, a.pair, "target"),
+    }
+    held_path = os.path.join(a.work, "heldout.pt")
+    if os.path.exists(held_path):
+        held = torch.load(held_path)
+    else:
+        held = heldout_sequences(
+            model,
+            os.path.join(a.models, "prompts", "heldout.jsonl"),
+            a.prompts,
+            train.EVAL_PROMPT_LEN,
+            train.EVAL_NEW_TOKENS,
+        )
+        torch.save(held, held_path)
+    log(f"held-out sequences {tuple(held.shape)} ({time.time() - t0:.0f} s)")
+    t1 = time.time()
+    seqs = train_sequences(
+        model,
+        lambda: corpus_ids(
+            os.path.join(a.models, "tokenizer", "tokenizer.json"),
+            a.corpus_mb << 20,
+            a.seed,
+        ),
+        a.gen_batch,
+        t1 + a.gen_share * a.seconds,
+        a.seed + 7,
+        os.path.join(a.work, "train_seqs.pt"),
+    )
+    rec["continuations"] = {
+        "source": "standard-library Python windows",
+        "sequences": seqs.shape[0],
+        "prompt_len": TRAIN_PROMPT_LEN,
+        "new_tokens": TRAIN_NEW_TOKENS,
+    }
+    hidden = target_hidden(model, seqs)
+    log(f"{len(seqs)} training sequences and their hidden states")
+    head = build_head(spec["small_target"])
+    init_from_target(head, model)
+    train_head(a, head, model, seqs, hidden, t1 + a.seconds, rec)
+    train.round_to_bf16_(head)
+    out_dir = os.path.join(pdir, "mtp")
+    save_head(head, spec["small_target"], out_dir)
+    held_hidden = target_hidden(model, held)
+    rec["offline_heldout"] = offline_tau(
+        head, model, held, held_hidden, train.EVAL_PROMPT_LEN
+    )
+    rec["mtp_id"] = pc.weights_id(a.models, a.pair, "mtp")
+    rec["seconds"] = round(time.time() - t0, 1)
+    log(f"offline held-out {rec['offline_heldout']}")
+    with open(os.path.join(out_dir, "train_log.json"), "w") as f:
+        json.dump(rec, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
