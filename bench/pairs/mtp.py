@@ -21,7 +21,7 @@ from the target's hidden states).
 
 Steps (CPU is enough; seeded; time-boxed by ``--seconds``):
 
-1. the held-out evaluation sequences, as train.evaluate makes them (the prompts
+1. the held-out evaluation sequences, as offline_tau.evaluate makes them (the prompts
    of ``prompts/heldout.jsonl`` cut to their last 160 tokens, 256 greedy tokens);
 2. the target's greedy continuations of standard-library code windows;
 3. the head, on those, at random positions: steps 1..``--unroll`` through
@@ -48,6 +48,13 @@ import sysconfig
 import time
 
 from bench.pairs import pair_configs as pc
+from bench.pairs.offline_tau import (
+    EVAL_NEW_TOKENS,
+    EVAL_PROMPT_LEN,
+    build_target,
+    load_target,
+    target_continue,
+)
 
 MTP_LAYERS = 1  # Qwen3.5 / Qwen3.6 checkpoints carry one MTP layer
 # The mtp method's draft length: best_k of the committed hybrid-27b head's
@@ -306,16 +313,14 @@ def init_from_target(head, model) -> None:
 
 
 def heldout_sequences(model, prompts_path: str, n_prompts: int, plen: int, new: int):
-    """train.evaluate's held-out sequences: prompts of at least ``plen`` tokens
+    """offline_tau.evaluate's held-out sequences: prompts of at least ``plen`` tokens
     cut to their last ``plen``, continued greedily by ``new`` tokens."""
     import torch
-
-    from bench.pairs import train
 
     with open(prompts_path) as f:
         rows = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
     rows = [r[-plen:] for r in rows if len(r) >= plen][:n_prompts]
-    return train.target_continue(model, torch.tensor(rows), new, False)
+    return target_continue(model, torch.tensor(rows), new, False)
 
 
 def corpus_ids(tokenizer_path: str, max_bytes: int, seed: int):
@@ -353,8 +358,6 @@ def train_sequences(model, corpus, batch: int, deadline: float, seed: int, cache
     same seeded draws) are reused. ``corpus()`` gives the token ids."""
     import torch
 
-    from bench.pairs import train
-
     gen = torch.Generator().manual_seed(seed)
     seqs = torch.load(cache) if os.path.exists(cache) else None
     if seqs is not None and time.time() >= deadline:
@@ -372,7 +375,7 @@ def train_sequences(model, corpus, batch: int, deadline: float, seed: int, cache
         if seqs is not None and time.time() >= deadline:
             return seqs
         p = torch.stack([ids[s : s + TRAIN_PROMPT_LEN] for s in st.tolist()])
-        out = train.target_continue(model, p, TRAIN_NEW_TOKENS, False)
+        out = target_continue(model, p, TRAIN_NEW_TOKENS, False)
         seqs = out if seqs is None else torch.cat([seqs, out])
         torch.save(seqs, cache)
         log(f"{len(seqs)} training continuations")
@@ -561,8 +564,8 @@ def main(argv: list[str] | None = None) -> None:
     if "text_config" not in spec["small_target"]:
         sys.exit(f"{a.pair}: not a Qwen3.5-architecture target (no MTP module)")
     pdir = os.path.join(a.models, a.pair)
-    model = train.build_target(a.pair, torch.device("cpu"))
-    train.load_target(model, os.path.join(pdir, "target"))
+    model = build_target(a.pair, torch.device("cpu"))
+    load_target(model, os.path.join(pdir, "target"))
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -583,8 +586,8 @@ def main(argv: list[str] | None = None) -> None:
             model,
             os.path.join(a.models, "prompts", "heldout.jsonl"),
             a.prompts,
-            train.EVAL_PROMPT_LEN,
-            train.EVAL_NEW_TOKENS,
+            EVAL_PROMPT_LEN,
+            EVAL_NEW_TOKENS,
         )
         torch.save(held, held_path)
     log(f"held-out sequences {tuple(held.shape)} ({time.time() - t0:.0f} s)")
@@ -617,7 +620,7 @@ def main(argv: list[str] | None = None) -> None:
     save_head(head, spec["small_target"], out_dir)
     held_hidden = target_hidden(model, held)
     rec["offline_heldout"] = offline_tau(
-        head, model, held, held_hidden, train.EVAL_PROMPT_LEN
+        head, model, held, held_hidden, EVAL_PROMPT_LEN
     )
     rec["mtp_id"] = pc.weights_id(a.models, a.pair, "mtp")
     rec["seconds"] = round(time.time() - t0, 1)

@@ -135,13 +135,14 @@ def evaluate(
     seed: int = 0,
     prompt_tokens: int = EVAL_PROMPT_LEN,
     min_prompt_tokens: int | None = None,
+    new_tokens: int = EVAL_NEW_TOKENS,
 ) -> dict:
     """Offline tau: the prompts of ``prompts_path`` with at least
     ``min_prompt_tokens`` (default: ``prompt_tokens``) tokens, cut to their
-    last ``prompt_tokens`` (one batch, no padding), continued by the target
-    greedily or, with ``temperature`` > 0, sampled at that temperature (seeded
-    by ``seed``): acceptance.py says why the same replay then gives the tau of
-    sampled verification."""
+    last ``prompt_tokens`` (one batch, no padding), continued ``new_tokens``
+    by the target greedily or, with ``temperature`` > 0, sampled at that
+    temperature (seeded by ``seed``): acceptance.py says why the same replay
+    then gives the tau of sampled verification."""
     import torch
 
     from bench.pairs import acceptance
@@ -151,7 +152,7 @@ def evaluate(
     layer_ids = dcfg["dflash_config"]["target_layer_ids"]
     block = dcfg["block_size"]
     amp = device.type == "cuda"
-    new, plen = EVAL_NEW_TOKENS, prompt_tokens
+    new, plen = new_tokens, prompt_tokens
     least = max(plen, min_prompt_tokens or 0)
     with open(prompts_path) as f:
         rows = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]

@@ -43,12 +43,18 @@ import sysconfig
 import time
 
 from bench.pairs import pair_configs as pc
+from bench.pairs.offline_tau import (
+    EVAL_NEW_TOKENS,
+    EVAL_PROMPT_LEN,
+    build_target,
+    evaluate,
+    load_drafter,
+    load_target,
+    target_continue,
+)
 
 PROMPT_LEN = 128  # self-distillation: corpus window the target continues
 CONT_LEN = 384  # tokens of greedy continuation
-EVAL_NEW_TOKENS = 256
-EVAL_BUDGETS = (16, 64, 256)
-EVAL_PROMPT_LEN = 160
 
 
 def log(msg: str) -> None:
@@ -226,22 +232,6 @@ def prepare(a) -> None:
 # ---------------------------------------------------------------- models
 
 
-def build_target(name: str, device):
-    import torch
-
-    cfg = pc.pair(name)["small_target"]
-    text = pc.text_config(cfg)
-    if "text_config" in cfg:
-        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
-    else:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        model = Qwen3ForCausalLM(Qwen3Config(**text))
-    return model.to(device=device, dtype=torch.float32)
-
-
 def save_target(name: str, model, out_dir: str, seed: int) -> None:
     """HF layout with the pair's config; a Qwen3.5 target is saved as
     Qwen3_5ForConditionalGeneration (its text weights under
@@ -280,29 +270,6 @@ def save_target(name: str, model, out_dir: str, seed: int) -> None:
         json.dump({"bos_token_id": pc.EOS_ID, "eos_token_id": pc.EOS_ID}, f)
 
 
-def load_target(model, path: str) -> None:
-    """Weights saved by save_target into the text-only model of build_target."""
-    import torch
-    from safetensors.torch import load_file
-
-    sd = {}
-    for k, v in load_file(os.path.join(path, "model.safetensors")).items():
-        if k.startswith("model.visual."):
-            continue
-        sd[k.replace("model.language_model.", "model.", 1)] = v.float()
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if unexpected or [m for m in missing if m != "lm_head.weight"]:
-        raise RuntimeError(
-            f"target weights do not fit: missing {missing}, unexpected {unexpected}"
-        )
-    model.tie_weights()
-    with torch.no_grad():
-        assert (
-            torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
-            or "lm_head.weight" in sd
-        )
-
-
 def save_drafter(name: str, drafter, out_dir: str) -> None:
     import torch
     from safetensors.torch import save_file
@@ -315,34 +282,6 @@ def save_drafter(name: str, drafter, out_dir: str) -> None:
     save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(pc.pair(name)["small_drafter"], f, indent=1)
-
-
-def load_drafter(drafter, path: str) -> None:
-    """Weights saved by save_drafter (the starting point of a further
-    training run)."""
-    from safetensors.torch import load_file
-
-    sd = {
-        k: v.float()
-        for k, v in load_file(os.path.join(path, "model.safetensors")).items()
-    }
-    drafter.load_state_dict(sd)
-
-
-def load_trained_pair(models: str, name: str, device):
-    """The trained small pair ``name`` under ``models`` (its ``target`` and
-    ``drafter`` directories): (target, drafter), both in eval mode."""
-    from bench.pairs.dflash_ref import DFlashDrafter
-
-    pdir = os.path.join(models, name)
-    model = build_target(name, device)
-    load_target(model, os.path.join(pdir, "target"))
-    model.eval()
-    with open(os.path.join(pdir, "drafter", "config.json")) as f:
-        drafter = DFlashDrafter(json.load(f)).to(device)
-    load_drafter(drafter, os.path.join(pdir, "drafter"))
-    drafter.eval()
-    return model, drafter
 
 
 def round_to_bf16_(module) -> None:
@@ -404,33 +343,6 @@ def train_target(a, model, ids, device, deadline: float, rec: dict) -> None:
     log(
         f"{a.pair}: target done, {step} steps, loss {losses[-1][1] if losses else None}"
     )
-
-
-def target_continue(
-    model, prompts, new_tokens: int, amp: bool, temperature: float = 0.0
-):
-    """The target's continuation, greedy (EOS does not stop it: vLLM's benchmarks
-    run with ignore_eos); with ``temperature`` > 0 a sample at that temperature
-    from the whole distribution (no top-k / top-p), from torch's global
-    generator (seed it first)."""
-    import torch
-
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = pc.PAD_ID
-    sampling = (
-        dict(do_sample=True, temperature=temperature, top_k=None, top_p=None)
-        if temperature > 0
-        else dict(do_sample=False)
-    )
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-        out = model.generate(
-            input_ids=prompts,
-            attention_mask=torch.ones_like(prompts),
-            max_new_tokens=new_tokens,
-            eos_token_id=None,
-            **sampling,
-        )
-    return out
 
 
 def make_continuations(a, model, ids, device, deadline: float, rec: dict):
@@ -547,90 +459,6 @@ def train_drafter(
     log(f"{a.pair}: drafter done, {step} steps")
 
 
-def evaluate(
-    a,
-    model,
-    drafter,
-    prompts_path: str,
-    device,
-    n_prompts: int,
-    temperature: float = 0.0,
-    seed: int = 0,
-    prompt_tokens: int = EVAL_PROMPT_LEN,
-    min_prompt_tokens: int | None = None,
-) -> dict:
-    """Offline tau: the prompts of ``prompts_path`` with at least
-    ``min_prompt_tokens`` (default: ``prompt_tokens``) tokens, cut to their
-    last ``prompt_tokens`` (one batch, no padding), continued by the target
-    greedily or, with ``temperature`` > 0, sampled at that temperature (seeded
-    by ``seed``): acceptance.py says why the same replay then gives the tau of
-    sampled verification."""
-    import torch
-
-    from bench.pairs import acceptance
-    from bench.pairs.dflash_ref import draft_logits, target_forward
-
-    dcfg = drafter.cfg
-    layer_ids = dcfg["dflash_config"]["target_layer_ids"]
-    block = dcfg["block_size"]
-    amp = device.type == "cuda"
-    new, plen = (24, 32) if a.smoke else (EVAL_NEW_TOKENS, prompt_tokens)
-    least = max(plen, min_prompt_tokens or 0)
-    with open(prompts_path) as f:
-        rows = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
-    rows = [r[-plen:] for r in rows if len(r) >= least][:n_prompts]
-    torch.manual_seed(seed)
-    seqs = target_continue(
-        model, torch.tensor(rows, device=device), new, amp, temperature
-    )
-    chain, trees = [], {b: [] for b in EVAL_BUDGETS}
-    r = max(EVAL_BUDGETS)
-    end = seqs.shape[1] - 1
-    for seq in seqs:
-        seq = seq[None]
-        toks = seq[0].tolist()
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            feats = target_forward(model, seq, layer_ids)[1].float()
-            # every anchor from the first bonus token (position plen) on
-            anchors = torch.arange(plen, end, device=device)
-            vals, idx = [], []
-            for chunk in anchors.split(64):
-                lg = draft_logits(
-                    drafter,
-                    feats,
-                    seq,
-                    chunk[None],
-                    model.model.embed_tokens.weight,
-                    model.lm_head.weight,
-                )[0].float()
-                v, i = lg.log_softmax(-1).topk(min(r, lg.shape[-1]), dim=-1)
-                vals.append(v.cpu())
-                idx.append(i.cpu())
-        # indexed by absolute anchor position
-        v_all = torch.cat(
-            [torch.zeros(plen, block - 1, vals[0].shape[-1]), torch.cat(vals)]
-        )
-        i_all = torch.cat(
-            [
-                torch.zeros(plen, block - 1, vals[0].shape[-1], dtype=torch.long),
-                torch.cat(idx),
-            ]
-        )
-        chain.append(acceptance.chain_steps(i_all[..., 0], toks, plen, end))
-        for b in EVAL_BUDGETS:
-            trees[b].append(acceptance.tree_steps(v_all, i_all, toks, plen, end, b))
-    return {
-        "prompts": len(chain),
-        "temperature": temperature,
-        "prompt_tokens": plen,
-        "new_tokens": new,
-        "chain_k15_tau": round(acceptance.tau(chain), 3),
-        "ddtree_tau": {
-            str(b): round(acceptance.tau(trees[b]), 3) for b in EVAL_BUDGETS
-        },
-    }
-
-
 def run_pair(a) -> None:
     import torch
 
@@ -691,12 +519,13 @@ def run_pair(a) -> None:
     save_drafter(a.pair, drafter, os.path.join(pdir, "drafter"))
     n_eval = 8 if a.smoke else 48
     rec["offline_heldout"] = evaluate(
-        a,
         model,
         drafter,
         os.path.join(a.out, "prompts", "heldout.jsonl"),
         device,
         n_eval,
+        prompt_tokens=32 if a.smoke else EVAL_PROMPT_LEN,
+        new_tokens=24 if a.smoke else EVAL_NEW_TOKENS,
     )
     log(f"{a.pair}: offline held-out {rec['offline_heldout']}")
     with open(os.path.join(pdir, "train_log.json"), "w") as f:
