@@ -104,6 +104,12 @@ PER_STEP = {
 NOT_PER_STEP = {
     "vllm/v1/spec_decode/ddtree/__init__.py",
     "vllm/v1/spec_decode/ddtree/config.py",
+    # The general plugin (registration when vLLM loads plugins), its config
+    # class (resolved once per engine) and the tree-hook registry (read where
+    # a backend's metadata builder is made, at startup).
+    "vllm/v1/spec_decode/ddtree/plugin.py",
+    "vllm/v1/spec_decode/tree_hooks.py",
+    "vllm/v1/worker/gpu/spec_decode/ddtree/config.py",
     "vllm/v1/spec_decode/ddtree/metrics.py",
     # Plain Python over host numbers, run when the budget policy re-plans.
     "vllm/v1/spec_decode/ddtree/policy.py",
