@@ -201,7 +201,7 @@ def best_k(tau: dict[str, float], big_cfg: dict) -> int:
 
 
 def speculative_config(num_speculative_tokens: int) -> dict:
-    """vLLM's speculative_config for the target's own MTP module, run
+    """The speculative_config vLLM takes for the target's own MTP module, run
     ``num_speculative_tokens`` times per step (the draft model is the
     target's checkpoint: no ``model``)."""
     return {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}

@@ -42,7 +42,7 @@ def random_head(seed: int = 0):
 
 
 def naive_drafts(head, hidden, tokens, embed, lm_head, p: int, depth: int):
-    """vLLM's loop for one bonus position p, step by step: the head's causal
+    """The loop vLLM runs for one bonus position p, step by step: the head's causal
     pass over the verified inputs (target hidden at j, token j + 1, j < p)
     followed by its own drafts, one more each step."""
     emb, hid, pos = [], [], []
