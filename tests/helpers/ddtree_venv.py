@@ -19,10 +19,16 @@ import time
 from pathlib import Path
 
 
-def cache_dir() -> Path:
+def cache_dir(wheel: Path | None = None) -> Path:
+    """Where the venvs live. A wheel of another release line than the
+    primary one gets a folder of its own (``<cache>-<version>``), so that
+    testing both lines keeps both venvs (each several GB; one base venv per
+    folder)."""
     d = Path(
         os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree")
     )
+    if wheel is not None and _line_lock(wheel).parent != REPO_ROOT:
+        d = d.with_name(f"{d.name}-{_line_lock(wheel).parent.name}")
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -84,6 +90,47 @@ def _requires(wheel: Path) -> str:
     return "\n".join(sorted(ln for ln in lines if ln.startswith("Requires-Dist:")))
 
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _line_lock(wheel: Path) -> Path:
+    """The upstream.lock of the release line that built ``wheel``: the
+    checkout's own for the primary line, lines/<version>/ for the others."""
+    version = wheel.name.split("-")[1].split("+")[0]
+    line = REPO_ROOT / "lines" / version / "upstream.lock"
+    return line if line.exists() else REPO_ROOT / "upstream.lock"
+
+
+def skipped_requirements(wheel: Path) -> list[str]:
+    """The line's ``[ddtree.test_venv] skip_requirements``: distributions the
+    wheel requires that the package index cannot provide (a pin PyPI never
+    had) and that no CPU test imports."""
+    import tomllib
+
+    lock = tomllib.loads(_line_lock(wheel).read_text())
+    return list(lock.get("ddtree", {}).get("test_venv", {}).get("skip_requirements", []))
+
+
+def requirements_without(wheel: Path, skipped: list[str]) -> list[str]:
+    """The wheel's unconditional requirements (no extras), less ``skipped``
+    (compared by normalised distribution name)."""
+    import re
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    drop = {norm(s) for s in skipped}
+    kept = []
+    for line in _requires(wheel).splitlines():
+        req = line.removeprefix("Requires-Dist:").strip()
+        if "extra ==" in req:
+            continue
+        name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", req).group(0)
+        if norm(name) not in drop:
+            kept.append(req)
+    return kept
+
+
 # Test tools the tests in tests/in_vllm need inside the venv.
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6"]
 
@@ -101,12 +148,20 @@ def ensure_venv(wheel: Path, python: str | None = None) -> Path:
     therefore never install over each other's vLLM.
     """
     python = python or os.environ.get("VLLM_DDTREE_VENV_PYTHON") or sys.executable
+    skipped = skipped_requirements(wheel)
     key = hashlib.sha256(
-        (_requires(wheel) + "\n" + "\n".join(TEST_TOOLS) + "\n" + python).encode()
+        (
+            _requires(wheel)
+            + "\n"
+            + "\n".join(TEST_TOOLS)
+            + "\n"
+            + python
+            + "".join(f"\nskip {name}" for name in skipped)
+        ).encode()
     ).hexdigest()[:16]
-    base = cache_dir() / f"venv-{key}"
+    base = cache_dir(wheel) / f"venv-{key}"
     if not (base / ".ddtree-complete").exists():
-        for old in cache_dir().glob("venv-*"):  # one base venv at a time: ~8 GB
+        for old in cache_dir(wheel).glob("venv-*"):  # one base venv at a time: ~8 GB
             shutil.rmtree(old, ignore_errors=True)
         t0 = time.monotonic()
         _log(f"creating venv {base} with {python}")
@@ -115,6 +170,11 @@ def ensure_venv(wheel: Path, python: str | None = None) -> Path:
             f"pip install {wheel.name} with dependencies: about 8 GB, minutes "
             "(once per set of dependencies)"
         )
+        # The wheel itself goes into the layer below; with requirements the
+        # index cannot provide, the base gets the others by name instead.
+        wanted = requirements_without(wheel, skipped) if skipped else [str(wheel)]
+        if skipped:
+            _log(f"not installing {', '.join(skipped)} (see the line's upstream.lock)")
         _run_with_progress(
             [
                 str(venv_python(base)),
@@ -124,7 +184,7 @@ def ensure_venv(wheel: Path, python: str | None = None) -> Path:
                 "--progress-bar",
                 "off",
                 "--disable-pip-version-check",
-                str(wheel),
+                *wanted,
                 *TEST_TOOLS,
             ],
             base,
@@ -132,10 +192,10 @@ def ensure_venv(wheel: Path, python: str | None = None) -> Path:
         (base / ".ddtree-complete").write_text(str(wheel) + "\n")
         _log(f"venv ready in {time.monotonic() - t0:.0f}s")
     wheel_sha = _sha256_file(wheel)[:16]
-    layer = cache_dir() / f"wheel-{key}-{wheel_sha}"
+    layer = cache_dir(wheel) / f"wheel-{key}-{wheel_sha}"
     if not (layer / ".ddtree-complete").exists():
         t0 = time.monotonic()
-        tmp = Path(tempfile.mkdtemp(prefix=f"{layer.name}.", dir=cache_dir()))
+        tmp = Path(tempfile.mkdtemp(prefix=f"{layer.name}.", dir=layer.parent))
         _log(f"installing {wheel.name} into {layer} (--no-deps, over {base.name})")
         subprocess.run([python, "-m", "venv", "--without-pip", str(tmp)], check=True)
         site = _site_packages(tmp)
@@ -189,7 +249,7 @@ def _prune_layers(keep: Path, count: int = 4, idle_hours: float = 6.0) -> None:
     layers = sorted(
         (
             p
-            for p in cache_dir().glob("wheel-*")
+            for p in keep.parent.glob("wheel-*")
             if p.is_dir() and "." not in p.name and p != keep
         ),
         key=lambda p: p.stat().st_mtime,
