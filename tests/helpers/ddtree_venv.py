@@ -108,7 +108,9 @@ def skipped_requirements(wheel: Path) -> list[str]:
     import tomllib
 
     lock = tomllib.loads(_line_lock(wheel).read_text())
-    return list(lock.get("ddtree", {}).get("test_venv", {}).get("skip_requirements", []))
+    return list(
+        lock.get("ddtree", {}).get("test_venv", {}).get("skip_requirements", [])
+    )
 
 
 def requirements_without(wheel: Path, skipped: list[str]) -> list[str]:
