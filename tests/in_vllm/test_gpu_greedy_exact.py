@@ -48,9 +48,14 @@ ENGINE = textwrap.dedent(
         gpu_memory_utilization=0.5, disable_log_stats=False,
     )
     if args["budget"]:
+        options = dict(tree_budget=args["budget"], budget_policy="fixed")
+        try:  # vLLM 0.34.0 and later: the plugin's options
+            import vllm.v1.worker.gpu.spec_decode.speculator_config  # noqa: F401
+            options = dict(speculator_options=options)
+        except ImportError:  # the 0.26.0 line's patched SpeculativeConfig
+            pass
         kw["speculative_config"] = dict(
-            method="ddtree", model=args["drafter"], tree_budget=args["budget"],
-            budget_policy="fixed",
+            method="ddtree", model=args["drafter"], **options
         )
     llm = LLM(**kw)
     sp = SamplingParams(
@@ -66,14 +71,14 @@ ENGINE = textwrap.dedent(
             row.append(vals[0] - vals[1] if len(vals) > 1 else float("inf"))
         gaps.append(row)
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    spec = llm.llm_engine.vllm_config.speculative_config
     print("RESULT " + json.dumps({
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "gaps": gaps,
         "drafts": metrics.get("vllm:spec_decode_num_drafts") or 0,
         "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens") or 0,
         "method": (
-            llm.llm_engine.vllm_config.speculative_config.method
-            if llm.llm_engine.vllm_config.speculative_config else None
+            getattr(spec, "custom_method", None) or spec.method if spec else None
         ),
     }))
     """
