@@ -69,6 +69,45 @@ def ddtree_options(speculator_options: object) -> dict[str, Any]:
     return {**DDTREE_OPTION_DEFAULTS, **speculator_options}
 
 
+class SpecWithDDTreeOptions:
+    """A `SpeculativeConfig` of vLLM's speculative-method interface seen with
+    DDTree's options (its ``speculator_options``) as attributes and "ddtree"
+    as its method: the code shared with the 0.26.0 line, whose patched config
+    has the options as fields, reads and writes both alike (options into the
+    dict, anything else into the config)."""
+
+    method = DDTREE_METHOD
+
+    def __init__(self, spec: "SpeculativeConfig", options: dict[str, Any]):
+        object.__setattr__(self, "_spec", spec)
+        object.__setattr__(self, "_options", options)
+
+    def __getattr__(self, name: str) -> Any:
+        options = self.__dict__["_options"]
+        if name in options:
+            return options[name]
+        return getattr(self.__dict__["_spec"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in DDTREE_OPTION_DEFAULTS:
+            self._options[name] = value
+        else:
+            setattr(self._spec, name, value)
+
+    def use_ddtree(self) -> bool:
+        return True
+
+
+def ddtree_speculative_config(spec: Any) -> Any:
+    """``spec`` with DDTree's options as attributes (``tree_budget``,
+    ``draft_depth``, ...): the 0.26.0 line's patched config itself, or a
+    `SpecWithDDTreeOptions` view of a config whose custom method is DDTree
+    (its ``speculator_options``, resolved by DDTree's `SpeculatorConfig`)."""
+    if spec is None or hasattr(spec, "tree_budget"):
+        return spec
+    return SpecWithDDTreeOptions(spec, ddtree_options(spec.speculator_options))
+
+
 def is_ddtree(spec: "SpeculativeConfig | None") -> bool:
     """Whether ``spec`` runs DDTree: its method is "ddtree" (the 0.26.0 line's
     patched config keeps it), or its custom method is (vLLM's speculative-method
