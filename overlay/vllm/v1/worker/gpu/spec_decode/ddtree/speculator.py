@@ -117,6 +117,9 @@ def drafter_vllm_config(vllm_config: VllmConfig) -> VllmConfig:
 
 class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
+    # DDTree's verifier, where the runner asks its speculator to verify
+    # (set in __init__); None: the runner verifies (the 0.26.0 line).
+    verifier: DDTreeVerifier | None = None
 
     def __init__(
         self,
@@ -176,7 +179,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         # draft_tokens; prefill lengths) and DDTree's verifier, where the
         # runner asks the speculator to verify.
         self.req_states = req_states
-        self.verifier: DDTreeVerifier | None = None
         if SPECULATOR_VERIFIES:
             assert req_states is not None
             self.verifier = DDTreeVerifier(vllm_config, device, self)
