@@ -43,7 +43,9 @@ if not hasattr(BaseSpeculator, "prepare_verify"):
 
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner  # noqa: E402
 from vllm.v1.worker.gpu.model_states import default as default_model_state  # noqa: E402
-from vllm.v1.worker.gpu.spec_decode.ddtree import speculator as ddtree_speculator  # noqa: E402
+from vllm.v1.worker.gpu.spec_decode.ddtree import (  # noqa: E402
+    speculator as ddtree_speculator,
+)
 from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import (  # noqa: E402
     TreePenaltiesState,
 )
@@ -144,9 +146,7 @@ def test_the_runner_takes_the_speculators_sampler_when_the_model_state_has_none(
         "self.speculator.custom_sampler(self.sampler)"
     ]
     (assign,) = [
-        n
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Assign) and n.value is calls[0]
+        n for n in ast.walk(tree) if isinstance(n, ast.Assign) and n.value is calls[0]
     ]
     assert [ast.unparse(t) for t in assign.targets] == ["custom"]
     assert "self.sampler, self.rejection_sampler = custom" in source

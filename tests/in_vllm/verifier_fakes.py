@@ -13,7 +13,6 @@ TARGET = str(repo_paths.TARGET)
 DRAFTER = str(repo_paths.DRAFTER)
 
 
-
 def _speculator_verifies() -> bool:
     from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
 

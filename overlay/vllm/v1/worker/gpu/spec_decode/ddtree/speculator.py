@@ -314,7 +314,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         """Upstream's propose; ``kwargs`` are the upstream keyword arguments
         (0.26: num_tokens_across_dp, ...; 0.33: dp_sync_state,
         num_speculative_tokens, ...)."""
-
         verifier = self.verifier
         if verifier is not None and not (
             dummy_run and kwargs.get("skip_attn_for_dummy_run", False)

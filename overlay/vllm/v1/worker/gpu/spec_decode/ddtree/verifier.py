@@ -150,11 +150,9 @@ class DDTreeVerifier:
         if getattr(spec, "budget_policy", None) == "measured":
             # Imported here: the policy's schedule reaches the scheduler
             # through the 0.26.0 line's patched dynamic schedule only.
-            from vllm.v1.worker.gpu.spec_decode.ddtree.budget import (
-                DDTreeBudgetPlanner,
-            )
+            from vllm.v1.worker.gpu.spec_decode.ddtree import budget as planning
 
-            self.budget = DDTreeBudgetPlanner(vllm_config, device)
+            self.budget = planning.DDTreeBudgetPlanner(vllm_config, device)
 
         # Hybrid (Gated DeltaNet) targets: the GDN layers' tree path.
         self.gdn = None
