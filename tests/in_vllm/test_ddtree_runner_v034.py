@@ -401,3 +401,106 @@ def test_dummy_runs_neither_compact_nor_store_trees(monkeypatch):
     )
     assert torch.equal(speculator.req_states.draft_tokens, before)
     assert not speculator.target_kv_caches_bound
+
+
+SPECULATOR_FROM_THE_ENGINE_CONFIG = """
+import json, os, sys
+from vllm import platforms
+from vllm.platforms.cpu import CpuPlatform
+if platforms.current_platform.is_unspecified():
+    platforms.current_platform = CpuPlatform()
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.spec_decode.ddtree import plugin
+from vllm.v1.worker.gpu import buffer_utils
+
+def cpu_buffer(self, size, dtype):
+    # As tests/in_vllm/conftest.py: UVA staging buffers as CPU tensors.
+    self.cpu = torch.zeros(size, dtype=dtype)
+    self.np = self.cpu.numpy()
+    self._uva = self.cpu
+
+buffer_utils.UvaBuffer.__init__ = cpu_buffer
+from vllm.v1.worker.gpu.sample.sampler import Sampler
+from vllm.v1.worker.gpu.spec_decode import init_speculator
+from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import TreePenaltiesState
+from vllm.v1.worker.gpu.states import RequestState
+
+plugin.register()
+target, drafter = sys.argv[1], sys.argv[2]
+config = EngineArgs(
+    model=target, dtype="float32", max_model_len=512, max_num_seqs=4,
+    speculative_config={"method": "ddtree", "model": drafter,
+                        "speculator_options": {"tree_budget": 8}},
+).create_engine_config()
+spec = config.speculative_config
+device = torch.device("cpu")
+vocab = config.model_config.get_vocab_size()
+with set_current_vllm_config(config):
+    req_states = RequestState(
+        4, 512, config.scheduler_config.max_num_batched_tokens,
+        config.num_speculative_tokens, vocab, device,
+    )
+    speculator = init_speculator(config, device, req_states)
+    sampler = Sampler(config, 4, vocab, device, req_states,
+                      num_speculative_tokens=1 + spec.num_speculative_tokens)
+    sampler_out, walk = speculator.custom_sampler(sampler)
+verifier = speculator.verifier
+print("RESULT " + json.dumps({
+    "method": [spec.method, spec.custom_method],
+    "speculator": type(speculator).__name__,
+    "budget": [speculator.tree_budget, verifier.tree_budget,
+               spec.num_speculative_tokens],
+    "depth": [speculator.draft_depth, verifier.draft_depth],
+    "policy": spec.speculator_options["budget_policy"],
+    "bias": list(verifier.attn_bias.shape),
+    "req_draft_tokens": list(req_states.draft_tokens.shape),
+    "same_req_states": speculator.req_states is req_states,
+    "walk": type(walk).__name__,
+    "same_sampler": sampler_out is sampler,
+    "tree_penalties": isinstance(sampler.penalties_state, TreePenaltiesState)
+    and sampler.penalties_state in sampler.logits_processors,
+}))
+"""
+
+
+def test_the_engine_configs_speculator_owns_the_verifier_and_the_walk():
+    """From `vllm serve`'s config path (vLLM's CPU platform, the dense
+    pair): `init_speculator` builds DDTreeSpeculator with the runner's
+    request states; it owns a verifier sized from DDTree's options, and the
+    runner's `custom_sampler` hook gets the walk and tree-aware penalties on
+    a real Sampler."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from verifier_fakes import DRAFTER, TARGET
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="ERROR")
+    p = subprocess.run(
+        [sys.executable, "-c", SPECULATOR_FROM_THE_ENGINE_CONFIG, TARGET, DRAFTER],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
+    out = json.loads(line[len("RESULT ") :])
+    assert out == {
+        "method": ["dflash", "ddtree"],
+        "speculator": "DDTreeSpeculator",
+        "budget": [8, 8, 8],
+        # The pair's drafter has block_size 16.
+        "depth": [15, 15],
+        "policy": "batch",
+        # One int32 word of mask bits per node of 9 (root + 8).
+        "bias": [4, 9, 1],
+        "req_draft_tokens": [4, 8],
+        "same_req_states": True,
+        "walk": "TreeWalkSampler",
+        "same_sampler": True,
+        "tree_penalties": True,
+    }

@@ -275,8 +275,14 @@ def resolve_ddtree_method(spec: "SpeculativeConfig") -> None:
     spec.num_speculative_tokens = spec.tree_budget
 
 
-def verify_ddtree_drafter(spec: "SpeculativeConfig") -> None:
-    """Check the draft model and fix ``draft_depth`` once it is loaded."""
+def verify_ddtree_drafter(
+    spec: "SpeculativeConfig", unset_policy_runs_as: str | None = None
+) -> None:
+    """Check the draft model and fix ``draft_depth`` once it is loaded.
+
+    ``unset_policy_runs_as``: the policy an unset ``budget_policy`` becomes
+    once checked and scheduled as the default ("measured"), where the default
+    cannot run (the 0.34.0 line: "batch", the schedule it starts from)."""
     draft_model_config = spec.draft_model_config
     if draft_model_config is None:
         raise ValueError("DDTree: the draft model config could not be created.")
@@ -320,6 +326,8 @@ def verify_ddtree_drafter(spec: "SpeculativeConfig") -> None:
             f"block_size - 1 = {max_depth}."
         )
     _apply_budget_policy(spec)
+    if spec.budget_policy is None and unset_policy_runs_as is not None:
+        spec.budget_policy = unset_policy_runs_as
     logger.info(
         "DDTree tree speculative decoding: tree_budget=%d nodes verified per "
         "step, draft_depth=%d DFlash positions, budget policy %s.",

@@ -72,12 +72,9 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         super().configure(spec)
         # The drafter is a DFlash checkpoint; draft_depth from its block size;
         # the budget policy's schedule into num_speculative_tokens_per_batch_size.
-        verify_ddtree_drafter(view)
-        # Unset, the policy checked and scheduled as the 0.26.0 line's default
-        # (measured where it can run) runs here as the schedule it starts
-        # from: by batch size, vLLM's dynamic schedule.
-        if options["budget_policy"] is None:
-            options["budget_policy"] = "batch"
+        # Unset, the policy is checked and scheduled as the 0.26.0 line's
+        # default ("measured") and runs as the schedule that starts from.
+        verify_ddtree_drafter(view, unset_policy_runs_as="batch")
         spec.speculator_options = options
         target = spec.target_model_config
         if target is not None and target.is_hybrid:
