@@ -21,7 +21,7 @@ speculator_config = pytest.importorskip(
     reason="vLLM without the speculative-method interface (the 0.26.0 line)",
 )
 
-from verifier_fakes import DRAFTER, TARGET, needs_models  # noqa: E402
+from verifier_fakes import DRAFTER, TARGET  # noqa: E402
 
 from vllm.v1.spec_decode import tree_hooks  # noqa: E402
 from vllm.v1.spec_decode.ddtree import config as ddtree_config  # noqa: E402
@@ -99,6 +99,9 @@ def _spec(**options):
         enable_adaptive_verification=False,
         target_parallel_config=SimpleNamespace(pipeline_parallel_size=1),
         draft_model_config=None,
+        target_model_config=SimpleNamespace(
+            is_hybrid=False, architecture="Qwen3ForCausalLM"
+        ),
     )
 
 
@@ -179,23 +182,46 @@ def test_speculator_options_must_be_a_mapping(monkeypatch):
     _one_line_error(spec, "speculator_options must be a mapping")
 
 
-def test_a_good_config_is_resolved_and_refused_until_the_runner_hooks_land(
-    monkeypatch, dflash_setup
-):
+@pytest.mark.parametrize("budget_policy", ["batch", None])
+def test_a_good_config_is_resolved(monkeypatch, dflash_setup, budget_policy):
     """Opted in, a valid config goes through DFlash's setup with
     num_speculative_tokens = tree_budget, gets draft_depth from the drafter and
-    the batch policy's schedule as vLLM's dynamic schedule, then stops in one
-    line: this line's V2 runner does not verify trees yet."""
+    the batch policy's schedule (the default here) as vLLM's dynamic
+    schedule."""
     monkeypatch.setenv(ddtree_config.ALLOW_UNVERIFIED_LINE_ENV, "1")
-    spec = _spec(tree_budget=32, budget_policy="batch", verify_tokens_per_step=128)
-    _one_line_error(spec, "no tree verification hooks yet")
+    spec = _spec(
+        tree_budget=32, budget_policy=budget_policy, verify_tokens_per_step=128
+    )
+    _configure(spec)
     assert dflash_setup == [32]
+    assert spec.speculator_options["budget_policy"] == "batch"
     assert spec.num_speculative_tokens == 32
     assert spec.speculator_options["draft_depth"] == 15
     assert spec.speculator_options["tree_budget"] == 32
     assert spec.num_speculative_tokens_per_batch_size == (
         ddtree_config.budget_schedule(32, 15, 128)
     )
+    # What the runner and the verifier read: DDTree's options as attributes.
+    view = ddtree_config.ddtree_speculative_config(spec)
+    assert (view.tree_budget, view.draft_depth, view.use_ddtree()) == (32, 15, True)
+    assert ddtree_config.ddtree_speculative_config(view) is view
+
+
+def test_what_this_line_cannot_run_yet_is_refused_in_one_line(
+    monkeypatch, dflash_setup
+):
+    """The measured budget policy (its schedule has no way from the worker
+    to the scheduler here) and hybrid targets (no tree path for Gated
+    DeltaNet layers here) stop at startup in one line each."""
+    monkeypatch.setenv(ddtree_config.ALLOW_UNVERIFIED_LINE_ENV, "1")
+    message = _one_line_error(_spec(budget_policy="measured"), "'measured'")
+    assert "'batch'" in message
+    spec = _spec(tree_budget=8)
+    spec.target_model_config = SimpleNamespace(
+        is_hybrid=True, architecture="Qwen3_5ForConditionalGeneration"
+    )
+    message = _one_line_error(spec, "hybrid")
+    assert "Qwen3_5ForConditionalGeneration" in message and "0.26.0" in message
 
 
 SPECULATIVE_CONFIG_ON_CPU = """
@@ -226,12 +252,11 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@needs_models
 def test_method_ddtree_through_vllms_own_speculative_config():
     """`vllm serve`'s path on vLLM's CPU platform with the tiny pair: the
     plugin's method goes through SpeculativeConfig's custom-method branch to
-    DDTree's config class, which refuses it in one line, on the release-line
-    guard, or opted in, once DFlash's setup has built the drafter's config."""
+    DDTree's config class, which refuses it in one line on the release-line
+    guard, or opted in, builds the engine config."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="ERROR")
     p = subprocess.run(
         [sys.executable, "-c", SPECULATIVE_CONFIG_ON_CPU, TARGET, DRAFTER],
@@ -244,5 +269,6 @@ def test_method_ddtree_through_vllms_own_speculative_config():
     assert line is not None, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
     out = json.loads(line[len("RESULT ") :])
     assert "release line has passed its CPU checks only" in out["0"]
-    assert "no tree verification hooks yet" in out["1"]
-    assert "\n" not in out["0"] + out["1"]
+    # Opted in, the config is built (the runner verifies trees).
+    assert out["1"] == "ok"
+    assert "\n" not in out["0"]

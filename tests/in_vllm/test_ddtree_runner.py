@@ -27,6 +27,8 @@ from verifier_fakes import (  # noqa: E402
     logits_for,
     make_spec,
     make_verifier,
+    needs_patched_speculative_config,
+    needs_runner_holding_the_verifier,
     store_trees,
 )
 
@@ -34,6 +36,7 @@ from verifier_fakes import (  # noqa: E402
 _spec = make_spec
 
 
+@needs_patched_speculative_config
 def test_ddtree_config_keeps_its_method_and_drafts_like_dflash(target_model_config):
     spec = _spec(target_model_config, method="ddtree", model=DRAFTER, tree_budget=32)
     assert spec.method == "ddtree"  # visible in the resolved config
@@ -57,6 +60,7 @@ def test_ddtree_config_keeps_its_method_and_drafts_like_dflash(target_model_conf
     assert not plain.use_ddtree() and plain.tree_budget is None
 
 
+@needs_patched_speculative_config
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -74,6 +78,7 @@ def test_ddtree_config_rejects_bad_values(target_model_config, kwargs, message):
     assert message in str(info.value)
 
 
+@needs_patched_speculative_config
 def test_tree_budget_without_ddtree_method_is_refused(target_model_config):
     with pytest.raises(Exception, match="only valid with method='ddtree'"):
         _spec(
@@ -85,6 +90,7 @@ def test_tree_budget_without_ddtree_method_is_refused(target_model_config):
         )
 
 
+@needs_patched_speculative_config
 def test_non_dflash_drafter_is_refused(target_model_config):
     from vllm.v1.spec_decode.ddtree.config import verify_ddtree_drafter
 
@@ -535,6 +541,7 @@ def test_compaction_refuses_layouts_it_cannot_move_at_startup():
         assert "\n" not in str(e)
 
 
+@needs_runner_holding_the_verifier
 def test_the_runner_binds_the_verifier_with_its_kv_cache_groups():
     """The runner hook passes the KV-cache groups (their slot mappings and
     GDN state slots are per group)."""
@@ -867,6 +874,7 @@ def test_budget_schedule_shrinks_with_batch_and_keeps_a_floor():
     assert budget_schedule(64, 15, 128) == [(1, 1, 64), (2, 3, 32), (4, 1024, 15)]
 
 
+@needs_patched_speculative_config
 def test_batch_policy_schedule_and_fixed_pins_the_budget(target_model_config):
     fixed = _spec(
         target_model_config,
@@ -976,6 +984,10 @@ def test_every_block_width_of_the_drafters_input_kernel_is_compiled_at_warm_up(
         dflash.prepare_dflash_inputs(**{**kwargs, "input_batch": batch})
         return widths[0]
 
+    longest = SimpleNamespace(num_reqs=1, num_scheduled_tokens=np.array([4000]))
+    shortest = SimpleNamespace(num_reqs=1, num_scheduled_tokens=np.array([1]))
+    if upstream_width(longest) == upstream_width(shortest):
+        pytest.skip("upstream's DFlash input kernel has one block width (0.34+)")
     calls = []
 
     def propose(self, input_batch, *args, dummy_run=False, **kwargs):

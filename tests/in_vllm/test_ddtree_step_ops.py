@@ -27,6 +27,7 @@ from verifier_fakes import (  # noqa: E402
     ArgmaxSampler,
     B,
     make_verifier,
+    needs_runner_holding_the_verifier,
     store_trees,
 )
 
@@ -176,6 +177,7 @@ def test_store_trees_is_one_launch(tree_states):
         assert torch.equal(t[untouched], t0[untouched])
 
 
+@needs_runner_holding_the_verifier
 def test_the_runner_leaves_the_draft_tokens_to_store_trees():
     """With DDTree the runner's own scatter of the drafts
     (``req_states.draft_tokens[idx_mapping] = draft_tokens``) does not run:

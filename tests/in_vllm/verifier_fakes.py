@@ -5,11 +5,39 @@ DDTreeVerifier on a minimal config, a stored 4-node tree, an argmax sampler."""
 
 from types import SimpleNamespace
 
+import pytest
 import repo_paths
 import torch
 
 TARGET = str(repo_paths.TARGET)
 DRAFTER = str(repo_paths.DRAFTER)
+
+
+def _speculator_verifies() -> bool:
+    from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
+
+    return hasattr(BaseSpeculator, "prepare_verify")
+
+
+def _patched_speculative_config() -> bool:
+    from vllm.config import SpeculativeConfig
+
+    return hasattr(SpeculativeConfig, "use_ddtree")
+
+
+# Tests of one release line's interfaces. The 0.26.0 line's patched
+# SpeculativeConfig takes method "ddtree" and DDTree's options as fields (the
+# 0.34.0 line's config class: test_ddtree_plugin.py), and its patched runner
+# holds the verifier; the 0.34.0 line's runner asks its speculator instead
+# (test_ddtree_runner_v034.py).
+needs_patched_speculative_config = pytest.mark.skipif(
+    not _patched_speculative_config(),
+    reason="the 0.26.0 line's patched SpeculativeConfig",
+)
+needs_runner_holding_the_verifier = pytest.mark.skipif(
+    _speculator_verifies(),
+    reason="the 0.26.0 line's runner holds the verifier",
+)
 
 B, D = 4, 3
 # Request state 2 in most tests: root -> 1 -> 3, root -> 2, 1 -> 4

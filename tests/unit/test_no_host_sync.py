@@ -43,6 +43,11 @@ PER_STEP = {
         "_generate_draft",
         "propose",
         "_store_context",
+        # The V2 runner's verifier hooks (vLLM 0.34.0 line): the model
+        # state's metadata hook, the verify inputs, the walk as the sampler.
+        "attach_tree_bias",
+        "prepare_verify",
+        "__call__",
     },
     # The measured budget policy's per-step part: counting, the snapshot
     # schedule and the re-plan from a landed snapshot (host numbers).

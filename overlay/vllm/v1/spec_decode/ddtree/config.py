@@ -69,6 +69,45 @@ def ddtree_options(speculator_options: object) -> dict[str, Any]:
     return {**DDTREE_OPTION_DEFAULTS, **speculator_options}
 
 
+class SpecWithDDTreeOptions:
+    """A `SpeculativeConfig` of vLLM's speculative-method interface seen with
+    DDTree's options (its ``speculator_options``) as attributes and "ddtree"
+    as its method: the code shared with the 0.26.0 line, whose patched config
+    has the options as fields, reads and writes both alike (options into the
+    dict, anything else into the config)."""
+
+    method = DDTREE_METHOD
+
+    def __init__(self, spec: "SpeculativeConfig", options: dict[str, Any]):
+        object.__setattr__(self, "_spec", spec)
+        object.__setattr__(self, "_options", options)
+
+    def __getattr__(self, name: str) -> Any:
+        options = self.__dict__["_options"]
+        if name in options:
+            return options[name]
+        return getattr(self.__dict__["_spec"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in DDTREE_OPTION_DEFAULTS:
+            self._options[name] = value
+        else:
+            setattr(self._spec, name, value)
+
+    def use_ddtree(self) -> bool:
+        return True
+
+
+def ddtree_speculative_config(spec: Any) -> Any:
+    """``spec`` with DDTree's options as attributes (``tree_budget``,
+    ``draft_depth``, ...): the 0.26.0 line's patched config itself, or a
+    `SpecWithDDTreeOptions` view of a config whose custom method is DDTree
+    (its ``speculator_options``, resolved by DDTree's `SpeculatorConfig`)."""
+    if spec is None or hasattr(spec, "tree_budget"):
+        return spec
+    return SpecWithDDTreeOptions(spec, ddtree_options(spec.speculator_options))
+
+
 def is_ddtree(spec: "SpeculativeConfig | None") -> bool:
     """Whether ``spec`` runs DDTree: its method is "ddtree" (the 0.26.0 line's
     patched config keeps it), or its custom method is (vLLM's speculative-method
@@ -236,8 +275,14 @@ def resolve_ddtree_method(spec: "SpeculativeConfig") -> None:
     spec.num_speculative_tokens = spec.tree_budget
 
 
-def verify_ddtree_drafter(spec: "SpeculativeConfig") -> None:
-    """Check the draft model and fix ``draft_depth`` once it is loaded."""
+def verify_ddtree_drafter(
+    spec: "SpeculativeConfig", unset_policy_runs_as: str | None = None
+) -> None:
+    """Check the draft model and fix ``draft_depth`` once it is loaded.
+
+    ``unset_policy_runs_as``: the policy an unset ``budget_policy`` becomes
+    once checked and scheduled as the default ("measured"), where the default
+    cannot run (the 0.34.0 line: "batch", the schedule it starts from)."""
     draft_model_config = spec.draft_model_config
     if draft_model_config is None:
         raise ValueError("DDTree: the draft model config could not be created.")
@@ -281,6 +326,8 @@ def verify_ddtree_drafter(spec: "SpeculativeConfig") -> None:
             f"block_size - 1 = {max_depth}."
         )
     _apply_budget_policy(spec)
+    if spec.budget_policy is None and unset_policy_runs_as is not None:
+        spec.budget_policy = unset_policy_runs_as
     logger.info(
         "DDTree tree speculative decoding: tree_budget=%d nodes verified per "
         "step, draft_depth=%d DFlash positions, budget policy %s.",

@@ -935,7 +935,10 @@ class SplitTreeAttention:
         )
         # Requests with more query tokens are prefill chunks: a tree has at
         # most 1 + tree_budget.
-        tree_tokens = 1 + vllm_config.speculative_config.tree_budget
+        from vllm.v1.spec_decode.ddtree.config import ddtree_speculative_config
+
+        spec = ddtree_speculative_config(vllm_config.speculative_config)
+        tree_tokens = 1 + spec.tree_budget
         self.max_split_query_len = max(tree_tokens, SPLIT_MAX_CHUNK)
         self.num_heads_q = num_heads_q
         self.num_heads_kv = num_heads_kv

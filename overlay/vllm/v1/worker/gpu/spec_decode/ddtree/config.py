@@ -16,11 +16,10 @@ This module imports vLLM 0.34.0's speculator configs: only that line imports
 it (through the name the plugin registers).
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.v1.spec_decode.ddtree.config import (
-    DDTREE_METHOD,
-    DDTREE_OPTION_DEFAULTS,
+    SpecWithDDTreeOptions,
     ddtree_options,
     resolve_ddtree_method,
     verify_ddtree_drafter,
@@ -32,37 +31,20 @@ if TYPE_CHECKING:
     from vllm.config import SpeculativeConfig
 
 
-class SpecWithDDTreeOptions:
-    """A `SpeculativeConfig` seen with DDTree's options as attributes and
-    "ddtree" as its method: the checks shared with the 0.26.0 line, whose
-    patched config has the options as fields, read and write both alike
-    (options into the dict, anything else into the config)."""
-
-    method = DDTREE_METHOD
-
-    def __init__(self, spec: "SpeculativeConfig", options: dict[str, Any]):
-        object.__setattr__(self, "_spec", spec)
-        object.__setattr__(self, "_options", options)
-
-    def __getattr__(self, name: str) -> Any:
-        options = self.__dict__["_options"]
-        if name in options:
-            return options[name]
-        return getattr(self.__dict__["_spec"], name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in DDTREE_OPTION_DEFAULTS:
-            self._options[name] = value
-        else:
-            setattr(self._spec, name, value)
+MEASURED_POLICY_UNPORTED_ERROR = (
+    "DDTree: budget_policy 'measured' times the captured graphs on the worker, "
+    "and this build's vLLM 0.34.0 line has no path for the measured schedule "
+    "to the scheduler yet (docs/architecture-0.34.0.md, H9); use "
+    "budget_policy 'batch' (the default here) or 'fixed'."
+)
 
 
-def tree_verification_unported_error(vllm_version: str) -> str:
+def hybrid_target_unported_error(architecture: object) -> str:
     return (
-        f"DDTree: this build's vLLM {vllm_version} V2 model runner has no tree "
-        "verification hooks yet (the sampler's tree walk, tree positions and "
-        "tree attention bias: docs/architecture-0.34.0.md); serve DDTree with "
-        "the vllm-ddtree build on vLLM 0.26.0, or serve with method 'dflash'."
+        f"DDTree: {architecture} is a hybrid (linear-attention) target; this "
+        "build's vLLM 0.34.0 line has no tree path for its Gated DeltaNet "
+        "layers yet (docs/architecture-0.34.0.md, H5); serve it with the "
+        "vllm-ddtree build on vLLM 0.26.0."
     )
 
 
@@ -81,6 +63,8 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
 
         options = ddtree_options(spec.speculator_options)
         verify_release_line(vllm_version)
+        if options["budget_policy"] == "measured":
+            raise ValueError(MEASURED_POLICY_UNPORTED_ERROR)
         view = SpecWithDDTreeOptions(spec, options)
         # Sets num_speculative_tokens = tree_budget (the tokens verified per
         # step), which DFlash's setup below requires.
@@ -88,6 +72,10 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         super().configure(spec)
         # The drafter is a DFlash checkpoint; draft_depth from its block size;
         # the budget policy's schedule into num_speculative_tokens_per_batch_size.
-        verify_ddtree_drafter(view)
+        # Unset, the policy is checked and scheduled as the 0.26.0 line's
+        # default ("measured") and runs as the schedule that starts from.
+        verify_ddtree_drafter(view, unset_policy_runs_as="batch")
         spec.speculator_options = options
-        raise ValueError(tree_verification_unported_error(vllm_version))
+        target = spec.target_model_config
+        if target is not None and target.is_hybrid:
+            raise ValueError(hybrid_target_unported_error(target.architecture))

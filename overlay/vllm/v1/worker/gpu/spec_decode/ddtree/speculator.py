@@ -7,6 +7,16 @@ argmax chain, the per-depth distributions are turned into the optimal draft
 tree of ``tree_budget`` nodes (DDTree, arXiv 2604.12989, Prop. 2). The tree is
 built with batched top-k steps inside the drafter's CUDA graph, so drafting
 adds no host synchronisation.
+
+Where the V2 runner asks its speculator for a verifier (vLLM 0.34's
+`BaseSpeculator.custom_sampler` and `prepare_verify`, and the model state's
+``attn_metadata_hook``), the speculator owns DDTree's verifier and runs it
+through those hooks: tree positions before the target forward
+(`prepare_verify`), the tree attention bias on every target metadata
+(`set_attn`), the walk as the rejection sampler (`custom_sampler`), and the
+accepted path's compaction and the per-request tree store around the DFlash
+pass (`propose`). On the 0.26.0 line the patched runner holds the verifier
+itself.
 """
 
 import copy
@@ -21,14 +31,20 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.triton_utils import triton
-from vllm.v1.spec_decode.ddtree.config import verify_ddtree_target_layers
+from vllm.v1.spec_decode.ddtree.config import (
+    ddtree_speculative_config,
+    verify_ddtree_target_layers,
+)
 from vllm.v1.spec_decode.ddtree.tree import build_tree
 from vllm.v1.spec_decode.ddtree.tree_attention import verify_tree_attention_layers
 from vllm.v1.worker.gpu.input_batch import InputBatch
+from vllm.v1.worker.gpu.sample.output import SamplerOutput
+from vllm.v1.worker.gpu.spec_decode.ddtree.verifier import DDTreeVerifier
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import (
     DFlashSpeculator,
     prepare_dflash_inputs,
 )
+from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
 
 # vLLM 0.33's DFlashSpeculator.propose takes the next step's draft count and
 # with 0 stores the step's context K/V only (what DDTree's no-speculation step
@@ -37,6 +53,12 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import (
 PROPOSE_TAKES_NUM_SPECULATIVE_TOKENS = (
     "num_speculative_tokens" in inspect.signature(DFlashSpeculator.propose).parameters
 )
+
+
+# vLLM 0.34's runner asks its speculator for a verifier (its own rejection
+# sampler, the verify inputs before the target forward); vLLM 0.26's patched
+# runner builds DDTree's verifier itself.
+SPECULATOR_VERIFIES = hasattr(BaseSpeculator, "prepare_verify")
 
 
 # Upstream's `prepare_dflash_inputs` launches its Triton kernel with a block
@@ -95,12 +117,20 @@ def drafter_vllm_config(vllm_config: VllmConfig) -> VllmConfig:
 
 class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
+    # DDTree's verifier, where the runner asks its speculator to verify
+    # (set in __init__); None: the runner verifies (the 0.26.0 line).
+    verifier: DDTreeVerifier | None = None
 
-    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        req_states: Any | None = None,
+    ):
         # The base class sizes draft_tokens by num_speculative_tokens, which
         # DDTree sets to the tree budget: one column per tree node.
         super().__init__(drafter_vllm_config(vllm_config), device)
-        spec = self.speculative_config
+        spec = ddtree_speculative_config(self.speculative_config)
         assert spec.tree_budget is not None and spec.draft_depth is not None
         self.tree_budget: int = spec.tree_budget
         self.draft_depth: int = spec.draft_depth
@@ -145,6 +175,17 @@ class DDTreeSpeculator(DFlashSpeculator):
         # (`propose`, at the first warm-up run).
         self.dflash_input_blocks_compiled = False
 
+        # The runner's request states (node tokens per request: its
+        # draft_tokens; prefill lengths) and DDTree's verifier, where the
+        # runner asks the speculator to verify.
+        self.req_states = req_states
+        if SPECULATOR_VERIFIES:
+            assert req_states is not None
+            self.verifier = DDTreeVerifier(vllm_config, device, self)
+        # False until the verifier holds the target's KV caches of the latest
+        # `set_attn` (they are allocated after it; bound at the next propose).
+        self.target_kv_caches_bound = False
+
     def load_model(self, target_model: nn.Module) -> None:
         # The target's attention layers are built (the drafter's not yet):
         # refuse a window, chunk or ALiBi bias its config did not show.
@@ -153,6 +194,67 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Every attention layer is built: the tree attention's sinks check,
         # and its one startup line.
         verify_tree_attention_layers(self.vllm_config)
+
+    # ------------------------------------------ the runner's verifier hooks
+    def custom_sampler(self, sampler: Any) -> tuple[Any, Any] | None:
+        """The target's sampler, with tree-aware penalties, and DDTree's walk
+        in place of chain rejection sampling."""
+        if self.verifier is None:
+            return None
+        self.verifier.bind_sampler(sampler)
+        return sampler, TreeWalkSampler(self.verifier, sampler, self.req_states)
+
+    def set_attn(self, model_state: Any, kv_cache_config: Any, *args: Any) -> None:
+        super().set_attn(model_state, kv_cache_config, *args)
+        if self.verifier is None:
+            return
+        if not hasattr(model_state, "attn_metadata_hook"):
+            raise ValueError(
+                "DDTree supports dense decoder targets only; model state "
+                f"{type(model_state).__name__} has no attention metadata hook."
+            )
+        model_state.attn_metadata_hook = self.attach_tree_bias
+        self.target_kv_caches_bound = False
+
+    def attach_tree_bias(self, attn_metadata: dict[str, Any]) -> None:
+        """The model state's attention-metadata hook: the tree bias on the
+        target's metadata (the drafter's, built by the same model state,
+        keeps its own attention)."""
+        assert self.verifier is not None
+        target_metadata = {
+            name: metadata
+            for name, metadata in attn_metadata.items()
+            if name not in self.draft_attn_layer_names
+        }
+        if target_metadata:
+            self.verifier.attach_bias(target_metadata)
+
+    def prepare_verify(self, input_batch: InputBatch, positions: torch.Tensor) -> None:
+        """Tree positions and tree attention bias before the target forward
+        (``positions``: the model's, shifted too where they are M-RoPE's)."""
+        if self.verifier is None:
+            return
+        self.verifier.prepare_verify(input_batch)
+        self.verifier.prepare_model_positions(positions)
+
+    def _bind_target_kv_caches(self) -> None:
+        """The target's KV caches (bound to its attention layers once
+        allocated) for the compaction of the accepted path, one compactor per
+        KV-cache group; a layout it cannot move is refused here, at the
+        first warm-up step."""
+        assert self.verifier is not None
+        forward_context = self.vllm_config.compilation_config.static_forward_context
+        kv_caches = {
+            name: layer.kv_cache
+            for name, layer in forward_context.items()
+            if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)
+        }
+        self.verifier.bind_kv_caches(
+            kv_caches,
+            self.draft_attn_layer_names,
+            [group.layer_names for group in self.kv_cache_config.kv_cache_groups],
+        )
+        self.target_kv_caches_bound = True
 
     def tree_buffers(self) -> tuple[torch.Tensor, ...]:
         """The persistent buffers DDTree adds to the DFlash drafter's (the
@@ -212,6 +314,15 @@ class DDTreeSpeculator(DFlashSpeculator):
         """Upstream's propose; ``kwargs`` are the upstream keyword arguments
         (0.26: num_tokens_across_dp, ...; 0.33: dp_sync_state,
         num_speculative_tokens, ...)."""
+        verifier = self.verifier
+        if verifier is not None and not (
+            dummy_run and kwargs.get("skip_attn_for_dummy_run", False)
+        ):
+            if not self.target_kv_caches_bound:
+                self._bind_target_kv_caches()
+            # The accepted path to contiguous KV slots and to the front of the
+            # hidden states the DFlash pass reads.
+            verifier.compact(input_batch, slot_mappings, aux_hidden_states)
 
         def upstream_propose(batch: InputBatch, **extra: Any) -> torch.Tensor:
             return super(DDTreeSpeculator, self).propose(
@@ -249,6 +360,15 @@ class DDTreeSpeculator(DFlashSpeculator):
             ):
                 upstream_propose(batch)
         draft = self.draft_next_step or dummy_run
+        if verifier is not None:
+            draft_tokens = upstream_propose(input_batch)
+            if not dummy_run:
+                # The new trees to per-request state, their node tokens into
+                # the runner's draft tokens (which it scatters again).
+                verifier.store_trees(
+                    input_batch.idx_mapping, self, self.req_states.draft_tokens
+                )
+            return draft_tokens
         if draft:
             return upstream_propose(input_batch)
         if PROPOSE_TAKES_NUM_SPECULATIVE_TOKENS:
@@ -325,4 +445,26 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.hidden_states[:num_target_tokens],
             self.context_positions[:num_target_tokens],
             context_slots,
+        )
+
+
+class TreeWalkSampler:
+    """DDTree's rejection sampler for the V2 runner (called as upstream's:
+    ``(logits, input_batch, draft_logits)``): the target's draw at every
+    tree node, then the walk from the root (`DDTreeVerifier.sample`)."""
+
+    def __init__(self, verifier: DDTreeVerifier, sampler: Any, req_states: Any):
+        self.verifier = verifier
+        self.sampler = sampler
+        self.req_states = req_states
+
+    def __call__(
+        self, logits: torch.Tensor, input_batch: InputBatch, draft_logits: Any = None
+    ) -> SamplerOutput:
+        return self.verifier.sample(
+            self.sampler,
+            logits,
+            input_batch,
+            self.req_states.draft_tokens,
+            self.req_states.prefill_len.gpu,
         )

@@ -33,17 +33,17 @@ value on the host.
 """
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
+from vllm.v1.spec_decode.ddtree.config import ddtree_speculative_config
 from vllm.v1.spec_decode.ddtree.tree_attention import SplitTreeAttentionMetadata
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
-from vllm.v1.worker.gpu.spec_decode.ddtree.budget import DDTreeBudgetPlanner
 from vllm.v1.worker.gpu.spec_decode.ddtree.kernels import (
     KVCompactor,
     WalkBuffers,
@@ -63,6 +63,9 @@ from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import (
     sample_nodes,
 )
 
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu.spec_decode.ddtree.budget import DDTreeBudgetPlanner
+
 logger = init_logger(__name__)
 
 
@@ -73,7 +76,7 @@ class DDTreeVerifier:
         device: torch.device,
         speculator: Any | None = None,
     ):
-        spec = vllm_config.speculative_config
+        spec = ddtree_speculative_config(vllm_config.speculative_config)
         assert spec is not None and spec.use_ddtree()
         assert spec.tree_budget is not None and spec.draft_depth is not None
         self.tree_budget: int = spec.tree_budget
@@ -145,7 +148,11 @@ class DDTreeVerifier:
         # rank on the device and re-plans the budget per batch size.
         self.budget: DDTreeBudgetPlanner | None = None
         if getattr(spec, "budget_policy", None) == "measured":
-            self.budget = DDTreeBudgetPlanner(vllm_config, device)
+            # Imported here: the policy's schedule reaches the scheduler
+            # through the 0.26.0 line's patched dynamic schedule only.
+            from vllm.v1.worker.gpu.spec_decode.ddtree import budget as planning
+
+            self.budget = planning.DDTreeBudgetPlanner(vllm_config, device)
 
         # Hybrid (Gated DeltaNet) targets: the GDN layers' tree path.
         self.gdn = None

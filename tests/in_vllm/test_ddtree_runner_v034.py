@@ -1,0 +1,506 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DDTree's tree verification through the V2 runner's speculator hooks (the
+vLLM 0.34.0 line): the runner takes the speculator's own rejection sampler
+(`BaseSpeculator.custom_sampler`), lets it prepare the verify inputs before
+the target forward (`BaseSpeculator.prepare_verify`), and the model state
+calls a hook with every attention metadata it builds
+(`DefaultModelState.attn_metadata_hook`). DDTreeSpeculator fills them with
+its verifier; the tests drive one tree step through the runner's own
+`sample` and the speculator's hooks in the runner's order, and check that
+the runner calls each hook where the step needs it. Skipped where the
+runner has no such hooks (the 0.26.0 line, whose patched runner holds the
+verifier itself: tests/in_vllm/test_ddtree_runner.py)."""
+
+import ast
+import inspect
+import textwrap
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from verifier_fakes import (  # noqa: E402
+    DEPTH,
+    PARENT,
+    TOKENS,
+    ArgmaxSampler,
+    B,
+    logits_for,
+    make_verifier,
+    store_trees,
+)
+
+from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator  # noqa: E402
+
+if not hasattr(BaseSpeculator, "prepare_verify"):
+    pytest.skip(
+        "the V2 runner has no speculator verifier hooks (the 0.26.0 line)",
+        allow_module_level=True,
+    )
+
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner  # noqa: E402
+from vllm.v1.worker.gpu.model_states import default as default_model_state  # noqa: E402
+from vllm.v1.worker.gpu.spec_decode.ddtree import (  # noqa: E402
+    speculator as ddtree_speculator,
+)
+from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import (  # noqa: E402
+    TreePenaltiesState,
+)
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import (  # noqa: E402
+    DFlashSpeculator,
+)
+
+DDTreeSpeculator = ddtree_speculator.DDTreeSpeculator
+TreeWalkSampler = ddtree_speculator.TreeWalkSampler
+
+TARGET_LAYER = "model.layers.0.self_attn.attn"
+DRAFT_LAYER = "draft.layers.0.self_attn.attn"
+# The drafter's next tree for request state 2: root -> 1 -> 2 -> 3, root -> 4.
+NEXT_PARENT = [0, 1, 2, 0]
+NEXT_DEPTH = [1, 2, 3, 1]
+NEXT_TOKENS = [21, 22, 23, 24]
+
+
+def _batch():
+    """Batch row 0: a prefill chunk of 3 tokens (request state 0); batch row
+    1: tree verification of request state 2 (root + 4 nodes) at positions
+    20..24 (as in test_ddtree_runner.py)."""
+    positions = torch.tensor([0, 1, 2, 20, 21, 22, 23, 24, 0, 0], dtype=torch.int64)
+    return SimpleNamespace(
+        num_reqs=2,
+        num_tokens=8,
+        num_tokens_after_padding=10,
+        num_draft_tokens=B,
+        positions=positions,
+        input_ids=torch.arange(10, dtype=torch.int64),
+        logits_indices=torch.tensor([2, 3, 4, 5, 6, 7]),
+        expanded_idx_mapping=torch.tensor([0, 2, 2, 2, 2, 2], dtype=torch.int32),
+        expanded_local_pos=torch.tensor([0, 0, 1, 2, 3, 4], dtype=torch.int32),
+        idx_mapping=torch.tensor([0, 2], dtype=torch.int32),
+        idx_mapping_np=np.array([0, 2], dtype=np.int32),
+        cu_num_logits=torch.tensor([0, 1, 6], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 3, 8], dtype=torch.int32),
+        seq_lens=torch.tensor([3, 25], dtype=torch.int32),
+        seq_lens_cpu_upper_bound=torch.tensor([3, 25], dtype=torch.int32),
+    )
+
+
+def _speculator():
+    """A DDTreeSpeculator with DDTree's own state only (the DFlash drafter's
+    model and buffers are not built: the DFlash pass is replaced where a
+    test runs it), its verifier on the shared fakes' sizes, and the runner's
+    request states; request state 2 holds the 4-node tree of the fakes."""
+    speculator = object.__new__(DDTreeSpeculator)
+    speculator.verifier = make_verifier()
+    speculator.req_states = SimpleNamespace(
+        draft_tokens=store_trees(speculator.verifier, [2], [(PARENT, DEPTH, TOKENS)]),
+        prefill_len=SimpleNamespace(gpu=torch.tensor([3, 0, 10, 0], dtype=torch.int32)),
+    )
+    speculator.draft_attn_layer_names = {DRAFT_LAYER}
+    speculator.target_kv_caches_bound = False
+    speculator.dflash_input_blocks_compiled = True
+    speculator.draft_next_step = True
+    speculator.tree_parent_idx = torch.zeros(4, B, dtype=torch.int64)
+    speculator.tree_depth = torch.zeros(4, B, dtype=torch.int64)
+    speculator.tree_valid = torch.zeros(4, B, dtype=torch.bool)
+    speculator.draft_tokens = torch.zeros(4, B, dtype=torch.int64)
+    return speculator
+
+
+def _kv_and_slots():
+    """KV cache of the target layer (one block of 16 slots per request; each
+    slot holds its token index) and the step's slot mapping; the drafter's
+    layer has a KV cache of its own, which the compaction leaves alone."""
+    slots = torch.tensor([0, 1, 2] + [20 * 16 + 4 + i for i in range(5)] + [-1, -1])
+    kv_cache = torch.zeros(32, 1, 16, 2)
+    for tok in range(8):
+        s = int(slots[tok])
+        kv_cache[s // 16, 0, s % 16] = float(tok)
+    return kv_cache, slots
+
+
+def _runner_calls(method, name):
+    """The calls of ``name`` in the runner method ``method``, its source and
+    its syntax tree."""
+    source = textwrap.dedent(inspect.getsource(method))
+    tree = ast.parse(source)
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == name
+    ]
+    return calls, source, tree
+
+
+def test_the_runner_takes_the_speculators_sampler_when_the_model_state_has_none():
+    """load_model asks the speculator once the target's model state supplied
+    no custom sampler, and installs what it returns as (sampler,
+    rejection_sampler)."""
+    calls, source, tree = _runner_calls(
+        GPUModelRunner.load_model, "self.speculator.custom_sampler"
+    )
+    assert [ast.unparse(c) for c in calls] == [
+        "self.speculator.custom_sampler(self.sampler)"
+    ]
+    (assign,) = [
+        n for n in ast.walk(tree) if isinstance(n, ast.Assign) and n.value is calls[0]
+    ]
+    assert [ast.unparse(t) for t in assign.targets] == ["custom"]
+    assert "self.sampler, self.rejection_sampler = custom" in source
+
+
+def test_custom_sampler_binds_tree_penalties_and_returns_the_walk():
+    from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import (
+        PENALTIES_ARE_LOGITS_PROCESSOR,
+    )
+
+    speculator = _speculator()
+    penalties = SimpleNamespace(
+        req_states=SimpleNamespace(max_num_reqs=4, vocab_size=32, device="cpu")
+    )
+    sampler = SimpleNamespace(
+        penalties_state=penalties, logits_processors=["other", penalties]
+    )
+    sampler.req_states = penalties.req_states
+    sampler_out, walk = speculator.custom_sampler(sampler)
+    assert sampler_out is sampler
+    assert isinstance(walk, TreeWalkSampler) and walk.verifier is speculator.verifier
+    assert isinstance(sampler.penalties_state, TreePenaltiesState)
+    if PENALTIES_ARE_LOGITS_PROCESSOR:
+        assert sampler.logits_processors == ["other", sampler.penalties_state]
+    # Without a verifier (the 0.26.0 line's runner verifies), no sampler.
+    speculator.verifier = None
+    assert speculator.custom_sampler(sampler) is None
+
+
+def test_set_attn_hooks_the_model_state_and_refuses_one_without_the_hook(
+    monkeypatch,
+):
+    calls = []
+    monkeypatch.setattr(
+        DFlashSpeculator, "set_attn", lambda self, *args: calls.append(args)
+    )
+    speculator = _speculator()
+    speculator.target_kv_caches_bound = True
+    state = SimpleNamespace(attn_metadata_hook=None)
+    speculator.set_attn(state, "kv_cache_config", "block_tables", "bufs", "groups")
+    assert calls == [(state, "kv_cache_config", "block_tables", "bufs", "groups")]
+    assert state.attn_metadata_hook == speculator.attach_tree_bias
+    # New KV caches follow every set_attn: bound again at the next propose.
+    assert not speculator.target_kv_caches_bound
+    with pytest.raises(ValueError, match="dense decoder targets"):
+        speculator.set_attn(object(), "kv_cache_config")
+
+
+def test_the_model_state_calls_the_hook_with_every_metadata_it_builds(
+    monkeypatch,
+):
+    """DefaultModelState.prepare_attn (steps, captures and the drafter's
+    builds alike) hands its metadata to the hook before returning it."""
+    built = {TARGET_LAYER: SimpleNamespace(tree_attn_bias=None)}
+    monkeypatch.setattr(
+        default_model_state, "build_attn_metadata", lambda **kwargs: built
+    )
+    seen = []
+    state = SimpleNamespace(
+        supports_mm_inputs=False,
+        encoder_cache=None,
+        max_model_len=64,
+        attn_metadata_hook=seen.append,
+    )
+    batch = _batch()
+    batch.num_reqs_after_padding = 2
+    batch.query_start_loc_np = batch.query_start_loc.numpy()
+    batch.max_query_len = 5
+    batch.pcp = None
+    batch.dcp_local_seq_lens = None
+    batch.is_prefilling_np = np.array([True, False])
+    batch.prompt_lens = None
+    batch.fast_prefill = None
+    for for_capture in (True, False):
+        out = default_model_state.DefaultModelState.prepare_attn(
+            state, batch, None, (), None, [], None, for_capture=for_capture
+        )
+        assert out is built
+    assert seen == [built, built]
+    state.attn_metadata_hook = None  # unset: upstream's behaviour
+    default_model_state.DefaultModelState.prepare_attn(
+        state, batch, None, (), None, [], None, for_capture=True
+    )
+    assert len(seen) == 2
+
+
+def test_the_runner_prepares_the_verify_inputs_before_the_target_forward():
+    """execute_model calls prepare_verify on real steps only, with the
+    model's own positions, once the model inputs are built."""
+    calls, _, tree = _runner_calls(
+        GPUModelRunner.execute_model, "self.speculator.prepare_verify"
+    )
+    assert [ast.unparse(c) for c in calls] == [
+        "self.speculator.prepare_verify(input_batch, model_inputs['positions'])"
+    ]
+    (branch,) = [
+        n for n in ast.walk(tree) if isinstance(n, ast.If) and calls[0] in ast.walk(n)
+    ]
+    assert ast.unparse(branch.test) == (
+        "self.speculator is not None and (not dummy_run)"
+    )
+    (inputs,) = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign)
+        and [ast.unparse(t) for t in n.targets] == ["model_inputs"]
+    ]
+    # Every way the target runs: a FULL graph, a piecewise graph, eager.
+    forwards = [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and ast.unparse(n.func)
+        in (
+            "self.cudagraph_manager.run_fullgraph",
+            "self.cudagraph_manager.run_pw_graph",
+            "self.model",
+        )
+    ]
+    assert len(forwards) == 3
+    assert inputs.lineno < calls[0].lineno < min(forwards)
+
+
+def test_a_tree_step_through_the_runners_hooks(monkeypatch):
+    """One step in the runner's order: the target metadata gets the tree
+    bias (the drafter's does not), prepare_verify writes tree positions, the
+    runner's own `sample` walks the tree through the speculator's sampler,
+    and propose compacts the accepted path's KV and hidden states before the
+    DFlash pass and stores the new tree per request after it."""
+    speculator = _speculator()
+    verifier = speculator.verifier
+    kv_cache, slots = _kv_and_slots()
+    draft_kv = torch.full((4, 1, 16, 2), -1.0)
+    speculator.vllm_config = SimpleNamespace(
+        compilation_config=SimpleNamespace(
+            static_forward_context={
+                TARGET_LAYER: SimpleNamespace(kv_cache=kv_cache),
+                DRAFT_LAYER: SimpleNamespace(kv_cache=draft_kv),
+                "model.layers.0.mlp": SimpleNamespace(),
+            }
+        )
+    )
+    speculator.kv_cache_config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(layer_names=[TARGET_LAYER, DRAFT_LAYER])]
+    )
+
+    # The model state's hook: the target's metadata gets the tree bias.
+    target_meta = SimpleNamespace(tree_attn_bias=None)
+    draft_meta = SimpleNamespace(tree_attn_bias=None)
+    speculator.attach_tree_bias({TARGET_LAYER: target_meta, DRAFT_LAYER: draft_meta})
+    assert target_meta.tree_attn_bias is verifier.attn_bias
+    assert draft_meta.tree_attn_bias is None
+    # The drafter's own builds (the same model state) leave the target's be.
+    speculator.attach_tree_bias({DRAFT_LAYER: draft_meta})
+    assert draft_meta.tree_attn_bias is None
+
+    # Before the target forward: tree positions (root 20, nodes 20 + depth).
+    batch = _batch()
+    speculator.prepare_verify(batch, batch.positions)
+    assert batch.positions.tolist() == [0, 1, 2, 20, 21, 21, 22, 22, 0, 0]
+
+    # The runner's own sample(): the target says 5 on the prefill row; 11 at
+    # the root (node 1), 14 at node 1 (node 4), 9 at node 4 (bonus).
+    hidden_states = torch.zeros(10, 32)
+    hidden_states[batch.logits_indices] = logits_for([5, 11, 14, 30, 30, 9])
+    sampler = ArgmaxSampler()
+    runner = SimpleNamespace(
+        batch_sharder=None,
+        model_state=SimpleNamespace(compute_sample_logits=lambda h: h),
+        structured_outputs_worker=None,
+        sampler=sampler,
+        rejection_sampler=TreeWalkSampler(verifier, sampler, speculator.req_states),
+        speculator=SimpleNamespace(draft_logits=None),
+    )
+    out, num_sampled, num_rejected = GPUModelRunner.sample(
+        runner, hidden_states, batch, None
+    )
+    assert num_sampled.tolist() == [1, 3]
+    assert num_rejected.tolist() == [0, 2]
+    assert out.sampled_token_ids[1, :3].tolist() == [11, 14, 9]
+    # Sequential positions are back after the walk.
+    assert batch.positions.tolist() == [0, 1, 2, 20, 21, 22, 23, 24, 0, 0]
+
+    # propose: compaction, then the DFlash pass (its new tree in the batch
+    # rows), then the tree store.
+    dflash_calls = []
+
+    def dflash_propose(self, input_batch, *args, **kwargs):
+        dflash_calls.append(kwargs)
+        self.tree_parent_idx[1] = torch.tensor(NEXT_PARENT)
+        self.tree_depth[1] = torch.tensor(NEXT_DEPTH)
+        self.tree_valid[1] = True
+        self.draft_tokens[1] = torch.tensor(NEXT_TOKENS)
+        return self.draft_tokens[: input_batch.num_reqs]
+
+    monkeypatch.setattr(DFlashSpeculator, "propose", dflash_propose)
+    hidden = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 2) * 10
+    draft_tokens = speculator.propose(
+        batch,
+        {},
+        {TARGET_LAYER: slots, DRAFT_LAYER: slots},
+        hidden,
+        [hidden],
+        num_sampled,
+        num_rejected,
+        torch.zeros(4, dtype=torch.int64),
+        torch.zeros(1, 4, dtype=torch.int64),
+        torch.zeros(4),
+        torch.zeros(4, dtype=torch.int64),
+        num_speculative_tokens=B,
+    )
+    assert dflash_calls == [{"dummy_run": False, "num_speculative_tokens": B}]
+    assert speculator.target_kv_caches_bound
+    # Accepted path root(3) -> node1(4) -> node4(7): rows 3, 4, 5 hold 3, 4, 7
+    # in the hidden states and in the target's KV cache; the drafter's KV is
+    # not the target's.
+    assert hidden[:, 0].tolist() == [0, 10, 20, 30, 40, 70, 60, 70, 80, 90]
+    got = [float(kv_cache[int(s) // 16, 0, int(s) % 16, 0]) for s in slots[:8]]
+    assert got == [0, 1, 2, 3, 4, 7, 6, 7]
+    assert torch.all(draft_kv == -1)
+    # The new tree per request state: the runner's draft tokens and the
+    # verifier's parents and depths (what the next step's walk reads).
+    assert draft_tokens[1].tolist() == NEXT_TOKENS
+    assert speculator.req_states.draft_tokens[2].tolist() == NEXT_TOKENS
+    assert verifier.req_parent_idx[2].tolist() == NEXT_PARENT
+    assert verifier.req_depth[2, 1:].tolist() == NEXT_DEPTH
+
+
+def test_dummy_runs_neither_compact_nor_store_trees(monkeypatch):
+    speculator = _speculator()
+    before = speculator.req_states.draft_tokens.clone()
+    monkeypatch.setattr(
+        DFlashSpeculator,
+        "propose",
+        lambda self, input_batch, *a, **k: self.draft_tokens[: input_batch.num_reqs],
+    )
+    speculator.draft_tokens.fill_(99)
+    speculator.propose(
+        _batch(),
+        {},
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        dummy_run=True,
+        skip_attn_for_dummy_run=True,
+    )
+    assert torch.equal(speculator.req_states.draft_tokens, before)
+    assert not speculator.target_kv_caches_bound
+
+
+SPECULATOR_FROM_THE_ENGINE_CONFIG = """
+import json, os, sys
+from vllm import platforms
+from vllm.platforms.cpu import CpuPlatform
+if platforms.current_platform.is_unspecified():
+    platforms.current_platform = CpuPlatform()
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.spec_decode.ddtree import plugin
+from vllm.v1.worker.gpu import buffer_utils
+
+def cpu_buffer(self, size, dtype):
+    # As tests/in_vllm/conftest.py: UVA staging buffers as CPU tensors.
+    self.cpu = torch.zeros(size, dtype=dtype)
+    self.np = self.cpu.numpy()
+    self._uva = self.cpu
+
+buffer_utils.UvaBuffer.__init__ = cpu_buffer
+from vllm.v1.worker.gpu.sample.sampler import Sampler
+from vllm.v1.worker.gpu.spec_decode import init_speculator
+from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import TreePenaltiesState
+from vllm.v1.worker.gpu.states import RequestState
+
+plugin.register()
+target, drafter = sys.argv[1], sys.argv[2]
+config = EngineArgs(
+    model=target, dtype="float32", max_model_len=512, max_num_seqs=4,
+    speculative_config={"method": "ddtree", "model": drafter,
+                        "speculator_options": {"tree_budget": 8}},
+).create_engine_config()
+spec = config.speculative_config
+device = torch.device("cpu")
+vocab = config.model_config.get_vocab_size()
+with set_current_vllm_config(config):
+    req_states = RequestState(
+        4, 512, config.scheduler_config.max_num_batched_tokens,
+        config.num_speculative_tokens, vocab, device,
+    )
+    speculator = init_speculator(config, device, req_states)
+    sampler = Sampler(config, 4, vocab, device, req_states,
+                      num_speculative_tokens=1 + spec.num_speculative_tokens)
+    sampler_out, walk = speculator.custom_sampler(sampler)
+verifier = speculator.verifier
+print("RESULT " + json.dumps({
+    "method": [spec.method, spec.custom_method],
+    "speculator": type(speculator).__name__,
+    "budget": [speculator.tree_budget, verifier.tree_budget,
+               spec.num_speculative_tokens],
+    "depth": [speculator.draft_depth, verifier.draft_depth],
+    "policy": spec.speculator_options["budget_policy"],
+    "bias": list(verifier.attn_bias.shape),
+    "req_draft_tokens": list(req_states.draft_tokens.shape),
+    "same_req_states": speculator.req_states is req_states,
+    "walk": type(walk).__name__,
+    "same_sampler": sampler_out is sampler,
+    "tree_penalties": isinstance(sampler.penalties_state, TreePenaltiesState)
+    and sampler.penalties_state in sampler.logits_processors,
+}))
+"""
+
+
+def test_the_engine_configs_speculator_owns_the_verifier_and_the_walk():
+    """From `vllm serve`'s config path (vLLM's CPU platform, the dense
+    pair): `init_speculator` builds DDTreeSpeculator with the runner's
+    request states; it owns a verifier sized from DDTree's options, and the
+    runner's `custom_sampler` hook gets the walk and tree-aware penalties on
+    a real Sampler."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from verifier_fakes import DRAFTER, TARGET
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="ERROR")
+    p = subprocess.run(
+        [sys.executable, "-c", SPECULATOR_FROM_THE_ENGINE_CONFIG, TARGET, DRAFTER],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
+    out = json.loads(line[len("RESULT ") :])
+    assert out == {
+        "method": ["dflash", "ddtree"],
+        "speculator": "DDTreeSpeculator",
+        "budget": [8, 8, 8],
+        # The pair's drafter has block_size 16.
+        "depth": [15, 15],
+        "policy": "batch",
+        # One int32 word of mask bits per node of 9 (root + 8).
+        "bias": [4, 9, 1],
+        "req_draft_tokens": [4, 8],
+        "same_req_states": True,
+        "walk": "TreeWalkSampler",
+        "same_sampler": True,
+        "tree_penalties": True,
+    }
