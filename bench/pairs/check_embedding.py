@@ -22,30 +22,14 @@ import json
 import os
 import time
 
-import torch  # noqa: E402
+import torch
 
 from bench import common
 from bench.common import PAIR_MODELS
 from bench.pairs import embed
 from bench.pairs import pair_configs as pc
 from bench.pairs.dflash_ref import DFlashDrafter, draft_logits, target_forward
-
-
-def hf_text_model(cfg: dict, device):
-    from transformers.initialization import no_init_weights  # transformers 5
-
-    text = pc.text_config(cfg)
-    with no_init_weights(), torch.device(device):
-        if "text_config" in cfg:
-            from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-            m = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
-        else:
-            from transformers import Qwen3Config, Qwen3ForCausalLM
-
-            m = Qwen3ForCausalLM(Qwen3Config(**text))
-    m.tie_weights()  # a tied small target shares embedding and lm_head
-    return m.float().eval()
+from bench.pairs.offline_tau import load_drafter, text_model
 
 
 def load_into(model, weights, prefix: str) -> int:
@@ -126,7 +110,7 @@ def main() -> None:
     dev = torch.device(a.device)
     small_sd = load_file(os.path.join(pdir, "target", "model.safetensors"))
     prefix = embed.target_prefix(spec["small_target"])
-    small = hf_text_model(spec["small_target"], dev)
+    small = text_model(spec["small_target"], dev, init=False).eval()
     load_into(small, ((k, v) for k, v in small_sd.items() if "visual" not in k), prefix)
     with open(os.path.join(a.models, "prompts", "heldout.jsonl")) as f:
         prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()][
@@ -140,7 +124,7 @@ def main() -> None:
             x = torch.tensor([p], device=dev)
             logits, feats = target_forward(small, x, layer_ids_s)
             res_small.append((logits.cpu(), feats))
-    big = hf_text_model(spec["big_target"], dev)
+    big = text_model(spec["big_target"], dev, init=False).eval()
     load_into(
         big,
         embed.target_weights(
@@ -173,15 +157,7 @@ def main() -> None:
     embed_b, lm_b = big.model.embed_tokens.weight.clone(), big.lm_head.weight.clone()
     del big, lb
     torch.cuda.empty_cache() if dev.type == "cuda" else None
-    d_small = DFlashDrafter(spec["small_drafter"]).to(dev).eval()
-    d_small.load_state_dict(
-        {
-            k: t.float()
-            for k, t in load_file(
-                os.path.join(pdir, "drafter", "model.safetensors")
-            ).items()
-        }
-    )
+    d_small = load_drafter(os.path.join(pdir, "drafter"), dev)
     d_big = DFlashDrafter(spec["big_drafter"]).to(dev).eval()
     d_big.load_state_dict(
         dict(

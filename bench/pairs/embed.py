@@ -163,29 +163,26 @@ def _attention(w: _Writer, small: dict, big: dict, s: dict | None, gated: bool):
     k, v = w.rand(nkv_b * hd, H), w.rand(nkv_b * hd, H)
     o = w.zeros(H, nq_b * hd)
     if s is None:
-        return [
-            ("q_proj.weight", q),
-            ("k_proj.weight", k),
-            ("v_proj.weight", v),
-            ("o_proj.weight", o),
-            ("q_norm.weight", w.rand(hd)),
-            ("k_norm.weight", w.rand(hd)),
-        ]
-    nq_s, nkv_s = small["num_attention_heads"], small["num_key_value_heads"]
-    heads = [_q_head_index(j, nq_s, nkv_s, nq_b, nkv_b) for j in range(nq_s)]
-    hs = torch.arange(geo.h, device=dev)
-    w.put(q, _head_rows(heads, q_per_head, dev), hs, s["q_proj.weight"])
-    kv_rows = _head_rows(list(range(nkv_s)), hd, dev)
-    w.put(k, kv_rows, hs, s["k_proj.weight"])
-    w.put(v, kv_rows, hs, s["v_proj.weight"])
-    w.put(o, hs, _head_rows(heads, hd, dev), s["o_proj.weight"], geo.c)
+        q_norm, k_norm = w.rand(hd), w.rand(hd)
+    else:
+        nq_s, nkv_s = small["num_attention_heads"], small["num_key_value_heads"]
+        heads = [_q_head_index(j, nq_s, nkv_s, nq_b, nkv_b) for j in range(nq_s)]
+        hs = torch.arange(geo.h, device=dev)
+        w.put(q, _head_rows(heads, q_per_head, dev), hs, s["q_proj.weight"])
+        kv_rows = _head_rows(list(range(nkv_s)), hd, dev)
+        w.put(k, kv_rows, hs, s["k_proj.weight"])
+        w.put(v, kv_rows, hs, s["v_proj.weight"])
+        w.put(o, hs, _head_rows(heads, hd, dev), s["o_proj.weight"], geo.c)
+        q_norm, k_norm = w.cast(s["q_norm.weight"]), w.cast(s["k_norm.weight"])
+    return _named(q_proj=q, k_proj=k, v_proj=v, o_proj=o, q_norm=q_norm, k_norm=k_norm)
+
+
+def _named(**weights) -> list[tuple[str, torch.Tensor]]:
+    """(``<name>.weight``, tensor) in order; ``dt_bias`` and ``A_log`` are
+    parameters of their own."""
     return [
-        ("q_proj.weight", q),
-        ("k_proj.weight", k),
-        ("v_proj.weight", v),
-        ("o_proj.weight", o),
-        ("q_norm.weight", w.cast(s["q_norm.weight"])),
-        ("k_norm.weight", w.cast(s["k_norm.weight"])),
+        (k if k in ("dt_bias", "A_log") else k + ".weight", t)
+        for k, t in weights.items()
     ]
 
 
@@ -228,17 +225,17 @@ def _gated_delta_net(w: _Writer, small: dict, big: dict, s: dict | None):
         w.put(a_log, heads, None, s["A_log"])
         w.put(out, hs, vs, s["out_proj.weight"], geo.c)
         norm = w.cast(s["norm.weight"])
-    return [
-        ("in_proj_qkv.weight", qkv),
-        ("in_proj_z.weight", z),
-        ("in_proj_b.weight", b_),
-        ("in_proj_a.weight", a_),
-        ("conv1d.weight", conv),
-        ("dt_bias", dt_bias),
-        ("A_log", a_log),
-        ("norm.weight", norm),
-        ("out_proj.weight", out),
-    ]
+    return _named(
+        in_proj_qkv=qkv,
+        in_proj_z=z,
+        in_proj_b=b_,
+        in_proj_a=a_,
+        conv1d=conv,
+        dt_bias=dt_bias,
+        A_log=a_log,
+        norm=norm,
+        out_proj=out,
+    )
 
 
 def _mlp(w: _Writer, small: dict, big: dict, s: dict | None):
@@ -251,11 +248,7 @@ def _mlp(w: _Writer, small: dict, big: dict, s: dict | None):
         w.put(gate, cols, hs, s["gate_proj.weight"])
         w.put(up, cols, hs, s["up_proj.weight"])
         w.put(down, hs, cols, s["down_proj.weight"], geo.c)
-    return [
-        ("gate_proj.weight", gate),
-        ("up_proj.weight", up),
-        ("down_proj.weight", down),
-    ]
+    return _named(gate_proj=gate, up_proj=up, down_proj=down)
 
 
 def check_placement(small: dict, big: dict, placement: list[int]) -> None:
