@@ -29,23 +29,17 @@ from bench.common import PAIR_MODELS
 from bench.pairs import embed
 from bench.pairs import pair_configs as pc
 from bench.pairs.dflash_ref import DFlashDrafter, draft_logits, target_forward
-from bench.pairs.offline_tau import load_drafter, text_model
+from bench.pairs.offline_tau import load_drafter, load_target, text_model
 
 
 def load_into(model, weights, prefix: str) -> int:
     """Copy (name, tensor) pairs in checkpoint names into a text-only HF model."""
     params = dict(model.named_parameters())
     n = 0
-    for name, t in weights:
-        key = "model." + name[len(prefix) :] if name.startswith(prefix) else name
-        if key not in params:
-            if name in params:
-                key = name
-            else:
-                raise KeyError(name)
-        with torch.no_grad():
-            params[key].copy_(t)
-        n += 1
+    with torch.no_grad():
+        for name, t in weights:
+            params[name.replace(prefix, "model.", 1)].copy_(t)
+            n += 1
     if n != len(params):
         raise RuntimeError(f"{n} tensors written, the model has {len(params)}")
     return n
@@ -110,12 +104,10 @@ def main() -> None:
     dev = torch.device(a.device)
     small_sd = load_file(os.path.join(pdir, "target", "model.safetensors"))
     prefix = embed.target_prefix(spec["small_target"])
-    small = text_model(spec["small_target"], dev, init=False).eval()
-    load_into(small, ((k, v) for k, v in small_sd.items() if "visual" not in k), prefix)
+    small = load_target(os.path.join(pdir, "target"), dev)
     with open(os.path.join(a.models, "prompts", "heldout.jsonl")) as f:
-        prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()][
-            : a.prompts
-        ]
+        prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
+    prompts = prompts[: a.prompts]
     layer_ids_s = spec["small_drafter"]["dflash_config"]["target_layer_ids"]
     layer_ids_b = spec["big_drafter"]["dflash_config"]["target_layer_ids"]
     res_small = []
@@ -146,12 +138,8 @@ def main() -> None:
             lb = lb.float()
             diff = max(diff, (lb[..., :v].cpu() - ls).abs().max().item())
             if lb.shape[-1] > v:
-                margin = min(
-                    margin,
-                    (lb[..., :v].min(-1).values - lb[..., v:].max(-1).values)
-                    .min()
-                    .item(),
-                )
+                gap = lb[..., :v].min(-1).values - lb[..., v:].max(-1).values
+                margin = min(margin, gap.min().item())
             feats_b.append(fb)
     embed_s, lm_s = small.model.embed_tokens.weight, small.lm_head.weight
     embed_b, lm_b = big.model.embed_tokens.weight.clone(), big.lm_head.weight.clone()

@@ -87,42 +87,32 @@ def _head_rows(heads: list[int], per_head: int, device) -> torch.Tensor:
 
 def check_compatible(small: dict, big: dict) -> None:
     """Raise ValueError if the small text config cannot be embedded in the big one."""
-
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise ValueError(f"cannot embed: {what}")
-
-    need(small["head_dim"] == big["head_dim"], "head_dim differs")
-    need(
-        small["num_key_value_heads"] <= big["num_key_value_heads"],
-        "more KV heads than the target",
-    )
-    g_s = small["num_attention_heads"] // small["num_key_value_heads"]
-    g_b = big["num_attention_heads"] // big["num_key_value_heads"]
-    need(g_s <= g_b, f"query group {g_s} larger than {g_b}")
-    need(small["intermediate_size"] <= big["intermediate_size"], "intermediate size")
-    need(small["vocab_size"] <= big["vocab_size"], "vocabulary")
-    need(small.get("rms_norm_eps") == big.get("rms_norm_eps"), "rms_norm_eps differs")
+    same = ["head_dim", "rms_norm_eps"]
+    at_most = ["num_key_value_heads", "intermediate_size", "vocab_size"]
     if "linear_num_key_heads" in small:
-        rs = small["linear_num_value_heads"] // small["linear_num_key_heads"]
-        rb = big["linear_num_value_heads"] // big["linear_num_key_heads"]
-        need(rs == rb, f"GDN value/key head ratio {rs} != {rb}")
-        need(
-            small["linear_num_key_heads"] <= big["linear_num_key_heads"],
-            "GDN key heads",
-        )
-        for k in (
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "linear_conv_kernel_dim",
-        ):
-            need(small[k] == big[k], k)
-        need(
-            small.get("rope_parameters") == big.get("rope_parameters"),
-            "rope parameters",
-        )
+        same += ["linear_key_head_dim", "linear_value_head_dim"]
+        same += ["linear_conv_kernel_dim", "rope_parameters"]
+        at_most.append("linear_num_key_heads")
+        ratio = [
+            c["linear_num_value_heads"] // c["linear_num_key_heads"]
+            for c in (small, big)
+        ]
+        if ratio[0] != ratio[1]:
+            raise ValueError(
+                f"cannot embed: GDN value/key head ratio {ratio[0]} != {ratio[1]}"
+            )
     else:
-        need(small.get("rope_theta") == big.get("rope_theta"), "rope_theta")
+        same.append("rope_theta")
+    groups = [
+        c["num_attention_heads"] // c["num_key_value_heads"] for c in (small, big)
+    ]
+    for bad, what in (
+        *((small.get(k) != big.get(k), f"{k} differs") for k in same),
+        *((small[k] > big[k], f"{k} larger than the target's") for k in at_most),
+        (groups[0] > groups[1], f"query group {groups[0]} larger than {groups[1]}"),
+    ):
+        if bad:
+            raise ValueError(f"cannot embed: {what}")
 
 
 class _Writer:

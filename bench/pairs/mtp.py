@@ -316,17 +316,8 @@ def train_head(a, head, model, seqs, hidden, deadline: float) -> dict:
 
         return sum(losses) / len(losses), point
 
-    rec = train.fit(
-        head,
-        batch_loss,
-        deadline,
-        lr=a.lr,
-        warmup=20,
-        floor=0.05,
-        weight_decay=0.01,
-        every=10,
-        name="mtp head",
-    )
+    fit = dict(lr=a.lr, warmup=20, floor=0.05, weight_decay=0.01, every=10)
+    rec = train.fit(head, batch_loss, deadline, "mtp head", **fit)
     return {
         "steps": rec["steps"],
         "batch": a.batch,

@@ -329,14 +329,3 @@ def write_model_dirs(models: str, name: str) -> None:
             if os.path.lexists(link):
                 os.remove(link)
             os.symlink(os.path.join("..", "..", "tokenizer", fn), link)
-
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(
-        description="write the production config folders of the pairs"
-    )
-    ap.add_argument("--models", required=True)
-    for n in PAIRS:
-        write_model_dirs(ap.parse_args().models, n)

@@ -46,6 +46,8 @@ import time
 from bench.pairs import offline_tau
 from bench.pairs import pair_configs as pc
 
+CORPUS_MB, TOKENIZER_MB = 80, 24  # of the corpus: trained on, the tokenizer's
+TARGET_BATCH = 96
 PROMPT_LEN = 128  # self-distillation: corpus window the target continues
 CONT_LEN = 384  # tokens of greedy continuation
 
@@ -160,7 +162,7 @@ def prepare(a) -> None:
     roots = [r for r in roots if os.path.isdir(r)]
     heldout = {h for h in a.heldout.split(",") if h}
     train, held = gather_corpus(
-        roots, (2 if a.smoke else a.corpus_mb) << 20, heldout, a.seed
+        roots, (2 if a.smoke else CORPUS_MB) << 20, heldout, a.seed
     )
     if not held:
         sys.exit(
@@ -180,7 +182,7 @@ def prepare(a) -> None:
         for t in train:
             sample.append(t)
             n += len(t)
-            if n > (1 if a.smoke else a.tokenizer_mb) << 20:
+            if n > (1 if a.smoke else TOKENIZER_MB) << 20:
                 break
         tok = train_tokenizer(sample, os.path.join(a.out, "tokenizer"))
         log(f"tokenizer trained on {n / 2**20:.1f} MiB ({time.time() - t0:.0f} s)")
@@ -260,18 +262,13 @@ def lr_at(step: int, frac: float, peak: float, warmup: int, floor: float) -> flo
     return peak * min(1.0, (step + 1) / warmup) * (floor + (1 - floor) * cos)
 
 
-def fit(
-    module,
-    batch_loss,
-    deadline: float,
-    *,
-    lr: float,
-    warmup: int,
-    floor: float,
-    weight_decay: float,
-    every: int,
-    name: str,
-) -> dict:
+# AdamW and lr_at settings of each trained module (the drafter's peak lr is
+# --drafter-lr); a curve point every ``every`` steps.
+TARGET_FIT = dict(lr=2e-3, warmup=100, floor=0.1, weight_decay=0.1, every=100)
+DRAFTER_FIT = dict(warmup=50, floor=0.05, weight_decay=0.01, every=100)
+
+
+def fit(module, batch_loss, deadline, name, *, lr, warmup, floor, weight_decay, every):
     """AdamW on ``module`` until ``deadline``, the learning rate from lr_at.
     ``batch_loss()`` gives one batch's loss and a function of the curve point
     recorded (and logged) every ``every`` steps and at the end."""
@@ -322,7 +319,7 @@ def train_target(a, model, ids, device, deadline: float) -> dict:
     import torch
 
     gen = torch.Generator().manual_seed(a.seed)
-    seq, bs = (64, 4) if a.smoke else (512, a.target_batch)
+    seq, bs = (64, 4) if a.smoke else (512, TARGET_BATCH)
     amp = device.type == "cuda"
 
     def batch_loss():
@@ -330,17 +327,7 @@ def train_target(a, model, ids, device, deadline: float) -> dict:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             return model(input_ids=x, labels=x).loss, lambda: []
 
-    rec = fit(
-        model,
-        batch_loss,
-        deadline,
-        lr=2e-3,
-        warmup=100,
-        floor=0.1,
-        weight_decay=0.1,
-        every=100,
-        name=f"{a.pair} target",
-    )
+    rec = fit(model, batch_loss, deadline, f"{a.pair} target", **TARGET_FIT)
     rec["loss_curve"] = rec.pop("curve")
     return dict(rec, batch=bs, seq=seq)
 
@@ -416,17 +403,8 @@ def train_drafter(a, model, drafter, data, plen, device, deadline: float) -> dic
 
         return loss, point
 
-    rec = fit(
-        drafter,
-        batch_loss,
-        deadline,
-        lr=a.drafter_lr,
-        warmup=50,
-        floor=0.05,
-        weight_decay=0.01,
-        every=100,
-        name=f"{a.pair} drafter",
-    )
+    name = f"{a.pair} drafter"
+    rec = fit(drafter, batch_loss, deadline, name, lr=a.drafter_lr, **DRAFTER_FIT)
     return dict(rec, batch=dbs, anchors_per_seq=per_seq, peak_lr=a.drafter_lr)
 
 
@@ -501,9 +479,6 @@ def main() -> None:
     ap.add_argument(
         "--heldout", default="jax,networkx", help="packages kept out of training"
     )
-    ap.add_argument("--corpus-mb", type=int, default=80)
-    ap.add_argument("--tokenizer-mb", type=int, default=24)
-    ap.add_argument("--target-batch", type=int, default=96)
     ap.add_argument("--gen-batch", type=int, default=384)
     ap.add_argument("--max-sequences", type=int, default=8192)
     ap.add_argument("--drafter-batch", type=int, default=24)
