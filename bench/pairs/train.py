@@ -236,11 +236,8 @@ def save_target(name: str, model, out_dir: str, seed: int) -> None:
         for k, v in stub.state_dict().items():
             if k.startswith("model.visual."):
                 sd[k] = v.detach().to(torch.bfloat16).contiguous()
+    # (pair_configs.write_model_dirs adds generation_config.json)
     save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    write_json(
-        os.path.join(out_dir, "generation_config.json"),
-        {"bos_token_id": pc.EOS_ID, "eos_token_id": pc.EOS_ID},
-    )
 
 
 def round_to_bf16_(module) -> None:
