@@ -22,46 +22,24 @@ import json
 import os
 import time
 
-import torch  # noqa: E402
+import torch
 
 from bench import common
 from bench.common import PAIR_MODELS
 from bench.pairs import embed
 from bench.pairs import pair_configs as pc
 from bench.pairs.dflash_ref import DFlashDrafter, draft_logits, target_forward
-
-
-def hf_text_model(cfg: dict, device):
-    from transformers.initialization import no_init_weights  # transformers 5
-
-    text = pc.text_config(cfg)
-    with no_init_weights(), torch.device(device):
-        if "text_config" in cfg:
-            from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-            m = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
-        else:
-            from transformers import Qwen3Config, Qwen3ForCausalLM
-
-            m = Qwen3ForCausalLM(Qwen3Config(**text))
-    m.tie_weights()  # a tied small target shares embedding and lm_head
-    return m.float().eval()
+from bench.pairs.offline_tau import load_drafter, load_target, text_model
 
 
 def load_into(model, weights, prefix: str) -> int:
     """Copy (name, tensor) pairs in checkpoint names into a text-only HF model."""
     params = dict(model.named_parameters())
     n = 0
-    for name, t in weights:
-        key = "model." + name[len(prefix) :] if name.startswith(prefix) else name
-        if key not in params:
-            if name in params:
-                key = name
-            else:
-                raise KeyError(name)
-        with torch.no_grad():
-            params[key].copy_(t)
-        n += 1
+    with torch.no_grad():
+        for name, t in weights:
+            params[name.replace(prefix, "model.", 1)].copy_(t)
+            n += 1
     if n != len(params):
         raise RuntimeError(f"{n} tensors written, the model has {len(params)}")
     return n
@@ -126,12 +104,10 @@ def main() -> None:
     dev = torch.device(a.device)
     small_sd = load_file(os.path.join(pdir, "target", "model.safetensors"))
     prefix = embed.target_prefix(spec["small_target"])
-    small = hf_text_model(spec["small_target"], dev)
-    load_into(small, ((k, v) for k, v in small_sd.items() if "visual" not in k), prefix)
+    small = load_target(os.path.join(pdir, "target"), dev)
     with open(os.path.join(a.models, "prompts", "heldout.jsonl")) as f:
-        prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()][
-            : a.prompts
-        ]
+        prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
+    prompts = prompts[: a.prompts]
     layer_ids_s = spec["small_drafter"]["dflash_config"]["target_layer_ids"]
     layer_ids_b = spec["big_drafter"]["dflash_config"]["target_layer_ids"]
     res_small = []
@@ -140,7 +116,7 @@ def main() -> None:
             x = torch.tensor([p], device=dev)
             logits, feats = target_forward(small, x, layer_ids_s)
             res_small.append((logits.cpu(), feats))
-    big = hf_text_model(spec["big_target"], dev)
+    big = text_model(spec["big_target"], dev, init=False).eval()
     load_into(
         big,
         embed.target_weights(
@@ -162,26 +138,14 @@ def main() -> None:
             lb = lb.float()
             diff = max(diff, (lb[..., :v].cpu() - ls).abs().max().item())
             if lb.shape[-1] > v:
-                margin = min(
-                    margin,
-                    (lb[..., :v].min(-1).values - lb[..., v:].max(-1).values)
-                    .min()
-                    .item(),
-                )
+                gap = lb[..., :v].min(-1).values - lb[..., v:].max(-1).values
+                margin = min(margin, gap.min().item())
             feats_b.append(fb)
     embed_s, lm_s = small.model.embed_tokens.weight, small.lm_head.weight
     embed_b, lm_b = big.model.embed_tokens.weight.clone(), big.lm_head.weight.clone()
     del big, lb
     torch.cuda.empty_cache() if dev.type == "cuda" else None
-    d_small = DFlashDrafter(spec["small_drafter"]).to(dev).eval()
-    d_small.load_state_dict(
-        {
-            k: t.float()
-            for k, t in load_file(
-                os.path.join(pdir, "drafter", "model.safetensors")
-            ).items()
-        }
-    )
+    d_small = load_drafter(os.path.join(pdir, "drafter"), dev)
     d_big = DFlashDrafter(spec["big_drafter"]).to(dev).eval()
     d_big.load_state_dict(
         dict(

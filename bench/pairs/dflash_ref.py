@@ -36,41 +36,28 @@ def rope_neox(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
 
-class _Norm(nn.Module):
-    def __init__(self, n: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
+def _linear(n_in: int, n_out: int) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=False)
 
 
-class _Attn(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int):
-        super().__init__()
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-        self.q_norm = _Norm(head_dim)
-        self.k_norm = _Norm(head_dim)
+def _norm(n: int) -> nn.Module:
+    """A holder of an RMSNorm weight (``rms_norm`` applies it)."""
+    return nn.RMSNorm(n)
 
 
-class _MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-
-class _Layer(nn.Module):
-    def __init__(self, cfg: dict):
-        super().__init__()
-        h = cfg["hidden_size"]
-        self.self_attn = _Attn(
-            h, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-        )
-        self.mlp = _MLP(h, cfg["intermediate_size"])
-        self.input_layernorm = _Norm(h)
-        self.post_attention_layernorm = _Norm(h)
+def _layer(cfg: dict) -> nn.Module:
+    """One decoder layer's weights under a DFlash checkpoint's names."""
+    h, hd, inter = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
+    nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    layer, attn, mlp = nn.Module(), nn.Module(), nn.Module()
+    attn.q_proj, attn.k_proj = _linear(h, nq * hd), _linear(h, nkv * hd)
+    attn.v_proj, attn.o_proj = _linear(h, nkv * hd), _linear(nq * hd, h)
+    attn.q_norm, attn.k_norm = _norm(hd), _norm(hd)
+    mlp.gate_proj, mlp.up_proj = _linear(h, inter), _linear(h, inter)
+    mlp.down_proj = _linear(inter, h)
+    layer.self_attn, layer.mlp = attn, mlp
+    layer.input_layernorm, layer.post_attention_layernorm = _norm(h), _norm(h)
+    return layer
 
 
 class DFlashDrafter(nn.Module):
@@ -87,11 +74,10 @@ class DFlashDrafter(nn.Module):
             cfg["rope_theta"],
             cfg["rms_norm_eps"],
         )
-        self.fc = nn.Linear(h * n_aux, h, bias=False)
-        self.hidden_norm = _Norm(h)
-        self.norm = _Norm(h)
+        self.fc = _linear(h * n_aux, h)
+        self.hidden_norm, self.norm = _norm(h), _norm(h)
         self.layers = nn.ModuleList(
-            _Layer(cfg) for _ in range(cfg["num_hidden_layers"])
+            _layer(cfg) for _ in range(cfg["num_hidden_layers"])
         )
 
     def forward(

@@ -87,42 +87,32 @@ def _head_rows(heads: list[int], per_head: int, device) -> torch.Tensor:
 
 def check_compatible(small: dict, big: dict) -> None:
     """Raise ValueError if the small text config cannot be embedded in the big one."""
-
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise ValueError(f"cannot embed: {what}")
-
-    need(small["head_dim"] == big["head_dim"], "head_dim differs")
-    need(
-        small["num_key_value_heads"] <= big["num_key_value_heads"],
-        "more KV heads than the target",
-    )
-    g_s = small["num_attention_heads"] // small["num_key_value_heads"]
-    g_b = big["num_attention_heads"] // big["num_key_value_heads"]
-    need(g_s <= g_b, f"query group {g_s} larger than {g_b}")
-    need(small["intermediate_size"] <= big["intermediate_size"], "intermediate size")
-    need(small["vocab_size"] <= big["vocab_size"], "vocabulary")
-    need(small.get("rms_norm_eps") == big.get("rms_norm_eps"), "rms_norm_eps differs")
+    same = ["head_dim", "rms_norm_eps"]
+    at_most = ["num_key_value_heads", "intermediate_size", "vocab_size"]
     if "linear_num_key_heads" in small:
-        rs = small["linear_num_value_heads"] // small["linear_num_key_heads"]
-        rb = big["linear_num_value_heads"] // big["linear_num_key_heads"]
-        need(rs == rb, f"GDN value/key head ratio {rs} != {rb}")
-        need(
-            small["linear_num_key_heads"] <= big["linear_num_key_heads"],
-            "GDN key heads",
-        )
-        for k in (
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "linear_conv_kernel_dim",
-        ):
-            need(small[k] == big[k], k)
-        need(
-            small.get("rope_parameters") == big.get("rope_parameters"),
-            "rope parameters",
-        )
+        same += ["linear_key_head_dim", "linear_value_head_dim"]
+        same += ["linear_conv_kernel_dim", "rope_parameters"]
+        at_most.append("linear_num_key_heads")
+        ratio = [
+            c["linear_num_value_heads"] // c["linear_num_key_heads"]
+            for c in (small, big)
+        ]
+        if ratio[0] != ratio[1]:
+            raise ValueError(
+                f"cannot embed: GDN value/key head ratio {ratio[0]} != {ratio[1]}"
+            )
     else:
-        need(small.get("rope_theta") == big.get("rope_theta"), "rope_theta")
+        same.append("rope_theta")
+    groups = [
+        c["num_attention_heads"] // c["num_key_value_heads"] for c in (small, big)
+    ]
+    for bad, what in (
+        *((small.get(k) != big.get(k), f"{k} differs") for k in same),
+        *((small[k] > big[k], f"{k} larger than the target's") for k in at_most),
+        (groups[0] > groups[1], f"query group {groups[0]} larger than {groups[1]}"),
+    ):
+        if bad:
+            raise ValueError(f"cannot embed: {what}")
 
 
 class _Writer:
@@ -163,29 +153,26 @@ def _attention(w: _Writer, small: dict, big: dict, s: dict | None, gated: bool):
     k, v = w.rand(nkv_b * hd, H), w.rand(nkv_b * hd, H)
     o = w.zeros(H, nq_b * hd)
     if s is None:
-        return [
-            ("q_proj.weight", q),
-            ("k_proj.weight", k),
-            ("v_proj.weight", v),
-            ("o_proj.weight", o),
-            ("q_norm.weight", w.rand(hd)),
-            ("k_norm.weight", w.rand(hd)),
-        ]
-    nq_s, nkv_s = small["num_attention_heads"], small["num_key_value_heads"]
-    heads = [_q_head_index(j, nq_s, nkv_s, nq_b, nkv_b) for j in range(nq_s)]
-    hs = torch.arange(geo.h, device=dev)
-    w.put(q, _head_rows(heads, q_per_head, dev), hs, s["q_proj.weight"])
-    kv_rows = _head_rows(list(range(nkv_s)), hd, dev)
-    w.put(k, kv_rows, hs, s["k_proj.weight"])
-    w.put(v, kv_rows, hs, s["v_proj.weight"])
-    w.put(o, hs, _head_rows(heads, hd, dev), s["o_proj.weight"], geo.c)
+        q_norm, k_norm = w.rand(hd), w.rand(hd)
+    else:
+        nq_s, nkv_s = small["num_attention_heads"], small["num_key_value_heads"]
+        heads = [_q_head_index(j, nq_s, nkv_s, nq_b, nkv_b) for j in range(nq_s)]
+        hs = torch.arange(geo.h, device=dev)
+        w.put(q, _head_rows(heads, q_per_head, dev), hs, s["q_proj.weight"])
+        kv_rows = _head_rows(list(range(nkv_s)), hd, dev)
+        w.put(k, kv_rows, hs, s["k_proj.weight"])
+        w.put(v, kv_rows, hs, s["v_proj.weight"])
+        w.put(o, hs, _head_rows(heads, hd, dev), s["o_proj.weight"], geo.c)
+        q_norm, k_norm = w.cast(s["q_norm.weight"]), w.cast(s["k_norm.weight"])
+    return _named(q_proj=q, k_proj=k, v_proj=v, o_proj=o, q_norm=q_norm, k_norm=k_norm)
+
+
+def _named(**weights) -> list[tuple[str, torch.Tensor]]:
+    """(``<name>.weight``, tensor) in order; ``dt_bias`` and ``A_log`` are
+    parameters of their own."""
     return [
-        ("q_proj.weight", q),
-        ("k_proj.weight", k),
-        ("v_proj.weight", v),
-        ("o_proj.weight", o),
-        ("q_norm.weight", w.cast(s["q_norm.weight"])),
-        ("k_norm.weight", w.cast(s["k_norm.weight"])),
+        (k if k in ("dt_bias", "A_log") else k + ".weight", t)
+        for k, t in weights.items()
     ]
 
 
@@ -228,17 +215,17 @@ def _gated_delta_net(w: _Writer, small: dict, big: dict, s: dict | None):
         w.put(a_log, heads, None, s["A_log"])
         w.put(out, hs, vs, s["out_proj.weight"], geo.c)
         norm = w.cast(s["norm.weight"])
-    return [
-        ("in_proj_qkv.weight", qkv),
-        ("in_proj_z.weight", z),
-        ("in_proj_b.weight", b_),
-        ("in_proj_a.weight", a_),
-        ("conv1d.weight", conv),
-        ("dt_bias", dt_bias),
-        ("A_log", a_log),
-        ("norm.weight", norm),
-        ("out_proj.weight", out),
-    ]
+    return _named(
+        in_proj_qkv=qkv,
+        in_proj_z=z,
+        in_proj_b=b_,
+        in_proj_a=a_,
+        conv1d=conv,
+        dt_bias=dt_bias,
+        A_log=a_log,
+        norm=norm,
+        out_proj=out,
+    )
 
 
 def _mlp(w: _Writer, small: dict, big: dict, s: dict | None):
@@ -251,11 +238,7 @@ def _mlp(w: _Writer, small: dict, big: dict, s: dict | None):
         w.put(gate, cols, hs, s["gate_proj.weight"])
         w.put(up, cols, hs, s["up_proj.weight"])
         w.put(down, hs, cols, s["down_proj.weight"], geo.c)
-    return [
-        ("gate_proj.weight", gate),
-        ("up_proj.weight", up),
-        ("down_proj.weight", down),
-    ]
+    return _named(gate_proj=gate, up_proj=up, down_proj=down)
 
 
 def check_placement(small: dict, big: dict, placement: list[int]) -> None:

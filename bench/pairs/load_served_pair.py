@@ -17,39 +17,33 @@ only; exit 0 when every worker answered.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
-import urllib.error
-import urllib.request
 from urllib.parse import urlparse
 
-LOOPBACK_HOSTS = {"127.0.0.1", "::1", "localhost"}
+import httpx
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        print("usage: load_served_pair.py BASE_URL PAIR_DIR", file=sys.stderr)
-        return 2
-    base, pair_dir = argv[0].rstrip("/"), os.path.abspath(argv[1])
-    if urlparse(base).hostname not in LOOPBACK_HOSTS:
-        print(f"load_served_pair: loopback servers only, got {base}", file=sys.stderr)
-        return 2
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("base_url")
+    ap.add_argument("pair_dir")
+    a = ap.parse_args(argv)
+    base, pair_dir = a.base_url.rstrip("/"), os.path.abspath(a.pair_dir)
+    if urlparse(base).hostname not in ("127.0.0.1", "::1", "localhost"):
+        ap.error(f"loopback servers only, got {base}")
     body = {
         "method": "load_embedded_pair",
         "args": [pair_dir, os.path.basename(pair_dir.rstrip("/"))],
         "timeout": 600,
     }
-    req = urllib.request.Request(
-        f"{base}/collective_rpc",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
     try:
-        with urllib.request.urlopen(req, timeout=900) as r:
-            results = json.loads(r.read() or b"{}").get("results")
-    except (urllib.error.URLError, OSError, ValueError) as e:
+        r = httpx.post(f"{base}/collective_rpc", json=body, timeout=900)
+        r.raise_for_status()
+        results = (r.json() if r.content else {}).get("results")
+    except (httpx.HTTPError, ValueError) as e:
         print(f"load_served_pair: {base}/collective_rpc: {e}", file=sys.stderr)
         return 1
     if not results:

@@ -6,7 +6,7 @@ multi-token-prediction module as vLLM's ``method: "mtp"`` loads it
 own greedy continuations, and its offline acceptance.
 
     python3 -m bench.pairs.mtp [--models bench/pairs/models] [--pair hybrid-27b]
-        [--seconds 840] [--work /tmp/mtp-work] [--threads 2] [--seed 0]
+        [--seconds 840] [--device cuda] [--work /tmp/mtp-work] [--threads 2]
 
 The module (``MTPHead``; checkpoint names ``mtp.*`` as in Qwen3.5 / Qwen3.6
 checkpoints): ``fc`` over ``[pre_fc_norm_embedding(embed(token t+1));
@@ -19,7 +19,8 @@ reads step s's output hidden state and its argmax token, one position further,
 attending to the head's own keys and values (those of verified positions come
 from the target's hidden states).
 
-Steps (CPU is enough; seeded; time-boxed by ``--seconds``):
+Steps (seeded; time-boxed by ``--seconds``; on ``--device``, the CPU by
+default, where the committed head was trained, short of training):
 
 1. the held-out evaluation sequences, as offline_tau.evaluate makes them (the prompts
    of ``prompts/heldout.jsonl`` cut to their last 160 tokens, 256 greedy tokens);
@@ -39,22 +40,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import glob
 import json
 import os
-import random
 import sys
 import sysconfig
 import time
 
+from bench.pairs import offline_tau, train
 from bench.pairs import pair_configs as pc
-from bench.pairs.offline_tau import (
-    EVAL_NEW_TOKENS,
-    EVAL_PROMPT_LEN,
-    build_target,
-    load_target,
-    target_continue,
-)
 
 MTP_LAYERS = 1  # Qwen3.5 / Qwen3.6 checkpoints carry one MTP layer
 # The mtp method's draft length: best_k of the committed hybrid-27b head's
@@ -65,23 +58,11 @@ TRAIN_PROMPT_LEN = 128
 TRAIN_NEW_TOKENS = 128
 
 
-def log(msg: str) -> None:
-    print(f"[mtp {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 def with_mtp_keys(cfg: dict) -> dict:
     """A Qwen3.5 model config with the key vLLM's MTP reads
     (``mtp_num_hidden_layers`` in its text config)."""
     out = copy.deepcopy(cfg)
     pc.text_config(out)["mtp_num_hidden_layers"] = MTP_LAYERS
-    return out
-
-
-def layer_config(text: dict) -> dict:
-    """The text config of the head's decoder layer: the target's, one
-    full-attention layer."""
-    out = copy.deepcopy(text)
-    out.update(num_hidden_layers=1, layer_types=["full_attention"])
     return out
 
 
@@ -101,7 +82,9 @@ def build_head(target_cfg: dict):
 
         def __init__(self, text: dict):
             super().__init__()
-            cfg = Qwen3_5TextConfig(**layer_config(text))
+            # the target's text config, one full-attention layer
+            one = dict(num_hidden_layers=1, layer_types=["full_attention"])
+            cfg = Qwen3_5TextConfig(**dict(copy.deepcopy(text), **one))
             cfg._attn_implementation = "sdpa"
             h, eps = cfg.hidden_size, cfg.rms_norm_eps
             self.pre_fc_norm_embedding = Qwen3_5RMSNorm(h, eps=eps)
@@ -115,15 +98,8 @@ def build_head(target_cfg: dict):
             """``embeds``, ``hidden`` [B, T, h]; ``positions`` [B, T]; ``mask``
             None (causal) or bool [B, 1, T, T] (True: attend). Returns the
             normed output hidden states [B, T, h]."""
-            x = self.fc(
-                torch.cat(
-                    [
-                        self.pre_fc_norm_embedding(embeds),
-                        self.pre_fc_norm_hidden(hidden),
-                    ],
-                    dim=-1,
-                )
-            )
+            e, h = self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)
+            x = self.fc(torch.cat([e, h], dim=-1))
             pe = self.rotary_emb(x, positions[None].expand(3, -1, -1))
             for layer in self.layers:
                 x = layer(x, position_embeddings=pe, attention_mask=mask)
@@ -133,18 +109,7 @@ def build_head(target_cfg: dict):
 
 
 def save_head(head, target_cfg: dict, out_dir: str) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    os.makedirs(out_dir, exist_ok=True)
-    sd = {
-        "mtp." + k: v.detach().to(torch.bfloat16).cpu().contiguous()
-        for k, v in head.state_dict().items()
-    }
-    save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(with_mtp_keys(target_cfg), f, indent=1)
-        f.write("\n")
+    train.save_weights(head, out_dir, with_mtp_keys(target_cfg), prefix="mtp.")
 
 
 def load_head(path: str):
@@ -160,17 +125,6 @@ def load_head(path: str):
     }
     head.load_state_dict(sd)
     return head.eval(), cfg
-
-
-def embedded_weights(spec: dict, small_msd: dict, device, dtype):
-    """The MTP head ``small_msd`` (a save_head checkpoint) at the production
-    shape of the pair ``spec`` (pair_configs.load_pair), one tensor at a time
-    (embed.mtp_weights), for the MTP model's ``load_weights``."""
-    from bench.pairs import embed
-
-    return embed.mtp_weights(
-        spec["small_target"], spec["big_target"], small_msd, device=device, dtype=dtype
-    )
 
 
 def step_weights(big_cfg: dict) -> tuple[int, int]:
@@ -210,21 +164,12 @@ def speculative_config(num_speculative_tokens: int) -> dict:
 # ---------------------------------------------------------------- the recursion
 
 
-def recursive_logits(
-    head,
-    hidden,
-    tokens,
-    embed,
-    lm_head,
-    anchors,
-    depth: int,
-    teacher_forced: bool,
-):
+def recursive_logits(head, hidden, tokens, embed, lm_head, anchors, depth, forced):
     """Logits [B, N, depth, V] of the head run ``depth`` times as vLLM drafts:
     for a bonus token at position p (``anchors`` [B, N], p >= 1), step 1 reads
     the target's hidden state at p - 1 and token p (position p - 1) and
     predicts token p + 1; step s >= 2 reads step s - 1's output hidden state
-    and token p + s - 1 at position p + s - 2 (``teacher_forced``: the true
+    and token p + s - 1 at position p + s - 2 (``forced``: the true
     token, else step s - 1's argmax) and predicts token p + s.
 
     One pass per step over a packed sequence: the L - 1 step-1 inputs of the
@@ -248,7 +193,7 @@ def recursive_logits(
     cols1 = torch.arange(t1, device=dev)
     lvl_emb, lvl_hid, lvl_pos = [], [], []
     for s in range(2, depth + 1):
-        if teacher_forced:
+        if forced:  # teacher-forced
             tok = torch.gather(tokens, 1, anchors + s - 1)
         else:
             tok = logits[-1].argmax(-1)
@@ -261,12 +206,9 @@ def recursive_logits(
         mask[:, :t1, :t1] = torch.ones(t1, t1, dtype=torch.bool, device=dev).tril()
         # draft rows: step-1 columns before the anchor, own anchor's levels <= own
         before = cols1[None, None, :] < anchors[:, :, None]  # [B, N, t1]
-        for li in range(levels):
-            rows = slice(t1 + li * n, t1 + (li + 1) * n)
-            mask[:, rows, :t1] = before
-            for lj in range(li + 1):
-                cols = slice(t1 + lj * n, t1 + (lj + 1) * n)
-                mask[:, rows, cols] = torch.eye(n, dtype=torch.bool, device=dev)
+        mask[:, t1:, :t1] = before.repeat(1, levels, 1)
+        own = torch.ones(levels, levels, device=dev).tril()
+        mask[:, t1:, t1:] = torch.kron(own, torch.eye(n, device=dev)).bool()
         out = head(
             torch.cat([emb1, *lvl_emb], 1),
             torch.cat([hidden[:, :-1], *lvl_hid], 1),
@@ -278,7 +220,7 @@ def recursive_logits(
     return torch.stack(logits, 2)
 
 
-# ---------------------------------------------------------------- data
+# ---------------------------------------------------------------- data, training
 
 
 def target_hidden(model, seqs, batch: int = 16):
@@ -287,12 +229,8 @@ def target_hidden(model, seqs, batch: int = 16):
     import torch
 
     with torch.no_grad():
-        return torch.cat(
-            [
-                model.model(input_ids=x).last_hidden_state.float()
-                for x in seqs.split(batch)
-            ]
-        )
+        out = [model.model(input_ids=x).last_hidden_state for x in seqs.split(batch)]
+    return torch.cat(out).float()
 
 
 def init_from_target(head, model) -> None:
@@ -309,110 +247,45 @@ def init_from_target(head, model) -> None:
         head.norm.load_state_dict(model.model.norm.state_dict())
         h = head.fc.weight.shape[0]
         head.fc.weight[:, :h].mul_(0.1)
-        head.fc.weight[:, h:].copy_(torch.eye(h))
+        head.fc.weight[:, h:].copy_(torch.eye(h, device=head.fc.weight.device))
 
 
-def heldout_sequences(model, prompts_path: str, n_prompts: int, plen: int, new: int):
-    """offline_tau.evaluate's held-out sequences: prompts of at least ``plen`` tokens
-    cut to their last ``plen``, continued greedily by ``new`` tokens."""
+def train_sequences(model, corpus, a, deadline: float, cache: str):
+    """Greedy continuations of random corpus windows, ``a.gen_batch`` at a time
+    until ``deadline`` (at least one batch); the batches already in ``cache``
+    (the same seeded draws) are reused. ``corpus()`` gives the token ids."""
     import torch
 
-    with open(prompts_path) as f:
-        rows = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
-    rows = [r[-plen:] for r in rows if len(r) >= plen][:n_prompts]
-    return target_continue(model, torch.tensor(rows), new, False)
-
-
-def corpus_ids(tokenizer_path: str, max_bytes: int, seed: int):
-    """Token ids of standard-library Python files (the held-out packages of
-    train.py, jax and networkx, are not in it), EOS-separated."""
-    import torch
-    from tokenizers import Tokenizer
-
-    files = sorted(
-        glob.glob(
-            os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True
-        )
-    )
-    random.Random(seed).shuffle(files)
-    tok = Tokenizer.from_file(tokenizer_path)
-    ids, n = [], 0
-    for path in files:
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError):
-            continue
-        if not 200 < len(text) < 200_000:
-            continue
-        ids += tok.encode(text).ids + [pc.EOS_ID]
-        n += len(text)
-        if n >= max_bytes:
-            break
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def train_sequences(model, corpus, batch: int, deadline: float, seed: int, cache: str):
-    """Greedy continuations of random corpus windows, a batch at a time until
-    ``deadline`` (at least one batch); the batches already in ``cache`` (the
-    same seeded draws) are reused. ``corpus()`` gives the token ids."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(a.seed + 7)
     seqs = torch.load(cache) if os.path.exists(cache) else None
     if seqs is not None and time.time() >= deadline:
         return seqs
     ids = corpus()
-    done = 0 if seqs is None else len(seqs) // batch
-    drawn = 0
-    while True:
-        st = torch.randint(
-            0, ids.numel() - TRAIN_PROMPT_LEN - 1, (batch,), generator=gen
-        )
-        drawn += 1
-        if drawn <= done:
-            continue
-        if seqs is not None and time.time() >= deadline:
-            return seqs
-        p = torch.stack([ids[s : s + TRAIN_PROMPT_LEN] for s in st.tolist()])
-        out = target_continue(model, p, TRAIN_NEW_TOKENS, False)
+    for _ in range(0 if seqs is None else len(seqs) // a.gen_batch):
+        train.windows(ids, a.gen_batch, TRAIN_PROMPT_LEN, gen)  # cached draws
+    while seqs is None or time.time() < deadline:
+        p = train.windows(ids, a.gen_batch, TRAIN_PROMPT_LEN, gen).to(a.device)
+        out = offline_tau.target_continue(model, p, TRAIN_NEW_TOKENS, False).cpu()
         seqs = out if seqs is None else torch.cat([seqs, out])
         torch.save(seqs, cache)
-        log(f"{len(seqs)} training continuations")
-
-
-# ---------------------------------------------------------------- training, evaluation
+        train.log(f"mtp: {len(seqs)} training continuations")
+    return seqs
 
 
 def distill_loss(logits, teacher_logp):
-    """Half cross-entropy on the target's argmax, half on its distribution
-    (the DFlash drafter's loss), averaged."""
+    """train.distill_terms averaged."""
+    return train.distill_terms(logits, teacher_logp).mean()
+
+
+def train_head(a, head, model, seqs, hidden, deadline: float) -> dict:
     import torch
 
-    lq = logits.float().log_softmax(-1)
-    hard = teacher_logp.argmax(-1, keepdim=True)
-    ce_hard = -torch.gather(lq, -1, hard)[..., 0]
-    ce_soft = -(teacher_logp.exp() * lq).sum(-1)
-    return (0.5 * ce_hard + 0.5 * ce_soft).mean()
-
-
-def train_head(a, head, model, seqs, hidden, deadline: float, rec: dict) -> None:
-    import torch
-
-    from bench.pairs import train
-
-    embed = model.model.embed_tokens.weight
-    lm_head = model.lm_head.weight
-    opt = torch.optim.AdamW(
-        head.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01
-    )
+    embed, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
     gen = torch.Generator().manual_seed(a.seed + 11)
     seq_len, width = seqs.shape[1], hidden.shape[-1]
     lo = TRAIN_PROMPT_LEN // 4
-    t1, step, curve = time.time(), 0, []
-    budget = max(1.0, deadline - t1)
-    head.train()
-    while time.time() < deadline:
+
+    def batch_loss():
         rows = torch.randint(0, seqs.shape[0], (a.batch,), generator=gen)
         x, h = seqs[rows], hidden[rows]
         anchors = torch.stack(
@@ -420,58 +293,47 @@ def train_head(a, head, model, seqs, hidden, deadline: float, rec: dict) -> None
                 torch.randperm(seq_len - a.unroll - lo, generator=gen)[: a.anchors] + lo
                 for _ in range(a.batch)
             ]
-        )
+        ).to(x.device)
         # step s at anchor p predicts token p + s: the target's distribution
         # at position p + s - 1
         with torch.no_grad():
-            teacher = torch.stack(
-                [
-                    (torch.gather(h, 1, (anchors + s)[..., None].expand(-1, -1, width)))
-                    for s in range(a.unroll)
-                ],
-                2,
-            )
+            at = [
+                (anchors + s)[..., None].expand(-1, -1, width) for s in range(a.unroll)
+            ]
+            teacher = torch.stack([torch.gather(h, 1, i) for i in at], 2)
             teacher = (teacher @ lm_head.T).log_softmax(-1)
-        for g in opt.param_groups:
-            g["lr"] = train.lr_at(step, (time.time() - t1) / budget, a.lr, 20, 0.05)
         logits = recursive_logits(head, h, x, embed, lm_head, anchors, a.unroll, True)
         losses = [
             distill_loss(logits[:, :, s], teacher[:, :, s]) for s in range(a.unroll)
         ]
-        loss = sum(losses) / len(losses)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        if step % 10 == 0 or time.time() >= deadline:
+
+        def point():
             acc = (logits.argmax(-1) == teacher.argmax(-1)).float().mean((0, 1))
-            curve.append(
-                [
-                    step,
-                    round(loss.item(), 4),
-                    [round(v.item(), 4) for v in losses],
-                    [round(v, 3) for v in acc.tolist()],
-                ]
-            )
-            log(f"step {step} loss {curve[-1][2]} teacher-forced acc {curve[-1][3]}")
-    head.eval()
-    rec["training"] = {
-        "steps": step,
+            return [
+                [round(v.item(), 4) for v in losses],
+                [round(v, 3) for v in acc.tolist()],
+            ]
+
+        return sum(losses) / len(losses), point
+
+    fit = dict(lr=a.lr, warmup=20, floor=0.05, weight_decay=0.01, every=10)
+    rec = train.fit(head, batch_loss, deadline, "mtp head", **fit)
+    return {
+        "steps": rec["steps"],
         "batch": a.batch,
         "anchors_per_seq": a.anchors,
         "unroll": a.unroll,
         "peak_lr": a.lr,
-        "seconds": round(time.time() - t1, 1),
+        "seconds": rec["seconds"],
         "init": "decoder layer and final norm from the target's last "
         "full-attention layer and final norm; fc passes the hidden state",
         "curve": "[step, loss, loss per step 1..unroll, teacher-forced "
         "top-1 agreement with the target per step 1..unroll]",
-        "points": curve,
+        "points": rec["curve"],
     }
 
 
-def offline_tau(head, model, seqs, hidden, plen: int) -> dict:
+def offline_tau_of_head(head, model, seqs, hidden, plen: int) -> dict:
     """Tau of the MTP chain for k = 1..max(EVAL_DEPTHS) draft tokens on the
     greedy sequences ``seqs`` (prompt ``plen`` tokens), replayed as vLLM
     verifies at temperature 0; also the rate at which step s's draft is the
@@ -481,28 +343,24 @@ def offline_tau(head, model, seqs, hidden, plen: int) -> dict:
     from bench.pairs import acceptance
 
     depth = max(EVAL_DEPTHS)
-    embed = model.model.embed_tokens.weight
-    lm_head = model.lm_head.weight
+    embed, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
     steps = {k: [] for k in EVAL_DEPTHS}
-    hits = torch.zeros(depth)
-    tries = torch.zeros(depth)
+    hits, tries = [0] * depth, [0] * depth
     seq_len = seqs.shape[1]
     end = seq_len - 1
-    anchors = torch.arange(plen, end)
+    anchors = torch.arange(plen, end, device=seqs.device)[None]
     with torch.no_grad():
         for x, h in zip(seqs, hidden):
             lg = recursive_logits(
-                head, h[None], x[None], embed, lm_head, anchors[None], depth, False
+                head, h[None], x[None], embed, lm_head, anchors, depth, False
             )
             draft = torch.zeros(seq_len, depth, dtype=torch.long)
-            draft[plen:end] = lg[0].argmax(-1)
+            draft[plen:end] = lg[0].argmax(-1).cpu()
             toks = x.tolist()
             for k in EVAL_DEPTHS:
                 steps[k].append(acceptance.chain_steps(draft[:, :k], toks, plen, end))
             for p in range(plen, end):
-                for s in range(depth):
-                    if p + 1 + s > end:
-                        break
+                for s in range(min(depth, end - p)):
                     tries[s] += 1
                     if int(draft[p, s]) != toks[p + 1 + s]:
                         break
@@ -514,7 +372,7 @@ def offline_tau(head, model, seqs, hidden, plen: int) -> dict:
         "new_tokens": seq_len - plen,
         "mtp_tau": {str(k): round(acceptance.tau(steps[k]), 3) for k in EVAL_DEPTHS},
         "per_depth_acceptance": [
-            round(float(hits[s] / max(1.0, float(tries[s]))), 3) for s in range(depth)
+            round(hits[s] / max(1, tries[s]), 3) for s in range(depth)
         ],
     }
 
@@ -522,8 +380,7 @@ def offline_tau(head, model, seqs, hidden, plen: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--models",
-        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "models"),
+        "--models", default=os.path.join(os.path.dirname(__file__), "models")
     )
     ap.add_argument("--pair", default="hybrid-27b")
     ap.add_argument(
@@ -532,6 +389,12 @@ def main(argv: list[str] | None = None) -> None:
         default=840.0,
         help="wall-clock budget of continuations and training (the held-out "
         "sequences and the evaluation come on top)",
+    )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (the committed head, short of training) or cuda (a retrain "
+        "that reaches far more steps)",
     )
     ap.add_argument("--work", default="/tmp/mtp-work", help="cache of sequences")
     ap.add_argument(
@@ -553,57 +416,53 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
     import transformers
-
-    from bench.pairs import train
+    from tokenizers import Tokenizer
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
+    a.device = torch.device(a.device)
     t0 = time.time()
     os.makedirs(a.work, exist_ok=True)
     spec = pc.load_pair(a.models, a.pair)
     if "text_config" not in spec["small_target"]:
         sys.exit(f"{a.pair}: not a Qwen3.5-architecture target (no MTP module)")
     pdir = os.path.join(a.models, a.pair)
-    model = build_target(a.pair, torch.device("cpu"))
-    load_target(model, os.path.join(pdir, "target"))
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = offline_tau.load_target(os.path.join(pdir, "target"), a.device)
+    model.requires_grad_(False)
     rec: dict = {
         "pair": a.pair,
         "seed": a.seed,
-        "device": "cpu",
+        "device": str(a.device),
         "threads": a.threads,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "target_id": pc.weights_id(a.models, a.pair, "target"),
     }
     held_path = os.path.join(a.work, "heldout.pt")
-    if os.path.exists(held_path):
-        held = torch.load(held_path)
-    else:
-        held = heldout_sequences(
+    if not os.path.exists(held_path):
+        held = offline_tau.heldout_sequences(
             model,
             os.path.join(a.models, "prompts", "heldout.jsonl"),
             a.prompts,
-            EVAL_PROMPT_LEN,
-            EVAL_NEW_TOKENS,
+            offline_tau.EVAL_PROMPT_LEN,
+            offline_tau.EVAL_NEW_TOKENS,
+            a.device,
         )
-        torch.save(held, held_path)
-    log(f"held-out sequences {tuple(held.shape)} ({time.time() - t0:.0f} s)")
+        torch.save(held.cpu(), held_path)
+    held = torch.load(held_path).to(a.device)
+    train.log(f"mtp: held-out sequences {tuple(held.shape)} ({time.time() - t0:.0f} s)")
+
+    def corpus():
+        """Standard-library Python (without train.py's held-out packages)."""
+        stdlib = sysconfig.get_paths()["stdlib"]
+        texts = train.gather_corpus([stdlib], a.corpus_mb << 20, set(), a.seed)[0]
+        tok = Tokenizer.from_file(os.path.join(a.models, "tokenizer", "tokenizer.json"))
+        return train.encode(tok, texts)
+
     t1 = time.time()
-    seqs = train_sequences(
-        model,
-        lambda: corpus_ids(
-            os.path.join(a.models, "tokenizer", "tokenizer.json"),
-            a.corpus_mb << 20,
-            a.seed,
-        ),
-        a.gen_batch,
-        t1 + a.gen_share * a.seconds,
-        a.seed + 7,
-        os.path.join(a.work, "train_seqs.pt"),
-    )
+    cache = os.path.join(a.work, "train_seqs.pt")
+    seqs = train_sequences(model, corpus, a, t1 + a.gen_share * a.seconds, cache)
+    seqs = seqs.to(a.device)
     rec["continuations"] = {
         "source": "standard-library Python windows",
         "sequences": seqs.shape[0],
@@ -611,23 +470,20 @@ def main(argv: list[str] | None = None) -> None:
         "new_tokens": TRAIN_NEW_TOKENS,
     }
     hidden = target_hidden(model, seqs)
-    log(f"{len(seqs)} training sequences and their hidden states")
-    head = build_head(spec["small_target"])
+    head = build_head(spec["small_target"]).to(a.device)
     init_from_target(head, model)
-    train_head(a, head, model, seqs, hidden, t1 + a.seconds, rec)
+    rec["training"] = train_head(a, head, model, seqs, hidden, t1 + a.seconds)
     train.round_to_bf16_(head)
     out_dir = os.path.join(pdir, "mtp")
     save_head(head, spec["small_target"], out_dir)
     held_hidden = target_hidden(model, held)
-    rec["offline_heldout"] = offline_tau(
-        head, model, held, held_hidden, EVAL_PROMPT_LEN
+    rec["offline_heldout"] = offline_tau_of_head(
+        head, model, held, held_hidden, offline_tau.EVAL_PROMPT_LEN
     )
     rec["mtp_id"] = pc.weights_id(a.models, a.pair, "mtp")
     rec["seconds"] = round(time.time() - t0, 1)
-    log(f"offline held-out {rec['offline_heldout']}")
-    with open(os.path.join(out_dir, "train_log.json"), "w") as f:
-        json.dump(rec, f, indent=1)
-        f.write("\n")
+    train.log(f"mtp: offline held-out {rec['offline_heldout']}")
+    train.write_json(os.path.join(out_dir, "train_log.json"), rec)
 
 
 if __name__ == "__main__":

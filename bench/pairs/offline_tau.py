@@ -32,70 +32,49 @@ EVAL_BUDGETS = (16, 64, 256)
 EVAL_PROMPT_LEN = 160
 
 
-def build_target(name: str, device):
+def text_model(cfg: dict, device="cpu", init: bool = True):
+    """The Hugging Face text-only model of a target config, float32 (a Qwen3.5
+    config's language model); ``init=False`` leaves the weights unset."""
+    import contextlib
+
     import torch
+    from transformers.initialization import no_init_weights
 
-    cfg = pc.pair(name)["small_target"]
-    text = pc.text_config(cfg)
     if "text_config" in cfg:
-        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+        from transformers import Qwen3_5ForCausalLM as cls
+        from transformers import Qwen3_5TextConfig as config_cls
     else:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        model = Qwen3ForCausalLM(Qwen3Config(**text))
+        from transformers import Qwen3Config as config_cls
+        from transformers import Qwen3ForCausalLM as cls
+    # a model to train starts from the CPU's seeded draws on any device
+    skip_init = contextlib.nullcontext() if init else no_init_weights()
+    with skip_init, torch.device("cpu" if init else device):
+        model = cls(config_cls(**pc.text_config(cfg)))
+    model.tie_weights()  # a tied small target shares embedding and lm_head
     return model.to(device=device, dtype=torch.float32)
 
 
-def load_target(model, path: str) -> None:
-    """The target's weights (a Qwen3.5 target's text part) into build_target's model."""
+def load_target(path: str, device="cpu"):
+    """A trained small target (its text part), float32, in eval mode."""
     import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3ForCausalLM
+
+    with open(os.path.join(path, "config.json")) as f:
+        cls = Qwen3_5ForCausalLM if "text_config" in json.load(f) else Qwen3ForCausalLM
+    return cls.from_pretrained(path, dtype=torch.float32).to(device).eval()
+
+
+def load_drafter(path: str, device="cpu"):
+    """A trained DFlash drafter (dflash_ref.py), float32, in eval mode."""
     from safetensors.torch import load_file
 
-    sd = {}
-    for k, v in load_file(os.path.join(path, "model.safetensors")).items():
-        if k.startswith("model.visual."):
-            continue
-        sd[k.replace("model.language_model.", "model.", 1)] = v.float()
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if unexpected or [m for m in missing if m != "lm_head.weight"]:
-        raise RuntimeError(
-            f"target weights do not fit: missing {missing}, unexpected {unexpected}"
-        )
-    model.tie_weights()
-    with torch.no_grad():
-        assert (
-            torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
-            or "lm_head.weight" in sd
-        )
-
-
-def load_drafter(drafter, path: str) -> None:
-    """The drafter's weights, as trained."""
-    from safetensors.torch import load_file
-
-    sd = {
-        k: v.float()
-        for k, v in load_file(os.path.join(path, "model.safetensors")).items()
-    }
-    drafter.load_state_dict(sd)
-
-
-def load_trained_pair(models: str, name: str, device):
-    """The trained small pair ``name`` under ``models`` (its ``target`` and
-    ``drafter`` directories): (target, drafter), both in eval mode."""
     from bench.pairs.dflash_ref import DFlashDrafter
 
-    pdir = os.path.join(models, name)
-    model = build_target(name, device)
-    load_target(model, os.path.join(pdir, "target"))
-    model.eval()
-    with open(os.path.join(pdir, "drafter", "config.json")) as f:
-        drafter = DFlashDrafter(json.load(f)).to(device)
-    load_drafter(drafter, os.path.join(pdir, "drafter"))
-    drafter.eval()
-    return model, drafter
+    with open(os.path.join(path, "config.json")) as f:
+        drafter = DFlashDrafter(json.load(f))
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    drafter.load_state_dict({k: v.float() for k, v in sd.items()})
+    return drafter.to(device).eval()
 
 
 def target_continue(
@@ -109,20 +88,39 @@ def target_continue(
 
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = pc.PAD_ID
-    sampling = (
-        dict(do_sample=True, temperature=temperature, top_k=None, top_p=None)
-        if temperature > 0
-        else dict(do_sample=False)
-    )
+    sampling = dict(do_sample=False)
+    if temperature > 0:
+        sampling = dict(do_sample=True, temperature=temperature, top_k=None, top_p=None)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-        out = model.generate(
+        return model.generate(
             input_ids=prompts,
             attention_mask=torch.ones_like(prompts),
             max_new_tokens=new_tokens,
             eos_token_id=None,
             **sampling,
         )
-    return out
+
+
+def heldout_sequences(
+    model,
+    prompts_path: str,
+    n_prompts: int,
+    plen: int,
+    new: int,
+    device,
+    temperature: float = 0.0,
+    least: int = 0,
+):
+    """The first ``n_prompts`` prompts of ``prompts_path`` with at least
+    ``max(plen, least)`` tokens, cut to their last ``plen`` (one batch, no
+    padding), continued ``new`` tokens by the target (see target_continue)."""
+    import torch
+
+    with open(prompts_path) as f:
+        rows = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
+    rows = [r[-plen:] for r in rows if len(r) >= max(plen, least)][:n_prompts]
+    prompts = torch.tensor(rows, device=device)
+    return target_continue(model, prompts, new, device.type == "cuda", temperature)
 
 
 def evaluate(
@@ -137,63 +135,46 @@ def evaluate(
     min_prompt_tokens: int | None = None,
     new_tokens: int = EVAL_NEW_TOKENS,
 ) -> dict:
-    """Offline tau: the prompts of ``prompts_path`` with at least
-    ``min_prompt_tokens`` (default: ``prompt_tokens``) tokens, cut to their
-    last ``prompt_tokens`` (one batch, no padding), continued ``new_tokens``
-    by the target greedily or, with ``temperature`` > 0, sampled at that
-    temperature (seeded by ``seed``): acceptance.py says why the same replay
-    then gives the tau of sampled verification."""
+    """Offline tau on heldout_sequences (sampled at ``temperature`` > 0, seeded
+    by ``seed``: acceptance.py says why the same replay then gives the tau of
+    sampled verification)."""
     import torch
 
     from bench.pairs import acceptance
     from bench.pairs.dflash_ref import draft_logits, target_forward
 
-    dcfg = drafter.cfg
-    layer_ids = dcfg["dflash_config"]["target_layer_ids"]
-    block = dcfg["block_size"]
+    layer_ids = drafter.cfg["dflash_config"]["target_layer_ids"]
+    block = drafter.cfg["block_size"]
     amp = device.type == "cuda"
-    new, plen = new_tokens, prompt_tokens
-    least = max(plen, min_prompt_tokens or 0)
-    with open(prompts_path) as f:
-        rows = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
-    rows = [r[-plen:] for r in rows if len(r) >= least][:n_prompts]
+    plen, r = prompt_tokens, max(EVAL_BUDGETS)
     torch.manual_seed(seed)
-    seqs = target_continue(
-        model, torch.tensor(rows, device=device), new, amp, temperature
+    seqs = heldout_sequences(
+        model,
+        prompts_path,
+        n_prompts,
+        plen,
+        new_tokens,
+        device,
+        temperature,
+        min_prompt_tokens or 0,
     )
     chain, trees = [], {b: [] for b in EVAL_BUDGETS}
-    r = max(EVAL_BUDGETS)
     end = seqs.shape[1] - 1
-    for seq in seqs:
-        seq = seq[None]
+    embed, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
+    for seq in seqs[:, None]:
         toks = seq[0].tolist()
+        vals = [torch.zeros(plen, block - 1, r)]
+        idx = [torch.zeros(plen, block - 1, r, dtype=torch.long)]
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             feats = target_forward(model, seq, layer_ids)[1].float()
             # every anchor from the first bonus token (position plen) on
-            anchors = torch.arange(plen, end, device=device)
-            vals, idx = [], []
-            for chunk in anchors.split(64):
-                lg = draft_logits(
-                    drafter,
-                    feats,
-                    seq,
-                    chunk[None],
-                    model.model.embed_tokens.weight,
-                    model.lm_head.weight,
-                )[0].float()
-                v, i = lg.log_softmax(-1).topk(min(r, lg.shape[-1]), dim=-1)
+            for chunk in torch.arange(plen, end, device=device).split(64):
+                lg = draft_logits(drafter, feats, seq, chunk[None], embed, lm_head)
+                v, i = lg[0].float().log_softmax(-1).topk(r, dim=-1)
                 vals.append(v.cpu())
                 idx.append(i.cpu())
         # indexed by absolute anchor position
-        v_all = torch.cat(
-            [torch.zeros(plen, block - 1, vals[0].shape[-1]), torch.cat(vals)]
-        )
-        i_all = torch.cat(
-            [
-                torch.zeros(plen, block - 1, vals[0].shape[-1], dtype=torch.long),
-                torch.cat(idx),
-            ]
-        )
+        v_all, i_all = torch.cat(vals), torch.cat(idx)
         chain.append(acceptance.chain_steps(i_all[..., 0], toks, plen, end))
         for b in EVAL_BUDGETS:
             trees[b].append(acceptance.tree_steps(v_all, i_all, toks, plen, end, b))
@@ -201,16 +182,12 @@ def evaluate(
         "prompts": len(chain),
         "temperature": temperature,
         "prompt_tokens": plen,
-        "new_tokens": new,
+        "new_tokens": new_tokens,
         "chain_k15_tau": round(acceptance.tau(chain), 3),
         "ddtree_tau": {
             str(b): round(acceptance.tau(trees[b]), 3) for b in EVAL_BUDGETS
         },
     }
-
-
-def row_key(temperature: float) -> str:
-    return f"offline_heldout_tau_t{temperature:g}"
 
 
 def merge_rows(rows: list[dict], new: list[dict]) -> list[dict]:
@@ -235,9 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--prompt-tokens",
         type=int,
-        default=None,
-        help="cut each prompt to its last N tokens (default: 160, with 256 new "
-        "tokens inside the 512-token windows the pairs were trained on)",
+        default=EVAL_PROMPT_LEN,
+        help="cut each prompt to its last N tokens (with 256 new tokens, inside "
+        "the 512-token windows the pairs were trained on)",
     )
     ap.add_argument(
         "--min-prompt-tokens",
@@ -254,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not a.cpu else "cpu")
     new: list[dict] = []
     for pair in a.pairs.split(","):
-        model, drafter = load_trained_pair(a.models, pair, device)
+        model = load_target(os.path.join(a.models, pair, "target"), device)
+        drafter = load_drafter(os.path.join(a.models, pair, "drafter"), device)
         for t in (float(x) for x in a.temperatures.split(",") if x):
             t0 = time.time()
             res = evaluate(
@@ -265,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
                 a.prompts,
                 temperature=t,
                 seed=a.seed,
-                prompt_tokens=a.prompt_tokens or EVAL_PROMPT_LEN,
+                prompt_tokens=a.prompt_tokens,
                 min_prompt_tokens=a.min_prompt_tokens,
             )
             res.update(
@@ -274,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
                 torch=torch.__version__,
                 drafter_id=pc.weights_id(a.models, pair),
             )
-            row = {"pair": pair, row_key(t): res}
+            row = {"pair": pair, f"offline_heldout_tau_t{t:g}": res}
             common.emit("TAU", row)
             log(f"{pair} T={t:g}: {res} ({time.time() - t0:.0f} s on {device})")
             new.append(row)

@@ -147,30 +147,8 @@ def _qwen35_model(text: dict) -> dict:
     }
 
 
-def _dflash(
-    *,
-    vocab,
-    hidden,
-    layers,
-    heads,
-    kv_heads,
-    intermediate,
-    rope_theta,
-    target_layers,
-    target_layer_ids,
-    max_pos,
-) -> dict:
-    cfg = _qwen3_text(
-        vocab=vocab,
-        hidden=hidden,
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        intermediate=intermediate,
-        rope_theta=rope_theta,
-        tie=False,
-        max_pos=max_pos,
-    )
+def _dflash(*, target_layers, target_layer_ids, **text) -> dict:
+    cfg = _qwen3_text(tie=False, **text)
     cfg.update(
         architectures=["DFlashDraftModel"],
         block_size=BLOCK_SIZE,
@@ -183,6 +161,22 @@ def _dflash(
     return cfg
 
 
+_SMALL = dict(
+    vocab=SMALL_VOCAB, hidden=256, heads=2, kv_heads=1, intermediate=768, max_pos=4096
+)
+# Qwen3-8B (vocabulary included: the lm_head and the DDTree vocabulary pass run
+# at their real size).
+_QWEN3_8B = dict(
+    vocab=151936,
+    hidden=4096,
+    heads=32,
+    kv_heads=8,
+    intermediate=12288,
+    rope_theta=1000000,
+    max_pos=40960,
+)
+_QWEN3_6_27B = dict(vocab=248320, hidden=5120, intermediate=17408, max_pos=262144)
+
 # name -> dict(small_target, small_drafter, big_target, big_drafter, placement)
 # ``placement[i]`` is the production layer that small layer i becomes; every other
 # production layer is an exact identity. The drafters' target_layer_ids are chosen
@@ -190,113 +184,55 @@ def _dflash(
 PAIRS: dict[str, dict] = {
     "dense-8b": {
         "kind": "dense",
-        "small_target": _qwen3_text(
-            vocab=SMALL_VOCAB,
-            hidden=256,
-            layers=4,
-            heads=2,
-            kv_heads=1,
-            intermediate=768,
-            rope_theta=1000000,
-            tie=True,
-            max_pos=4096,
-        ),
+        "small_target": _qwen3_text(**_SMALL, layers=4, rope_theta=1000000, tie=True),
         "small_drafter": _dflash(
-            vocab=SMALL_VOCAB,
-            hidden=256,
+            **_SMALL,
             layers=3,
-            heads=2,
-            kv_heads=1,
-            intermediate=768,
             rope_theta=1000000,
             target_layers=4,
             target_layer_ids=[1, 2, 3],
-            max_pos=4096,
         ),
-        # Qwen3-8B (vocabulary included: the lm_head and the DDTree vocabulary
-        # pass run at their real size).
-        "big_target": _qwen3_text(
-            vocab=151936,
-            hidden=4096,
-            layers=36,
-            heads=32,
-            kv_heads=8,
-            intermediate=12288,
-            rope_theta=1000000,
-            tie=False,
-            max_pos=40960,
-        ),
+        "big_target": _qwen3_text(**_QWEN3_8B, layers=36, tie=False),
         # As z-lab/Qwen3-8B-DFlash-b16: 5 layers, target_layer_ids [1, 9, 17, 25, 33].
         "big_drafter": _dflash(
-            vocab=151936,
-            hidden=4096,
-            layers=5,
-            heads=32,
-            kv_heads=8,
-            intermediate=12288,
-            rope_theta=1000000,
-            target_layers=36,
-            target_layer_ids=[1, 9, 17, 25, 33],
-            max_pos=40960,
+            **_QWEN3_8B, layers=5, target_layers=36, target_layer_ids=[1, 9, 17, 25, 33]
         ),
         "placement": [0, 8, 16, 24],
     },
     "hybrid-27b": {
         "kind": "hybrid",
         "small_target": _qwen35_model(
-            _qwen35_text(
-                vocab=SMALL_VOCAB,
-                hidden=256,
-                layers=4,
-                heads=2,
-                kv_heads=1,
-                k_heads=1,
-                v_heads=3,
-                intermediate=768,
-                tie=True,
-                max_pos=4096,
-            )
+            _qwen35_text(**_SMALL, layers=4, k_heads=1, v_heads=3, tie=True)
         ),
         "small_drafter": _dflash(
-            vocab=SMALL_VOCAB,
-            hidden=256,
+            **_SMALL,
             layers=2,
-            heads=2,
-            kv_heads=1,
-            intermediate=768,
             rope_theta=10000000,
             target_layers=4,
             target_layer_ids=[0, 1, 2],
-            max_pos=4096,
         ),
         # Qwen3.6-27B: 64 layers (full attention every 4th), 24 query / 4 KV heads
         # of 256 with output gate, GDN 16 key / 48 value heads of 128.
         "big_target": _qwen35_model(
             _qwen35_text(
-                vocab=248320,
-                hidden=5120,
+                **_QWEN3_6_27B,
                 layers=64,
                 heads=24,
                 kv_heads=4,
                 k_heads=16,
                 v_heads=48,
-                intermediate=17408,
                 tie=False,
-                max_pos=262144,
                 mtp_layers=1,
             )
         ),
         "big_drafter": _dflash(
-            vocab=248320,
-            hidden=5120,
+            **_QWEN3_6_27B,
             layers=5,
             heads=32,
             kv_heads=8,
-            intermediate=17408,
             rope_theta=10000000,
             target_layers=64,
             target_layer_ids=[1, 17, 33, 49, 61],
-            max_pos=262144,
         ),
         # Small layer types [GDN, GDN, GDN, attention] land on production layers of
         # the same type (attention where index % 4 == 3).
@@ -393,14 +329,3 @@ def write_model_dirs(models: str, name: str) -> None:
             if os.path.lexists(link):
                 os.remove(link)
             os.symlink(os.path.join("..", "..", "tokenizer", fn), link)
-
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(
-        description="write the production config folders of the pairs"
-    )
-    ap.add_argument("--models", required=True)
-    for n in PAIRS:
-        write_model_dirs(ap.parse_args().models, n)

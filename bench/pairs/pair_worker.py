@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from bench.pairs import embed, mtp
+from bench.pairs import embed
 from bench.pairs import pair_configs as pc
 
 
@@ -110,8 +110,12 @@ class EmbeddedPairWorker:
             n_bytes = n_tensors = 0
             if self.vllm_config.speculative_config.method == "mtp":
                 # the target's own MTP module (<pair_dir>/mtp), not a drafter
-                weights = mtp.embedded_weights(
-                    spec, _load_small(os.path.join(pair_dir, "mtp")), device, dtype
+                weights = embed.mtp_weights(
+                    spec["small_target"],
+                    spec["big_target"],
+                    _load_small(os.path.join(pair_dir, "mtp")),
+                    device=device,
+                    dtype=dtype,
                 )
             else:
                 weights = embed.drafter_weights(

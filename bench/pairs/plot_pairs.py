@@ -49,9 +49,7 @@ def main() -> None:
         rows = [
             r
             for r in json.load(f)
-            if "tok_s" in r
-            and r.get("dtype") == a.dtype
-            and r.get("temperature", 0.0) == 0.0
+            if "tok_s" in r and r.get("dtype") == a.dtype and not r.get("temperature")
         ]
     pairs = sorted({r["pair"] for r in rows})
     if not pairs:
@@ -66,19 +64,14 @@ def main() -> None:
                 for r in rows
                 if r["pair"] == pair and r["method"] == method
             )
-            if not pts:
-                continue
-            xs, ys, taus = zip(*pts)
-            ax.plot(xs, ys, marker="o", label=label)
+            if pts:
+                ax.plot(
+                    [p[0] for p in pts], [p[1] for p in pts], marker="o", label=label
+                )
             for x, y, t in pts:
                 if t:
-                    ax.annotate(
-                        f"τ {t:.2f}",
-                        (x, y),
-                        textcoords="offset points",
-                        xytext=(4, 4),
-                        fontsize=7,
-                    )
+                    kw = dict(textcoords="offset points", xytext=(4, 4), fontsize=7)
+                    ax.annotate(f"τ {t:.2f}", (x, y), **kw)
         format_axes(ax, f"{pair} ({a.dtype}, held-out prompts, greedy)")
     fig.tight_layout()
     fig.savefig(a.out, dpi=120)

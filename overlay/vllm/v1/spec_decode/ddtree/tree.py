@@ -446,16 +446,16 @@ def _threshold_capacity(num_tokens: int) -> int:
 # only its maximum): where the likely tokens sit in few sub-blocks, the K-th
 # largest sub-block maximum falls far down the row and most of those
 # sub-blocks' tokens pass it. Measured offline on the dense benchmark
-# pair's drafter (bench/pairs/threshold_overflow.py: 1440 rows of held-out
-# prompts, its own BPE-ordered vocabulary): with one key per sub-block 85%
-# (K = 15) and 40% (K = 64) of rows overflowed 4 K slots; with 8 keys and
-# 16 K slots none did, also with its 8192 tokens as the first ids of a
-# 151936-token vocabulary.
+# pair's drafter (bench/results/archive/2026-12-03-threshold-overflow-*.json:
+# 1440 rows of held-out prompts, its own BPE-ordered vocabulary): with one key
+# per sub-block 85% (K = 15) and 40% (K = 64) of rows overflowed 4 K slots;
+# with 8 keys and 16 K slots none did, also with its 8192 tokens as the first
+# ids of a 151936-token vocabulary.
 _THRESHOLD_KEEP = 8
 # The kept keys are the largest maxima of groups of this many consecutive
 # tokens, not the sub-block's largest keys: still keys of the row (so the
 # threshold stays a lower bound of its K-th largest key) at a sixteenth of
-# the work of the keep rounds. Offline (threshold_overflow.py --groups,
+# the work of the keep rounds. Offline (the archived -groups-dense-8b.json,
 # 1440 rows of the dense pair, three layouts, K = 15 and 64) no row
 # overflowed either way; the largest counts grew from 536 to 561 (median)
 # and from 982 to 1003 (maximum) of 1024 slots (K = 64, its tokens the
