@@ -85,6 +85,7 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 DROP_LABELS = {"model_name", "engine"}  # per-engine labels, summed away
+MONOTONE = ("_total", "_bucket", "_count", "_sum")  # without # TYPE lines
 
 # Fine outcomes per kind of request; those allowed only inside a fault window
 # (a 200 with fewer choices than asked is vLLM's answer for a request its
@@ -207,6 +208,32 @@ class Context:
         return [self.long_tokens[i % len(self.long_tokens)] for i in range(length)]
 
 
+# Bad inputs: (name, api, fields over a valid request of that api).
+BAD_FIELDS = [
+    ("max_tokens_wrong_type", "completion", {"max_tokens": "ten"}),
+    ("prompt_wrong_type", "completion", {"prompt": {"text": "x"}}),
+    ("messages_wrong_type", "chat", {"messages": "hello"}),
+    ("temperature_wrong_type", "chat", {"temperature": "hot"}),
+    ("seed_wrong_type", "completion", {"seed": "abc"}),
+    ("temperature_negative", "completion", {"temperature": -0.5}),
+    ("temperature_above_2", "chat", {"temperature": 3.0}),
+    ("top_p_zero", "completion", {"temperature": 1.0, "top_p": 0.0}),
+    ("top_p_above_1", "chat", {"temperature": 1.0, "top_p": 1.5}),
+    ("top_k_below_minus_1", "completion", {"top_k": -5}),
+    ("min_p_above_1", "completion", {"min_p": 1.5}),
+    ("presence_penalty_above_2", "completion", {"presence_penalty": 3}),
+    ("frequency_penalty_below_2", "chat", {"frequency_penalty": -3}),
+    ("repetition_penalty_zero", "completion", {"repetition_penalty": 0}),
+    ("n_zero", "completion", {"temperature": 1.0, "n": 0}),
+    ("greedy_n_above_1", "completion", {"temperature": 0.0, "n": 2}),
+    ("max_tokens_negative", "completion", {"max_tokens": -1}),
+    ("logprobs_above_max", "completion", {"logprobs": 1000}),
+    ("stop_empty_string", "completion", {"stop": [""]}),
+    ("prompt_empty", "completion", {"prompt": ""}),
+    ("prompt_token_negative", "completion", {"prompt": [5, -1, 7]}),
+]
+
+
 def bad_cases(ctx: Context) -> list[tuple[str, str, dict | bytes, str]]:
     """(name, api, body: a dict or raw bytes, content type); each must get a
     4xx with a message."""
@@ -216,38 +243,18 @@ def bad_cases(ctx: Context) -> list[tuple[str, str, dict | bytes, str]]:
     chat = {"model": m, "messages": msgs, "max_tokens": 4}
     over = ctx.max_model_len + 16
     text, ntok = ctx.completion_prompts[0]
-    cases = [
-        ("malformed_json", "completion", b'{"model": "' + m.encode() + b'", "prompt'),
-        ("body_not_json", "completion", b"prompt=hello&max_tokens=4"),
+    over_text = text * (over // max(ntok, 1) + 2)
+    return [
+        ("malformed_json", "completion", b'{"model": "' + m.encode() + b'", "prompt', j),
+        ("body_not_json", "completion", b"prompt=hello&max_tokens=4", j),
         ("content_type_not_json", "completion", json.dumps(base).encode(), "text/plain"),
-        ("max_tokens_wrong_type", "completion", {**base, "max_tokens": "ten"}),
-        ("prompt_wrong_type", "completion", {**base, "prompt": {"text": "x"}}),
-        ("messages_wrong_type", "chat", {**chat, "messages": "hello"}),
-        ("temperature_wrong_type", "chat", {**chat, "temperature": "hot"}),
-        ("seed_wrong_type", "completion", {**base, "seed": "abc"}),
-        ("temperature_negative", "completion", {**base, "temperature": -0.5}),
-        ("temperature_above_2", "chat", {**chat, "temperature": 3.0}),
-        ("top_p_zero", "completion", {**base, "temperature": 1.0, "top_p": 0.0}),
-        ("top_p_above_1", "chat", {**chat, "temperature": 1.0, "top_p": 1.5}),
-        ("top_k_below_minus_1", "completion", {**base, "top_k": -5}),
-        ("min_p_above_1", "completion", {**base, "min_p": 1.5}),
-        ("presence_penalty_above_2", "completion", {**base, "presence_penalty": 3}),
-        ("frequency_penalty_below_2", "chat", {**chat, "frequency_penalty": -3}),
-        ("repetition_penalty_zero", "completion", {**base, "repetition_penalty": 0}),
-        ("n_zero", "completion", {**base, "temperature": 1.0, "n": 0}),
-        ("greedy_n_above_1", "completion", {**base, "temperature": 0.0, "n": 2}),
-        ("max_tokens_negative", "completion", {**base, "max_tokens": -1}),
-        ("logprobs_above_max", "completion", {**base, "logprobs": 1000}),
-        ("stop_empty_string", "completion", {**base, "stop": [""]}),
-        ("prompt_empty", "completion", {**base, "prompt": ""}),
-        ("prompt_token_negative", "completion", {**base, "prompt": [5, -1, 7]}),
-        ("prompt_over_context_tokens", "completion", {**base, "prompt": ctx.long_prompt(over)}),
-        ("prompt_over_context_text", "completion", {**base, "prompt": text * (over // max(ntok, 1) + 2)}),
-        ("model_unknown", "completion", {**base, "model": "no-such-model"}),
-        ("stream_temperature_negative", "completion", {**base, "temperature": -1.0, "stream": True}),
-        ("stream_prompt_logprobs", "completion", {**base, "prompt_logprobs": 1, "stream": True}),
-    ]  # fmt: skip
-    return [(*c, j) if len(c) == 3 else c for c in cases]
+        *((n, api, (chat if api == "chat" else base) | f, j) for n, api, f in BAD_FIELDS),
+        ("prompt_over_context_tokens", "completion", base | {"prompt": ctx.long_prompt(over)}, j),
+        ("prompt_over_context_text", "completion", base | {"prompt": over_text}, j),
+        ("model_unknown", "completion", base | {"model": "no-such-model"}, j),
+        ("stream_temperature_negative", "completion", base | {"temperature": -1.0, "stream": True}, j),
+        ("stream_prompt_logprobs", "completion", base | {"prompt_logprobs": 1, "stream": True}, j),
+    ]
 
 
 def _bad_plan(i: int, case) -> Plan:
@@ -655,7 +662,7 @@ def _labelled(sample: dict[str, float], name: str, label: str) -> dict[str, floa
     return out
 
 
-def check_metrics(scrapes, cumulative, expect_ddtree, client_tokens, tree_budget=None) -> dict:
+def check_metrics(scrapes, cumulative, expect_ddtree, client_tokens, tree_budget=None):
     """Consistency of the /metrics scrapes ``(t, epoch, samples)`` per server
     lifetime (epoch). ``cumulative``: the counter and histogram sample names
     (empty: told by their suffix). ``client_tokens[epoch]``: completion
@@ -664,19 +671,23 @@ def check_metrics(scrapes, cumulative, expect_ddtree, client_tokens, tree_budget
     verify per request (the gauge shows only the last step's)."""
     if not scrapes:
         return {"ok": False, "problems": ["no /metrics scrape answered"], "epochs": []}
-    suffixes = ("_total", "_bucket", "_count", "_sum")
     problems: list[str] = []
     epochs: dict[int, list] = defaultdict(list)
     for t, e, s in scrapes:
         epochs[e].append((t, s))
     summary = []
     for e, ss in sorted(epochs.items()):
+
+        def check(bad: bool, msg: str, e=e) -> None:
+            if bad:
+                problems.append(f"epoch {e}: {msg}")
+
         for (ta, a), (tb, b) in zip(ss, ss[1:]):
             for key, vb in b.items():
                 name = key.split("{", 1)[0]
-                mono = name in cumulative if cumulative else name.endswith(suffixes)
-                if key in a and mono and vb < a[key] - 1e-6:
-                    problems.append(f"epoch {e}: {key} fell from {a[key]:g} to {vb:g} (t={ta:.1f}s -> {tb:.1f}s)")
+                mono = name in cumulative if cumulative else name.endswith(MONOTONE)
+                fell = key in a and mono and vb < a[key] - 1e-6
+                check(fell, f"{key} fell from {a.get(key, 0):g} to {vb:g} ({ta:.1f}s, {tb:.1f}s)")
         first, last = ss[0][1], ss[-1][1]
 
         def d(key: str, first=first, last=last) -> float:
@@ -687,52 +698,66 @@ def check_metrics(scrapes, cumulative, expect_ddtree, client_tokens, tree_budget
             return {k: v - f.get(k, 0.0) for k, v in _labelled(last, name, label).items()}
 
         drafts, acc, dtok, gen = d(DRAFTS), d(ACCEPTED), d(DRAFT_TOKENS), d(GEN_TOKENS)
-        per_pos = [v for _, v in sorted((int(k), v) for k, v in moved(PER_POS, "position").items())]
-        budgets = [s[BUDGET] for _, s in ss if BUDGET in s]
+        per_pos = sorted((int(k), v) for k, v in moved(PER_POS, "position").items())
+        per_pos = [v for _, v in per_pos]
+        budget = max((s[BUDGET] for _, s in ss if BUDGET in s), default=None)
         depth, client = last.get(DEPTH), client_tokens.get(e, 0)
         ep = {
-            "epoch": e, "scrapes": len(ss), "t": [round(ss[0][0], 2), round(ss[-1][0], 2)],
-            "drafts": drafts, "accepted": acc, "draft_tokens": dtok,
+            "epoch": e,
+            "scrapes": len(ss),
+            "t": [round(ss[0][0], 2), round(ss[-1][0], 2)],
+            "drafts": drafts,
+            "accepted": acc,
+            "draft_tokens": dtok,
             "tau": round(1 + acc / drafts, 4) if drafts else None,
-            "generation_tokens": gen, "client_completion_tokens": client,
-            "preemptions": d(PREEMPTIONS), "accepted_per_position": per_pos,
-            "tree_budget_max": max(budgets) if budgets else None, "draft_depth": depth,
-        }  # fmt: skip
+            "generation_tokens": gen,
+            "client_completion_tokens": client,
+            "preemptions": d(PREEMPTIONS),
+            "accepted_per_position": per_pos,
+            "tree_budget_max": budget,
+            "draft_depth": depth,
+        }
         summary.append(ep)
         has_spec, has_ddtree = DRAFTS in last, f"{AL}_count" in last
-        checks = [
-            (expect_ddtree and not (has_spec and has_ddtree), "vllm:spec_decode_* or vllm:ddtree_* series missing"),
-            (client > gen + 0.5, f"{GEN_TOKENS} moved {gen:g}, less than the {client} completion tokens the clients were sent"),
-        ]  # fmt: skip
-        if has_spec:
-            tb = tree_budget or math.inf
-            checks += [
-                (expect_ddtree and drafts <= 0 and len(ss) > 1, f"{DRAFTS} did not move"),
-                (acc > dtok + 0.5, f"accepted {acc:g} > draft tokens {dtok:g}"),
-                (dtok < drafts - 0.5, f"draft tokens {dtok:g} < drafts {drafts:g}"),
-                (dtok > drafts * tb + 0.5, f"draft tokens {dtok:g} > drafts {drafts:g} x tree_budget {tree_budget}"),
-                (max(budgets, default=0) > tb, f"{BUDGET} reached {max(budgets, default=0):g} > tree_budget {tree_budget}"),
-                (bool(depth) and acc > drafts * (depth or 0) + 0.5, f"accepted {acc:g} > drafts {drafts:g} x depth {depth or 0:g}"),
-                (per_pos[:1] > [drafts + 0.5], f"position 0 count {per_pos[:1]} > drafts {drafts:g}"),
-                (any(y > x + 0.5 for x, y in zip(per_pos, per_pos[1:])), f"per-position accepted counts rise: {per_pos}"),
-                (bool(per_pos) and abs(sum(per_pos) - acc) > 0.5, f"per-position counts sum to {sum(per_pos):g}, accepted is {acc:g}"),
-            ]  # fmt: skip
-        if has_spec and has_ddtree:
-            al_count, al_sum = d(f"{AL}_count"), d(f"{AL}_sum")
-            ep["emitted_tokens"] = al_sum
-            buckets = sorted((float(le), v) for le, v in moved(f"{AL}_bucket", "le").items())
-            depths = moved(PER_DEPTH, "depth")
-            checks += [
-                (abs(al_count - drafts) > 0.5, f"{AL}_count moved {al_count:g}, drafts {drafts:g}"),
-                (abs(al_sum - acc - drafts) > 0.5, f"emitted tokens ({AL}_sum) {al_sum:g} != accepted {acc:g} + drafts {drafts:g}"),
-                (any(y < x - 0.5 for (_, x), (_, y) in zip(buckets, buckets[1:])), f"{AL} buckets not cumulative"),
-                (bool(buckets) and abs(buckets[-1][1] - al_count) > 0.5, f"{AL} +Inf bucket {buckets[-1][1] if buckets else 0:g} != count {al_count:g}"),
-            ] + [
-                (abs(depths.get(str(k + 1), 0.0) - v) > 0.5, f"depth {k + 1} count {depths.get(str(k + 1), 0.0):g} != position {k} count {v:g}")
-                for k, v in enumerate(per_pos)
-            ]  # fmt: skip
-        problems += [f"epoch {e}: {msg}" for bad, msg in checks if bad]
-    return {"ok": not problems, "problems": problems[:30], "n_problems": len(problems), "epochs": summary}
+        missing = expect_ddtree and not (has_spec and has_ddtree)
+        check(missing, "vllm:spec_decode_* or vllm:ddtree_* series missing")
+        msg = f"{GEN_TOKENS} moved {gen:g}, less than the {client} completion tokens"
+        check(client > gen + 0.5, msg + " the clients were sent")
+        if not has_spec:
+            continue
+        tb = tree_budget or math.inf
+        check(expect_ddtree and drafts <= 0 and len(ss) > 1, f"{DRAFTS} did not move")
+        check(acc > dtok + 0.5, f"accepted {acc:g} > draft tokens {dtok:g}")
+        check(dtok < drafts - 0.5, f"draft tokens {dtok:g} < drafts {drafts:g}")
+        msg = f"draft tokens {dtok:g} > drafts {drafts:g} x tree_budget {tree_budget}"
+        check(dtok > drafts * tb + 0.5, msg)
+        check((budget or 0) > tb, f"{BUDGET} reached {budget:g} > tree_budget {tb:g}")
+        msg = f"accepted {acc:g} > drafts {drafts:g} x depth {depth}"
+        check(bool(depth) and acc > drafts * (depth or 0) + 0.5, msg)
+        if per_pos:
+            msg = f"position 0 count {per_pos[0]:g} > drafts {drafts:g}"
+            check(per_pos[0] > drafts + 0.5, msg)
+            rise = any(y > x + 0.5 for x, y in zip(per_pos, per_pos[1:]))
+            check(rise, f"per-position accepted counts rise: {per_pos}")
+            msg = f"per-position counts sum to {sum(per_pos):g}, accepted is {acc:g}"
+            check(abs(sum(per_pos) - acc) > 0.5, msg)
+        if not has_ddtree:
+            continue
+        al_count = d(f"{AL}_count")
+        al_sum = ep["emitted_tokens"] = d(f"{AL}_sum")
+        check(abs(al_count - drafts) > 0.5, f"{AL}_count moved {al_count:g}, drafts {drafts:g}")
+        msg = f"emitted tokens ({AL}_sum) {al_sum:g} != accepted {acc:g} + drafts"
+        check(abs(al_sum - acc - drafts) > 0.5, msg)
+        buckets = [v for _, v in sorted((float(k), v) for k, v in moved(f"{AL}_bucket", "le").items())]
+        check(any(y < x - 0.5 for x, y in zip(buckets, buckets[1:])), f"{AL} buckets not cumulative")
+        inf = buckets[-1] if buckets else al_count
+        check(abs(inf - al_count) > 0.5, f"{AL} +Inf bucket {inf:g} != count {al_count:g}")
+        depths = moved(PER_DEPTH, "depth")
+        for k, v in enumerate(per_pos):
+            n = depths.get(str(k + 1), 0.0)
+            check(abs(n - v) > 0.5, f"depth {k + 1} count {n:g} != position {k} count {v:g}")
+    n = len(problems)
+    return {"ok": not n, "problems": problems[:30], "n_problems": n, "epochs": summary}
 
 
 class Soak:
@@ -1093,18 +1118,17 @@ class Soak:
             "stop_token_ids": ctx.stop_token_ids,
         } | self.evaluate(bad_rows, final, greedy)
 
-    def memory(self, samples, tol: float) -> dict:
+    def memory(self, samples, warmup: float, tol: float) -> dict:
         """flatness() of each series (name, epoch) of ``samples`` (t, epoch,
-        {name: MiB}), leaving out those inside a restart's window (a server
+        {name: MiB}), without those inside a restart's window (a server
         stopping or starting is not the steady state)."""
-        a = self.a
-        warm = a.warmup if a.warmup is not None else 0.2 * a.duration
         series = defaultdict(list)
         for t, e, mem in samples:
             for name, v in mem.items():
                 if not self.in_window(t, t):
                     series[name, e].append((t, v))
-        return {k: flatness(v, self.epoch_start.get(k[1], 0.0), warm, tol) for k, v in sorted(series.items())}
+        start = self.epoch_start
+        return {k: flatness(v, start.get(k[1], 0.0), warmup, tol) for k, v in sorted(series.items())}
 
     def evaluate(self, bad_rows: list[dict], final: tuple, greedy: dict | None) -> dict:
         a, outs = self.a, self.outcomes
@@ -1117,44 +1141,36 @@ class Soak:
         for cat, name in (("load", "requests"), ("refuse", "refusals"), ("bad", "bad_input")):
             mine = [o for o in outs if o.category == cat]
             bad = Counter(o.status for o in mine if failing(o))
-            crit[name] = {
-                "ok": not bad,
-                "detail": f"{len(mine) - bad.total()}/{len(mine)} clean" + (f"; failing: {dict(bad)}" if bad else ""),
-            }
+            detail = f"{len(mine) - bad.total()}/{len(mine)} clean"
+            crit[name] = _crit(not bad, detail + (f"; failing: {dict(bad)}" if bad else ""))
         if not a.expect_ddtree:
-            crit["refusals"] = {"ok": None, "detail": "skipped (--no-expect-ddtree)"}
+            crit["refusals"] = _crit(None, "skipped (--no-expect-ddtree)")
         elif not any(o.category == "refuse" for o in outs):
-            crit["refusals"] = {"ok": False, "detail": "no refused kind was sent"}
+            crit["refusals"] = _crit(False, "no refused kind was sent")
         phase_bad = [r["name"] for r in bad_rows if not r["ok"]]
         crit["bad_input"]["ok"] &= not phase_bad
-        crit["bad_input"]["detail"] += (
+        crit["bad_input"]["detail"] += f"; one at a time: {len(bad_rows)} ok" if not phase_bad else (
             f"; one at a time: {len(phase_bad)}/{len(bad_rows)} failed ({', '.join(phase_bad[:8])})"
-            if phase_bad else f"; one at a time: {len(bad_rows)} ok"
-        )  # fmt: skip
-        crit["load"] = {
-            "ok": self.issued >= a.requests and self.load_end >= a.duration,
-            "detail": f"{self.issued} requests in {self.load_end:.0f}s (asked: {a.requests} in {a.duration:g}s)",
-        }
+        )
+        ok = self.issued >= a.requests and self.load_end >= a.duration
+        detail = f"{self.issued} requests in {self.load_end:.0f}s"
+        crit["load"] = _crit(ok, detail + f" (asked: {a.requests} in {a.duration:g}s)")
         bad_h = [(t0, s) for t0, t1, s in self.health if s != 200 and not self.in_window(t0, t1)]
-        crit["health"] = {
-            "ok": bool(self.health) and not bad_h,
-            "detail": f"{len(self.health)} polls, {len(bad_h)} not 200 outside fault windows"
-            + (f" (first at {bad_h[0][0]:.1f}s: {bad_h[0][1]})" if bad_h else ""),
-        }
-        drained, probe, final_health = final
-        crit["final"] = {
-            "ok": drained and probe == "completed" and final_health == 200,
-            "detail": f"drained {drained}, short request {probe}, /health {final_health}",
-        }
+        detail = f"{len(self.health)} polls, {len(bad_h)} not 200 outside fault windows"
+        first = f" (first at {bad_h[0][0]:.1f}s: {bad_h[0][1]})" if bad_h else ""
+        crit["health"] = _crit(bool(self.health) and not bad_h, detail + first)
+        drained, probe, health = final
+        detail = f"drained {drained}, short request {probe}, /health {health}"
+        crit["final"] = _crit(drained and probe == "completed" and health == 200, detail)
 
-        rss = {str(e): v for (_, e), v in self.memory(((t, e, {"rss": v}) for t, e, v in self.rss), a.rss_growth_mib).items()}
-        gpu = {
-            f"{'server' if k == 'server' else 'gpu' + k}/epoch{e}": v
-            for (k, e), v in self.memory(self.gpu, a.gpu_growth_mib).items()
-        }
+        warmup = a.warmup if a.warmup is not None else 0.2 * a.duration
+        rss = self.memory([(t, e, {"rss": v}) for t, e, v in self.rss], warmup, a.rss_growth_mib)
+        rss = {str(e): v for (_, e), v in rss.items()}
+        gpu = self.memory(self.gpu, warmup, a.gpu_growth_mib)
+        gpu = {f"{'' if k == 'server' else 'gpu'}{k}/epoch{e}": v for (k, e), v in gpu.items()}
         no_pid = "skipped: no server pid (use --launch or --server-pid)"
-        crit["server_rss"] = memory_criterion(rss, "no RSS sample (pid gone?)" if self.server_pid else no_pid)
-        crit["gpu_memory"] = memory_criterion(gpu, f"skipped: {self.gpu_reason or 'no sample'}")
+        crit["server_rss"] = _memory_criterion(rss, "no RSS sample" if self.server_pid else no_pid)
+        crit["gpu_memory"] = _memory_criterion(gpu, f"skipped: {self.gpu_reason or 'no sample'}")
 
         # Per server lifetime: the requests that started after its first
         # scrape and ended before its last, whose tokens the counters cover.
@@ -1167,33 +1183,31 @@ class Soak:
             if o.status == "completed" and t_first <= o.t_start and o.t_end <= t_last:
                 client_tokens[o.epoch] += o.completion_tokens or 0
         metrics = check_metrics(self.scrapes, self.cumulative, a.expect_ddtree, client_tokens, a.tree_budget)
-        crit["metrics"] = {
-            "ok": metrics["ok"],
-            "detail": "consistent" if metrics["ok"] else f"{metrics.get('n_problems', 1)} problems, first: {metrics['problems'][0]}",
-        }
+        first = metrics["problems"][:1]
+        crit["metrics"] = _crit(metrics["ok"], f"{metrics['n_problems']} problems, first: {first}" if first else "consistent")
         preempt = sum(ep["preemptions"] for ep in metrics["epochs"])
-        crit["preemption"] = {
-            "ok": preempt > 0 if a.expect_preemption else None,
-            "detail": f"{preempt:g} preemptions" + ("" if a.expect_preemption else " (not required)"),
-        }
-        crit["greedy_reference"] = (
-            {"ok": None, "detail": "skipped: no --reference-url"} if greedy is None else {
-                "ok": greedy["ok"],
-                "detail": f"{greedy['identical']}/{greedy['compared']} identical, "
-                f"{greedy['num_near_ties']} near-ties, {greedy['num_mismatches']} mismatches, "
-                f"{len(greedy['reference_errors'])} not compared",
-            }
-        )  # fmt: skip
+        ok = preempt > 0 if a.expect_preemption else None
+        crit["preemption"] = _crit(ok, f"{preempt:g} preemptions" + ("" if ok is not None else " (not required)"))
+        crit["greedy_reference"] = _crit(None, "skipped: no --reference-url")
+        if greedy is not None:
+            g = greedy
+            detail = f"{g['identical']}/{g['compared']} identical, {g['num_near_ties']} near-ties"
+            detail += f", {g['num_mismatches']} mismatches, {len(g['reference_errors'])} not compared"
+            crit["greedy_reference"] = _crit(g["ok"], detail)
 
         by_kind: dict = defaultdict(Counter)
         for o in outs:
             by_kind[f"{o.category}:{o.name}"][o.status] += 1
         failing_rows = [o.brief() for o in outs if failing(o)]
-        status = {s: [o for o in outs if o.status == s] for s in ("completed", "aborted", "refused", "rejected")}
-        latency = {s: percentiles([o.t_end - o.t_start for o in v]) for s, v in status.items()}
-        latency["completed_stream_ttft"] = percentiles(
-            [o.ttft for o in status["completed"] if o.stream and o.ttft is not None]
-        )
+        fault = Counter(f"{o.status}:{o.error_kind}" if o.error_kind else o.status for o in outs if o.in_fault)
+        latency = {
+            s: percentiles([o.t_end - o.t_start for o in outs if o.status == s])
+            for s in ("completed", "aborted", "refused", "rejected")
+        }
+        ttft = [o.ttft for o in outs if o.status == "completed" and o.ttft is not None]
+        latency["completed_stream_ttft"] = percentiles(ttft)
+        gpu_memory = {"scope": self.gpu_scope, "scope_note": self.gpu_scope_note or None}
+        windows = [[round(w0, 2), round(w1 or 0, 2)] for w0, w1 in self.windows]
         return {
             "ok": all(c["ok"] is not False for c in crit.values()),
             "criteria": crit,
@@ -1204,9 +1218,7 @@ class Soak:
                 "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
                 "errors_by_kind": dict(Counter(o.error_kind for o in outs if o.error_kind)),
                 "in_fault_window": sum(o.in_fault for o in outs),
-                "in_fault_window_by_outcome": dict(
-                    Counter(f"{o.status}:{o.error_kind}" if o.error_kind else o.status for o in outs if o.in_fault)
-                ),
+                "in_fault_window_by_outcome": dict(fault),
                 "failing": failing_rows[:50],
                 "n_failing": len(failing_rows),
             },
@@ -1217,37 +1229,30 @@ class Soak:
                 "interval_s": a.health_interval,
             },
             "memory": {
-                "warmup_s": a.warmup if a.warmup is not None else 0.2 * a.duration,
+                "warmup_s": warmup,
                 "rss": {"pid": self.server_pid, "epochs": rss},
-                "gpu": {
-                    "scope": self.gpu_scope,
-                    "scope_note": self.gpu_scope_note or None,
-                    "series": gpu,
-                    "unavailable": self.gpu_reason or None,
-                },
+                "gpu": gpu_memory | {"series": gpu, "unavailable": self.gpu_reason or None},
             },
             "metrics": metrics,
             "greedy_reference": greedy,
             "bad_input": bad_rows,
-            "faults": {
-                "windows": [[round(w0, 2), round(w1 or 0, 2)] for w0, w1 in self.windows],
-                "restarts": self.restarts,
-                "grace_s": a.fault_grace,
-            },
+            "faults": {"windows": windows, "restarts": self.restarts, "grace_s": a.fault_grace},
         }
 
 
-def memory_criterion(series: dict, skipped: str) -> dict:
+def _crit(ok: bool | None, detail: str) -> dict:
+    return {"ok": ok, "detail": detail}
+
+
+def _memory_criterion(series: dict, skipped: str) -> dict:
     judged = {k: v for k, v in series.items() if v["ok"] is not None}
     if not judged:
-        return {"ok": None, "detail": "skipped: fewer than 3 samples after warm-up" if series else skipped}
+        return _crit(None, "skipped: fewer than 3 samples after warm-up" if series else skipped)
     worst = max(judged, key=lambda k: judged[k]["growth_mib"])
     w = judged[worst]
-    return {
-        "ok": all(v["ok"] for v in judged.values()),
-        "detail": f"largest growth after warm-up {w['growth_mib']:g} MiB "
-        f"({w['slope_mib_per_min']:g} MiB/min, {worst}), tolerance {w['tolerance_mib']:g} MiB",
-    }
+    detail = f"largest growth after warm-up {w['growth_mib']:g} MiB ({w['slope_mib_per_min']:g}"
+    detail += f" MiB/min, {worst}), tolerance {w['tolerance_mib']:g} MiB"
+    return _crit(all(v["ok"] for v in judged.values()), detail)
 
 
 # (option, default, help); the type is the default's, str for None.
