@@ -62,7 +62,14 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import REPO, check_loopback, percentiles, progress, write_json
+from bench.common import (
+    REPO,
+    check_loopback,
+    emit,
+    percentiles,
+    progress,
+    write_json,
+)
 
 REFUSE_STRUCTURED = "DDTree does not support structured outputs"
 REFUSE_BAD_WORDS = "DDTree does not support bad_words"
@@ -95,6 +102,7 @@ FAULT_ONLY = {"server_error", "connection_error"}
 FAULT_ONLY_KINDS = {"missing_choices"}
 
 log = functools.partial(progress, "soak")
+MARK = {True: "PASS", False: "FAIL", None: "skip"}
 
 
 def parse_metrics(text: str) -> tuple[dict[str, float], set[str]]:
@@ -107,8 +115,12 @@ def parse_metrics(text: str) -> tuple[dict[str, float], set[str]]:
         for s in fam.samples:
             if not s.name.startswith("vllm:") or s.name.endswith("_created"):
                 continue
-            labels = sorted((k, v) for k, v in s.labels.items() if k not in DROP_LABELS)
-            key = s.name + ("{%s}" % ",".join(f'{k}="{v}"' for k, v in labels) if labels else "")
+            labels = ",".join(
+                f'{k}="{v}"'
+                for k, v in sorted(s.labels.items())
+                if k not in DROP_LABELS
+            )
+            key = f"{s.name}{{{labels}}}" if labels else s.name
             samples[key] = samples.get(key, 0.0) + s.value
             if fam.type in ("counter", "histogram"):
                 cumulative.add(s.name)
@@ -145,7 +157,8 @@ class Endpoint:
         headers = {"content-type": "application/json"} if body is not None else None
         try:
             r = await asyncio.wait_for(
-                self.client.request(method, path, content=body, headers=headers), timeout
+                self.client.request(method, path, content=body, headers=headers),
+                timeout,
             )
         except (asyncio.TimeoutError, httpx.HTTPError, OSError):
             return 0, b""
@@ -155,7 +168,9 @@ class Endpoint:
         body = None if payload is None else json.dumps(payload).encode()
         status, data = await self.call(method, path, body)
         if status != 200:
-            raise RuntimeError(f"{method} {self.base_url}{path}: HTTP {status} {data[:200]!r}")
+            raise RuntimeError(
+                f"{method} {self.base_url}{path}: HTTP {status} {data[:200]!r}"
+            )
         return json.loads(data)
 
 
@@ -170,7 +185,9 @@ def error_message(body: bytes) -> str:
     err = p.get("error")
     if isinstance(err, dict) and err.get("message"):
         return str(err["message"])[:500]
-    return next((str(p[k])[:500] for k in ("detail", "message", "error") if p.get(k)), "")
+    return next(
+        (str(p[k])[:500] for k in ("detail", "message", "error") if p.get(k)), ""
+    )
 
 
 @dataclass
@@ -245,15 +262,43 @@ def bad_cases(ctx: Context) -> list[tuple[str, str, dict | bytes, str]]:
     text, ntok = ctx.completion_prompts[0]
     over_text = text * (over // max(ntok, 1) + 2)
     return [
-        ("malformed_json", "completion", b'{"model": "' + m.encode() + b'", "prompt', j),
+        (
+            "malformed_json",
+            "completion",
+            b'{"model": "' + m.encode() + b'", "prompt',
+            j,
+        ),
         ("body_not_json", "completion", b"prompt=hello&max_tokens=4", j),
-        ("content_type_not_json", "completion", json.dumps(base).encode(), "text/plain"),
-        *((n, api, (chat if api == "chat" else base) | f, j) for n, api, f in BAD_FIELDS),
-        ("prompt_over_context_tokens", "completion", base | {"prompt": ctx.long_prompt(over)}, j),
+        (
+            "content_type_not_json",
+            "completion",
+            json.dumps(base).encode(),
+            "text/plain",
+        ),
+        *(
+            (n, api, (chat if api == "chat" else base) | f, j)
+            for n, api, f in BAD_FIELDS
+        ),
+        (
+            "prompt_over_context_tokens",
+            "completion",
+            base | {"prompt": ctx.long_prompt(over)},
+            j,
+        ),
         ("prompt_over_context_text", "completion", base | {"prompt": over_text}, j),
         ("model_unknown", "completion", base | {"model": "no-such-model"}, j),
-        ("stream_temperature_negative", "completion", base | {"temperature": -1.0, "stream": True}, j),
-        ("stream_prompt_logprobs", "completion", base | {"prompt_logprobs": 1, "stream": True}, j),
+        (
+            "stream_temperature_negative",
+            "completion",
+            base | {"temperature": -1.0, "stream": True},
+            j,
+        ),
+        (
+            "stream_prompt_logprobs",
+            "completion",
+            base | {"prompt_logprobs": 1, "stream": True},
+            j,
+        ),
     ]
 
 
@@ -342,7 +387,9 @@ def make_plan(i: int, seed: int, ctx: Context, a: argparse.Namespace) -> Plan:
         body["stop_token_ids"] = [rng.choice(ctx.stop_token_ids)]
     if rng.random() < 0.25:
         k = rng.randint(0, 5)
-        body.update({"logprobs": True, "top_logprobs": k} if api == "chat" else {"logprobs": k})
+        body.update(
+            {"logprobs": True, "top_logprobs": k} if api == "chat" else {"logprobs": k}
+        )
     # Not on the long prompts (a vocabulary row per prompt token), nor
     # streamed (vLLM refuses that: one of the bad inputs).
     if not long_prompt and rng.random() < 0.1 and not stream:
@@ -396,12 +443,20 @@ class Outcome:
         self.error, self.error_kind = msg[:300] or None, f"{where}_{code}"
         if code >= 500 or code < 400:
             self.status = "server_error" if code >= 500 else "bad_response"
-        elif plan.category == "refuse" and not (plan.expect_msg in msg):
-            self.status, self.error_kind = "client_error", f"{where}_{code}_wrong_refusal"
+        elif plan.category == "refuse" and plan.expect_msg not in msg:
+            self.status, self.error_kind = (
+                "client_error",
+                f"{where}_{code}_wrong_refusal",
+            )
         elif plan.category == "bad" and not msg:
-            self.status, self.error_kind = "client_error", f"{where}_{code}_without_message"
+            self.status, self.error_kind = (
+                "client_error",
+                f"{where}_{code}_without_message",
+            )
         else:
-            self.status = {"refuse": "refused", "bad": "rejected"}.get(plan.category, "client_error")
+            self.status = {"refuse": "refused", "bad": "rejected"}.get(
+                plan.category, "client_error"
+            )
 
     def served(self, plan: Plan) -> None:
         """A 2xx answer with the whole output: what it means for this plan."""
@@ -432,11 +487,17 @@ def choice_logprobs(api: str, c: dict) -> list[tuple[str, float]]:
     lp = c.get("logprobs") or {}
     if api == "chat":
         return [
-            (e.get("token", ""), _top2_gap(t["logprob"] for t in e.get("top_logprobs") or []))
+            (
+                e.get("token", ""),
+                _top2_gap(t["logprob"] for t in e.get("top_logprobs") or []),
+            )
             for e in lp.get("content") or []
         ]
     tops = lp.get("top_logprobs") or []
-    return [(t, _top2_gap((top or {}).values())) for t, top in zip(lp.get("tokens") or [], tops)]
+    return [
+        (t, _top2_gap((top or {}).values()))
+        for t, top in zip(lp.get("tokens") or [], tops)
+    ]
 
 
 def first_difference(text: str, ref: str) -> int | None:
@@ -449,7 +510,9 @@ def token_index(ref_tokens: list[str], char: int) -> int | None:
     return next((k for k, end in enumerate(ends) if end > char), None)
 
 
-def divergence_gap(text: str, ref: str, tokens: list[str], gaps: list[float]) -> float | None:
+def divergence_gap(
+    text: str, ref: str, tokens: list[str], gaps: list[float]
+) -> float | None:
     """The reference's top-2 gap at the token where ``text`` first parts from
     ``ref`` (None when unknown). Where that is the start of a reference token,
     ours may have parted a token earlier (another split of the same
@@ -475,7 +538,11 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
         body = plan.raw if plan.raw is not None else json.dumps(plan.body).encode()
         headers = {"content-type": plan.content_type}
         async with ep.client.stream(
-            "POST", plan.path, content=body, headers=headers, extensions={"trace": trace}
+            "POST",
+            plan.path,
+            content=body,
+            headers=headers,
+            extensions={"trace": trace},
         ) as resp:
             out.http = resp.status_code
             if resp.status_code != 200:
@@ -485,7 +552,9 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
                 payload = json.loads(await resp.aread())
                 for c in payload.get("choices") or []:
                     out.texts[int(c.get("index", 0))] = choice_text(plan.api, c)
-                out.completion_tokens = (payload.get("usage") or {}).get("completion_tokens")
+                out.completion_tokens = (payload.get("usage") or {}).get(
+                    "completion_tokens"
+                )
                 return out.served(plan)
             if "text/event-stream" not in resp.headers.get("content-type", ""):
                 out.status, out.error_kind = "bad_response", "not_an_event_stream"
@@ -501,7 +570,9 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
                 if (err := payload.get("error")) is not None:
                     err = err if isinstance(err, dict) else {"message": str(err)}
                     code = int(err.get("code") or 500)
-                    return out.error_answer(plan, code, str(err.get("message", "")), "stream_error")
+                    return out.error_answer(
+                        plan, code, str(err.get("message", "")), "stream_error"
+                    )
                 for c in payload.get("choices") or []:
                     text, idx = choice_text(plan.api, c, True), int(c.get("index", 0))
                     if text and out.ttft is None:
@@ -539,9 +610,17 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
         out.status, out.error_kind = "hang", "client_timeout"
         out.error = f"no complete answer within {timeout:g}s"
     except (httpx.TransportError, OSError) as e:
-        out.status, out.error_kind, out.error = "connection_error", type(e).__name__, str(e)[:300]
+        out.status, out.error_kind, out.error = (
+            "connection_error",
+            type(e).__name__,
+            str(e)[:300],
+        )
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        out.status, out.error_kind, out.error = "bad_response", type(e).__name__, str(e)[:300]
+        out.status, out.error_kind, out.error = (
+            "bad_response",
+            type(e).__name__,
+            str(e)[:300],
+        )
     out.t_end = clock()
     return out
 
@@ -598,9 +677,12 @@ class LaunchedServer:
         a, deadline = self.a, time.monotonic() + self.a.start_timeout
         while (await ep.call("GET", "/health", timeout=HEALTH_TIMEOUT))[0] != 200:
             if self.proc.poll() is not None:
-                return f"server exited during startup (rc {self.proc.returncode}); see {a.server_log}"
+                rc = self.proc.returncode
+                return f"server exited during startup (rc {rc}); see {a.server_log}"
             if time.monotonic() > deadline:
-                return f"server not healthy after {a.start_timeout:g}s; see {a.server_log}"
+                return (
+                    f"server not healthy after {a.start_timeout:g}s; see {a.server_log}"
+                )
             await asyncio.sleep(0.2)
         if a.after_start:
             left = max(1.0, deadline - time.monotonic())
@@ -626,7 +708,9 @@ class LaunchedServer:
                 await asyncio.sleep(0.1)
 
 
-def flatness(samples: list[tuple[float, float]], start: float, warmup: float, tol: float) -> dict:
+def flatness(
+    samples: list[tuple[float, float]], start: float, warmup: float, tol: float
+) -> dict:
     """Least-squares slope of the samples after ``start + warmup`` and the
     growth it implies over their span; ``ok`` when within ``tol``."""
     post = [(t, v) for t, v in samples if t >= start + warmup]
@@ -686,8 +770,11 @@ def check_metrics(scrapes, cumulative, expect_ddtree, client_tokens, tree_budget
             for key, vb in b.items():
                 name = key.split("{", 1)[0]
                 mono = name in cumulative if cumulative else name.endswith(MONOTONE)
-                fell = key in a and mono and vb < a[key] - 1e-6
-                check(fell, f"{key} fell from {a.get(key, 0):g} to {vb:g} ({ta:.1f}s, {tb:.1f}s)")
+                if key in a and mono and vb < a[key] - 1e-6:
+                    check(
+                        True,
+                        f"{key} fell from {a[key]:g} to {vb:g} ({ta:.1f}s, {tb:.1f}s)",
+                    )
         first, last = ss[0][1], ss[-1][1]
 
         def d(key: str, first=first, last=last) -> float:
@@ -695,7 +782,9 @@ def check_metrics(scrapes, cumulative, expect_ddtree, client_tokens, tree_budget
 
         def moved(name: str, label: str, first=first, last=last) -> dict[str, float]:
             f = _labelled(first, name, label)
-            return {k: v - f.get(k, 0.0) for k, v in _labelled(last, name, label).items()}
+            return {
+                k: v - f.get(k, 0.0) for k, v in _labelled(last, name, label).items()
+            }
 
         drafts, acc, dtok, gen = d(DRAFTS), d(ACCEPTED), d(DRAFT_TOKENS), d(GEN_TOKENS)
         per_pos = sorted((int(k), v) for k, v in moved(PER_POS, "position").items())
@@ -745,17 +834,33 @@ def check_metrics(scrapes, cumulative, expect_ddtree, client_tokens, tree_budget
             continue
         al_count = d(f"{AL}_count")
         al_sum = ep["emitted_tokens"] = d(f"{AL}_sum")
-        check(abs(al_count - drafts) > 0.5, f"{AL}_count moved {al_count:g}, drafts {drafts:g}")
+        check(
+            abs(al_count - drafts) > 0.5,
+            f"{AL}_count moved {al_count:g}, drafts {drafts:g}",
+        )
         msg = f"emitted tokens ({AL}_sum) {al_sum:g} != accepted {acc:g} + drafts"
         check(abs(al_sum - acc - drafts) > 0.5, msg)
-        buckets = [v for _, v in sorted((float(k), v) for k, v in moved(f"{AL}_bucket", "le").items())]
-        check(any(y < x - 0.5 for x, y in zip(buckets, buckets[1:])), f"{AL} buckets not cumulative")
+        buckets = [
+            v
+            for _, v in sorted(
+                (float(k), v) for k, v in moved(f"{AL}_bucket", "le").items()
+            )
+        ]
+        check(
+            any(y < x - 0.5 for x, y in zip(buckets, buckets[1:])),
+            f"{AL} buckets not cumulative",
+        )
         inf = buckets[-1] if buckets else al_count
-        check(abs(inf - al_count) > 0.5, f"{AL} +Inf bucket {inf:g} != count {al_count:g}")
+        check(
+            abs(inf - al_count) > 0.5, f"{AL} +Inf bucket {inf:g} != count {al_count:g}"
+        )
         depths = moved(PER_DEPTH, "depth")
         for k, v in enumerate(per_pos):
             n = depths.get(str(k + 1), 0.0)
-            check(abs(n - v) > 0.5, f"depth {k + 1} count {n:g} != position {k} count {v:g}")
+            check(
+                abs(n - v) > 0.5,
+                f"depth {k + 1} count {n:g} != position {k} count {v:g}",
+            )
     n = len(problems)
     return {"ok": not n, "problems": problems[:30], "n_problems": n, "epochs": summary}
 
@@ -790,7 +895,10 @@ class Soak:
 
     def in_window(self, t0: float, t1: float) -> bool:
         g = self.a.fault_grace
-        return any(t0 <= (math.inf if w1 is None else w1 + g) and t1 >= w0 for w0, w1 in self.windows)
+        return any(
+            t0 <= (math.inf if w1 is None else w1 + g) and t1 >= w0
+            for w0, w1 in self.windows
+        )
 
     @property
     def server_pid(self) -> int | None:
@@ -807,12 +915,16 @@ class Soak:
             raise RuntimeError("/v1/models gives no max_model_len")
         comp, chat, long_tokens, stop_ids = [], [], [], set()
         for text in load_prompts(self.a.prompts)[:NUM_PROMPTS]:
-            t = await self.ep.json("POST", "/tokenize", {"model": model, "prompt": text})
+            t = await self.ep.json(
+                "POST", "/tokenize", {"model": model, "prompt": text}
+            )
             if t["count"] <= max_len - 16:  # room for 16 new tokens
                 comp.append((text, int(t["count"])))
                 long_tokens += t["tokens"]
             msgs = [{"role": "user", "content": text}]
-            c = await self.ep.json("POST", "/tokenize", {"model": model, "messages": msgs})
+            c = await self.ep.json(
+                "POST", "/tokenize", {"model": model, "messages": msgs}
+            )
             if c["count"] <= max_len - 16:
                 chat.append((text, int(c["count"])))
         if not comp or not chat:
@@ -825,7 +937,9 @@ class Soak:
     async def bad_input_phase(self, ctx: Context) -> list[dict]:
         rows = []
         for k, case in enumerate(bad_cases(ctx)):
-            out = await run_plan(self.ep, _bad_plan(-1 - k, case), self.a.timeout, self.clock)
+            out = await run_plan(
+                self.ep, _bad_plan(-1 - k, case), self.a.timeout, self.clock
+            )
             health, _ = await self.ep.call("GET", "/health", timeout=HEALTH_TIMEOUT)
             rows.append(
                 {
@@ -843,7 +957,9 @@ class Soak:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.up.wait(), 0.5)
                 continue
-            plan = self.plans[self.issued] = make_plan(self.issued, self.a.seed, ctx, self.a)
+            plan = self.plans[self.issued] = make_plan(
+                self.issued, self.a.seed, ctx, self.a
+            )
             self.issued += 1
             self.in_flight += 1
             epoch = self.epoch
@@ -856,7 +972,9 @@ class Soak:
 
     async def load_timer(self) -> None:
         a = self.a
-        while self.clock() < a.max_duration and (self.clock() < a.duration or self.issued < a.requests):
+        while self.clock() < a.max_duration and (
+            self.clock() < a.duration or self.issued < a.requests
+        ):
             await asyncio.sleep(0.05)
         self.stop_load.set()
 
@@ -898,14 +1016,21 @@ class Soak:
             if not pids:
                 return None, ""
             rows, why = nvidia_smi(smi, "--query-compute-apps=pid,used_memory")
-            mine = [float(r[1]) for r in rows if len(r) == 2 and r[0].isdigit() and int(r[0]) in pids]
+            mine = [
+                float(r[1])
+                for r in rows
+                if len(r) == 2 and r[0].isdigit() and int(r[0]) in pids
+            ]
             if mine:
                 self.gpu_scope = "server"
                 return {"server": sum(mine)}, ""
             if self.gpu_scope == "server":
                 return None, ""
             why = why or f"{smi} lists no process of the server"
-            self.gpu_scope, self.gpu_scope_note = "device", f"{why}: each GPU's total is sampled"
+            self.gpu_scope, self.gpu_scope_note = (
+                "device",
+                f"{why}: each GPU's total is sampled",
+            )
         rows, why = nvidia_smi(smi, "--query-gpu=index,memory.used")
         mem = {r[0]: float(r[1]) for r in rows if len(r) == 2}
         return (mem, "") if mem else (None, why or f"{smi} printed no memory.used")
@@ -932,18 +1057,24 @@ class Soak:
         while not self.stop_monitors.is_set():
             await self._sleep(self.a.progress_interval)
             c = dict(sorted(Counter(o.status for o in self.outcomes).items()))
-            bad_h = sum(1 for _, _, s in self.health if s != 200)
-            s = self.scrapes[-1][2] if self.scrapes else {}
+            h = [s for _, _, s in self.health]
+            now = self.scrapes[-1][2] if self.scrapes else {}
             s0 = next((x[2] for x in self.scrapes if x[1] == self.epoch), {})
-            dr = s.get(DRAFTS, 0) - s0.get(DRAFTS, 0)
-            tau = round(1 + (s.get(ACCEPTED, 0) - s0.get(ACCEPTED, 0)) / dr, 2) if dr else None
-            rss = f"{self.rss[-1][2]:.0f} MiB" if self.rss else "-"
-            gpu = "+".join(f"{v:.0f}" for v in self.gpu[-1][2].values()) if self.gpu else "-"
+            d = {
+                k: now.get(k, 0) - s0.get(k, 0) for k in (DRAFTS, ACCEPTED, PREEMPTIONS)
+            }
+            tau = round(1 + d[ACCEPTED] / d[DRAFTS], 2) if d[DRAFTS] else None
+            rss = f"{self.rss[-1][2]:.0f}" if self.rss else "-"
+            gpu = (
+                "+".join(f"{v:.0f}" for v in self.gpu[-1][2].values())
+                if self.gpu
+                else "-"
+            )
             log(
                 f"{self.clock():6.0f}s issued {self.issued} in flight {self.in_flight}"
-                f" | {c} | health {self.health[-1][2] if self.health else None} "
-                f"({bad_h} not 200 of {len(self.health)}) | rss {rss} gpu {gpu} MiB | "
-                f"preemptions {s.get(PREEMPTIONS, 0) - s0.get(PREEMPTIONS, 0):g} tau {tau}"
+                f" | {c} | health {h[-1:]} ({len(h) - h.count(200)} not 200 of"
+                f" {len(h)}) | rss {rss} gpu {gpu} MiB | preemptions"
+                f" {d[PREEMPTIONS]:g} tau {tau}"
             )
 
     async def restarter(self) -> None:
@@ -960,8 +1091,14 @@ class Soak:
         self.server.start()
         err = await self.server.wait_ready(self.ep)
         t_up = self.windows[-1][1] = self.epoch_start[self.epoch] = self.clock()
-        self.restarts.append({"t_stop": round(t_stop, 2), "t_up": round(t_up, 2), "error": err})
-        log(f"restart failed: {err}" if err else f"restart: up again after {t_up - t_stop:.1f}s")
+        self.restarts.append(
+            {"t_stop": round(t_stop, 2), "t_up": round(t_up, 2), "error": err}
+        )
+        log(
+            f"restart failed: {err}"
+            if err
+            else f"restart: up again after {t_up - t_stop:.1f}s"
+        )
         if err:
             self.stop_load.set()
         else:
@@ -981,7 +1118,8 @@ class Soak:
         a = self.a
         todo = [
             o for o in self.outcomes
-            if o.category == "load" and o.status == "completed" and o.greedy and not o.in_fault
+            if o.category == "load" and o.status == "completed"
+            if o.greedy and not o.in_fault
         ]  # fmt: skip
         res: dict = {"compared": 0, "identical": 0, "eligible": len(todo)}
         near, bad, errors = [], [], []
@@ -996,9 +1134,13 @@ class Soak:
         async def one(o: Outcome) -> None:
             plan = self.plans[o.id]
             skip = ("stream", "stream_options", "prompt_logprobs")
-            body = {k: v for k, v in plan.body.items() if k not in skip} | {"model": ref_model}
+            body = {k: v for k, v in plan.body.items() if k not in skip} | {
+                "model": ref_model
+            }
             if plan.api == "chat":
-                body.update(logprobs=True, top_logprobs=max(2, body.get("top_logprobs", 0)))
+                body.update(
+                    logprobs=True, top_logprobs=max(2, body.get("top_logprobs", 0))
+                )
             else:
                 body["logprobs"] = max(2, body.get("logprobs") or 0)
             async with sem:
@@ -1006,13 +1148,17 @@ class Soak:
                 if left <= 0:
                     return errors.append({"id": o.id, "error": "no time left"})
                 data = json.dumps(body).encode()
-                status, data = await self.ref.call("POST", plan.path, data, min(a.timeout, left))
+                status, data = await self.ref.call(
+                    "POST", plan.path, data, min(a.timeout, left)
+                )
             try:
                 c = json.loads(data)["choices"][0] if status == 200 else None
             except (ValueError, KeyError, IndexError, TypeError):
                 c = None
             if c is None:
-                return errors.append({"id": o.id, "http": status, "error": error_message(data)[:200]})
+                return errors.append(
+                    {"id": o.id, "http": status, "error": error_message(data)[:200]}
+                )
             ref_text, tg = choice_text(plan.api, c), choice_logprobs(plan.api, c)
             tokens, gaps = [t for t, _ in tg], [g for _, g in tg]
             res["compared"] += 1
@@ -1081,7 +1227,8 @@ class Soak:
         await self.scrape()
         monitors = [
             asyncio.create_task(f())
-            for f in (self.health_poller, self.metrics_scraper, self.memory_sampler, self.progress)
+            for f in (self.health_poller, self.metrics_scraper)
+            + (self.memory_sampler, self.progress)
         ]  # fmt: skip
         restart = None
         if a.restart_at:
@@ -1097,8 +1244,14 @@ class Soak:
         self.load_end = self.clock()
         log(f"load done after {self.load_end:.0f}s, {self.issued} requests; drain")
         drained = await self.drain()
-        body = {"model": ctx.model, "prompt": ctx.completion_prompts[0][0], "max_tokens": 4}
-        probe_plan = Plan(-10_000, "load", "probe", "completion", body | {"temperature": 0.0})
+        body = {
+            "model": ctx.model,
+            "prompt": ctx.completion_prompts[0][0],
+            "max_tokens": 4,
+        }
+        probe_plan = Plan(
+            -10_000, "load", "probe", "completion", body | {"temperature": 0.0}
+        )
         probe = await run_plan(self.ep, probe_plan, a.timeout, self.clock)
         final_health, _ = await self.ep.call("GET", "/health", timeout=HEALTH_TIMEOUT)
         await self.scrape()
@@ -1114,7 +1267,10 @@ class Soak:
         return {
             "model": ctx.model,
             "max_model_len": ctx.max_model_len,
-            "prompts": {"completion": len(ctx.completion_prompts), "chat": len(ctx.chat_prompts)},
+            "prompts": {
+                "completion": len(ctx.completion_prompts),
+                "chat": len(ctx.chat_prompts),
+            },
             "stop_token_ids": ctx.stop_token_ids,
         } | self.evaluate(bad_rows, final, greedy)
 
@@ -1128,7 +1284,10 @@ class Soak:
                 if not self.in_window(t, t):
                     series[name, e].append((t, v))
         start = self.epoch_start
-        return {k: flatness(v, start.get(k[1], 0.0), warmup, tol) for k, v in sorted(series.items())}
+        return {
+            k: flatness(v, start.get(k[1], 0.0), warmup, tol)
+            for k, v in sorted(series.items())
+        }
 
     def evaluate(self, bad_rows: list[dict], final: tuple, greedy: dict | None) -> dict:
         a, outs = self.a, self.outcomes
@@ -1138,39 +1297,61 @@ class Soak:
             return o.status not in CLEAN[o.category] and not (cut and o.in_fault)
 
         crit: dict[str, dict] = {}
-        for cat, name in (("load", "requests"), ("refuse", "refusals"), ("bad", "bad_input")):
+        for cat, name in (
+            ("load", "requests"),
+            ("refuse", "refusals"),
+            ("bad", "bad_input"),
+        ):
             mine = [o for o in outs if o.category == cat]
             bad = Counter(o.status for o in mine if failing(o))
             detail = f"{len(mine) - bad.total()}/{len(mine)} clean"
-            crit[name] = _crit(not bad, detail + (f"; failing: {dict(bad)}" if bad else ""))
+            crit[name] = _crit(
+                not bad, detail + (f"; failing: {dict(bad)}" if bad else "")
+            )
         if not a.expect_ddtree:
             crit["refusals"] = _crit(None, "skipped (--no-expect-ddtree)")
         elif not any(o.category == "refuse" for o in outs):
             crit["refusals"] = _crit(False, "no refused kind was sent")
         phase_bad = [r["name"] for r in bad_rows if not r["ok"]]
         crit["bad_input"]["ok"] &= not phase_bad
-        crit["bad_input"]["detail"] += f"; one at a time: {len(bad_rows)} ok" if not phase_bad else (
-            f"; one at a time: {len(phase_bad)}/{len(bad_rows)} failed ({', '.join(phase_bad[:8])})"
+        failed = f"{len(phase_bad)}/{len(bad_rows)} failed ({', '.join(phase_bad[:8])})"
+        crit["bad_input"]["detail"] += "; one at a time: " + (
+            failed if phase_bad else f"{len(bad_rows)} ok"
         )
         ok = self.issued >= a.requests and self.load_end >= a.duration
         detail = f"{self.issued} requests in {self.load_end:.0f}s"
         crit["load"] = _crit(ok, detail + f" (asked: {a.requests} in {a.duration:g}s)")
-        bad_h = [(t0, s) for t0, t1, s in self.health if s != 200 and not self.in_window(t0, t1)]
+        bad_h = [
+            (t0, s)
+            for t0, t1, s in self.health
+            if s != 200 and not self.in_window(t0, t1)
+        ]
         detail = f"{len(self.health)} polls, {len(bad_h)} not 200 outside fault windows"
         first = f" (first at {bad_h[0][0]:.1f}s: {bad_h[0][1]})" if bad_h else ""
         crit["health"] = _crit(bool(self.health) and not bad_h, detail + first)
         drained, probe, health = final
         detail = f"drained {drained}, short request {probe}, /health {health}"
-        crit["final"] = _crit(drained and probe == "completed" and health == 200, detail)
+        crit["final"] = _crit(
+            drained and probe == "completed" and health == 200, detail
+        )
 
         warmup = a.warmup if a.warmup is not None else 0.2 * a.duration
-        rss = self.memory([(t, e, {"rss": v}) for t, e, v in self.rss], warmup, a.rss_growth_mib)
+        rss = self.memory(
+            [(t, e, {"rss": v}) for t, e, v in self.rss], warmup, a.rss_growth_mib
+        )
         rss = {str(e): v for (_, e), v in rss.items()}
         gpu = self.memory(self.gpu, warmup, a.gpu_growth_mib)
-        gpu = {f"{'' if k == 'server' else 'gpu'}{k}/epoch{e}": v for (k, e), v in gpu.items()}
+        gpu = {
+            f"{'' if k == 'server' else 'gpu'}{k}/epoch{e}": v
+            for (k, e), v in gpu.items()
+        }
         no_pid = "skipped: no server pid (use --launch or --server-pid)"
-        crit["server_rss"] = _memory_criterion(rss, "no RSS sample" if self.server_pid else no_pid)
-        crit["gpu_memory"] = _memory_criterion(gpu, f"skipped: {self.gpu_reason or 'no sample'}")
+        crit["server_rss"] = _memory_criterion(
+            rss, "no RSS sample" if self.server_pid else no_pid
+        )
+        crit["gpu_memory"] = _memory_criterion(
+            gpu, f"skipped: {self.gpu_reason or 'no sample'}"
+        )
 
         # Per server lifetime: the requests that started after its first
         # scrape and ended before its last, whose tokens the counters cover.
@@ -1182,31 +1363,50 @@ class Soak:
             t_first, t_last = span.get(o.epoch, (math.inf, -math.inf))
             if o.status == "completed" and t_first <= o.t_start and o.t_end <= t_last:
                 client_tokens[o.epoch] += o.completion_tokens or 0
-        metrics = check_metrics(self.scrapes, self.cumulative, a.expect_ddtree, client_tokens, a.tree_budget)
+        metrics = check_metrics(
+            self.scrapes, self.cumulative, a.expect_ddtree, client_tokens, a.tree_budget
+        )
         first = metrics["problems"][:1]
-        crit["metrics"] = _crit(metrics["ok"], f"{metrics['n_problems']} problems, first: {first}" if first else "consistent")
+        crit["metrics"] = _crit(
+            metrics["ok"],
+            f"{metrics['n_problems']} problems, first: {first}"
+            if first
+            else "consistent",
+        )
         preempt = sum(ep["preemptions"] for ep in metrics["epochs"])
         ok = preempt > 0 if a.expect_preemption else None
-        crit["preemption"] = _crit(ok, f"{preempt:g} preemptions" + ("" if ok is not None else " (not required)"))
+        crit["preemption"] = _crit(
+            ok,
+            f"{preempt:g} preemptions" + ("" if ok is not None else " (not required)"),
+        )
         crit["greedy_reference"] = _crit(None, "skipped: no --reference-url")
         if greedy is not None:
-            g = greedy
-            detail = f"{g['identical']}/{g['compared']} identical, {g['num_near_ties']} near-ties"
-            detail += f", {g['num_mismatches']} mismatches, {len(g['reference_errors'])} not compared"
-            crit["greedy_reference"] = _crit(g["ok"], detail)
+            g, errors = greedy, len(greedy["reference_errors"])
+            detail = f"{g['identical']}/{g['compared']} identical, "
+            detail += (
+                f"{g['num_near_ties']} near-ties, {g['num_mismatches']} mismatches, "
+            )
+            crit["greedy_reference"] = _crit(g["ok"], detail + f"{errors} not compared")
 
         by_kind: dict = defaultdict(Counter)
         for o in outs:
             by_kind[f"{o.category}:{o.name}"][o.status] += 1
         failing_rows = [o.brief() for o in outs if failing(o)]
-        fault = Counter(f"{o.status}:{o.error_kind}" if o.error_kind else o.status for o in outs if o.in_fault)
+        fault = Counter(
+            f"{o.status}:{o.error_kind}" if o.error_kind else o.status
+            for o in outs
+            if o.in_fault
+        )
         latency = {
             s: percentiles([o.t_end - o.t_start for o in outs if o.status == s])
             for s in ("completed", "aborted", "refused", "rejected")
         }
         ttft = [o.ttft for o in outs if o.status == "completed" and o.ttft is not None]
         latency["completed_stream_ttft"] = percentiles(ttft)
-        gpu_memory = {"scope": self.gpu_scope, "scope_note": self.gpu_scope_note or None}
+        gpu_memory = {
+            "scope": self.gpu_scope,
+            "scope_note": self.gpu_scope_note or None,
+        }
         windows = [[round(w0, 2), round(w1 or 0, 2)] for w0, w1 in self.windows]
         return {
             "ok": all(c["ok"] is not False for c in crit.values()),
@@ -1216,7 +1416,9 @@ class Soak:
                 "load_s": round(self.load_end, 2),
                 "by_outcome": dict(Counter(o.status for o in outs)),
                 "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
-                "errors_by_kind": dict(Counter(o.error_kind for o in outs if o.error_kind)),
+                "errors_by_kind": dict(
+                    Counter(o.error_kind for o in outs if o.error_kind)
+                ),
                 "in_fault_window": sum(o.in_fault for o in outs),
                 "in_fault_window_by_outcome": dict(fault),
                 "failing": failing_rows[:50],
@@ -1231,12 +1433,17 @@ class Soak:
             "memory": {
                 "warmup_s": warmup,
                 "rss": {"pid": self.server_pid, "epochs": rss},
-                "gpu": gpu_memory | {"series": gpu, "unavailable": self.gpu_reason or None},
+                "gpu": gpu_memory
+                | {"series": gpu, "unavailable": self.gpu_reason or None},
             },
             "metrics": metrics,
             "greedy_reference": greedy,
             "bad_input": bad_rows,
-            "faults": {"windows": windows, "restarts": self.restarts, "grace_s": a.fault_grace},
+            "faults": {
+                "windows": windows,
+                "restarts": self.restarts,
+                "grace_s": a.fault_grace,
+            },
         }
 
 
@@ -1247,26 +1454,29 @@ def _crit(ok: bool | None, detail: str) -> dict:
 def _memory_criterion(series: dict, skipped: str) -> dict:
     judged = {k: v for k, v in series.items() if v["ok"] is not None}
     if not judged:
-        return _crit(None, "skipped: fewer than 3 samples after warm-up" if series else skipped)
+        return _crit(
+            None, "skipped: fewer than 3 samples after warm-up" if series else skipped
+        )
     worst = max(judged, key=lambda k: judged[k]["growth_mib"])
     w = judged[worst]
-    detail = f"largest growth after warm-up {w['growth_mib']:g} MiB ({w['slope_mib_per_min']:g}"
-    detail += f" MiB/min, {worst}), tolerance {w['tolerance_mib']:g} MiB"
+    detail = f"largest growth after warm-up {w['growth_mib']:g} MiB "
+    detail += f"({w['slope_mib_per_min']:g} MiB/min, {worst}), "
+    detail += f"tolerance {w['tolerance_mib']:g} MiB"
     return _crit(all(v["ok"] for v in judged.values()), detail)
 
 
 # (option, default, help); the type is the default's, str for None.
 OPTIONS = [
     ("--base-url", "http://127.0.0.1:8000", None),
-    ("--launch", None, "start this server command (split like a shell line), stop it at the end"),
-    ("--after-start", None, "run after every start of --launch once /health answers, before any request (e.g. python3 -m bench.pairs.load_served_pair); must exit 0"),
+    ("--launch", None, "start this server command, stop it at the end"),
+    ("--after-start", None, "run after each start of --launch; must exit 0"),
     ("--server-log", "/tmp/soak-server.log", None),
     ("--start-timeout", 900.0, None),
     ("--stop-grace", 30.0, "seconds between SIGTERM and SIGKILL"),
-    ("--restart-at", 0.0, "with --launch: restart the server this many seconds into the load"),
-    ("--fault-grace", 5.0, "seconds after a restart still inside its fault window"),
-    ("--server-pid", None, "pid whose RSS (with its descendants) is sampled, when not --launch"),
-    ("--tree-budget", None, "the server's tree_budget: bounds the draft tokens per draft"),
+    ("--restart-at", 0.0, "with --launch: restart the server at this second"),
+    ("--fault-grace", 5.0, "seconds after a restart still in its fault window"),
+    ("--server-pid", None, "whose RSS (and descendants') is sampled, no --launch"),
+    ("--tree-budget", None, "the server's: bounds the draft tokens per draft"),
     ("--duration", 600.0, "seconds, at least"),
     ("--requests", 2000, "requests, at least"),
     ("--max-duration", 1800.0, "the load stops here whatever was sent"),
@@ -1278,39 +1488,47 @@ OPTIONS = [
     ("--abort-max-s", 3.0, "aborts after a delay: uniform in [0, this]"),
     ("--refuse-fraction", 0.05, None),
     ("--bad-fraction", 0.02, None),
-    ("--timeout", 300.0, "client-side limit per request, s (past it: hang)"),
+    ("--timeout", 300.0, "client-side limit per request (past it: hang)"),
     ("--health-interval", 2.0, None),
     ("--metrics-interval", 10.0, None),
     ("--memory-interval", 5.0, None),
     ("--progress-interval", 15.0, None),
-    ("--warmup", None, "seconds of each server lifetime before memory must be flat (default: 20%% of --duration)"),
+    (
+        "--warmup",
+        None,
+        "s per server lifetime before memory must be flat (20%% of --duration)",
+    ),
     ("--rss-growth-mib", 256.0, None),
     ("--gpu-growth-mib", 128.0, None),
     ("--nvidia-smi", "nvidia-smi", None),
     ("--drain-timeout", 120.0, None),
-    ("--reference-url", None, "a no-spec server of the same model (loopback), started with --logprobs-mode processed_logprobs"),
+    ("--reference-url", None, "no-spec server, --logprobs-mode processed_logprobs"),
     ("--reference-max-s", 1200.0, None),
-    ("--tie-tolerance", 0.01, "with --float32: reference top-2 logprob gap of a near-tie"),
-    ("--pair", None, "name in the output file (default: the model name)"),
+    ("--tie-tolerance", 0.01, "with --float32: top-2 logprob gap of a near-tie"),
+    ("--pair", None, "name in the output file (default: the model's)"),
     ("--out", None, "default: bench/results/<date>-soak-<pair>.json"),
-]  # fmt: skip
+]
 TYPES = {"--server-pid": int, "--tree-budget": int, "--warmup": float}
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        description=__doc__.split("\n")[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=__doc__.split("\n")[1],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for flag, default, help_ in OPTIONS:
         kind = TYPES.get(flag, str if default is None else type(default))
         ap.add_argument(flag, type=kind, default=default, help=help_)
-    flags = (
-        ("--expect-ddtree", "DDTree server: send the refused kinds, check its series", argparse.BooleanOptionalAction, True),
-        ("--expect-preemption", "fail unless vllm:num_preemptions moved", "store_true", False),
-        ("--float32", "both servers run float32: near-ties are reported, not failed", "store_true", False),
-    )  # fmt: skip
-    for flag, help_, action, default in flags:
-        ap.add_argument(flag, action=action, default=default, help=help_)
+    ap.add_argument(
+        "--expect-ddtree",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="DDTree server: send the refused kinds, check its series",
+    )
+    ap.add_argument(
+        "--expect-preemption", action="store_true", help="fail unless it moved"
+    )
+    ap.add_argument("--float32", action="store_true", help="near-ties are not failures")
     return ap
 
 
@@ -1321,20 +1539,24 @@ def main(argv: list[str] | None = None) -> int:
     result = asyncio.run(Soak(a).run())
     model = os.path.basename(str(result.get("model") or "server"))
     pair = a.pair or re.sub(r"[^A-Za-z0-9_.-]+", "_", model)
-    out = a.out or os.path.join(REPO, "bench", "results", f"{datetime.date.today():%Y-%m-%d}-soak-{pair}.json")
+    name = f"{datetime.date.today():%Y-%m-%d}-soak-{pair}.json"
+    out = a.out or os.path.join(REPO, "bench", "results", name)
     write_json(out, result)
     crit = result.get("criteria", {})
     for name, c in crit.items():
-        print(f"{({True: 'PASS', False: 'FAIL', None: 'skip'})[c['ok']]}  {name:16s} {c['detail']}")
+        print(f"{MARK[c['ok']]}  {name:16s} {c['detail']}")
     if "fatal" in result:
         print(f"FAIL  {result['fatal']}")
-    summary = {
-        "ok": result["ok"],
-        "out": out,
-        "criteria": {k: c["ok"] for k, c in crit.items()},
-        "by_outcome": result.get("requests", {}).get("by_outcome"),
-    }
-    print("RESULT " + json.dumps(summary | {"fatal": result["fatal"]} if "fatal" in result else summary, sort_keys=True), flush=True)
+    emit(
+        "RESULT",
+        {
+            "ok": result["ok"],
+            "out": out,
+            "criteria": {k: c["ok"] for k, c in crit.items()},
+            "by_outcome": result.get("requests", {}).get("by_outcome"),
+        }
+        | ({"fatal": result["fatal"]} if "fatal" in result else {}),
+    )
     return 0 if result["ok"] else 1
 
 
