@@ -248,6 +248,13 @@ BAD_FIELDS = [
     ("stop_empty_string", "completion", {"stop": [""]}),
     ("prompt_empty", "completion", {"prompt": ""}),
     ("prompt_token_negative", "completion", {"prompt": [5, -1, 7]}),
+    ("model_unknown", "completion", {"model": "no-such-model"}),
+    (
+        "stream_temperature_negative",
+        "completion",
+        {"temperature": -1.0, "stream": True},
+    ),
+    ("stream_prompt_logprobs", "completion", {"prompt_logprobs": 1, "stream": True}),
 ]
 
 
@@ -261,44 +268,18 @@ def bad_cases(ctx: Context) -> list[tuple[str, str, dict | bytes, str]]:
     over = ctx.max_model_len + 16
     text, ntok = ctx.completion_prompts[0]
     over_text = text * (over // max(ntok, 1) + 2)
-    return [
-        (
-            "malformed_json",
-            "completion",
-            b'{"model": "' + m.encode() + b'", "prompt',
-            j,
-        ),
-        ("body_not_json", "completion", b"prompt=hello&max_tokens=4", j),
-        (
-            "content_type_not_json",
-            "completion",
-            json.dumps(base).encode(),
-            "text/plain",
-        ),
-        *(
-            (n, api, (chat if api == "chat" else base) | f, j)
-            for n, api, f in BAD_FIELDS
-        ),
-        (
-            "prompt_over_context_tokens",
-            "completion",
-            base | {"prompt": ctx.long_prompt(over)},
-            j,
-        ),
-        ("prompt_over_context_text", "completion", base | {"prompt": over_text}, j),
-        ("model_unknown", "completion", base | {"model": "no-such-model"}, j),
-        (
-            "stream_temperature_negative",
-            "completion",
-            base | {"temperature": -1.0, "stream": True},
-            j,
-        ),
-        (
-            "stream_prompt_logprobs",
-            "completion",
-            base | {"prompt_logprobs": 1, "stream": True},
-            j,
-        ),
+    raw = [
+        ("malformed_json", b'{"model": "' + m.encode() + b'", "prompt', j),
+        ("body_not_json", b"prompt=hello&max_tokens=4", j),
+        ("content_type_not_json", json.dumps(base).encode(), "text/plain"),
+    ]
+    fields = [
+        *BAD_FIELDS,
+        ("prompt_over_context_tokens", "completion", {"prompt": ctx.long_prompt(over)}),
+        ("prompt_over_context_text", "completion", {"prompt": over_text}),
+    ]
+    return [(n, "completion", body, ct) for n, body, ct in raw] + [
+        (n, api, (chat if api == "chat" else base) | f, j) for n, api, f in fields
     ]
 
 
