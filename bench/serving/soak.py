@@ -420,34 +420,30 @@ class Outcome:
             "in_fault_window": self.in_fault,
         }
 
+    def set(self, status: str, kind: str | None = None, error: str | None = None):
+        self.status, self.error_kind, self.error = status, kind, error
+
     def error_answer(self, plan: Plan, code: int, msg: str, where: str) -> None:
-        self.error, self.error_kind = msg[:300] or None, f"{where}_{code}"
+        kind, msg = f"{where}_{code}", msg[:300] or None
         if code >= 500 or code < 400:
-            self.status = "server_error" if code >= 500 else "bad_response"
-        elif plan.category == "refuse" and plan.expect_msg not in msg:
-            self.status, self.error_kind = (
-                "client_error",
-                f"{where}_{code}_wrong_refusal",
-            )
+            self.set("server_error" if code >= 500 else "bad_response", kind, msg)
+        elif plan.category == "refuse" and plan.expect_msg not in (msg or ""):
+            self.set("client_error", kind + "_wrong_refusal", msg)
         elif plan.category == "bad" and not msg:
-            self.status, self.error_kind = (
-                "client_error",
-                f"{where}_{code}_without_message",
-            )
+            self.set("client_error", kind + "_without_message", msg)
         else:
-            self.status = {"refuse": "refused", "bad": "rejected"}.get(
-                plan.category, "client_error"
-            )
+            status = {"refuse": "refused", "bad": "rejected"}
+            self.set(status.get(plan.category, "client_error"), kind, msg)
 
     def served(self, plan: Plan) -> None:
         """A 2xx answer with the whole output: what it means for this plan."""
         if plan.category == "refuse":
-            self.status, self.error_kind = "not_refused", "served_refused_kind"
+            self.set("not_refused", "served_refused_kind")
         elif plan.category == "bad":
-            self.status, self.error_kind = "accepted_bad", "served_bad_input"
+            self.set("accepted_bad", "served_bad_input")
         elif len(self.texts) != plan.n:
-            self.status, self.error_kind = "bad_response", "missing_choices"
-            self.error = f"{len(self.texts)} choices, expected {plan.n}"
+            n = len(self.texts)
+            self.set("bad_response", "missing_choices", f"{n} choices, not {plan.n}")
         else:
             self.status = "completed"
 
@@ -518,12 +514,9 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
     async def receive() -> None:
         body = plan.raw if plan.raw is not None else json.dumps(plan.body).encode()
         headers = {"content-type": plan.content_type}
+        trace_ext = {"trace": trace}
         async with ep.client.stream(
-            "POST",
-            plan.path,
-            content=body,
-            headers=headers,
-            extensions={"trace": trace},
+            "POST", plan.path, content=body, headers=headers, extensions=trace_ext
         ) as resp:
             out.http = resp.status_code
             if resp.status_code != 200:
@@ -533,13 +526,11 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
                 payload = json.loads(await resp.aread())
                 for c in payload.get("choices") or []:
                     out.texts[int(c.get("index", 0))] = choice_text(plan.api, c)
-                out.completion_tokens = (payload.get("usage") or {}).get(
-                    "completion_tokens"
-                )
+                usage = payload.get("usage") or {}
+                out.completion_tokens = usage.get("completion_tokens")
                 return out.served(plan)
             if "text/event-stream" not in resp.headers.get("content-type", ""):
-                out.status, out.error_kind = "bad_response", "not_an_event_stream"
-                return
+                return out.set("bad_response", "not_an_event_stream")
             chunks = 0
             async for line in resp.aiter_lines():
                 data = line[5:].strip() if line.startswith("data:") else None
@@ -551,9 +542,8 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
                 if (err := payload.get("error")) is not None:
                     err = err if isinstance(err, dict) else {"message": str(err)}
                     code = int(err.get("code") or 500)
-                    return out.error_answer(
-                        plan, code, str(err.get("message", "")), "stream_error"
-                    )
+                    msg = str(err.get("message", ""))
+                    return out.error_answer(plan, code, msg, "stream_error")
                 for c in payload.get("choices") or []:
                     text, idx = choice_text(plan.api, c, True), int(c.get("index", 0))
                     if text and out.ttft is None:
@@ -565,7 +555,7 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
                 if plan.abort_chunks is not None and chunks >= plan.abort_chunks:
                     out.status = "aborted"
                     return
-            out.status, out.error_kind = "connection_error", "stream_ended_without_done"
+            out.set("connection_error", "stream_ended_without_done")
 
     async def go() -> None:
         if plan.abort_s is None:
@@ -588,20 +578,11 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
     try:
         await asyncio.wait_for(go(), timeout)
     except asyncio.TimeoutError:
-        out.status, out.error_kind = "hang", "client_timeout"
-        out.error = f"no complete answer within {timeout:g}s"
+        out.set("hang", "client_timeout", f"no complete answer within {timeout:g}s")
     except (httpx.TransportError, OSError) as e:
-        out.status, out.error_kind, out.error = (
-            "connection_error",
-            type(e).__name__,
-            str(e)[:300],
-        )
+        out.set("connection_error", type(e).__name__, str(e)[:300])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        out.status, out.error_kind, out.error = (
-            "bad_response",
-            type(e).__name__,
-            str(e)[:300],
-        )
+        out.set("bad_response", type(e).__name__, str(e)[:300])
     out.t_end = clock()
     return out
 
