@@ -876,32 +876,29 @@ class Soak:
         if max_len <= 0:
             raise RuntimeError("/v1/models gives no max_model_len")
         comp, chat, long_tokens, stop_ids = [], [], [], set()
+
+        async def tokenize(**kw) -> dict:
+            return await self.ep.json("POST", "/tokenize", {"model": model, **kw})
+
         for text in load_prompts(self.a.prompts)[:NUM_PROMPTS]:
-            t = await self.ep.json(
-                "POST", "/tokenize", {"model": model, "prompt": text}
-            )
+            t = await tokenize(prompt=text)
             if t["count"] <= max_len - 16:  # room for 16 new tokens
                 comp.append((text, int(t["count"])))
                 long_tokens += t["tokens"]
-            msgs = [{"role": "user", "content": text}]
-            c = await self.ep.json(
-                "POST", "/tokenize", {"model": model, "messages": msgs}
-            )
+            c = await tokenize(messages=[{"role": "user", "content": text}])
             if c["count"] <= max_len - 16:
                 chat.append((text, int(c["count"])))
         if not comp or not chat:
             raise RuntimeError(f"no prompt leaves 16 tokens of max_model_len={max_len}")
         for s in STOP_TEXTS:
-            t = await self.ep.json("POST", "/tokenize", {"model": model, "prompt": s})
-            stop_ids.update(t["tokens"][-1:])
+            stop_ids.update((await tokenize(prompt=s))["tokens"][-1:])
         return Context(model, max_len, comp, chat, long_tokens, sorted(stop_ids))
 
     async def bad_input_phase(self, ctx: Context) -> list[dict]:
         rows = []
         for k, case in enumerate(bad_cases(ctx)):
-            out = await run_plan(
-                self.ep, _bad_plan(-1 - k, case), self.a.timeout, self.clock
-            )
+            plan = _bad_plan(-1 - k, case)
+            out = await run_plan(self.ep, plan, self.a.timeout, self.clock)
             health, _ = await self.ep.call("GET", "/health", timeout=HEALTH_TIMEOUT)
             rows.append(
                 {
@@ -919,10 +916,8 @@ class Soak:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.up.wait(), 0.5)
                 continue
-            plan = self.plans[self.issued] = make_plan(
-                self.issued, self.a.seed, ctx, self.a
-            )
-            self.issued += 1
+            i, self.issued = self.issued, self.issued + 1
+            plan = self.plans[i] = make_plan(i, self.a.seed, ctx, self.a)
             self.in_flight += 1
             epoch = self.epoch
             out = await run_plan(self.ep, plan, self.a.timeout, self.clock)
@@ -989,10 +984,8 @@ class Soak:
             if self.gpu_scope == "server":
                 return None, ""
             why = why or f"{smi} lists no process of the server"
-            self.gpu_scope, self.gpu_scope_note = (
-                "device",
-                f"{why}: each GPU's total is sampled",
-            )
+            self.gpu_scope = "device"
+            self.gpu_scope_note = f"{why}: each GPU's total is sampled"
         rows, why = nvidia_smi(smi, "--query-gpu=index,memory.used")
         mem = {r[0]: float(r[1]) for r in rows if len(r) == 2}
         return (mem, "") if mem else (None, why or f"{smi} printed no memory.used")
