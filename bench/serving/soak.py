@@ -192,6 +192,8 @@ def error_message(body: bytes) -> str:
 
 @dataclass
 class Plan:
+    """A request to send and, once sent, what came of it."""
+
     id: int
     category: str  # "load" | "refuse" | "bad"
     name: str  # load: "chat" / "completion" / "long"; else the case's name
@@ -205,10 +207,56 @@ class Plan:
     abort_chunks: int | None = None
     abort_s: float | None = None
     expect_msg: str | None = None
+    status: str = "pending"
+    http: int | None = None
+    error_kind: str | None = None
+    error: str | None = None
+    t_start: float = 0.0
+    t_end: float = 0.0
+    ttft: float | None = None
+    texts: dict[int, str] = field(default_factory=dict)
+    completion_tokens: int | None = None
+    epoch: int = 0
+    in_fault: bool = False
 
     @property
     def path(self) -> str:
         return "/v1/chat/completions" if self.api == "chat" else "/v1/completions"
+
+    def brief(self) -> dict:
+        keys = ("id", "category", "name", "api", "stream", "status", "http")
+        return {k: getattr(self, k) for k in (*keys, "error_kind", "error")} | {
+            "t_start": round(self.t_start, 3),
+            "latency_s": round(self.t_end - self.t_start, 3),
+            "in_fault_window": self.in_fault,
+        }
+
+    def set(self, status: str, kind: str | None = None, error: str | None = None):
+        self.status, self.error_kind, self.error = status, kind, error
+
+    def error_answer(self, code: int, msg: str, where: str) -> None:
+        kind, msg = f"{where}_{code}", msg[:300] or None
+        if code >= 500 or code < 400:
+            self.set("server_error" if code >= 500 else "bad_response", kind, msg)
+        elif self.category == "refuse" and self.expect_msg not in (msg or ""):
+            self.set("client_error", kind + "_wrong_refusal", msg)
+        elif self.category == "bad" and not msg:
+            self.set("client_error", kind + "_without_message", msg)
+        else:
+            status = {"refuse": "refused", "bad": "rejected"}
+            self.set(status.get(self.category, "client_error"), kind, msg)
+
+    def served(self) -> None:
+        """A 2xx answer with the whole output: what it means for this plan."""
+        if self.category == "refuse":
+            self.set("not_refused", "served_refused_kind")
+        elif self.category == "bad":
+            self.set("accepted_bad", "served_bad_input")
+        elif len(self.texts) != self.n:
+            n = len(self.texts)
+            self.set("bad_response", "missing_choices", f"{n} choices, not {self.n}")
+        else:
+            self.status = "completed"
 
 
 @dataclass
@@ -392,62 +440,6 @@ def make_plan(i: int, seed: int, ctx: Context, a: argparse.Namespace) -> Plan:
     return plan
 
 
-@dataclass
-class Outcome:
-    id: int
-    category: str
-    name: str
-    api: str
-    stream: bool
-    greedy: bool
-    status: str = "pending"
-    http: int | None = None
-    error_kind: str | None = None
-    error: str | None = None
-    t_start: float = 0.0
-    t_end: float = 0.0
-    ttft: float | None = None
-    texts: dict[int, str] = field(default_factory=dict)
-    completion_tokens: int | None = None
-    epoch: int = 0
-    in_fault: bool = False
-
-    def brief(self) -> dict:
-        keys = ("id", "category", "name", "api", "stream", "status", "http")
-        return {k: getattr(self, k) for k in (*keys, "error_kind", "error")} | {
-            "t_start": round(self.t_start, 3),
-            "latency_s": round(self.t_end - self.t_start, 3),
-            "in_fault_window": self.in_fault,
-        }
-
-    def set(self, status: str, kind: str | None = None, error: str | None = None):
-        self.status, self.error_kind, self.error = status, kind, error
-
-    def error_answer(self, plan: Plan, code: int, msg: str, where: str) -> None:
-        kind, msg = f"{where}_{code}", msg[:300] or None
-        if code >= 500 or code < 400:
-            self.set("server_error" if code >= 500 else "bad_response", kind, msg)
-        elif plan.category == "refuse" and plan.expect_msg not in (msg or ""):
-            self.set("client_error", kind + "_wrong_refusal", msg)
-        elif plan.category == "bad" and not msg:
-            self.set("client_error", kind + "_without_message", msg)
-        else:
-            status = {"refuse": "refused", "bad": "rejected"}
-            self.set(status.get(plan.category, "client_error"), kind, msg)
-
-    def served(self, plan: Plan) -> None:
-        """A 2xx answer with the whole output: what it means for this plan."""
-        if plan.category == "refuse":
-            self.set("not_refused", "served_refused_kind")
-        elif plan.category == "bad":
-            self.set("accepted_bad", "served_bad_input")
-        elif len(self.texts) != plan.n:
-            n = len(self.texts)
-            self.set("bad_response", "missing_choices", f"{n} choices, not {plan.n}")
-        else:
-            self.status = "completed"
-
-
 def choice_text(api: str, c: dict, stream: bool = False) -> str:
     if api == "chat":
         return (c.get("delta" if stream else "message") or {}).get("content") or ""
@@ -503,8 +495,8 @@ def divergence_gap(
     return min(gaps[k], gaps[k - 1]) if at_start else gaps[k]
 
 
-async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
-    out = Outcome(plan.id, plan.category, plan.name, plan.api, plan.stream, plan.greedy)
+async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Plan:
+    out = plan
     out.t_start, t0, sent = clock(), time.monotonic(), asyncio.Event()
 
     async def trace(event: str, info: dict) -> None:
@@ -521,21 +513,21 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
             out.http = resp.status_code
             if resp.status_code != 200:
                 msg = error_message(await resp.aread())
-                return out.error_answer(plan, resp.status_code, msg, "http")
+                return out.error_answer(resp.status_code, msg, "http")
             if not plan.stream:
                 payload = json.loads(await resp.aread())
                 for c in payload.get("choices") or []:
                     out.texts[int(c.get("index", 0))] = choice_text(plan.api, c)
                 usage = payload.get("usage") or {}
                 out.completion_tokens = usage.get("completion_tokens")
-                return out.served(plan)
+                return out.served()
             if "text/event-stream" not in resp.headers.get("content-type", ""):
                 return out.set("bad_response", "not_an_event_stream")
             chunks = 0
             async for line in resp.aiter_lines():
                 data = line[5:].strip() if line.startswith("data:") else None
                 if data == "[DONE]":
-                    return out.served(plan)
+                    return out.served()
                 if data is None:
                     continue
                 payload = json.loads(data)
@@ -543,7 +535,7 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
                     err = err if isinstance(err, dict) else {"message": str(err)}
                     code = int(err.get("code") or 500)
                     msg = str(err.get("message", ""))
-                    return out.error_answer(plan, code, msg, "stream_error")
+                    return out.error_answer(code, msg, "stream_error")
                 for c in payload.get("choices") or []:
                     text, idx = choice_text(plan.api, c, True), int(c.get("index", 0))
                     if text and out.ttft is None:
@@ -839,8 +831,7 @@ class Soak:
         self.restarts: list[dict] = []
         self.up, self.stop_load, self.stop_monitors = (asyncio.Event() for _ in "123")
         self.up.set()
-        self.outcomes: list[Outcome] = []
-        self.plans: dict[int, Plan] = {}
+        self.outcomes: list[Plan] = []
         self.issued = self.in_flight = 0
         self.health: list[tuple[float, float, int]] = []  # (sent, answered, status)
         self.rss: list[tuple[float, int, float]] = []  # (t, epoch, MiB)
@@ -917,7 +908,7 @@ class Soak:
                     await asyncio.wait_for(self.up.wait(), 0.5)
                 continue
             i, self.issued = self.issued, self.issued + 1
-            plan = self.plans[i] = make_plan(i, self.a.seed, ctx, self.a)
+            plan = make_plan(i, self.a.seed, ctx, self.a)
             self.in_flight += 1
             epoch = self.epoch
             out = await run_plan(self.ep, plan, self.a.timeout, self.clock)
@@ -1086,8 +1077,8 @@ class Soak:
         sem = asyncio.Semaphore(REFERENCE_CONCURRENCY)
         deadline = time.monotonic() + a.reference_max_s
 
-        async def one(o: Outcome) -> None:
-            plan = self.plans[o.id]
+        async def one(o: Plan) -> None:
+            plan = o
             skip = ("stream", "stream_options", "prompt_logprobs")
             body = {k: v for k, v in plan.body.items() if k not in skip} | {
                 "model": ref_model
@@ -1247,7 +1238,7 @@ class Soak:
     def evaluate(self, bad_rows: list[dict], final: tuple, greedy: dict | None) -> dict:
         a, outs = self.a, self.outcomes
 
-        def failing(o: Outcome) -> bool:
+        def failing(o: Plan) -> bool:
             cut = o.status in FAULT_ONLY or o.error_kind in FAULT_ONLY_KINDS
             return o.status not in CLEAN[o.category] and not (cut and o.in_fault)
 
