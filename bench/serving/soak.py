@@ -1190,15 +1190,10 @@ class Soak:
         self.load_end = self.clock()
         log(f"load done after {self.load_end:.0f}s, {self.issued} requests; drain")
         drained = await self.drain()
-        body = {
-            "model": ctx.model,
-            "prompt": ctx.completion_prompts[0][0],
-            "max_tokens": 4,
-        }
-        probe_plan = Plan(
-            -10_000, "load", "probe", "completion", body | {"temperature": 0.0}
-        )
-        probe = await run_plan(self.ep, probe_plan, a.timeout, self.clock)
+        prompt = ctx.completion_prompts[0][0]
+        body = {"model": ctx.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        probe = Plan(-10_000, "load", "probe", "completion", body)
+        probe = await run_plan(self.ep, probe, a.timeout, self.clock)
         final_health, _ = await self.ep.call("GET", "/health", timeout=HEALTH_TIMEOUT)
         await self.scrape()
         self.stop_monitors.set()
@@ -1243,17 +1238,12 @@ class Soak:
             return o.status not in CLEAN[o.category] and not (cut and o.in_fault)
 
         crit: dict[str, dict] = {}
-        for cat, name in (
-            ("load", "requests"),
-            ("refuse", "refusals"),
-            ("bad", "bad_input"),
-        ):
+        for cat, name in zip(CLEAN, ("requests", "refusals", "bad_input")):
             mine = [o for o in outs if o.category == cat]
             bad = Counter(o.status for o in mine if failing(o))
             detail = f"{len(mine) - bad.total()}/{len(mine)} clean"
-            crit[name] = _crit(
-                not bad, detail + (f"; failing: {dict(bad)}" if bad else "")
-            )
+            detail += f"; failing: {dict(bad)}" if bad else ""
+            crit[name] = _crit(not bad, detail)
         if not a.expect_ddtree:
             crit["refusals"] = _crit(None, "skipped (--no-expect-ddtree)")
         elif not any(o.category == "refuse" for o in outs):
@@ -1267,37 +1257,38 @@ class Soak:
         ok = self.issued >= a.requests and self.load_end >= a.duration
         detail = f"{self.issued} requests in {self.load_end:.0f}s"
         crit["load"] = _crit(ok, detail + f" (asked: {a.requests} in {a.duration:g}s)")
+        health = self.health
         bad_h = [
-            (t0, s)
-            for t0, t1, s in self.health
-            if s != 200 and not self.in_window(t0, t1)
+            (t, s) for t, t1, s in health if s != 200 and not self.in_window(t, t1)
         ]
         detail = f"{len(self.health)} polls, {len(bad_h)} not 200 outside fault windows"
         first = f" (first at {bad_h[0][0]:.1f}s: {bad_h[0][1]})" if bad_h else ""
         crit["health"] = _crit(bool(self.health) and not bad_h, detail + first)
-        drained, probe, health = final
-        detail = f"drained {drained}, short request {probe}, /health {health}"
+        drained, probe, last = final
+        ok = drained and probe == "completed" and last == 200
         crit["final"] = _crit(
-            drained and probe == "completed" and health == 200, detail
+            ok, f"drained {drained}, short request {probe}, /health {last}"
         )
 
         warmup = a.warmup if a.warmup is not None else 0.2 * a.duration
-        rss = self.memory(
-            [(t, e, {"rss": v}) for t, e, v in self.rss], warmup, a.rss_growth_mib
-        )
-        rss = {str(e): v for (_, e), v in rss.items()}
+        rss = [(t, e, {"rss": v}) for t, e, v in self.rss]
+        rss = {
+            str(e): v
+            for (_, e), v in self.memory(rss, warmup, a.rss_growth_mib).items()
+        }
         gpu = self.memory(self.gpu, warmup, a.gpu_growth_mib)
         gpu = {
-            f"{'' if k == 'server' else 'gpu'}{k}/epoch{e}": v
+            f"{k if k == 'server' else 'gpu' + k}/epoch{e}": v
             for (k, e), v in gpu.items()
         }
-        no_pid = "skipped: no server pid (use --launch or --server-pid)"
-        crit["server_rss"] = _memory_criterion(
-            rss, "no RSS sample" if self.server_pid else no_pid
+        why = (
+            "no RSS sample"
+            if self.server_pid
+            else "no server pid (--launch, --server-pid)"
         )
-        crit["gpu_memory"] = _memory_criterion(
-            gpu, f"skipped: {self.gpu_reason or 'no sample'}"
-        )
+        crit["server_rss"] = _memory_criterion(rss, f"skipped: {why}")
+        why = self.gpu_reason or "no sample"
+        crit["gpu_memory"] = _memory_criterion(gpu, f"skipped: {why}")
 
         # Per server lifetime: the requests that started after its first
         # scrape and ended before its last, whose tokens the counters cover.
@@ -1309,50 +1300,40 @@ class Soak:
             t_first, t_last = span.get(o.epoch, (math.inf, -math.inf))
             if o.status == "completed" and t_first <= o.t_start and o.t_end <= t_last:
                 client_tokens[o.epoch] += o.completion_tokens or 0
-        metrics = check_metrics(
-            self.scrapes, self.cumulative, a.expect_ddtree, client_tokens, a.tree_budget
-        )
-        first = metrics["problems"][:1]
-        crit["metrics"] = _crit(
-            metrics["ok"],
-            f"{metrics['n_problems']} problems, first: {first}"
-            if first
-            else "consistent",
-        )
+        args = (a.expect_ddtree, client_tokens, a.tree_budget)
+        metrics = check_metrics(self.scrapes, self.cumulative, *args)
+        problems = metrics["problems"]
+        detail = f"{len(problems)} problems, first: {problems[0]}" if problems else ""
+        crit["metrics"] = _crit(metrics["ok"], detail or "consistent")
         preempt = sum(ep["preemptions"] for ep in metrics["epochs"])
         ok = preempt > 0 if a.expect_preemption else None
-        crit["preemption"] = _crit(
-            ok,
-            f"{preempt:g} preemptions" + ("" if ok is not None else " (not required)"),
+        detail = f"{preempt:g} preemptions" + (
+            "" if ok is not None else " (not required)"
         )
+        crit["preemption"] = _crit(ok, detail)
         crit["greedy_reference"] = _crit(None, "skipped: no --reference-url")
         if greedy is not None:
             g, errors = greedy, len(greedy["reference_errors"])
             detail = f"{g['identical']}/{g['compared']} identical, "
-            detail += (
-                f"{g['num_near_ties']} near-ties, {g['num_mismatches']} mismatches, "
-            )
-            crit["greedy_reference"] = _crit(g["ok"], detail + f"{errors} not compared")
+            detail += f"{g['num_near_ties']} near-ties, {g['num_mismatches']} "
+            detail += f"mismatches, {errors} not compared"
+            crit["greedy_reference"] = _crit(g["ok"], detail)
 
         by_kind: dict = defaultdict(Counter)
         for o in outs:
             by_kind[f"{o.category}:{o.name}"][o.status] += 1
         failing_rows = [o.brief() for o in outs if failing(o)]
-        fault = Counter(
-            f"{o.status}:{o.error_kind}" if o.error_kind else o.status
-            for o in outs
-            if o.in_fault
-        )
+        errors = Counter(o.error_kind for o in outs if o.error_kind)
+        fault = [
+            f"{o.status}:{o.error_kind}" if o.error_kind else o.status for o in outs
+        ]
+        fault = Counter(f for f, o in zip(fault, outs) if o.in_fault)
         latency = {
             s: percentiles([o.t_end - o.t_start for o in outs if o.status == s])
             for s in ("completed", "aborted", "refused", "rejected")
         }
         ttft = [o.ttft for o in outs if o.status == "completed" and o.ttft is not None]
         latency["completed_stream_ttft"] = percentiles(ttft)
-        gpu_memory = {
-            "scope": self.gpu_scope,
-            "scope_note": self.gpu_scope_note or None,
-        }
         windows = [[round(w0, 2), round(w1 or 0, 2)] for w0, w1 in self.windows]
         return {
             "ok": all(c["ok"] is not False for c in crit.values()),
@@ -1362,9 +1343,7 @@ class Soak:
                 "load_s": round(self.load_end, 2),
                 "by_outcome": dict(Counter(o.status for o in outs)),
                 "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
-                "errors_by_kind": dict(
-                    Counter(o.error_kind for o in outs if o.error_kind)
-                ),
+                "errors_by_kind": dict(errors),
                 "in_fault_window": sum(o.in_fault for o in outs),
                 "in_fault_window_by_outcome": dict(fault),
                 "failing": failing_rows[:50],
@@ -1379,8 +1358,12 @@ class Soak:
             "memory": {
                 "warmup_s": warmup,
                 "rss": {"pid": self.server_pid, "epochs": rss},
-                "gpu": gpu_memory
-                | {"series": gpu, "unavailable": self.gpu_reason or None},
+                "gpu": {
+                    "scope": self.gpu_scope,
+                    "scope_note": self.gpu_scope_note or None,
+                    "series": gpu,
+                    "unavailable": self.gpu_reason or None,
+                },
             },
             "metrics": metrics,
             "greedy_reference": greedy,
