@@ -1018,8 +1018,8 @@ class Soak:
             )
             log(
                 f"{self.clock():6.0f}s issued {self.issued} in flight {self.in_flight}"
-                f" | {c} | health {h[-1:]} ({len(h) - h.count(200)} not 200 of"
-                f" {len(h)}) | rss {rss} gpu {gpu} MiB | preemptions"
+                f" | {c} | health {h[-1] if h else None} ({len(h) - h.count(200)}"
+                f" not 200 of {len(h)}) | rss {rss} gpu {gpu} MiB | preemptions"
                 f" {d[PREEMPTIONS]:g} tau {tau}"
             )
 
