@@ -495,39 +495,39 @@ def divergence_gap(
     return min(gaps[k], gaps[k - 1]) if at_start else gaps[k]
 
 
-async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Plan:
-    out = plan
-    out.t_start, t0, sent = clock(), time.monotonic(), asyncio.Event()
+async def run_plan(ep: Endpoint, req: Plan, timeout: float, clock) -> Plan:
+    """Send ``req`` and record what came of it in it."""
+    req.t_start, t0, sent = clock(), time.monotonic(), asyncio.Event()
 
     async def trace(event: str, info: dict) -> None:
         if event.endswith("send_request_body.complete"):
             sent.set()
 
     async def receive() -> None:
-        body = plan.raw if plan.raw is not None else json.dumps(plan.body).encode()
-        headers = {"content-type": plan.content_type}
+        body = req.raw if req.raw is not None else json.dumps(req.body).encode()
+        headers = {"content-type": req.content_type}
         trace_ext = {"trace": trace}
         async with ep.client.stream(
-            "POST", plan.path, content=body, headers=headers, extensions=trace_ext
+            "POST", req.path, content=body, headers=headers, extensions=trace_ext
         ) as resp:
-            out.http = resp.status_code
+            req.http = resp.status_code
             if resp.status_code != 200:
                 msg = error_message(await resp.aread())
-                return out.error_answer(resp.status_code, msg, "http")
-            if not plan.stream:
+                return req.error_answer(resp.status_code, msg, "http")
+            if not req.stream:
                 payload = json.loads(await resp.aread())
                 for c in payload.get("choices") or []:
-                    out.texts[int(c.get("index", 0))] = choice_text(plan.api, c)
+                    req.texts[int(c.get("index", 0))] = choice_text(req.api, c)
                 usage = payload.get("usage") or {}
-                out.completion_tokens = usage.get("completion_tokens")
-                return out.served()
+                req.completion_tokens = usage.get("completion_tokens")
+                return req.served()
             if "text/event-stream" not in resp.headers.get("content-type", ""):
-                return out.set("bad_response", "not_an_event_stream")
+                return req.set("bad_response", "not_an_event_stream")
             chunks = 0
             async for line in resp.aiter_lines():
                 data = line[5:].strip() if line.startswith("data:") else None
                 if data == "[DONE]":
-                    return out.served()
+                    return req.served()
                 if data is None:
                     continue
                 payload = json.loads(data)
@@ -535,22 +535,22 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Plan:
                     err = err if isinstance(err, dict) else {"message": str(err)}
                     code = int(err.get("code") or 500)
                     msg = str(err.get("message", ""))
-                    return out.error_answer(code, msg, "stream_error")
+                    return req.error_answer(code, msg, "stream_error")
                 for c in payload.get("choices") or []:
-                    text, idx = choice_text(plan.api, c, True), int(c.get("index", 0))
-                    if text and out.ttft is None:
-                        out.ttft = time.monotonic() - t0
-                    out.texts[idx] = out.texts.get(idx, "") + text
+                    text, idx = choice_text(req.api, c, True), int(c.get("index", 0))
+                    if text and req.ttft is None:
+                        req.ttft = time.monotonic() - t0
+                    req.texts[idx] = req.texts.get(idx, "") + text
                 if usage := payload.get("usage"):
-                    out.completion_tokens = usage.get("completion_tokens")
+                    req.completion_tokens = usage.get("completion_tokens")
                 chunks += 1
-                if plan.abort_chunks is not None and chunks >= plan.abort_chunks:
-                    out.status = "aborted"
+                if req.abort_chunks is not None and chunks >= req.abort_chunks:
+                    req.status = "aborted"
                     return
-            out.set("connection_error", "stream_ended_without_done")
+            req.set("connection_error", "stream_ended_without_done")
 
     async def go() -> None:
-        if plan.abort_s is None:
+        if req.abort_s is None:
             return await receive()
         task = asyncio.ensure_future(receive())
         # A client that gives up this long after sending (0: at once).
@@ -558,10 +558,10 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Plan:
         try:
             await asyncio.wait([task, give_up], return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
-                await asyncio.wait([task], timeout=plan.abort_s)
+                await asyncio.wait([task], timeout=req.abort_s)
             if task.done():
                 return task.result()
-            out.status = "aborted"
+            req.status = "aborted"
         finally:
             for t in (task, give_up):
                 t.cancel()
@@ -570,13 +570,13 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Plan:
     try:
         await asyncio.wait_for(go(), timeout)
     except asyncio.TimeoutError:
-        out.set("hang", "client_timeout", f"no complete answer within {timeout:g}s")
+        req.set("hang", "client_timeout", f"no complete answer within {timeout:g}s")
     except (httpx.TransportError, OSError) as e:
-        out.set("connection_error", type(e).__name__, str(e)[:300])
+        req.set("connection_error", type(e).__name__, str(e)[:300])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        out.set("bad_response", type(e).__name__, str(e)[:300])
-    out.t_end = clock()
-    return out
+        req.set("bad_response", type(e).__name__, str(e)[:300])
+    req.t_end = clock()
+    return req
 
 
 def process_tree(pid: int) -> tuple[set[int] | None, float | None]:
@@ -888,8 +888,8 @@ class Soak:
     async def bad_input_phase(self, ctx: Context) -> list[dict]:
         rows = []
         for k, case in enumerate(bad_cases(ctx)):
-            plan = _bad_plan(-1 - k, case)
-            out = await run_plan(self.ep, plan, self.a.timeout, self.clock)
+            out = _bad_plan(-1 - k, case)
+            await run_plan(self.ep, out, self.a.timeout, self.clock)
             health, _ = await self.ep.call("GET", "/health", timeout=HEALTH_TIMEOUT)
             rows.append(
                 {
@@ -908,14 +908,14 @@ class Soak:
                     await asyncio.wait_for(self.up.wait(), 0.5)
                 continue
             i, self.issued = self.issued, self.issued + 1
-            plan = make_plan(i, self.a.seed, ctx, self.a)
+            req = make_plan(i, self.a.seed, ctx, self.a)
             self.in_flight += 1
             epoch = self.epoch
-            out = await run_plan(self.ep, plan, self.a.timeout, self.clock)
+            await run_plan(self.ep, req, self.a.timeout, self.clock)
             self.in_flight -= 1
-            out.epoch = epoch
-            self.outcomes.append(out)
-            if out.status == "connection_error" and not self.up.is_set():
+            req.epoch = epoch
+            self.outcomes.append(req)
+            if req.status == "connection_error" and not self.up.is_set():
                 await asyncio.sleep(0.05)
 
     async def load_timer(self) -> None:
@@ -1078,12 +1078,11 @@ class Soak:
         deadline = time.monotonic() + a.reference_max_s
 
         async def one(o: Plan) -> None:
-            plan = o
             skip = ("stream", "stream_options", "prompt_logprobs")
-            body = {k: v for k, v in plan.body.items() if k not in skip} | {
+            body = {k: v for k, v in o.body.items() if k not in skip} | {
                 "model": ref_model
             }
-            if plan.api == "chat":
+            if o.api == "chat":
                 body.update(
                     logprobs=True, top_logprobs=max(2, body.get("top_logprobs", 0))
                 )
@@ -1095,7 +1094,7 @@ class Soak:
                     return errors.append({"id": o.id, "error": "no time left"})
                 data = json.dumps(body).encode()
                 status, data = await self.ref.call(
-                    "POST", plan.path, data, min(a.timeout, left)
+                    "POST", o.path, data, min(a.timeout, left)
                 )
             try:
                 c = json.loads(data)["choices"][0] if status == 200 else None
@@ -1105,7 +1104,7 @@ class Soak:
                 return errors.append(
                     {"id": o.id, "http": status, "error": error_message(data)[:200]}
                 )
-            ref_text, tg = choice_text(plan.api, c), choice_logprobs(plan.api, c)
+            ref_text, tg = choice_text(o.api, c), choice_logprobs(o.api, c)
             tokens, gaps = [t for t, _ in tg], [g for _, g in tg]
             res["compared"] += 1
             diffs = [text for _, text in sorted(o.texts.items()) if text != ref_text]
@@ -1119,7 +1118,7 @@ class Soak:
                 "id": o.id, "api": o.api, "stream": o.stream, "name": o.name,
                 "first_diff_char": char, "first_diff_token": token_index(tokens, char),
                 "ref_top2_gap": gap,
-                "sampling": {k: v for k, v in plan.body.items() if k not in drop},
+                "sampling": {k: v for k, v in o.body.items() if k not in drop},
                 "ours": diffs[0][max(0, char - 20) : char + 20],
                 "ref": ref_text[max(0, char - 20) : char + 20],
             }  # fmt: skip
