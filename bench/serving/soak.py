@@ -109,21 +109,22 @@ def parse_metrics(text: str) -> tuple[dict[str, float], set[str]]:
     """The ``vllm:`` samples of a /metrics page keyed ``name{label="v",...}``
     (summed over engines) and the names of its counter and histogram samples,
     which never fall while a server lives."""
+    families = list(text_string_to_metric_families(text))
+    # By the family's base name: "# TYPE x counter" over "x_total" samples
+    # (rather than "# TYPE x_total counter") leaves the samples untyped.
+    typed = {f.name for f in families if f.type in ("counter", "histogram")}
     samples: dict[str, float] = {}
     cumulative = set()
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if not s.name.startswith("vllm:") or s.name.endswith("_created"):
-                continue
-            labels = ",".join(
-                f'{k}="{v}"'
-                for k, v in sorted(s.labels.items())
-                if k not in DROP_LABELS
-            )
-            key = f"{s.name}{{{labels}}}" if labels else s.name
-            samples[key] = samples.get(key, 0.0) + s.value
-            if fam.type in ("counter", "histogram"):
-                cumulative.add(s.name)
+    for s in (s for fam in families for s in fam.samples):
+        if not s.name.startswith("vllm:") or s.name.endswith("_created"):
+            continue
+        labels = ",".join(
+            f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k not in DROP_LABELS
+        )
+        key = f"{s.name}{{{labels}}}" if labels else s.name
+        samples[key] = samples.get(key, 0.0) + s.value
+        if re.sub(r"_(total|bucket|count|sum)$", "", s.name) in typed:
+            cumulative.add(s.name)
     return samples, cumulative
 
 
@@ -549,23 +550,23 @@ async def run_plan(ep: Endpoint, req: Plan, timeout: float, clock) -> Plan:
                     return
             req.set("connection_error", "stream_ended_without_done")
 
+    async def give_up() -> None:  # this long after sending (0: at once)
+        await sent.wait()
+        await asyncio.sleep(req.abort_s)
+
     async def go() -> None:
         if req.abort_s is None:
             return await receive()
-        task = asyncio.ensure_future(receive())
-        # A client that gives up this long after sending (0: at once).
-        give_up = asyncio.ensure_future(sent.wait())
+        tasks = [asyncio.ensure_future(receive()), asyncio.ensure_future(give_up())]
         try:
-            await asyncio.wait([task, give_up], return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                await asyncio.wait([task], timeout=req.abort_s)
-            if task.done():
-                return task.result()
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if tasks[0].done():
+                return tasks[0].result()
             req.status = "aborted"
         finally:
-            for t in (task, give_up):
+            for t in tasks:
                 t.cancel()
-            await asyncio.gather(task, give_up, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     try:
         await asyncio.wait_for(go(), timeout)
