@@ -236,10 +236,11 @@ class Plan:
         self.status, self.error_kind, self.error = status, kind, error
 
     def error_answer(self, code: int, msg: str, where: str) -> None:
-        kind, msg = f"{where}_{code}", msg[:300] or None
+        kind, refused = f"{where}_{code}", self.expect_msg and self.expect_msg in msg
+        msg = msg[:300] or None
         if code >= 500 or code < 400:
             self.set("server_error" if code >= 500 else "bad_response", kind, msg)
-        elif self.category == "refuse" and self.expect_msg not in (msg or ""):
+        elif self.category == "refuse" and not refused:
             self.set("client_error", kind + "_wrong_refusal", msg)
         elif self.category == "bad" and not msg:
             self.set("client_error", kind + "_without_message", msg)
@@ -596,8 +597,9 @@ def process_tree(pid: int) -> tuple[set[int] | None, float | None]:
     return (pids, total) if pid in pids else (None, None)
 
 
-def nvidia_smi(cmd: str, query: str) -> tuple[list[list[str]], str]:
-    """The fields of each line nvidia-smi prints for ``query``, or [] and why."""
+def nvidia_smi(cmd: str, query: str) -> tuple[list[tuple[str, float]], str]:
+    """(pid or GPU index, MiB) of each line nvidia-smi prints for the two-field
+    ``query`` (lines without a number, e.g. "[N/A]", left out), or [] and why."""
     try:
         p = subprocess.run(
             [cmd, query, "--format=csv,noheader,nounits"],
@@ -609,7 +611,11 @@ def nvidia_smi(cmd: str, query: str) -> tuple[list[list[str]], str]:
         return [], f"{cmd}: {type(e).__name__}"
     if p.returncode != 0:
         return [], f"{cmd} exited {p.returncode}: {p.stderr.strip()[:200]}"
-    return [[x.strip() for x in line.split(",")] for line in p.stdout.splitlines()], ""
+    rows = [[x.strip() for x in line.split(",")] for line in p.stdout.splitlines()]
+    number = re.compile(r"\d+(\.\d*)?")
+    return [
+        (r[0], float(r[1])) for r in rows if len(r) == 2 and number.fullmatch(r[1])
+    ], ""
 
 
 class LaunchedServer:
@@ -965,11 +971,7 @@ class Soak:
             if not pids:
                 return None, ""
             rows, why = nvidia_smi(smi, "--query-compute-apps=pid,used_memory")
-            mine = [
-                float(r[1])
-                for r in rows
-                if len(r) == 2 and r[0].isdigit() and int(r[0]) in pids
-            ]
+            mine = [mib for pid, mib in rows if pid.isdigit() and int(pid) in pids]
             if mine:
                 self.gpu_scope = "server"
                 return {"server": sum(mine)}, ""
@@ -979,7 +981,7 @@ class Soak:
             self.gpu_scope = "device"
             self.gpu_scope_note = f"{why}: each GPU's total is sampled"
         rows, why = nvidia_smi(smi, "--query-gpu=index,memory.used")
-        mem = {r[0]: float(r[1]) for r in rows if len(r) == 2}
+        mem = dict(rows)
         return (mem, "") if mem else (None, why or f"{smi} printed no memory.used")
 
     async def memory_sampler(self) -> None:
@@ -1303,7 +1305,8 @@ class Soak:
         args = (a.expect_ddtree, client_tokens, a.tree_budget)
         metrics = check_metrics(self.scrapes, self.cumulative, *args)
         problems = metrics["problems"]
-        detail = f"{len(problems)} problems, first: {problems[0]}" if problems else ""
+        n = metrics["n_problems"]
+        detail = f"{n} problems, first: {problems[0]}" if problems else ""
         crit["metrics"] = _crit(metrics["ok"], detail or "consistent")
         preempt = sum(ep["preemptions"] for ep in metrics["epochs"])
         ok = preempt > 0 if a.expect_preemption else None

@@ -507,3 +507,15 @@ def test_parse_metrics_sums_engines_and_tells_cumulative_series():
         f"{soak.AL}_count",
         f"{soak.AL}_sum",
     }
+
+
+def test_nvidia_smi_lines_without_a_number_are_left_out(tmp_path):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\necho "0, [N/A]"\necho "1, 512"\n')
+    smi.chmod(0o755)
+    assert soak.nvidia_smi(str(smi), "--query-gpu=index,memory.used") == (
+        [("1", 512.0)],
+        "",
+    )
+    rows, why = soak.nvidia_smi(str(tmp_path / "none"), "--query-gpu=index")
+    assert rows == [] and why.endswith("not found")
