@@ -169,9 +169,8 @@ class Endpoint:
         body = None if payload is None else json.dumps(payload).encode()
         status, data = await self.call(method, path, body)
         if status != 200:
-            raise RuntimeError(
-                f"{method} {self.base_url}{path}: HTTP {status} {data[:200]!r}"
-            )
+            why = f"HTTP {status}: {data[:200]!r}" if status else "no answer"
+            raise RuntimeError(f"{method} {self.base_url}{path}: {why}")
         return json.loads(data)
 
 
@@ -1425,11 +1424,7 @@ OPTIONS = [
     ("--metrics-interval", 10.0, None),
     ("--memory-interval", 5.0, None),
     ("--progress-interval", 15.0, None),
-    (
-        "--warmup",
-        None,
-        "s per server lifetime before memory must be flat (20%% of --duration)",
-    ),
+    ("--warmup", None, "s per server lifetime, memory not judged (20%% of --duration)"),
     ("--rss-growth-mib", 256.0, None),
     ("--gpu-growth-mib", 128.0, None),
     ("--nvidia-smi", "nvidia-smi", None),
@@ -1458,7 +1453,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="DDTree server: send the refused kinds, check its series",
     )
     ap.add_argument(
-        "--expect-preemption", action="store_true", help="fail unless it moved"
+        "--expect-preemption",
+        action="store_true",
+        help="fail unless vllm:num_preemptions moved",
     )
     ap.add_argument("--float32", action="store_true", help="near-ties are not failures")
     return ap
@@ -1479,16 +1476,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{MARK[c['ok']]}  {name:16s} {c['detail']}")
     if "fatal" in result:
         print(f"FAIL  {result['fatal']}")
-    emit(
-        "RESULT",
-        {
-            "ok": result["ok"],
-            "out": out,
-            "criteria": {k: c["ok"] for k, c in crit.items()},
-            "by_outcome": result.get("requests", {}).get("by_outcome"),
-        }
-        | ({"fatal": result["fatal"]} if "fatal" in result else {}),
-    )
+    summary = {
+        "ok": result["ok"],
+        "out": out,
+        "criteria": {k: c["ok"] for k, c in crit.items()},
+        "by_outcome": result.get("requests", {}).get("by_outcome"),
+    }
+    emit("RESULT", summary | {k: v for k, v in result.items() if k == "fatal"})
     return 0 if result["ok"] else 1
 
 
