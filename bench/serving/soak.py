@@ -835,8 +835,9 @@ class Soak:
         self.epoch, self.epoch_start = 0, {0: 0.0}
         self.windows: list[list] = []  # [start, end] of each restart
         self.restarts: list[dict] = []
-        self.up, self.stop_load, self.stop_monitors = (asyncio.Event() for _ in "123")
+        self.up = asyncio.Event()  # cleared while the server restarts
         self.up.set()
+        self.stop_load, self.stop_monitors = asyncio.Event(), asyncio.Event()
         self.outcomes: list[Plan] = []
         self.issued = self.in_flight = 0
         self.health: list[tuple[float, float, int]] = []  # (sent, answered, status)
