@@ -6,92 +6,35 @@
         --prompts P.jsonl --reference-url http://127.0.0.1:8001 --float32 \\
         [--launch "vllm serve ..." --restart-at 300] [--server-pid PID]
 
-Phases, each bounded in time:
+Phases: discovery (``/v1/models``, ``/tokenize``); every bad input once (a 4xx
+with a message, ``/health`` 200 right after it); load from ``--concurrency``
+httpx clients until ``--duration`` s and ``--requests`` requests (at most
+``--max-duration`` s): chat and completions, streamed or not, greedy and
+sampled (penalties, seeds, ``n`` > 1), logprobs, stops, prompts near
+``max_model_len``, client aborts, bad inputs and the kinds DDTree refuses
+(structured outputs, ``response_format``, ``bad_words``: a 4xx, or a streamed
+request's first event, with DDTree's message), while ``/health``, ``/metrics``
+(parsed by prometheus_client), the GPU memory of the server's processes
+(nvidia-smi; each GPU's total when it lists none of them) and the server's RSS
+with its descendants (psutil) are sampled; with ``--launch --restart-at`` one
+restart, whose fault window runs to ``--fault-grace`` s after the server
+answers again and ``--after-start`` has run; drain, a short request,
+``/health``; with ``--reference-url`` (no speculation, same model) every
+completed greedy request outside a fault window is sent again there and the
+outputs compared (with ``--float32`` a divergence where the reference's top-2
+logprobs are within ``--tie-tolerance`` is a near-tie, reported; start the
+reference with ``--logprobs-mode processed_logprobs`` for the penalties).
 
-1. discovery: the model and ``max_model_len`` from ``/v1/models``, prompt
-   lengths and a few stop token ids from ``/tokenize``;
-2. bad input, one request at a time: malformed JSON, a non-JSON content type,
-   wrong types, out-of-range sampling parameters, an empty prompt, prompts
-   over the context length, an unknown model. Each must get a 4xx with a
-   message and ``/health`` must answer 200 right after it;
-3. load, until ``--duration`` seconds have passed and ``--requests`` requests
-   were sent (at most ``--max-duration``), from ``--concurrency`` clients: chat
-   and completions, streaming and not, greedy and sampled (temperature, top-p,
-   top-k, min-p, presence / frequency / repetition penalties, seeds), ``n`` > 1,
-   logprobs and prompt logprobs, stop strings and stop token ids,
-   ``max_tokens`` 1 .. ``--max-tokens-max``, prompts of token ids within a few
-   tokens of ``max_model_len`` (``--long-fraction``), ``--abort-fraction`` of
-   the requests closed by the client at a random point (after some stream
-   chunks, or after a random delay, 0 included), bad inputs mixed in
-   (``--bad-fraction``) and the requests DDTree refuses (``--refuse-fraction``:
-   structured outputs as ``structured_outputs`` json / regex / choice or
-   ``response_format`` json_schema / json_object, and ``bad_words``). vLLM
-   0.26.0 has no ``guided_json`` field any more (an unknown field is ignored),
-   so it is not sent. A refusal is a 4xx whose message says "DDTree does not
-   support structured outputs" or "DDTree does not support bad_words"; a
-   streaming request gets it as the stream's first event (``{"error": {...,
-   "code": 400}}``: vLLM has sent its 200 by the time the engine refuses).
-   Meanwhile ``/health`` is polled every ``--health-interval`` seconds,
-   ``/metrics`` scraped every ``--metrics-interval``, the GPU memory of the
-   server's processes (``nvidia-smi --query-compute-apps``; each GPU's total
-   with ``--gpu-memory device`` or where nvidia-smi does not list them, as
-   in another PID namespace) and the server's RSS (the
-   launched process or ``--server-pid``, with all its descendants: the API
-   server and its engine-core processes) sampled every ``--memory-interval``;
-   with ``--launch`` and ``--restart-at`` the server is stopped and started
-   again once (an injected-fault window, from the stop to ``--fault-grace``
-   seconds after it answers again and ``--after-start`` has run);
-4. drain (``vllm:num_requests_running`` and ``_waiting`` back to 0), one
-   short request, ``/health``;
-5. with ``--reference-url`` (a server without speculation, same model): every
-   completed, non-aborted greedy request outside a fault window is sent again
-   there (not streamed, with top-2 logprobs) and its outputs compared.
-
-Every request has a client-side timeout (``--timeout``); one that runs past
-it is the outcome ``hang``. Pass criteria, printed at the end (exit status 1
-when one fails; a criterion without its input is skipped and says so):
-
-- requests: every load request completed or was aborted by us; no hang, no
-  4xx, no 5xx and no connection error except inside a fault window;
-- load: ``--requests`` sent and ``--duration`` reached;
-- refusals: every refused kind got its 4xx and message, none was served;
-- bad_input: every bad input got a 4xx with a message (and, in phase 2, a
-  healthy server right after it);
-- health: every ``/health`` poll outside a fault window answered 200;
-- final: drained, the short request completed, ``/health`` 200;
-- gpu_memory, server_rss: after ``--warmup`` seconds (per server lifetime)
-  the least-squares slope of the samples times their span stays within
-  ``--gpu-growth-mib`` / ``--rss-growth-mib``; the curve and slope go into
-  the report;
-- greedy_reference: every compared output equals the reference's; with
-  ``--float32`` a divergence at a token where the reference's top-2
-  logprobs are within ``--tie-tolerance`` is a near-tie (reported, not a
-  failure); mismatches are reported with their first differing position
-  and the request's sampling parameters. Greedy requests with penalties
-  part at ties of the penalized logits, so start the reference with
-  ``--logprobs-mode processed_logprobs`` (its logprobs then come after the
-  penalties; with the default raw logprobs such a tie looks like a wide gap);
-- metrics: per server lifetime, every counter and histogram series is
-  monotone between scrapes, and over the run (with DDTree) drafts moved,
-  accepted <= draft tokens, draft tokens between drafts and drafts x
-  ``--tree-budget`` (when given), accepted <= drafts x draft depth, the
-  per-position counts fall with the position and sum to the accepted
-  tokens, ``vllm:ddtree_acceptance_length``
-  counts one observation per draft and sums to accepted + drafts (emitted
-  tokens), its buckets are cumulative, the per-depth series equal the
-  per-position ones, and ``vllm:generation_tokens`` covers the completion
-  tokens the clients were sent;
-- preemption (``--expect-preemption``): ``vllm:num_preemptions`` moved.
-  KV-cache pressure comes from the server's flags, e.g.
-  ``--num-gpu-blocks-override`` of a few ``max_model_len`` worth of blocks
-  with long prompts (README, "Soak").
-
-Progress: one line to stderr every ``--progress-interval`` seconds. The full
-report goes to ``--out`` (default ``bench/results/<date>-soak-<pair>.json``),
-one ``RESULT {json}`` line (criteria) to stdout.
-
-HTTP through httpx (a vLLM dependency).
-"""
+Criteria (exit status 1 when one fails; one without its input is skipped):
+requests (no hang past ``--timeout``, 4xx, 5xx or connection error outside a
+fault window), load, refusals, bad_input, health, final (drained, short
+request, ``/health``), gpu_memory and server_rss (least-squares growth after
+``--warmup`` per server lifetime within the tolerance), greedy_reference,
+metrics (per lifetime: counters monotone, the ``vllm:spec_decode_*`` /
+``vllm:ddtree_*`` identities, generation tokens cover what the clients got),
+preemption (``--expect-preemption``). One progress line every
+``--progress-interval`` s on stderr, the report to ``--out``, one ``RESULT``
+line on stdout."""
 
 from __future__ import annotations
 
@@ -100,6 +43,7 @@ import asyncio
 import contextlib
 import datetime
 import functools
+import itertools
 import json
 import math
 import os
@@ -107,6 +51,7 @@ import random
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -115,13 +60,24 @@ from dataclasses import dataclass, field
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import REPO, check_loopback, percentiles, progress
+from bench.common import (
+    REPO,
+    check_loopback,
+    emit,
+    percentiles,
+    progress,
+    write_json,
+)
 
 REFUSE_STRUCTURED = "DDTree does not support structured outputs"
 REFUSE_BAD_WORDS = "DDTree does not support bad_words"
 STOP_STRINGS = ("\n\n", "return", ")", "\ndef ", ":")
 STOP_TEXTS = ("\n", ")", ":", " the")  # their last token ids stop requests
+# The load's mix; the prompts kept; the reference's concurrency.
+CHAT, STREAM, GREEDY, N_GT_1, LONG = 0.4, 0.5, 0.5, 0.15, 0.05
+NUM_PROMPTS, REFERENCE_CONCURRENCY, HEALTH_TIMEOUT = 64, 32, 5.0
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -135,50 +91,41 @@ GEN_TOKENS = "vllm:generation_tokens_total"
 PREEMPTIONS = "vllm:num_preemptions_total"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
+DROP_LABELS = {"model_name", "engine"}  # per-engine labels, summed away
+MONOTONE = ("_total", "_bucket", "_count", "_sum")  # without # TYPE lines
 
-# Outcomes that are fine (per kind of request), and the ones allowed only
-# inside an injected-fault window.
+# Fine outcomes per kind of request; those allowed only inside a fault window
+# (a 200 with fewer choices than asked is vLLM's answer for a request its
+# shutdown aborted).
 CLEAN = {"load": {"completed", "aborted"}, "refuse": {"refused"}, "bad": {"rejected"}}
 FAULT_ONLY = {"server_error", "connection_error"}
-# A 200 with fewer choices than asked: what vLLM's API server answers for a
-# request its shutdown aborted before every choice had output. Inside a
-# restart's window it is the fault's doing; anywhere else it fails.
 FAULT_ONLY_KINDS = {"missing_choices"}
 
-
 log = functools.partial(progress, "soak")
-
-_SAMPLE_RE = re.compile(
-    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)"
-)
-_LABEL_RE = re.compile(r'(?P<key>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<val>(?:[^"\\]|\\.)*)"')
-# Per-engine labels, summed away.
-DROP_LABELS = {"model_name", "engine"}
+MARK = {True: "PASS", False: "FAIL", None: "skip"}
 
 
-def parse_prometheus(text: str, prefixes: tuple[str, ...]) -> dict[str, float]:
-    """Samples of the Prometheus text format whose name starts with one of
-    ``prefixes``, keyed ``name{label="v",...}`` without the per-engine labels
-    (summed over engines). ``_created`` samples are skipped."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = None if line.startswith("#") else _SAMPLE_RE.match(line)
-        if m is None:
+def parse_metrics(text: str) -> tuple[dict[str, float], set[str]]:
+    """The ``vllm:`` samples of a /metrics page keyed ``name{label="v",...}``
+    (summed over engines) and the names of its counter and histogram samples,
+    which never fall while a server lives."""
+    families = list(text_string_to_metric_families(text))
+    # By the family's base name: "# TYPE x counter" over "x_total" samples
+    # (rather than "# TYPE x_total counter") leaves the samples untyped.
+    typed = {f.name for f in families if f.type in ("counter", "histogram")}
+    samples: dict[str, float] = {}
+    cumulative = set()
+    for s in (s for fam in families for s in fam.samples):
+        if not s.name.startswith("vllm:") or s.name.endswith("_created"):
             continue
-        name = m.group("name")
-        if not name.startswith(prefixes) or name.endswith("_created"):
-            continue
-        labels = sorted(
-            (lm.group("key"), lm.group("val"))
-            for lm in _LABEL_RE.finditer(m.group("labels") or "")
-            if lm.group("key") not in DROP_LABELS
+        labels = ",".join(
+            f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k not in DROP_LABELS
         )
-        key = name + (
-            "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else ""
-        )
-        with contextlib.suppress(ValueError):
-            out[key] = out.get(key, 0.0) + float(m.group("value"))
-    return out
+        key = f"{s.name}{{{labels}}}" if labels else s.name
+        samples[key] = samples.get(key, 0.0) + s.value
+        if re.sub(r"_(total|bucket|count|sum)$", "", s.name) in typed:
+            cumulative.add(s.name)
+    return samples, cumulative
 
 
 def load_prompts(path: str | None) -> list[str]:
@@ -186,16 +133,12 @@ def load_prompts(path: str | None) -> list[str]:
         return [f"def function_{i}(x):\n    " for i in range(16)]
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    prompts = [r["prompt"] if isinstance(r, dict) else str(r) for r in rows]
-    if not prompts:
-        raise SystemExit(f"soak: no prompts in {path}")
-    return prompts
+    return [r["prompt"] if isinstance(r, dict) else str(r) for r in rows]
 
 
-# ------------------------------------------------------------- HTTP client
 class Endpoint:
-    """A loopback server; each request on its own connection, so that a
-    client that gives up closes its connection as a real one does."""
+    """A loopback server; a connection per request, so that a client that
+    gives up closes its connection as a real one does."""
 
     def __init__(self, base_url: str):
         self.base_url = check_loopback(base_url, "soak")
@@ -204,26 +147,14 @@ class Endpoint:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:  # inside the running loop
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
             self._client = httpx.AsyncClient(
-                base_url=self.base_url,
-                timeout=None,
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+                base_url=self.base_url, timeout=None, limits=limits
             )
         return self._client
 
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-
-    async def call(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        timeout: float = 10.0,
-    ) -> tuple[int, bytes]:
-        """(status, body); status 0 when there was no answer in time or no
-        connection."""
+    async def call(self, method, path, body=None, timeout=10.0) -> tuple[int, bytes]:
+        """(status, body); status 0 for no answer in time or no connection."""
         headers = {"content-type": "application/json"} if body is not None else None
         try:
             r = await asyncio.wait_for(
@@ -234,36 +165,35 @@ class Endpoint:
             return 0, b""
         return r.status_code, r.content
 
-    async def json(self, method: str, path: str, payload=None, timeout=10.0):
+    async def json(self, method: str, path: str, payload=None):
         body = None if payload is None else json.dumps(payload).encode()
-        status, data = await self.call(method, path, body, timeout)
-        if status == 0:
-            raise RuntimeError(f"{method} {self.base_url}{path}: no answer")
+        status, data = await self.call(method, path, body)
         if status != 200:
-            raise RuntimeError(f"{method} {path}: HTTP {status}: {data[:200]!r}")
+            why = f"HTTP {status}: {data[:200]!r}" if status else "no answer"
+            raise RuntimeError(f"{method} {self.base_url}{path}: {why}")
         return json.loads(data)
 
 
 def error_message(body: bytes) -> str:
-    """The message of an error response body (OpenAI ``error.message``,
-    FastAPI ``detail``), or "" when there is none."""
+    """An error body's message (OpenAI ``error.message``, FastAPI ``detail``)."""
     try:
-        payload = json.loads(body)
+        p = json.loads(body)
     except ValueError:
         return body.decode("utf-8", "replace").strip()[:500]
-    if isinstance(payload, dict):
-        err = payload.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])[:500]
-        for key in ("detail", "message", "error"):
-            if payload.get(key):
-                return str(payload[key])[:500]
-    return ""
+    if not isinstance(p, dict):
+        return ""
+    err = p.get("error")
+    if isinstance(err, dict) and err.get("message"):
+        return str(err["message"])[:500]
+    return next(
+        (str(p[k])[:500] for k in ("detail", "message", "error") if p.get(k)), ""
+    )
 
 
-# ------------------------------------------------------------------ plans
 @dataclass
 class Plan:
+    """A request to send and, once sent, what came of it."""
+
     id: int
     category: str  # "load" | "refuse" | "bad"
     name: str  # load: "chat" / "completion" / "long"; else the case's name
@@ -277,13 +207,57 @@ class Plan:
     abort_chunks: int | None = None
     abort_s: float | None = None
     expect_msg: str | None = None
+    status: str = "pending"
+    http: int | None = None
+    error_kind: str | None = None
+    error: str | None = None
+    t_start: float = 0.0
+    t_end: float = 0.0
+    ttft: float | None = None
+    texts: dict[int, str] = field(default_factory=dict)
+    completion_tokens: int | None = None
+    epoch: int = 0
+    in_fault: bool = False
 
     @property
     def path(self) -> str:
         return "/v1/chat/completions" if self.api == "chat" else "/v1/completions"
 
-    def payload(self) -> bytes:
-        return self.raw if self.raw is not None else json.dumps(self.body).encode()
+    def brief(self) -> dict:
+        keys = ("id", "category", "name", "api", "stream", "status", "http")
+        return {k: getattr(self, k) for k in (*keys, "error_kind", "error")} | {
+            "t_start": round(self.t_start, 3),
+            "latency_s": round(self.t_end - self.t_start, 3),
+            "in_fault_window": self.in_fault,
+        }
+
+    def set(self, status: str, kind: str | None = None, error: str | None = None):
+        self.status, self.error_kind, self.error = status, kind, error
+
+    def error_answer(self, code: int, msg: str, where: str) -> None:
+        kind, refused = f"{where}_{code}", self.expect_msg and self.expect_msg in msg
+        msg = msg[:300] or None
+        if code >= 500 or code < 400:
+            self.set("server_error" if code >= 500 else "bad_response", kind, msg)
+        elif self.category == "refuse" and not refused:
+            self.set("client_error", kind + "_wrong_refusal", msg)
+        elif self.category == "bad" and not msg:
+            self.set("client_error", kind + "_without_message", msg)
+        else:
+            status = {"refuse": "refused", "bad": "rejected"}
+            self.set(status.get(self.category, "client_error"), kind, msg)
+
+    def served(self) -> None:
+        """A 2xx answer with the whole output: what it means for this plan."""
+        if self.category == "refuse":
+            self.set("not_refused", "served_refused_kind")
+        elif self.category == "bad":
+            self.set("accepted_bad", "served_bad_input")
+        elif len(self.texts) != self.n:
+            n = len(self.texts)
+            self.set("bad_response", "missing_choices", f"{n} choices, not {self.n}")
+        else:
+            self.status = "completed"
 
 
 @dataclass
@@ -296,157 +270,114 @@ class Context:
     stop_token_ids: list[int]
     bad: list = field(default_factory=list)  # bad_cases(self), built once
 
+    def long_prompt(self, length: int) -> list[int]:
+        return [self.long_tokens[i % len(self.long_tokens)] for i in range(length)]
 
-def _loguniform_int(rng: random.Random, lo: int, hi: int) -> int:
-    return int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))) if hi > lo else lo
 
-
-def _long_prompt(ctx: Context, length: int) -> list[int]:
-    toks = ctx.long_tokens
-    return [toks[i % len(toks)] for i in range(length)]
+# Bad inputs: (name, api, fields over a valid request of that api).
+BAD_FIELDS = [
+    ("max_tokens_wrong_type", "completion", {"max_tokens": "ten"}),
+    ("prompt_wrong_type", "completion", {"prompt": {"text": "x"}}),
+    ("messages_wrong_type", "chat", {"messages": "hello"}),
+    ("temperature_wrong_type", "chat", {"temperature": "hot"}),
+    ("seed_wrong_type", "completion", {"seed": "abc"}),
+    ("temperature_negative", "completion", {"temperature": -0.5}),
+    ("temperature_above_2", "chat", {"temperature": 3.0}),
+    ("top_p_zero", "completion", {"temperature": 1.0, "top_p": 0.0}),
+    ("top_p_above_1", "chat", {"temperature": 1.0, "top_p": 1.5}),
+    ("top_k_below_minus_1", "completion", {"top_k": -5}),
+    ("min_p_above_1", "completion", {"min_p": 1.5}),
+    ("presence_penalty_above_2", "completion", {"presence_penalty": 3}),
+    ("frequency_penalty_below_2", "chat", {"frequency_penalty": -3}),
+    ("repetition_penalty_zero", "completion", {"repetition_penalty": 0}),
+    ("n_zero", "completion", {"temperature": 1.0, "n": 0}),
+    ("greedy_n_above_1", "completion", {"temperature": 0.0, "n": 2}),
+    ("max_tokens_negative", "completion", {"max_tokens": -1}),
+    ("logprobs_above_max", "completion", {"logprobs": 1000}),
+    ("stop_empty_string", "completion", {"stop": [""]}),
+    ("prompt_empty", "completion", {"prompt": ""}),
+    ("prompt_token_negative", "completion", {"prompt": [5, -1, 7]}),
+    ("model_unknown", "completion", {"model": "no-such-model"}),
+    (
+        "stream_temperature_negative",
+        "completion",
+        {"temperature": -1.0, "stream": True},
+    ),
+    ("stream_prompt_logprobs", "completion", {"prompt_logprobs": 1, "stream": True}),
+]
 
 
 def bad_cases(ctx: Context) -> list[tuple[str, str, dict | bytes, str]]:
-    """(name, api, body: a dict or raw bytes, content type). Each must get a
+    """(name, api, body: a dict or raw bytes, content type); each must get a
     4xx with a message."""
-    m = ctx.model
+    m, j = ctx.model, "application/json"
     base = {"model": m, "prompt": ctx.completion_prompts[0][0], "max_tokens": 4}
-    chat = {
-        "model": m,
-        "messages": [{"role": "user", "content": ctx.chat_prompts[0][0]}],
-        "max_tokens": 4,
-    }
+    msgs = [{"role": "user", "content": ctx.chat_prompts[0][0]}]
+    chat = {"model": m, "messages": msgs, "max_tokens": 4}
     over = ctx.max_model_len + 16
     text, ntok = ctx.completion_prompts[0]
     over_text = text * (over // max(ntok, 1) + 2)
-    j = "application/json"
-    return [
-        (
-            "malformed_json",
-            "completion",
-            b'{"model": "' + m.encode() + b'", "prompt',
-            j,
-        ),
-        ("body_not_json", "completion", b"prompt=hello&max_tokens=4", j),
-        (
-            "content_type_not_json",
-            "completion",
-            json.dumps(base).encode(),
-            "text/plain",
-        ),
-        ("max_tokens_wrong_type", "completion", {**base, "max_tokens": "ten"}, j),
-        ("prompt_wrong_type", "completion", {**base, "prompt": {"text": "x"}}, j),
-        ("messages_wrong_type", "chat", {**chat, "messages": "hello"}, j),
-        ("temperature_wrong_type", "chat", {**chat, "temperature": "hot"}, j),
-        ("seed_wrong_type", "completion", {**base, "seed": "abc"}, j),
-        ("temperature_negative", "completion", {**base, "temperature": -0.5}, j),
-        ("temperature_above_2", "chat", {**chat, "temperature": 3.0}, j),
-        ("top_p_zero", "completion", {**base, "temperature": 1.0, "top_p": 0.0}, j),
-        ("top_p_above_1", "chat", {**chat, "temperature": 1.0, "top_p": 1.5}, j),
-        ("top_k_below_minus_1", "completion", {**base, "top_k": -5}, j),
-        ("min_p_above_1", "completion", {**base, "min_p": 1.5}, j),
-        ("presence_penalty_above_2", "completion", {**base, "presence_penalty": 3}, j),
-        ("frequency_penalty_below_2", "chat", {**chat, "frequency_penalty": -3}, j),
-        ("repetition_penalty_zero", "completion", {**base, "repetition_penalty": 0}, j),
-        ("n_zero", "completion", {**base, "temperature": 1.0, "n": 0}, j),
-        ("greedy_n_above_1", "completion", {**base, "temperature": 0.0, "n": 2}, j),
-        ("max_tokens_negative", "completion", {**base, "max_tokens": -1}, j),
-        ("logprobs_above_max", "completion", {**base, "logprobs": 1000}, j),
-        ("stop_empty_string", "completion", {**base, "stop": [""]}, j),
-        ("prompt_empty", "completion", {**base, "prompt": ""}, j),
-        ("prompt_token_negative", "completion", {**base, "prompt": [5, -1, 7]}, j),
-        (
-            "prompt_over_context_tokens",
-            "completion",
-            {**base, "prompt": _long_prompt(ctx, over)},
-            j,
-        ),
-        ("prompt_over_context_text", "completion", {**base, "prompt": over_text}, j),
-        ("model_unknown", "completion", {**base, "model": "no-such-model"}, j),
-        (
-            "stream_temperature_negative",
-            "completion",
-            {**base, "temperature": -1.0, "stream": True},
-            j,
-        ),
-        (
-            "stream_prompt_logprobs",
-            "completion",
-            {**base, "prompt_logprobs": 1, "stream": True},
-            j,
-        ),
+    raw = [
+        ("malformed_json", b'{"model": "' + m.encode() + b'", "prompt', j),
+        ("body_not_json", b"prompt=hello&max_tokens=4", j),
+        ("content_type_not_json", json.dumps(base).encode(), "text/plain"),
+    ]
+    fields = [
+        *BAD_FIELDS,
+        ("prompt_over_context_tokens", "completion", {"prompt": ctx.long_prompt(over)}),
+        ("prompt_over_context_text", "completion", {"prompt": over_text}),
+    ]
+    return [(n, "completion", body, ct) for n, body, ct in raw] + [
+        (n, api, (chat if api == "chat" else base) | f, j) for n, api, f in fields
     ]
 
 
 def _bad_plan(i: int, case) -> Plan:
     name, api, body, ctype = case
-    raw = body if isinstance(body, bytes) else None
-    stream = isinstance(body, dict) and body.get("stream") is True
-    return Plan(
-        i,
-        "bad",
-        name,
-        api,
-        body if isinstance(body, dict) else None,
-        stream=stream,
-        raw=raw,
-        content_type=ctype,
-    )
+    if isinstance(body, bytes):
+        return Plan(i, "bad", name, api, None, raw=body, content_type=ctype)
+    return Plan(i, "bad", name, api, body, stream=body.get("stream") is True)
 
 
-REFUSALS = (
-    "structured_outputs_json",
-    "structured_outputs_regex",
-    "structured_outputs_choice",
-    "response_format_json_schema",
-    "response_format_json_object",
-    "bad_words",
-)
 _SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
     "required": ["name"],
 }
-
-
-def _refusal_fields(kind: str) -> dict:
-    if kind == "structured_outputs_json":
-        return {"structured_outputs": {"json": _SCHEMA}}
-    if kind == "structured_outputs_regex":
-        return {"structured_outputs": {"regex": "[a-z]{3,8}"}}
-    if kind == "structured_outputs_choice":
-        return {"structured_outputs": {"choice": ["yes", "no"]}}
-    if kind == "response_format_json_schema":
-        return {
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "thing", "schema": _SCHEMA},
-            }
+REFUSALS = {
+    "structured_outputs_json": {"structured_outputs": {"json": _SCHEMA}},
+    "structured_outputs_regex": {"structured_outputs": {"regex": "[a-z]{3,8}"}},
+    "structured_outputs_choice": {"structured_outputs": {"choice": ["yes", "no"]}},
+    "response_format_json_schema": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "thing", "schema": _SCHEMA},
         }
-    if kind == "response_format_json_object":
-        return {"response_format": {"type": "json_object"}}
-    return {"bad_words": ["return", " the"]}
+    },
+    "response_format_json_object": {"response_format": {"type": "json_object"}},
+    "bad_words": {"bad_words": ["return", " the"]},
+}
 
 
 def make_plan(i: int, seed: int, ctx: Context, a: argparse.Namespace) -> Plan:
     """Request ``i`` of the load, drawn from ``seed`` and ``i`` alone (the same
     requests whatever the concurrency and timing)."""
     rng = random.Random(seed * 1_000_003 + i)
+    u = rng.uniform
     r = rng.random()
     if r < a.bad_fraction:
-        if not ctx.bad:
-            ctx.bad = bad_cases(ctx)
+        ctx.bad = ctx.bad or bad_cases(ctx)
         return _bad_plan(i, ctx.bad[rng.randrange(len(ctx.bad))])
     refusing = r < a.bad_fraction + a.refuse_fraction and a.expect_ddtree
-    long_prompt = not refusing and rng.random() < a.long_fraction
-    api = "chat" if not long_prompt and rng.random() < a.chat_fraction else "completion"
-    stream = rng.random() < a.stream_fraction
-    greedy = refusing or rng.random() < a.greedy_fraction
+    long_prompt = not refusing and rng.random() < LONG
+    api = "chat" if not long_prompt and rng.random() < CHAT else "completion"
+    stream = rng.random() < STREAM
+    greedy = refusing or rng.random() < GREEDY
     body: dict = {"model": ctx.model}
     if long_prompt:
         max_tokens = rng.randint(1, 64)
         n_prompt = ctx.max_model_len - max_tokens - rng.randint(0, 16)
-        body["prompt"] = _long_prompt(ctx, max(1, n_prompt))
+        body["prompt"] = ctx.long_prompt(max(1, n_prompt))
     else:
         prompts = ctx.chat_prompts if api == "chat" else ctx.completion_prompts
         text, n_prompt = prompts[rng.randrange(len(prompts))]
@@ -454,34 +385,30 @@ def make_plan(i: int, seed: int, ctx: Context, a: argparse.Namespace) -> Plan:
             body["messages"] = [{"role": "user", "content": text}]
         else:
             body["prompt"] = text
-        max_tokens = min(
-            _loguniform_int(rng, 1, a.max_tokens_max), ctx.max_model_len - n_prompt
-        )
+        lo, hi = math.log(1), math.log(a.max_tokens_max + 1)  # log-uniform
+        max_tokens = min(int(math.exp(u(lo, hi))), ctx.max_model_len - n_prompt)
     body["max_tokens"] = max(1, max_tokens)
     n = 1
     if greedy:
         body["temperature"] = 0.0
         if rng.random() < 0.3:
-            body["repetition_penalty"] = round(rng.uniform(1.05, 1.3), 3)
-            body["presence_penalty"] = round(rng.uniform(-1.0, 1.0), 3)
-            body["frequency_penalty"] = round(rng.uniform(-1.0, 1.0), 3)
+            body["repetition_penalty"] = round(u(1.05, 1.3), 3)
+            body["presence_penalty"] = round(u(-1.0, 1.0), 3)
+            body["frequency_penalty"] = round(u(-1.0, 1.0), 3)
     else:
-        body["temperature"] = round(rng.uniform(0.2, 1.5), 3)
-        if rng.random() < 0.5:
-            body["top_p"] = round(rng.uniform(0.5, 1.0), 3)
-        if rng.random() < 0.4:
-            body["top_k"] = rng.choice([1, 5, 20, 100])
-        if rng.random() < 0.3:
-            body["min_p"] = round(rng.uniform(0.01, 0.2), 3)
-        if rng.random() < 0.3:
-            body["presence_penalty"] = round(rng.uniform(-1.5, 1.5), 3)
-        if rng.random() < 0.3:
-            body["frequency_penalty"] = round(rng.uniform(-1.5, 1.5), 3)
-        if rng.random() < 0.3:
-            body["repetition_penalty"] = round(rng.uniform(0.9, 1.3), 3)
-        if rng.random() < a.n_fraction:
-            n = rng.randint(2, 4)
-            body["n"] = n
+        body["temperature"] = round(u(0.2, 1.5), 3)
+        for key, p, draw in (
+            ("top_p", 0.5, lambda: round(u(0.5, 1.0), 3)),
+            ("top_k", 0.4, lambda: rng.choice([1, 5, 20, 100])),
+            ("min_p", 0.3, lambda: round(u(0.01, 0.2), 3)),
+            ("presence_penalty", 0.3, lambda: round(u(-1.5, 1.5), 3)),
+            ("frequency_penalty", 0.3, lambda: round(u(-1.5, 1.5), 3)),
+            ("repetition_penalty", 0.3, lambda: round(u(0.9, 1.3), 3)),
+            ("n", N_GT_1, lambda: rng.randint(2, 4)),
+        ):
+            if rng.random() < p:
+                body[key] = draw()
+        n = body.get("n", 1)
     if rng.random() < 0.5:
         body["seed"] = rng.randrange(1 << 31)
     if rng.random() < 0.25:
@@ -490,121 +417,39 @@ def make_plan(i: int, seed: int, ctx: Context, a: argparse.Namespace) -> Plan:
         body["stop_token_ids"] = [rng.choice(ctx.stop_token_ids)]
     if rng.random() < 0.25:
         k = rng.randint(0, 5)
-        if api == "chat":
-            body.update(logprobs=True, top_logprobs=k)
-        else:
-            body["logprobs"] = k
+        body.update(
+            {"logprobs": True, "top_logprobs": k} if api == "chat" else {"logprobs": k}
+        )
+    # Not on the long prompts (a vocabulary row per prompt token), nor
+    # streamed (vLLM refuses that: one of the bad inputs).
     if not long_prompt and rng.random() < 0.1 and not stream:
-        # Not on the long prompts (a full-vocabulary row per prompt token),
-        # and not streamed: vLLM refuses prompt logprobs with stream=True
-        # (a bad input of its own below).
         body["prompt_logprobs"] = rng.randint(0, 3)
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     if refusing:
-        kind = REFUSALS[rng.randrange(len(REFUSALS))]
-        body.update(_refusal_fields(kind))
-        body["max_tokens"] = min(body["max_tokens"], 32)
+        kind = list(REFUSALS)[rng.randrange(len(REFUSALS))]
+        body.update(REFUSALS[kind], max_tokens=min(body["max_tokens"], 32))
         msg = REFUSE_BAD_WORDS if kind == "bad_words" else REFUSE_STRUCTURED
         return Plan(i, "refuse", kind, api, body, stream, expect_msg=msg, greedy=True)
-    plan = Plan(
-        i, "load", "long" if long_prompt else api, api, body, stream, greedy=greedy, n=n
-    )
+    name = "long" if long_prompt else api
+    plan = Plan(i, "load", name, api, body, stream, greedy=greedy, n=n)
     if rng.random() < a.abort_fraction:
         if stream and rng.random() < 0.6:
             plan.abort_chunks = rng.randint(1, 40)
         else:
-            plan.abort_s = 0.0 if rng.random() < 0.2 else rng.uniform(0, a.abort_max_s)
+            plan.abort_s = 0.0 if rng.random() < 0.2 else u(0, a.abort_max_s)
     return plan
 
 
-# --------------------------------------------------------------- outcomes
-@dataclass
-class Outcome:
-    id: int
-    category: str
-    name: str
-    api: str
-    stream: bool
-    greedy: bool
-    status: str = "pending"
-    http: int | None = None
-    error_kind: str | None = None
-    error: str | None = None
-    t_start: float = 0.0
-    t_end: float = 0.0
-    ttft: float | None = None
-    texts: dict[int, str] = field(default_factory=dict)
-    finish: dict[int, str | None] = field(default_factory=dict)
-    completion_tokens: int | None = None
-    epoch: int = 0
-    in_fault: bool = False
-
-    @property
-    def latency(self) -> float:
-        return self.t_end - self.t_start
-
-    def brief(self) -> dict:
-        return {
-            "id": self.id,
-            "category": self.category,
-            "name": self.name,
-            "api": self.api,
-            "stream": self.stream,
-            "status": self.status,
-            "http": self.http,
-            "error_kind": self.error_kind,
-            "error": self.error,
-            "t_start": round(self.t_start, 3),
-            "latency_s": round(self.latency, 3),
-            "in_fault_window": self.in_fault,
-        }
-
-
-def classify_error(out: Outcome, plan: Plan, code: int, msg: str, where: str) -> None:
-    out.error = msg[:300] or None
-    out.error_kind = f"{where}_{code}"
-    if 400 <= code < 500:
-        if plan.category == "refuse":
-            if plan.expect_msg and plan.expect_msg in msg:
-                out.status = "refused"
-            else:
-                out.status = "client_error"
-                out.error_kind += "_wrong_refusal"
-        elif plan.category == "bad":
-            out.status = "rejected" if msg else "client_error"
-            if not msg:
-                out.error_kind += "_without_message"
-        else:
-            out.status = "client_error"
-    elif code >= 500:
-        out.status = "server_error"
-    else:
-        out.status = "bad_response"
-
-
-def served(out: Outcome, plan: Plan) -> None:
-    """A 2xx answer with the whole output: what it means for this plan."""
-    if plan.category == "refuse":
-        out.status, out.error_kind = "not_refused", "served_refused_kind"
-    elif plan.category == "bad":
-        out.status, out.error_kind = "accepted_bad", "served_bad_input"
-    elif len(out.texts) != plan.n:
-        out.status, out.error_kind = "bad_response", "missing_choices"
-        out.error = f"{len(out.texts)} choices, expected {plan.n}"
-    else:
-        out.status = "completed"
-
-
-def _choice_text(api: str, c: dict, stream: bool) -> str:
+def choice_text(api: str, c: dict, stream: bool = False) -> str:
     if api == "chat":
         return (c.get("delta" if stream else "message") or {}).get("content") or ""
     return c.get("text") or ""
 
 
-def _top2_gap(logprobs: list[float]) -> float:
-    vals = sorted(logprobs, reverse=True)
-    return vals[0] - vals[1] if len(vals) > 1 else float("inf")
+def _top2_gap(logprobs) -> float:
+    v = sorted(logprobs, reverse=True)
+    return v[0] - v[1] if len(v) > 1 else float("inf")
 
 
 def choice_logprobs(api: str, c: dict) -> list[tuple[str, float]]:
@@ -614,124 +459,110 @@ def choice_logprobs(api: str, c: dict) -> list[tuple[str, float]]:
         return [
             (
                 e.get("token", ""),
-                _top2_gap([t["logprob"] for t in e.get("top_logprobs") or []]),
+                _top2_gap(t["logprob"] for t in e.get("top_logprobs") or []),
             )
             for e in lp.get("content") or []
         ]
+    tops = lp.get("top_logprobs") or []
     return [
-        (tok, _top2_gap(list((top or {}).values())))
-        for tok, top in zip(lp.get("tokens") or [], lp.get("top_logprobs") or [])
+        (t, _top2_gap((top or {}).values()))
+        for t, top in zip(lp.get("tokens") or [], tops)
     ]
 
 
+def first_difference(text: str, ref: str) -> int | None:
+    k = next((k for k, (a, b) in enumerate(zip(text, ref)) if a != b), None)
+    return k if k is not None or len(text) == len(ref) else min(len(text), len(ref))
+
+
+def token_index(ref_tokens: list[str], char: int) -> int | None:
+    ends = itertools.accumulate(len(t) for t in ref_tokens)
+    return next((k for k, end in enumerate(ends) if end > char), None)
+
+
 def divergence_gap(
-    text: str, ref_text: str, ref_tokens: list[str], ref_gaps: list[float]
+    text: str, ref: str, tokens: list[str], gaps: list[float]
 ) -> float | None:
-    """The reference's top-1 minus top-2 logprob at the token where ``text``
-    first differs from ``ref_text`` (None when that token is unknown). Where
-    the first differing character starts a reference token, ours may have
-    parted one token earlier (a longer or shorter token spelling the same
-    characters so far): the smaller gap of the two counts."""
-    i = first_difference(text, ref_text)
-    i = min(len(text), len(ref_text)) if i is None else i
-    pos = 0
-    prev_gap = None
-    for tok, gap in zip(ref_tokens, ref_gaps):
-        start = pos
-        pos += len(tok)
-        if pos > i:
-            return min(gap, prev_gap) if start == i and prev_gap is not None else gap
-        prev_gap = gap
-    return None
+    """The reference's top-2 gap at the token where ``text`` first parts from
+    ``ref`` (None when unknown). Where that is the start of a reference token,
+    ours may have parted a token earlier (another split of the same
+    characters): the smaller gap of the two counts."""
+    i = first_difference(text, ref)
+    i = min(len(text), len(ref)) if i is None else i
+    k = token_index(tokens, i)
+    if k is None:
+        return None
+    at_start = k > 0 and sum(len(t) for t in tokens[:k]) == i
+    return min(gaps[k], gaps[k - 1]) if at_start else gaps[k]
 
 
-async def read_stream(resp: httpx.Response, out: Outcome, plan: Plan, t0: float):
-    chunks = 0
-    async for line in resp.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            served(out, plan)
-            return
-        payload = json.loads(data)
-        err = payload.get("error")
-        if err is not None:
-            code = int(err.get("code") or 500) if isinstance(err, dict) else 500
-            msg = err.get("message", "") if isinstance(err, dict) else str(err)
-            classify_error(out, plan, code, str(msg), "stream_error")
-            return
-        for c in payload.get("choices") or []:
-            idx = int(c.get("index", 0))
-            text = _choice_text(plan.api, c, True)
-            if text and out.ttft is None:
-                out.ttft = time.monotonic() - t0
-            out.texts[idx] = out.texts.get(idx, "") + text
-            if c.get("finish_reason"):
-                out.finish[idx] = c["finish_reason"]
-        usage = payload.get("usage")
-        if usage:
-            out.completion_tokens = usage.get("completion_tokens")
-        chunks += 1
-        if plan.abort_chunks is not None and chunks >= plan.abort_chunks:
-            out.status = "aborted"
-            return
-    out.status, out.error_kind = "connection_error", "stream_ended_without_done"
-
-
-async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
-    out = Outcome(plan.id, plan.category, plan.name, plan.api, plan.stream, plan.greedy)
-    out.t_start = clock()
-    t0 = time.monotonic()
-    sent = asyncio.Event()
+async def run_plan(ep: Endpoint, req: Plan, timeout: float, clock) -> Plan:
+    """Send ``req`` and record what came of it in it."""
+    req.t_start, t0, sent = clock(), time.monotonic(), asyncio.Event()
 
     async def trace(event: str, info: dict) -> None:
         if event.endswith("send_request_body.complete"):
             sent.set()
 
     async def receive() -> None:
+        body = req.raw if req.raw is not None else json.dumps(req.body).encode()
+        headers = {"content-type": req.content_type}
+        trace_ext = {"trace": trace}
         async with ep.client.stream(
-            "POST",
-            plan.path,
-            content=plan.payload(),
-            headers={"content-type": plan.content_type},
-            extensions={"trace": trace},
+            "POST", req.path, content=body, headers=headers, extensions=trace_ext
         ) as resp:
-            out.http = resp.status_code
+            req.http = resp.status_code
             if resp.status_code != 200:
-                body = await resp.aread()
-                classify_error(out, plan, resp.status_code, error_message(body), "http")
-                return
-            if plan.stream:
-                if "text/event-stream" not in resp.headers.get("content-type", ""):
-                    out.status, out.error_kind = "bad_response", "not_an_event_stream"
-                    out.error = resp.headers.get("content-type")
+                msg = error_message(await resp.aread())
+                return req.error_answer(resp.status_code, msg, "http")
+            if not req.stream:
+                payload = json.loads(await resp.aread())
+                for c in payload.get("choices") or []:
+                    req.texts[int(c.get("index", 0))] = choice_text(req.api, c)
+                usage = payload.get("usage") or {}
+                req.completion_tokens = usage.get("completion_tokens")
+                return req.served()
+            if "text/event-stream" not in resp.headers.get("content-type", ""):
+                return req.set("bad_response", "not_an_event_stream")
+            chunks = 0
+            async for line in resp.aiter_lines():
+                data = line[5:].strip() if line.startswith("data:") else None
+                if data == "[DONE]":
+                    return req.served()
+                if data is None:
+                    continue
+                payload = json.loads(data)
+                if (err := payload.get("error")) is not None:
+                    err = err if isinstance(err, dict) else {"message": str(err)}
+                    code = int(err.get("code") or 500)
+                    msg = str(err.get("message", ""))
+                    return req.error_answer(code, msg, "stream_error")
+                for c in payload.get("choices") or []:
+                    text, idx = choice_text(req.api, c, True), int(c.get("index", 0))
+                    if text and req.ttft is None:
+                        req.ttft = time.monotonic() - t0
+                    req.texts[idx] = req.texts.get(idx, "") + text
+                if usage := payload.get("usage"):
+                    req.completion_tokens = usage.get("completion_tokens")
+                chunks += 1
+                if req.abort_chunks is not None and chunks >= req.abort_chunks:
+                    req.status = "aborted"
                     return
-                await read_stream(resp, out, plan, t0)
-                return
-            payload = json.loads(await resp.aread())
-        for c in payload.get("choices") or []:
-            out.texts[int(c.get("index", 0))] = _choice_text(plan.api, c, False)
-            out.finish[int(c.get("index", 0))] = c.get("finish_reason")
-        out.completion_tokens = (payload.get("usage") or {}).get("completion_tokens")
-        served(out, plan)
+            req.set("connection_error", "stream_ended_without_done")
 
-    async def give_up() -> None:
-        # A client that gives up this long after sending (0: at once).
+    async def give_up() -> None:  # this long after sending (0: at once)
         await sent.wait()
-        await asyncio.sleep(plan.abort_s)
+        await asyncio.sleep(req.abort_s)
 
     async def go() -> None:
-        if plan.abort_s is None:
-            await receive()
-            return
+        if req.abort_s is None:
+            return await receive()
         tasks = [asyncio.ensure_future(receive()), asyncio.ensure_future(give_up())]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             if tasks[0].done():
-                tasks[0].result()
-            else:
-                out.status = "aborted"
+                return tasks[0].result()
+            req.status = "aborted"
         finally:
             for t in tasks:
                 t.cancel()
@@ -740,23 +571,18 @@ async def run_plan(ep: Endpoint, plan: Plan, timeout: float, clock) -> Outcome:
     try:
         await asyncio.wait_for(go(), timeout)
     except asyncio.TimeoutError:
-        out.status, out.error_kind = "hang", "client_timeout"
-        out.error = f"no complete answer within {timeout:g}s"
+        req.set("hang", "client_timeout", f"no complete answer within {timeout:g}s")
     except (httpx.TransportError, OSError) as e:
-        out.status = "connection_error"
-        out.error_kind = type(e).__name__
-        out.error = str(e)[:300]
+        req.set("connection_error", type(e).__name__, str(e)[:300])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        out.status, out.error_kind = "bad_response", type(e).__name__
-        out.error = str(e)[:300]
-    out.t_end = clock()
-    return out
+        req.set("bad_response", type(e).__name__, str(e)[:300])
+    req.t_end = clock()
+    return req
 
 
-# ----------------------------------------------------------------- server
 def process_tree(pid: int) -> tuple[set[int] | None, float | None]:
-    """``pid`` and all its descendants (vLLM's API server and engine cores)
-    and their RSS in MiB; (None, None) when ``pid`` is gone."""
+    """``pid`` and its descendants (vLLM's API server and engine cores) and
+    their RSS in MiB; (None, None) when ``pid`` is gone."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
@@ -770,131 +596,83 @@ def process_tree(pid: int) -> tuple[set[int] | None, float | None]:
     return (pids, total) if pid in pids else (None, None)
 
 
-def nvidia_smi_rows(
-    cmd: str, query: str, gpus: str | None
-) -> tuple[list[list[str]] | None, str]:
-    """The comma-separated fields of each line nvidia-smi prints for
-    ``query`` (e.g. ``--query-gpu=index,memory.used``), or None and why not."""
-    argv = [cmd, query, "--format=csv,noheader,nounits"]
-    if gpus:
-        argv += ["-i", gpus]
+def nvidia_smi(cmd: str, query: str) -> tuple[list[tuple[str, float]], str]:
+    """(pid or GPU index, MiB) of each line nvidia-smi prints for the two-field
+    ``query`` (lines without a number, e.g. "[N/A]", left out), or [] and why."""
     try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=15)
+        p = subprocess.run(
+            [cmd, query, "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=15,
+        )  # fmt: skip
     except FileNotFoundError:
-        return None, f"{cmd} not found"
+        return [], f"{cmd} not found"
     except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"{cmd}: {type(e).__name__}"
+        return [], f"{cmd}: {type(e).__name__}"
     if p.returncode != 0:
-        return None, f"{cmd} exited {p.returncode}: {p.stderr.strip()[:200]}"
-    return [[x.strip() for x in line.split(",")] for line in p.stdout.splitlines()], ""
-
-
-def gpu_memory_mib(cmd: str, gpus: str | None) -> tuple[dict[str, float] | None, str]:
-    """Memory used per GPU index from nvidia-smi, or None and why not."""
-    rows, why = nvidia_smi_rows(cmd, "--query-gpu=index,memory.used", gpus)
-    if rows is None:
-        return None, why
-    out = {}
-    for parts in rows:
-        if len(parts) == 2:
-            with contextlib.suppress(ValueError):
-                out[parts[0]] = float(parts[1])
-    return (out, "") if out else (None, f"{cmd} printed no memory.used")
-
-
-def server_gpu_memory_mib(
-    cmd: str, gpus: str | None, pids: set[int]
-) -> tuple[float | None, str]:
-    """GPU memory held by the processes in ``pids`` (all GPUs), from
-    nvidia-smi's compute-apps list; None and why when it lists none of them
-    (e.g. nvidia-smi in another PID namespace)."""
-    rows, why = nvidia_smi_rows(cmd, "--query-compute-apps=pid,used_memory", gpus)
-    if rows is None:
-        return None, why
-    total, found = 0.0, False
-    for parts in rows:
-        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in pids:
-            with contextlib.suppress(ValueError):
-                total += float(parts[1])
-                found = True
-    if not found:
-        return None, f"{cmd} lists no process of the server"
-    return total, ""
+        return [], f"{cmd} exited {p.returncode}: {p.stderr.strip()[:200]}"
+    rows = [[x.strip() for x in line.split(",")] for line in p.stdout.splitlines()]
+    number = re.compile(r"\d+(\.\d*)?")
+    return [
+        (r[0], float(r[1])) for r in rows if len(r) == 2 and number.fullmatch(r[1])
+    ], ""
 
 
 class LaunchedServer:
-    """The server command of ``--launch``, in its own session (process group)
-    so that stopping it stops the engine processes it started."""
+    """The ``--launch`` command in its own session (process group), so that
+    stopping it stops the engine processes it started."""
 
-    def __init__(self, cmd: str, log_path: str, after_start: str | None):
-        self.argv = shlex.split(cmd)
-        self.log_path = log_path
-        self.after_start = after_start
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+    def __init__(self, a: argparse.Namespace):
+        self.a, self.proc = a, None
 
     def start(self) -> None:
-        logf = open(self.log_path, "ab")  # noqa: SIM115 (handed to the child)
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        logf.close()
+        with open(self.a.server_log, "ab") as logf:
+            self.proc = subprocess.Popen(
+                shlex.split(self.a.launch), stdout=logf, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
 
-    async def wait_ready(self, ep: Endpoint, timeout: float) -> str | None:
-        """None once /health answers 200 and --after-start succeeded, else
+    async def wait_ready(self, ep: Endpoint) -> str | None:
+        """None once /health answers 200 and --after-start exited 0, else
         what went wrong."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc is None or self.proc.poll() is not None:
-                rc = None if self.proc is None else self.proc.returncode
-                return f"server exited during startup (rc {rc}); see {self.log_path}"
-            status, _ = await ep.call("GET", "/health", timeout=5)
-            if status == 200:
-                break
+        a, deadline = self.a, time.monotonic() + self.a.start_timeout
+        while (await ep.call("GET", "/health", timeout=HEALTH_TIMEOUT))[0] != 200:
+            if self.proc.poll() is not None:
+                rc = self.proc.returncode
+                return f"server exited during startup (rc {rc}); see {a.server_log}"
             if time.monotonic() > deadline:
-                return f"server not healthy after {timeout:g}s; see {self.log_path}"
+                return (
+                    f"server not healthy after {a.start_timeout:g}s; see {a.server_log}"
+                )
             await asyncio.sleep(0.2)
-        if self.after_start:
+        if a.after_start:
             left = max(1.0, deadline - time.monotonic())
-            proc = await asyncio.create_subprocess_exec(*shlex.split(self.after_start))
+            proc = await asyncio.create_subprocess_exec(*shlex.split(a.after_start))
             try:
-                rc = await asyncio.wait_for(proc.wait(), left)
+                if rc := await asyncio.wait_for(proc.wait(), left):
+                    return f"--after-start exited {rc}"
             except asyncio.TimeoutError:
                 proc.kill()
                 await proc.wait()
                 return f"--after-start still running after {left:.0f}s"
-            if rc != 0:
-                return f"--after-start exited {rc}"
         return None
 
-    async def stop(self, grace: float = 30.0) -> None:
+    async def stop(self) -> None:
         proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while proc.poll() is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        if proc.poll() is None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if proc is None or proc.poll() is not None:
+                return
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+                os.killpg(proc.pid, sig)
+            deadline = time.monotonic() + self.a.stop_grace
+            while proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
 
 
-# --------------------------------------------------------------- analysis
 def flatness(
     samples: list[tuple[float, float]], start: float, warmup: float, tol: float
 ) -> dict:
     """Least-squares slope of the samples after ``start + warmup`` and the
-    growth it implies over their span; ``ok`` when it is within ``tol``."""
+    growth it implies over their span; ``ok`` when within ``tol``."""
     post = [(t, v) for t, v in samples if t >= start + warmup]
     res: dict = {
         "samples": len(samples),
@@ -902,105 +680,77 @@ def flatness(
         "curve": [[round(t, 2), round(v, 1)] for t, v in samples],
     }
     if len(post) < 3:
-        res.update(ok=None, reason="fewer than 3 samples after the warm-up")
-        return res
-    n = len(post)
-    mt = sum(t for t, _ in post) / n
-    mv = sum(v for _, v in post) / n
-    var = sum((t - mt) ** 2 for t, _ in post)
-    slope = sum((t - mt) * (v - mv) for t, v in post) / var if var else 0.0
-    span = post[-1][0] - post[0][0]
-    growth = slope * span
-    res.update(
-        ok=growth <= tol,
-        slope_mib_per_min=round(slope * 60, 3),
-        growth_mib=round(growth, 2),
-        tolerance_mib=tol,
-        first_mib=round(post[0][1], 1),
-        last_mib=round(post[-1][1], 1),
-        min_mib=round(min(v for _, v in post), 1),
-        max_mib=round(max(v for _, v in post), 1),
-    )
-    return res
-
-
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
+        return res | {"ok": None, "reason": "fewer than 3 samples after the warm-up"}
+    ts, vs = zip(*post)
+    slope = statistics.linear_regression(ts, vs).slope if len(set(ts)) > 1 else 0.0
+    growth = slope * (ts[-1] - ts[0])
+    return res | {
+        "ok": growth <= tol,
+        "slope_mib_per_min": round(slope * 60, 3),
+        "growth_mib": round(growth, 2),
+        "tolerance_mib": tol,
+        "first_mib": round(vs[0], 1),
+        "last_mib": round(vs[-1], 1),
+        "min_mib": round(min(vs), 1),
+        "max_mib": round(max(vs), 1),
+    }
 
 
 def _labelled(sample: dict[str, float], name: str, label: str) -> dict[str, float]:
+    """{label's value: sample} of the series ``name``."""
     out = {}
     for key, v in sample.items():
-        if key.split("{", 1)[0] == name:
-            labels = dict(_LABEL.findall(key))
-            if label in labels:
-                out[labels[label]] = v
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', key))
+        if key.split("{", 1)[0] == name and label in labels:
+            out[labels[label]] = v
     return out
 
 
-def parse_types(text: str) -> dict[str, str]:
-    types = {}
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            parts = line.split()
-            if len(parts) >= 4:
-                types[parts[2]] = parts[3]
-    return types
-
-
-def is_cumulative(name: str, types: dict[str, str]) -> bool:
-    """Counter and histogram samples never fall while a server lives."""
-    if types.get(name) in ("counter", "histogram"):
-        return True
-    for suffix in ("_total", "_bucket", "_count", "_sum"):
-        if name.endswith(suffix):
-            base = name[: -len(suffix)]
-            if types:
-                if types.get(base) in ("counter", "histogram"):
-                    return True
-            else:
-                return True
-    return False
-
-
-def check_metrics(
-    scrapes: list[tuple[float, int, dict[str, float]]],
-    types: dict[str, str],
-    expect_ddtree: bool,
-    client_tokens: dict[int, int],
-    tree_budget: int | None = None,
-) -> dict:
-    """Consistency of the /metrics scrapes, per server lifetime (epoch).
-    ``client_tokens[epoch]``: completion tokens the clients were sent by
-    requests that started after that epoch's first scrape and ended before
-    its last. ``tree_budget``: the configured one, the most nodes a step may
-    verify per request (the budget gauge shows only the last step's)."""
+def check_metrics(scrapes, cumulative, expect_ddtree, client_tokens, tree_budget=None):
+    """Consistency of the /metrics scrapes ``(t, epoch, samples)`` per server
+    lifetime (epoch). ``cumulative``: the counter and histogram sample names
+    (empty: told by their suffix). ``client_tokens[epoch]``: completion
+    tokens the clients got from requests inside that epoch's first and last
+    scrape. ``tree_budget``: the configured one, the most nodes a step may
+    verify per request (the gauge shows only the last step's)."""
+    if not scrapes:
+        return {"ok": False, "problems": ["no /metrics scrape answered"], "epochs": []}
     problems: list[str] = []
     epochs: dict[int, list] = defaultdict(list)
     for t, e, s in scrapes:
         epochs[e].append((t, s))
     summary = []
-    if not scrapes:
-        return {"ok": False, "problems": ["no /metrics scrape answered"], "epochs": []}
     for e, ss in sorted(epochs.items()):
+
+        def check(bad: bool, msg: str, e=e) -> None:
+            if bad:
+                problems.append(f"epoch {e}: {msg}")
+
         for (ta, a), (tb, b) in zip(ss, ss[1:]):
             for key, vb in b.items():
                 name = key.split("{", 1)[0]
-                if key in a and is_cumulative(name, types) and vb < a[key] - 1e-6:
-                    problems.append(
-                        f"epoch {e}: {key} fell from {a[key]:g} to {vb:g} "
-                        f"(t={ta:.1f}s -> {tb:.1f}s)"
+                mono = name in cumulative if cumulative else name.endswith(MONOTONE)
+                if key in a and mono and vb < a[key] - 1e-6:
+                    check(
+                        True,
+                        f"{key} fell from {a[key]:g} to {vb:g} ({ta:.1f}s, {tb:.1f}s)",
                     )
         first, last = ss[0][1], ss[-1][1]
 
         def d(key: str, first=first, last=last) -> float:
             return last.get(key, 0.0) - first.get(key, 0.0)
 
-        drafts, acc, dtok = d(DRAFTS), d(ACCEPTED), d(DRAFT_TOKENS)
-        pos = {int(k): v for k, v in _labelled(last, PER_POS, "position").items()}
-        pos0 = {int(k): v for k, v in _labelled(first, PER_POS, "position").items()}
-        per_pos = [pos[k] - pos0.get(k, 0.0) for k in sorted(pos)]
-        budgets = [s.get(BUDGET) for _, s in ss if s.get(BUDGET) is not None]
-        depth = last.get(DEPTH)
+        def moved(name: str, label: str, first=first, last=last) -> dict[str, float]:
+            f = _labelled(first, name, label)
+            return {
+                k: v - f.get(k, 0.0) for k, v in _labelled(last, name, label).items()
+            }
+
+        drafts, acc, dtok, gen = d(DRAFTS), d(ACCEPTED), d(DRAFT_TOKENS), d(GEN_TOKENS)
+        per_pos = sorted((int(k), v) for k, v in moved(PER_POS, "position").items())
+        per_pos = [v for _, v in per_pos]
+        budget = max((s[BUDGET] for _, s in ss if BUDGET in s), default=None)
+        depth, client = last.get(DEPTH), client_tokens.get(e, 0)
         ep = {
             "epoch": e,
             "scrapes": len(ss),
@@ -1009,149 +759,95 @@ def check_metrics(
             "accepted": acc,
             "draft_tokens": dtok,
             "tau": round(1 + acc / drafts, 4) if drafts else None,
-            "generation_tokens": d(GEN_TOKENS),
-            "client_completion_tokens": client_tokens.get(e, 0),
+            "generation_tokens": gen,
+            "client_completion_tokens": client,
             "preemptions": d(PREEMPTIONS),
             "accepted_per_position": per_pos,
-            "tree_budget_max": max(budgets) if budgets else None,
+            "tree_budget_max": budget,
             "draft_depth": depth,
         }
         summary.append(ep)
-        has_spec = DRAFTS in last
-        has_ddtree = f"{AL}_count" in last
-        if expect_ddtree and not (has_spec and has_ddtree):
-            problems.append(
-                f"epoch {e}: vllm:spec_decode_* or vllm:ddtree_* series missing"
-            )
-        if client_tokens.get(e, 0) > d(GEN_TOKENS) + 0.5:
-            problems.append(
-                f"epoch {e}: {GEN_TOKENS} moved {d(GEN_TOKENS):g}, less than the "
-                f"{client_tokens[e]} completion tokens the clients were sent"
-            )
+        has_spec, has_ddtree = DRAFTS in last, f"{AL}_count" in last
+        missing = expect_ddtree and not (has_spec and has_ddtree)
+        check(missing, "vllm:spec_decode_* or vllm:ddtree_* series missing")
+        msg = f"{GEN_TOKENS} moved {gen:g}, less than the {client} completion tokens"
+        check(client > gen + 0.5, msg + " the clients were sent")
         if not has_spec:
             continue
-        if expect_ddtree and drafts <= 0 and len(ss) > 1:
-            problems.append(f"epoch {e}: {DRAFTS} did not move")
-        if acc > dtok + 0.5:
-            problems.append(f"epoch {e}: accepted {acc:g} > draft tokens {dtok:g}")
-        if dtok < drafts - 0.5:
-            problems.append(f"epoch {e}: draft tokens {dtok:g} < drafts {drafts:g}")
-        if tree_budget and dtok > drafts * tree_budget + 0.5:
-            problems.append(
-                f"epoch {e}: draft tokens {dtok:g} > drafts {drafts:g} x "
-                f"tree_budget {tree_budget}"
-            )
-        if tree_budget and budgets and max(budgets) > tree_budget:
-            problems.append(
-                f"epoch {e}: {BUDGET} reached {max(budgets):g} > tree_budget "
-                f"{tree_budget}"
-            )
-        if depth and acc > drafts * depth + 0.5:
-            problems.append(
-                f"epoch {e}: accepted {acc:g} > drafts {drafts:g} x depth {depth:g}"
-            )
+        tb = tree_budget or math.inf
+        check(expect_ddtree and drafts <= 0 and len(ss) > 1, f"{DRAFTS} did not move")
+        check(acc > dtok + 0.5, f"accepted {acc:g} > draft tokens {dtok:g}")
+        check(dtok < drafts - 0.5, f"draft tokens {dtok:g} < drafts {drafts:g}")
+        msg = f"draft tokens {dtok:g} > drafts {drafts:g} x tree_budget {tree_budget}"
+        check(dtok > drafts * tb + 0.5, msg)
+        check((budget or 0) > tb, f"{BUDGET} reached {budget:g} > tree_budget {tb:g}")
+        msg = f"accepted {acc:g} > drafts {drafts:g} x depth {depth}"
+        check(bool(depth) and acc > drafts * (depth or 0) + 0.5, msg)
         if per_pos:
-            if per_pos[0] > drafts + 0.5:
-                problems.append(
-                    f"epoch {e}: position 0 count {per_pos[0]:g} > drafts {drafts:g}"
-                )
-            if any(b > a + 0.5 for a, b in zip(per_pos, per_pos[1:])):
-                problems.append(
-                    f"epoch {e}: per-position accepted counts rise: {per_pos}"
-                )
-            if abs(sum(per_pos) - acc) > 0.5:
-                problems.append(
-                    f"epoch {e}: per-position counts sum to {sum(per_pos):g}, "
-                    f"accepted is {acc:g}"
-                )
+            msg = f"position 0 count {per_pos[0]:g} > drafts {drafts:g}"
+            check(per_pos[0] > drafts + 0.5, msg)
+            rise = any(y > x + 0.5 for x, y in zip(per_pos, per_pos[1:]))
+            check(rise, f"per-position accepted counts rise: {per_pos}")
+            msg = f"per-position counts sum to {sum(per_pos):g}, accepted is {acc:g}"
+            check(abs(sum(per_pos) - acc) > 0.5, msg)
         if not has_ddtree:
             continue
-        al_count, al_sum = d(f"{AL}_count"), d(f"{AL}_sum")
-        ep["emitted_tokens"] = al_sum
-        if abs(al_count - drafts) > 0.5:
-            problems.append(
-                f"epoch {e}: {AL}_count moved {al_count:g}, drafts {drafts:g}"
-            )
-        if abs(al_sum - (acc + drafts)) > 0.5:
-            problems.append(
-                f"epoch {e}: emitted tokens ({AL}_sum) {al_sum:g} != accepted "
-                f"{acc:g} + drafts {drafts:g}"
-            )
-        b_last = _labelled(last, f"{AL}_bucket", "le")
-        b_first = _labelled(first, f"{AL}_bucket", "le")
-        buckets = sorted(
-            ((float(le), v - b_first.get(le, 0.0)) for le, v in b_last.items()),
-            key=lambda x: x[0],
+        al_count = d(f"{AL}_count")
+        al_sum = ep["emitted_tokens"] = d(f"{AL}_sum")
+        check(
+            abs(al_count - drafts) > 0.5,
+            f"{AL}_count moved {al_count:g}, drafts {drafts:g}",
         )
-        if any(b[1] < a[1] - 0.5 for a, b in zip(buckets, buckets[1:])):
-            problems.append(f"epoch {e}: {AL} buckets not cumulative")
-        if buckets and abs(buckets[-1][1] - al_count) > 0.5:
-            problems.append(
-                f"epoch {e}: {AL} +Inf bucket {buckets[-1][1]:g} != count {al_count:g}"
+        msg = f"emitted tokens ({AL}_sum) {al_sum:g} != accepted {acc:g} + drafts"
+        check(abs(al_sum - acc - drafts) > 0.5, msg)
+        buckets = [
+            v
+            for _, v in sorted(
+                (float(k), v) for k, v in moved(f"{AL}_bucket", "le").items()
             )
-        dl = _labelled(last, PER_DEPTH, "depth")
-        df = _labelled(first, PER_DEPTH, "depth")
+        ]
+        check(
+            any(y < x - 0.5 for x, y in zip(buckets, buckets[1:])),
+            f"{AL} buckets not cumulative",
+        )
+        inf = buckets[-1] if buckets else al_count
+        check(
+            abs(inf - al_count) > 0.5, f"{AL} +Inf bucket {inf:g} != count {al_count:g}"
+        )
+        depths = moved(PER_DEPTH, "depth")
         for k, v in enumerate(per_pos):
-            dd = dl.get(str(k + 1), 0.0) - df.get(str(k + 1), 0.0)
-            if abs(dd - v) > 0.5:
-                problems.append(
-                    f"epoch {e}: depth {k + 1} count {dd:g} != position {k} count {v:g}"
-                )
-    return {
-        "ok": not problems,
-        "problems": problems[:30],
-        "n_problems": len(problems),
-        "epochs": summary,
-    }
+            n = depths.get(str(k + 1), 0.0)
+            check(
+                abs(n - v) > 0.5,
+                f"depth {k + 1} count {n:g} != position {k} count {v:g}",
+            )
+    n = len(problems)
+    return {"ok": not n, "problems": problems[:30], "n_problems": n, "epochs": summary}
 
 
-def first_difference(text: str, ref: str) -> int | None:
-    for k, (a, b) in enumerate(zip(text, ref)):
-        if a != b:
-            return k
-    return None if len(text) == len(ref) else min(len(text), len(ref))
-
-
-def token_index(ref_tokens: list[str], char: int) -> int | None:
-    pos = 0
-    for k, tok in enumerate(ref_tokens):
-        pos += len(tok)
-        if pos > char:
-            return k
-    return None
-
-
-# ------------------------------------------------------------------- soak
 class Soak:
     def __init__(self, a: argparse.Namespace):
         self.a = a
         self.ep = Endpoint(a.base_url)
         self.ref = Endpoint(a.reference_url) if a.reference_url else None
+        self.server = LaunchedServer(a) if a.launch else None
         self.t0 = time.monotonic()
-        self.epoch = 0
-        self.windows: list[list[float | None]] = []  # [start, end] per fault
+        self.epoch, self.epoch_start = 0, {0: 0.0}
+        self.windows: list[list] = []  # [start, end] of each restart
         self.restarts: list[dict] = []
-        self.up = asyncio.Event()
+        self.up = asyncio.Event()  # cleared while the server restarts
         self.up.set()
-        self.stop_load = asyncio.Event()
-        self.stop_monitors = asyncio.Event()
-        self.outcomes: list[Outcome] = []
-        self.plans: dict[int, Plan] = {}
-        # (sent, answered, status): a poll cut by a restart falls in its window.
-        self.health: list[tuple[float, float, int]] = []
-        self.rss: list[tuple[float, int, float]] = []
+        self.stop_load, self.stop_monitors = asyncio.Event(), asyncio.Event()
+        self.outcomes: list[Plan] = []
+        self.issued = self.in_flight = 0
+        self.health: list[tuple[float, float, int]] = []  # (sent, answered, status)
+        self.rss: list[tuple[float, int, float]] = []  # (t, epoch, MiB)
         self.gpu: list[tuple[float, int, dict[str, float]]] = []
-        self.gpu_reason = ""
+        self.gpu_reason = self.gpu_scope_note = ""
         self.gpu_scope: str | None = None
-        self.gpu_scope_note = ""
         self.scrapes: list[tuple[float, int, dict[str, float]]] = []
-        self.types: dict[str, str] = {}
+        self.cumulative: set[str] = set()
         self.scrape_lock = asyncio.Lock()
-        self.epoch_start: dict[int, float] = {0: 0.0}
-        self.issued = 0
-        self.in_flight = 0
-        self.server: LaunchedServer | None = None
-        self.restart_begun = False
         self.load_end = 0.0
 
     def clock(self) -> float:
@@ -1159,141 +855,104 @@ class Soak:
 
     def in_window(self, t0: float, t1: float) -> bool:
         g = self.a.fault_grace
-        for w0, w1 in self.windows:
-            end = math.inf if w1 is None else w1 + g
-            if t0 <= end and t1 >= w0:
-                return True
-        return False
+        return any(
+            t0 <= (math.inf if w1 is None else w1 + g) and t1 >= w0
+            for w0, w1 in self.windows
+        )
 
     @property
     def server_pid(self) -> int | None:
-        return self.server.pid if self.server else self.a.server_pid
+        return self.server.proc.pid if self.server else self.a.server_pid
 
-    # -------------------------------------------------------- discovery
+    async def _sleep(self, s: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.stop_monitors.wait(), s)
+
     async def discover(self) -> Context:
-        models = await self.ep.json("GET", "/v1/models")
-        card = models["data"][0]
-        model = self.a.model or card["id"]
-        max_model_len = int(self.a.max_model_len or card.get("max_model_len") or 0)
-        if max_model_len <= 0:
-            raise RuntimeError(
-                "/v1/models gives no max_model_len; pass --max-model-len"
-            )
-        texts = load_prompts(self.a.prompts)[: self.a.num_prompts]
-        comp, chat, long_tokens = [], [], []
-        for text in texts:
-            t = await self.ep.json(
-                "POST", "/tokenize", {"model": model, "prompt": text}
-            )
-            # Room for at least 16 new tokens.
-            if t["count"] <= max_model_len - 16:
+        card = (await self.ep.json("GET", "/v1/models"))["data"][0]
+        model, max_len = card["id"], int(card.get("max_model_len") or 0)
+        if max_len <= 0:
+            raise RuntimeError("/v1/models gives no max_model_len")
+        comp, chat, long_tokens, stop_ids = [], [], [], set()
+
+        async def tokenize(**kw) -> dict:
+            return await self.ep.json("POST", "/tokenize", {"model": model, **kw})
+
+        for text in load_prompts(self.a.prompts)[:NUM_PROMPTS]:
+            t = await tokenize(prompt=text)
+            if t["count"] <= max_len - 16:  # room for 16 new tokens
                 comp.append((text, int(t["count"])))
                 long_tokens += t["tokens"]
-            if self.a.chat_fraction == 0:
-                continue  # a server without a chat template
-            c = await self.ep.json(
-                "POST",
-                "/tokenize",
-                {"model": model, "messages": [{"role": "user", "content": text}]},
-            )
-            if c["count"] <= max_model_len - 16:
+            c = await tokenize(messages=[{"role": "user", "content": text}])
+            if c["count"] <= max_len - 16:
                 chat.append((text, int(c["count"])))
-        if self.a.chat_fraction == 0:
-            chat = comp  # only the chat bad inputs use them
         if not comp or not chat:
-            raise RuntimeError(
-                f"no prompt leaves 16 tokens of max_model_len={max_model_len}"
-            )
-        stop_ids = []
+            raise RuntimeError(f"no prompt leaves 16 tokens of max_model_len={max_len}")
         for s in STOP_TEXTS:
-            t = await self.ep.json("POST", "/tokenize", {"model": model, "prompt": s})
-            if t["tokens"]:
-                stop_ids.append(int(t["tokens"][-1]))
-        return Context(
-            model, max_model_len, comp, chat, long_tokens, sorted(set(stop_ids))
-        )
+            stop_ids.update((await tokenize(prompt=s))["tokens"][-1:])
+        return Context(model, max_len, comp, chat, long_tokens, sorted(stop_ids))
 
-    # -------------------------------------------------------- bad input
     async def bad_input_phase(self, ctx: Context) -> list[dict]:
         rows = []
         for k, case in enumerate(bad_cases(ctx)):
-            plan = _bad_plan(-1 - k, case)
-            out = await run_plan(self.ep, plan, self.a.timeout, self.clock)
-            status, _ = await self.ep.call(
-                "GET", "/health", timeout=self.a.health_timeout
-            )
+            out = _bad_plan(-1 - k, case)
+            await run_plan(self.ep, out, self.a.timeout, self.clock)
+            health, _ = await self.ep.call("GET", "/health", timeout=HEALTH_TIMEOUT)
             rows.append(
                 {
-                    "name": plan.name,
-                    "api": plan.api,
-                    "outcome": out.status,
-                    "http": out.http,
-                    "error_kind": out.error_kind,
-                    "message": out.error,
-                    "health_after": status,
-                    "ok": out.status == "rejected" and status == 200,
+                    "name": out.name, "api": out.api, "outcome": out.status,
+                    "http": out.http, "error_kind": out.error_kind,
+                    "message": out.error, "health_after": health,
+                    "ok": out.status == "rejected" and health == 200,
                 }
-            )
+            )  # fmt: skip
         return rows
 
-    # ------------------------------------------------------------- load
     async def client(self, ctx: Context) -> None:
-        a = self.a
         while not self.stop_load.is_set():
             if not self.up.is_set():  # the server restarts
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.up.wait(), 0.5)
                 continue
-            i = self.issued
-            self.issued += 1
-            plan = make_plan(i, a.seed, ctx, a)
-            self.plans[i] = plan
+            i, self.issued = self.issued, self.issued + 1
+            req = make_plan(i, self.a.seed, ctx, self.a)
             self.in_flight += 1
             epoch = self.epoch
-            out = await run_plan(self.ep, plan, a.timeout, self.clock)
+            await run_plan(self.ep, req, self.a.timeout, self.clock)
             self.in_flight -= 1
-            out.epoch = epoch
-            self.outcomes.append(out)
-            if out.status == "connection_error" and not self.up.is_set():
+            req.epoch = epoch
+            self.outcomes.append(req)
+            if req.status == "connection_error" and not self.up.is_set():
                 await asyncio.sleep(0.05)
 
     async def load_timer(self) -> None:
         a = self.a
-        while True:
-            t = self.clock()
-            if t >= a.max_duration:
-                break
-            if t >= a.duration and self.issued >= a.requests:
-                break
+        while self.clock() < a.max_duration and (
+            self.clock() < a.duration or self.issued < a.requests
+        ):
             await asyncio.sleep(0.05)
         self.stop_load.set()
 
     async def health_poller(self) -> None:
         while not self.stop_monitors.is_set():
             t = self.clock()
-            status, _ = await self.ep.call(
-                "GET", "/health", timeout=self.a.health_timeout
-            )
+            status, _ = await self.ep.call("GET", "/health", timeout=HEALTH_TIMEOUT)
             self.health.append((t, self.clock(), status))
             await self._sleep(self.a.health_interval)
 
-    async def _sleep(self, s: float) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.stop_monitors.wait(), s)
-
     async def scrape(self) -> dict[str, float] | None:
-        # One at a time, so that the list is in the server's order; the
-        # lifetime is the one asked (an old server's last answer can be read
-        # after the restart has begun).
+        # One at a time, in the server's order; the lifetime is the one asked
+        # (an old server's last answer can come after the restart has begun).
         async with self.scrape_lock:
             t, epoch = self.clock(), self.epoch
             status, body = await self.ep.call("GET", "/metrics", timeout=15)
+            try:
+                s, cumulative = parse_metrics(body.decode("utf-8", "replace"))
+            except ValueError:
+                status = 0
             if status != 200:
                 return None
-            text = body.decode("utf-8", "replace")
-            if not self.types:
-                self.types = parse_types(text)
-            s = parse_prometheus(text, ("vllm:",))
+            self.cumulative |= cumulative
             self.scrapes.append((t, epoch, s))
             return s
 
@@ -1304,39 +963,33 @@ class Soak:
             await self._sleep(self.a.metrics_interval)
 
     def gpu_sample(self, pids: set[int] | None) -> tuple[dict[str, float] | None, str]:
-        """One GPU memory sample: the server's processes (``--gpu-memory
-        server``, or ``auto`` once nvidia-smi is seen to list them) or each
-        GPU's total (``device``, or ``auto`` when it does not); None and why
-        (an empty why: no sample now, e.g. while the server restarts)."""
-        a = self.a
-        if a.gpu_memory == "device":
+        """The GPU memory of the server's processes once nvidia-smi is seen to
+        list them, else each GPU's total; None and why (an empty why: no
+        sample now, e.g. while the server restarts)."""
+        smi = self.a.nvidia_smi
+        if self.gpu_scope != "device":
+            if not pids:
+                return None, ""
+            rows, why = nvidia_smi(smi, "--query-compute-apps=pid,used_memory")
+            mine = [mib for pid, mib in rows if pid.isdigit() and int(pid) in pids]
+            if mine:
+                self.gpu_scope = "server"
+                return {"server": sum(mine)}, ""
+            if self.gpu_scope == "server":
+                return None, ""
+            why = why or f"{smi} lists no process of the server"
             self.gpu_scope = "device"
-        if self.gpu_scope == "device":
-            return gpu_memory_mib(a.nvidia_smi, a.gpus)
-        if not pids:
-            # No server process to look for (yet, or while it restarts).
-            return None, ""
-        mib, why = server_gpu_memory_mib(a.nvidia_smi, a.gpus, pids)
-        if mib is not None:
-            self.gpu_scope = "server"
-            return {"server": mib}, ""
-        if self.gpu_scope == "server":
-            return None, ""
-        if a.gpu_memory == "server":
-            return None, why
-        # auto, and nvidia-smi lists none of the server's processes.
-        self.gpu_scope = "device"
-        self.gpu_scope_note = f"{why}: each GPU's total is sampled"
-        return gpu_memory_mib(a.nvidia_smi, a.gpus)
+            self.gpu_scope_note = f"{why}: each GPU's total is sampled"
+        rows, why = nvidia_smi(smi, "--query-gpu=index,memory.used")
+        mem = dict(rows)
+        return (mem, "") if mem else (None, why or f"{smi} printed no memory.used")
 
     async def memory_sampler(self) -> None:
-        a = self.a
         gpu_on = True
-        if a.gpu_memory == "device" or self.server_pid is None:
+        if self.server_pid is None:
             self.gpu_scope = "device"
         while not self.stop_monitors.is_set():
-            t, epoch, pid = self.clock(), self.epoch, self.server_pid
-            pids = None
+            t, epoch, pid, pids = self.clock(), self.epoch, self.server_pid, None
             if pid is not None:
                 pids, rss = await asyncio.to_thread(process_tree, pid)
                 if rss is not None:
@@ -1346,60 +999,58 @@ class Soak:
                 if mem is not None:
                     self.gpu.append((t, epoch, mem))
                 elif why:
-                    gpu_on = not why.endswith("not found")
-                    self.gpu_reason = why
-            await self._sleep(a.memory_interval)
+                    gpu_on, self.gpu_reason = not why.endswith("not found"), why
+            await self._sleep(self.a.memory_interval)
 
     async def progress(self) -> None:
         while not self.stop_monitors.is_set():
             await self._sleep(self.a.progress_interval)
-            c = Counter(o.status for o in self.outcomes)
-            h = self.health[-1][2] if self.health else None
-            bad_h = sum(1 for _, _, s in self.health if s != 200)
-            s = self.scrapes[-1][2] if self.scrapes else {}
+            c = dict(sorted(Counter(o.status for o in self.outcomes).items()))
+            h = [s for _, _, s in self.health]
+            now = self.scrapes[-1][2] if self.scrapes else {}
             s0 = next((x[2] for x in self.scrapes if x[1] == self.epoch), {})
-            dr = s.get(DRAFTS, 0) - s0.get(DRAFTS, 0)
-            tau = 1 + (s.get(ACCEPTED, 0) - s0.get(ACCEPTED, 0)) / dr if dr else None
-            rss = f"{self.rss[-1][2]:.0f} MiB" if self.rss else "-"
+            d = {
+                k: now.get(k, 0) - s0.get(k, 0) for k in (DRAFTS, ACCEPTED, PREEMPTIONS)
+            }
+            tau = round(1 + d[ACCEPTED] / d[DRAFTS], 2) if d[DRAFTS] else None
+            rss = f"{self.rss[-1][2]:.0f}" if self.rss else "-"
             gpu = (
-                "+".join(f"{v:.0f}" for v in self.gpu[-1][2].values()) + " MiB"
+                "+".join(f"{v:.0f}" for v in self.gpu[-1][2].values())
                 if self.gpu
                 else "-"
             )
             log(
-                f"{self.clock():6.0f}s issued {self.issued} in flight "
-                f"{self.in_flight} | {dict(sorted(c.items()))} | health {h} "
-                f"({bad_h} not 200 of {len(self.health)}) | rss {rss} gpu {gpu} | "
-                f"preemptions {s.get(PREEMPTIONS, 0) - s0.get(PREEMPTIONS, 0):g} "
-                f"tau {tau and round(tau, 2)}"
+                f"{self.clock():6.0f}s issued {self.issued} in flight {self.in_flight}"
+                f" | {c} | health {h[-1] if h else None} ({len(h) - h.count(200)}"
+                f" not 200 of {len(h)}) | rss {rss} gpu {gpu} MiB | preemptions"
+                f" {d[PREEMPTIONS]:g} tau {tau}"
             )
 
     async def restarter(self) -> None:
-        a = self.a
-        await asyncio.sleep(max(0.0, a.restart_at - self.clock()))
-        if self.stop_load.is_set() or self.server is None:
+        await asyncio.sleep(max(0.0, self.a.restart_at - self.clock()))
+        if self.stop_load.is_set():
             return
-        self.restart_begun = True  # from here on it runs to its end
         await self.scrape()  # the last of this lifetime
         t_stop = self.clock()
         self.windows.append([t_stop, None])
         self.up.clear()
-        log(f"restart: stopping the server (pid {self.server.pid})")
-        await self.server.stop(a.stop_grace)
+        log(f"restart: stopping the server (pid {self.server_pid})")
+        await self.server.stop()
         self.epoch += 1
         self.server.start()
-        err = await self.server.wait_ready(self.ep, a.start_timeout)
-        t_up = self.clock()
-        self.windows[-1][1] = t_up
-        self.epoch_start[self.epoch] = t_up
+        err = await self.server.wait_ready(self.ep)
+        t_up = self.windows[-1][1] = self.epoch_start[self.epoch] = self.clock()
         self.restarts.append(
             {"t_stop": round(t_stop, 2), "t_up": round(t_up, 2), "error": err}
         )
+        log(
+            f"restart failed: {err}"
+            if err
+            else f"restart: up again after {t_up - t_stop:.1f}s"
+        )
         if err:
-            log(f"restart failed: {err}")
             self.stop_load.set()
         else:
-            log(f"restart: the server answers again after {t_up - t_stop:.1f}s")
             await self.scrape()  # the first of the new lifetime
         self.up.set()
 
@@ -1412,42 +1063,29 @@ class Soak:
             await asyncio.sleep(0.25)
         return False
 
-    # -------------------------------------------------------- reference
     async def compare_reference(self) -> dict:
         a = self.a
         todo = [
-            o
-            for o in self.outcomes
-            if o.category == "load"
-            and o.status == "completed"
-            and o.greedy
-            and not o.in_fault
-        ]
-        res: dict = {
-            "compared": 0,
-            "identical": 0,
-            "near_ties": [],
-            "mismatches": [],
-            "num_near_ties": 0,
-            "num_mismatches": 0,
-            "reference_errors": [],
-            "eligible": len(todo),
-        }
+            o for o in self.outcomes
+            if o.category == "load" and o.status == "completed"
+            if o.greedy and not o.in_fault
+        ]  # fmt: skip
+        res: dict = {"compared": 0, "identical": 0, "eligible": len(todo)}
+        near, bad, errors = [], [], []
         try:
             ref_model = (await self.ref.json("GET", "/v1/models"))["data"][0]["id"]
         except (RuntimeError, KeyError, IndexError, ValueError) as e:
-            res["reference_errors"].append({"error": f"/v1/models: {e}"[:200]})
-            res["ok"] = False
-            return res
-        sem = asyncio.Semaphore(a.reference_concurrency)
+            errors.append({"error": f"/v1/models: {e}"[:200]})
+            todo = []
+        sem = asyncio.Semaphore(REFERENCE_CONCURRENCY)
         deadline = time.monotonic() + a.reference_max_s
 
-        async def one(o: Outcome) -> None:
-            plan = self.plans[o.id]
-            body = {**plan.body, "model": ref_model}
-            for k in ("stream", "stream_options", "prompt_logprobs"):
-                body.pop(k, None)
-            if plan.api == "chat":
+        async def one(o: Plan) -> None:
+            skip = ("stream", "stream_options", "prompt_logprobs")
+            body = {k: v for k, v in o.body.items() if k not in skip} | {
+                "model": ref_model
+            }
+            if o.api == "chat":
                 body.update(
                     logprobs=True, top_logprobs=max(2, body.get("top_logprobs", 0))
                 )
@@ -1456,68 +1094,51 @@ class Soak:
             async with sem:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    res["reference_errors"].append(
-                        {"id": o.id, "error": "no time left"}
-                    )
-                    return
+                    return errors.append({"id": o.id, "error": "no time left"})
+                data = json.dumps(body).encode()
                 status, data = await self.ref.call(
-                    "POST", plan.path, json.dumps(body).encode(), min(a.timeout, left)
+                    "POST", o.path, data, min(a.timeout, left)
                 )
             try:
-                payload = json.loads(data) if status == 200 else None
-                c = payload["choices"][0] if payload else None
+                c = json.loads(data)["choices"][0] if status == 200 else None
             except (ValueError, KeyError, IndexError, TypeError):
                 c = None
             if c is None:
-                res["reference_errors"].append(
+                return errors.append(
                     {"id": o.id, "http": status, "error": error_message(data)[:200]}
                 )
-                return
-            ref_text = _choice_text(plan.api, c, False)
-            tg = choice_logprobs(plan.api, c)
-            ref_tokens = [tok for tok, _ in tg]
-            gaps = [g for _, g in tg]
+            ref_text, tg = choice_text(o.api, c), choice_logprobs(o.api, c)
+            tokens, gaps = [t for t, _ in tg], [g for _, g in tg]
             res["compared"] += 1
-            diffs = [
-                (idx, text) for idx, text in sorted(o.texts.items()) if text != ref_text
-            ]
+            diffs = [text for _, text in sorted(o.texts.items()) if text != ref_text]
             if not diffs:
                 res["identical"] += 1
                 return
-            idx, text = diffs[0]
-            char = first_difference(text, ref_text)
-            gap = divergence_gap(text, ref_text, ref_tokens, gaps)
+            char = first_difference(diffs[0], ref_text) or 0
+            gap = divergence_gap(diffs[0], ref_text, tokens, gaps)
+            drop = ("model", "prompt", "messages", "stream_options")
             row = {
-                "id": o.id,
-                "api": o.api,
-                "stream": o.stream,
-                "name": o.name,
-                "first_diff_char": char,
-                "first_diff_token": token_index(ref_tokens, char or 0),
+                "id": o.id, "api": o.api, "stream": o.stream, "name": o.name,
+                "first_diff_char": char, "first_diff_token": token_index(tokens, char),
                 "ref_top2_gap": gap,
-                "sampling": {
-                    k: v
-                    for k, v in plan.body.items()
-                    if k not in ("model", "prompt", "messages", "stream_options")
-                },
-                "ours": text[max(0, (char or 0) - 20) : (char or 0) + 20],
-                "ref": ref_text[max(0, (char or 0) - 20) : (char or 0) + 20],
-            }
-            if a.float32 and gap is not None and gap < a.tie_tolerance:
-                res["near_ties"].append(row)
-            else:
-                res["mismatches"].append(row)
+                "sampling": {k: v for k, v in o.body.items() if k not in drop},
+                "ours": diffs[0][max(0, char - 20) : char + 20],
+                "ref": ref_text[max(0, char - 20) : char + 20],
+            }  # fmt: skip
+            tie = a.float32 and gap is not None and gap < a.tie_tolerance
+            (near if tie else bad).append(row)
 
         await asyncio.gather(*(one(o) for o in todo))
-        res["ok"] = not res["mismatches"] and not res["reference_errors"]
         # The counts cover every output; the rows kept are the first 50 by id.
-        res["num_mismatches"] = len(res["mismatches"])
-        res["num_near_ties"] = len(res["near_ties"])
-        res["mismatches"] = sorted(res["mismatches"], key=lambda r: r["id"])[:50]
-        res["near_ties"] = sorted(res["near_ties"], key=lambda r: r["id"])[:50]
-        return res
+        return res | {
+            "ok": not bad and not errors,
+            "num_mismatches": len(bad),
+            "num_near_ties": len(near),
+            "mismatches": sorted(bad, key=lambda r: r["id"])[:50],
+            "near_ties": sorted(near, key=lambda r: r["id"])[:50],
+            "reference_errors": errors,
+        }
 
-    # -------------------------------------------------------------- run
     async def run(self) -> dict:
         a = self.a
         report: dict = {
@@ -1525,89 +1146,57 @@ class Soak:
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "base_url": self.ep.base_url,
             "reference_url": self.ref.base_url if self.ref else None,
-            "args": {k: v for k, v in vars(a).items()},
+            "args": vars(a),
         }
-        if a.launch:
-            self.server = LaunchedServer(a.launch, a.server_log, a.after_start)
-            self.server.start()
-            log(f"launched the server (pid {self.server.pid}), log {a.server_log}")
-            err = await self.server.wait_ready(self.ep, a.start_timeout)
-            if err:
-                await self.server.stop(a.stop_grace)
-                return {**report, "ok": False, "fatal": err}
         try:
-            return await self._run(report)
+            if self.server is not None:
+                self.server.start()
+                log(f"launched the server (pid {self.server_pid}), log {a.server_log}")
+                if err := await self.server.wait_ready(self.ep):
+                    return report | {"ok": False, "fatal": err}
+            try:
+                ctx = await self.discover()
+            except (RuntimeError, KeyError, IndexError, ValueError) as e:
+                return report | {"ok": False, "fatal": f"discovery: {e}"}
+            return report | await self._run(ctx)
         finally:
             if self.server is not None:
-                await self.server.stop(a.stop_grace)
+                await self.server.stop()
             for ep in (self.ep, self.ref):
-                if ep is not None:
-                    await ep.close()
+                if ep is not None and ep._client is not None:
+                    await ep._client.aclose()
 
-    async def _run(self, report: dict) -> dict:
+    async def _run(self, ctx: Context) -> dict:
         a = self.a
-        try:
-            ctx = await self.discover()
-        except (RuntimeError, KeyError, IndexError, ValueError) as e:
-            return {**report, "ok": False, "fatal": f"discovery: {e}"}
-        report.update(
-            model=ctx.model,
-            max_model_len=ctx.max_model_len,
-            prompts={
-                "completion": len(ctx.completion_prompts),
-                "chat": len(ctx.chat_prompts),
-            },
-            stop_token_ids=ctx.stop_token_ids,
-        )
         log(f"model {ctx.model}, max_model_len {ctx.max_model_len}; bad inputs")
         bad_rows = await self.bad_input_phase(ctx)
         log(f"bad inputs: {sum(r['ok'] for r in bad_rows)}/{len(bad_rows)} ok; load")
-
         self.t0 = time.monotonic()
-        self.epoch_start = {0: 0.0}
         await self.scrape()
         monitors = [
             asyncio.create_task(f())
-            for f in (
-                self.health_poller,
-                self.metrics_scraper,
-                self.memory_sampler,
-                self.progress,
-            )
-        ]
+            for f in (self.health_poller, self.metrics_scraper)
+            + (self.memory_sampler, self.progress)
+        ]  # fmt: skip
         restart = None
-        if a.restart_at and self.server is not None:
+        if a.restart_at:
             restart = asyncio.create_task(self.restarter())
         clients = [asyncio.create_task(self.client(ctx)) for _ in range(a.concurrency)]
-        timer = asyncio.create_task(self.load_timer())
-        await timer
+        await self.load_timer()
         await asyncio.gather(*clients)
         if restart is not None:
-            if not self.restart_begun:
+            if not self.windows:  # not begun; once begun it runs to its end
                 restart.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await restart  # bounded by --stop-grace and --start-timeout
         self.load_end = self.clock()
         log(f"load done after {self.load_end:.0f}s, {self.issued} requests; drain")
         drained = await self.drain()
-        probe = await run_plan(
-            self.ep,
-            Plan(
-                -10_000,
-                "load",
-                "probe",
-                "completion",
-                {
-                    "model": ctx.model,
-                    "prompt": ctx.completion_prompts[0][0],
-                    "max_tokens": 4,
-                    "temperature": 0.0,
-                },
-            ),
-            a.timeout,
-            self.clock,
-        )
-        final_health, _ = await self.ep.call("GET", "/health", timeout=a.health_timeout)
+        prompt = ctx.completion_prompts[0][0]
+        body = {"model": ctx.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        probe = Plan(-10_000, "load", "probe", "completion", body)
+        probe = await run_plan(self.ep, probe, a.timeout, self.clock)
+        final_health, _ = await self.ep.call("GET", "/health", timeout=HEALTH_TIMEOUT)
         await self.scrape()
         self.stop_monitors.set()
         await asyncio.gather(*monitors)
@@ -1617,342 +1206,237 @@ class Soak:
         if self.ref is not None:
             log("comparing greedy outputs with the reference server")
             greedy = await self.compare_reference()
-        report.update(self.evaluate(bad_rows, drained, probe, final_health, greedy))
-        return report
+        final = drained, probe.status, final_health
+        return {
+            "model": ctx.model,
+            "max_model_len": ctx.max_model_len,
+            "prompts": {
+                "completion": len(ctx.completion_prompts),
+                "chat": len(ctx.chat_prompts),
+            },
+            "stop_token_ids": ctx.stop_token_ids,
+        } | self.evaluate(bad_rows, final, greedy)
 
-    # --------------------------------------------------------- evaluate
-    def evaluate(self, bad_rows, drained, probe, final_health, greedy) -> dict:
-        a = self.a
-        outs = self.outcomes
-        crit: dict[str, dict] = {}
+    def memory(self, samples, warmup: float, tol: float) -> dict:
+        """flatness() of each series (name, epoch) of ``samples`` (t, epoch,
+        {name: MiB}), without those inside a restart's window (a server
+        stopping or starting is not the steady state)."""
+        series = defaultdict(list)
+        for t, e, mem in samples:
+            for name, v in mem.items():
+                if not self.in_window(t, t):
+                    series[name, e].append((t, v))
+        start = self.epoch_start
+        return {
+            k: flatness(v, start.get(k[1], 0.0), warmup, tol)
+            for k, v in sorted(series.items())
+        }
 
-        def failing(o: Outcome) -> bool:
-            if o.status in CLEAN[o.category]:
-                return False
+    def evaluate(self, bad_rows: list[dict], final: tuple, greedy: dict | None) -> dict:
+        a, outs = self.a, self.outcomes
+
+        def failing(o: Plan) -> bool:
             cut = o.status in FAULT_ONLY or o.error_kind in FAULT_ONLY_KINDS
-            return not (cut and o.in_fault)
+            return o.status not in CLEAN[o.category] and not (cut and o.in_fault)
 
-        for cat, name in (
-            ("load", "requests"),
-            ("refuse", "refusals"),
-            ("bad", "bad_input"),
-        ):
+        crit: dict[str, dict] = {}
+        for cat, name in zip(CLEAN, ("requests", "refusals", "bad_input")):
             mine = [o for o in outs if o.category == cat]
-            bad = [o for o in mine if failing(o)]
-            crit[name] = {
-                "ok": not bad,
-                "detail": f"{len(mine) - len(bad)}/{len(mine)} clean"
-                + (f"; failing: {dict(Counter(o.status for o in bad))}" if bad else ""),
-            }
+            bad = Counter(o.status for o in mine if failing(o))
+            detail = f"{len(mine) - bad.total()}/{len(mine)} clean"
+            detail += f"; failing: {dict(bad)}" if bad else ""
+            crit[name] = _crit(not bad, detail)
         if not a.expect_ddtree:
-            crit["refusals"] = {"ok": None, "detail": "skipped (--no-expect-ddtree)"}
+            crit["refusals"] = _crit(None, "skipped (--no-expect-ddtree)")
         elif not any(o.category == "refuse" for o in outs):
-            crit["refusals"]["ok"] = False
-            crit["refusals"]["detail"] = "no refused kind was sent"
-        phase_bad = [r for r in bad_rows if not r["ok"]]
-        if phase_bad:
-            crit["bad_input"]["ok"] = False
-            crit["bad_input"]["detail"] += (
-                f"; one at a time: {len(phase_bad)}/{len(bad_rows)} failed "
-                f"({', '.join(r['name'] for r in phase_bad[:8])})"
-            )
-        else:
-            crit["bad_input"]["detail"] += f"; one at a time: {len(bad_rows)} ok"
-        crit["load"] = {
-            "ok": self.issued >= a.requests and self.load_end >= a.duration,
-            "detail": f"{self.issued} requests in {self.load_end:.0f}s "
-            f"(asked: {a.requests} in {a.duration:g}s)",
-        }
+            crit["refusals"] = _crit(False, "no refused kind was sent")
+        phase_bad = [r["name"] for r in bad_rows if not r["ok"]]
+        crit["bad_input"]["ok"] &= not phase_bad
+        failed = f"{len(phase_bad)}/{len(bad_rows)} failed ({', '.join(phase_bad[:8])})"
+        crit["bad_input"]["detail"] += "; one at a time: " + (
+            failed if phase_bad else f"{len(bad_rows)} ok"
+        )
+        ok = self.issued >= a.requests and self.load_end >= a.duration
+        detail = f"{self.issued} requests in {self.load_end:.0f}s"
+        crit["load"] = _crit(ok, detail + f" (asked: {a.requests} in {a.duration:g}s)")
+        health = self.health
         bad_h = [
-            (t0, s)
-            for t0, t1, s in self.health
-            if s != 200 and not self.in_window(t0, t1)
+            (t, s) for t, t1, s in health if s != 200 and not self.in_window(t, t1)
         ]
-        crit["health"] = {
-            "ok": bool(self.health) and not bad_h,
-            "detail": f"{len(self.health)} polls, {len(bad_h)} not 200 outside "
-            "fault windows"
-            + (f" (first at {bad_h[0][0]:.1f}s: {bad_h[0][1]})" if bad_h else ""),
-        }
-        crit["final"] = {
-            "ok": drained and probe.status == "completed" and final_health == 200,
-            "detail": f"drained {drained}, short request {probe.status}, "
-            f"/health {final_health}",
-        }
+        detail = f"{len(self.health)} polls, {len(bad_h)} not 200 outside fault windows"
+        first = f" (first at {bad_h[0][0]:.1f}s: {bad_h[0][1]})" if bad_h else ""
+        crit["health"] = _crit(bool(self.health) and not bad_h, detail + first)
+        drained, probe, last = final
+        ok = drained and probe == "completed" and last == 200
+        crit["final"] = _crit(
+            ok, f"drained {drained}, short request {probe}, /health {last}"
+        )
 
-        warm = a.warmup if a.warmup is not None else 0.2 * a.duration
-        # Samples inside a restart's window (a server stopping or starting)
-        # are left out: neither is the steady state the criteria are about.
-        memory: dict = {"warmup_s": warm}
-        per_epoch_rss = {}
-        for e in sorted({x[1] for x in self.rss}):
-            per_epoch_rss[e] = flatness(
-                [
-                    (t, v)
-                    for t, ep, v in self.rss
-                    if ep == e and not self.in_window(t, t)
-                ],
-                self.epoch_start.get(e, 0.0),
-                warm,
-                a.rss_growth_mib,
-            )
-        memory["rss"] = {"pid": self.server_pid, "epochs": per_epoch_rss}
-        crit["server_rss"] = self._mem_criterion(
-            per_epoch_rss,
-            "skipped: no server pid (use --launch or --server-pid)"
-            if self.server_pid is None
-            else "no RSS sample (pid gone?)",
-        )
-        per_gpu: dict = {}
-        for e in sorted({x[1] for x in self.gpu}):
-            for idx in sorted({k for _, ep, m in self.gpu if ep == e for k in m}):
-                name = idx if idx == "server" else f"gpu{idx}"
-                per_gpu[f"{name}/epoch{e}"] = flatness(
-                    [
-                        (t, m[idx])
-                        for t, ep, m in self.gpu
-                        if ep == e and idx in m and not self.in_window(t, t)
-                    ],
-                    self.epoch_start.get(e, 0.0),
-                    warm,
-                    a.gpu_growth_mib,
-                )
-        memory["gpu"] = {
-            "scope": self.gpu_scope,
-            "scope_note": self.gpu_scope_note or None,
-            "series": per_gpu,
-            "unavailable": self.gpu_reason or None,
+        warmup = a.warmup if a.warmup is not None else 0.2 * a.duration
+        rss = [(t, e, {"rss": v}) for t, e, v in self.rss]
+        rss = {
+            str(e): v
+            for (_, e), v in self.memory(rss, warmup, a.rss_growth_mib).items()
         }
-        crit["gpu_memory"] = self._mem_criterion(
-            per_gpu, f"skipped: {self.gpu_reason or 'no sample'}"
+        gpu = self.memory(self.gpu, warmup, a.gpu_growth_mib)
+        gpu = {
+            f"{k if k == 'server' else 'gpu' + k}/epoch{e}": v
+            for (k, e), v in gpu.items()
+        }
+        why = (
+            "no RSS sample"
+            if self.server_pid
+            else "no server pid (--launch, --server-pid)"
         )
+        crit["server_rss"] = _memory_criterion(rss, f"skipped: {why}")
+        why = self.gpu_reason or "no sample"
+        crit["gpu_memory"] = _memory_criterion(gpu, f"skipped: {why}")
 
         # Per server lifetime: the requests that started after its first
-        # scrape and ended before its last one, so that the counters read
-        # cover them whole.
-        client_tokens: dict[int, int] = defaultdict(int)
+        # scrape and ended before its last, whose tokens the counters cover.
         span: dict[int, list[float]] = {}
         for t, e, _ in self.scrapes:
             span.setdefault(e, [t, t])[1] = t
+        client_tokens: dict[int, int] = defaultdict(int)
         for o in outs:
             t_first, t_last = span.get(o.epoch, (math.inf, -math.inf))
-            if (
-                o.status == "completed"
-                and t_first <= o.t_start
-                and o.t_end <= t_last
-                and o.completion_tokens
-            ):
-                client_tokens[o.epoch] += o.completion_tokens
-        metrics = check_metrics(
-            self.scrapes, self.types, a.expect_ddtree, client_tokens, a.tree_budget
-        )
-        detail = "consistent"
-        if not metrics["ok"]:
-            n = metrics.get("n_problems", 1)
-            detail = f"{n} problems, first: {metrics['problems'][0]}"
-        crit["metrics"] = {"ok": metrics["ok"], "detail": detail}
+            if o.status == "completed" and t_first <= o.t_start and o.t_end <= t_last:
+                client_tokens[o.epoch] += o.completion_tokens or 0
+        args = (a.expect_ddtree, client_tokens, a.tree_budget)
+        metrics = check_metrics(self.scrapes, self.cumulative, *args)
+        problems = metrics["problems"]
+        n = metrics["n_problems"]
+        detail = f"{n} problems, first: {problems[0]}" if problems else ""
+        crit["metrics"] = _crit(metrics["ok"], detail or "consistent")
         preempt = sum(ep["preemptions"] for ep in metrics["epochs"])
-        crit["preemption"] = {
-            "ok": preempt > 0 if a.expect_preemption else None,
-            "detail": f"{preempt:g} preemptions"
-            + ("" if a.expect_preemption else " (not required)"),
-        }
-        if greedy is None:
-            crit["greedy_reference"] = {
-                "ok": None,
-                "detail": "skipped: no --reference-url",
-            }
-        else:
-            crit["greedy_reference"] = {
-                "ok": greedy["ok"],
-                "detail": f"{greedy['identical']}/{greedy['compared']} identical, "
-                f"{greedy['num_near_ties']} near-ties, "
-                f"{greedy['num_mismatches']} mismatches, "
-                f"{len(greedy['reference_errors'])} not compared",
-            }
+        ok = preempt > 0 if a.expect_preemption else None
+        detail = f"{preempt:g} preemptions" + (
+            "" if ok is not None else " (not required)"
+        )
+        crit["preemption"] = _crit(ok, detail)
+        crit["greedy_reference"] = _crit(None, "skipped: no --reference-url")
+        if greedy is not None:
+            g, errors = greedy, len(greedy["reference_errors"])
+            detail = f"{g['identical']}/{g['compared']} identical, "
+            detail += f"{g['num_near_ties']} near-ties, {g['num_mismatches']} "
+            detail += f"mismatches, {errors} not compared"
+            crit["greedy_reference"] = _crit(g["ok"], detail)
 
-        completed = [o for o in outs if o.status == "completed"]
-        by_cat: dict = defaultdict(Counter)
+        by_kind: dict = defaultdict(Counter)
         for o in outs:
-            by_cat[f"{o.category}:{o.name}"][o.status] += 1
-        errors = Counter(o.error_kind for o in outs if o.error_kind)
+            by_kind[f"{o.category}:{o.name}"][o.status] += 1
         failing_rows = [o.brief() for o in outs if failing(o)]
-        ok = all(c["ok"] is not False for c in crit.values())
+        errors = Counter(o.error_kind for o in outs if o.error_kind)
+        fault = [
+            f"{o.status}:{o.error_kind}" if o.error_kind else o.status for o in outs
+        ]
+        fault = Counter(f for f, o in zip(fault, outs) if o.in_fault)
+        latency = {
+            s: percentiles([o.t_end - o.t_start for o in outs if o.status == s])
+            for s in ("completed", "aborted", "refused", "rejected")
+        }
+        ttft = [o.ttft for o in outs if o.status == "completed" and o.ttft is not None]
+        latency["completed_stream_ttft"] = percentiles(ttft)
+        windows = [[round(w0, 2), round(w1 or 0, 2)] for w0, w1 in self.windows]
         return {
-            "ok": ok,
+            "ok": all(c["ok"] is not False for c in crit.values()),
             "criteria": crit,
             "requests": {
                 "issued": self.issued,
                 "load_s": round(self.load_end, 2),
                 "by_outcome": dict(Counter(o.status for o in outs)),
-                "by_kind": {k: dict(v) for k, v in sorted(by_cat.items())},
+                "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
                 "errors_by_kind": dict(errors),
                 "in_fault_window": sum(o.in_fault for o in outs),
-                "in_fault_window_by_outcome": dict(
-                    Counter(
-                        f"{o.status}:{o.error_kind}" if o.error_kind else o.status
-                        for o in outs
-                        if o.in_fault
-                    )
-                ),
+                "in_fault_window_by_outcome": dict(fault),
                 "failing": failing_rows[:50],
                 "n_failing": len(failing_rows),
             },
-            "latency_s": {
-                "completed": percentiles([o.latency for o in completed]),
-                "completed_stream_ttft": percentiles(
-                    [o.ttft for o in completed if o.stream and o.ttft is not None]
-                ),
-                "aborted": percentiles(
-                    [o.latency for o in outs if o.status == "aborted"]
-                ),
-                "refused": percentiles(
-                    [o.latency for o in outs if o.status == "refused"]
-                ),
-                "rejected": percentiles(
-                    [o.latency for o in outs if o.status == "rejected"]
-                ),
-            },
+            "latency_s": latency,
             "health": {
                 "polls": len(self.health),
                 "by_status": dict(Counter(str(s) for _, _, s in self.health)),
                 "interval_s": a.health_interval,
             },
-            "memory": memory,
+            "memory": {
+                "warmup_s": warmup,
+                "rss": {"pid": self.server_pid, "epochs": rss},
+                "gpu": {
+                    "scope": self.gpu_scope,
+                    "scope_note": self.gpu_scope_note or None,
+                    "series": gpu,
+                    "unavailable": self.gpu_reason or None,
+                },
+            },
             "metrics": metrics,
             "greedy_reference": greedy,
             "bad_input": bad_rows,
             "faults": {
-                "windows": [
-                    [round(w0, 2), round(w1 or 0, 2)] for w0, w1 in self.windows
-                ],
+                "windows": windows,
                 "restarts": self.restarts,
                 "grace_s": a.fault_grace,
             },
         }
 
-    @staticmethod
-    def _mem_criterion(series: dict, skipped: str) -> dict:
-        if not series:
-            return {"ok": None, "detail": skipped}
-        judged = {k: v for k, v in series.items() if v["ok"] is not None}
-        if not judged:
-            return {"ok": None, "detail": "skipped: fewer than 3 samples after warm-up"}
-        worst = max(judged, key=lambda k: judged[k]["growth_mib"])
-        w = judged[worst]
-        return {
-            "ok": all(v["ok"] for v in judged.values()),
-            "detail": f"largest growth after warm-up {w['growth_mib']:g} MiB "
-            f"({w['slope_mib_per_min']:g} MiB/min, {worst}), tolerance "
-            f"{w['tolerance_mib']:g} MiB",
-        }
+
+def _crit(ok: bool | None, detail: str) -> dict:
+    return {"ok": ok, "detail": detail}
 
 
-# -------------------------------------------------------------------- CLI
-# (option, default, help) per group; the type is the default's (str for None).
-OPTIONS = {
-    "server": [
-        ("--base-url", "http://127.0.0.1:8000", None),
-        ("--model", None, "default: the server's first model"),
-        ("--max-model-len", 0, "default: from /v1/models"),
-        (
-            "--launch",
-            None,
-            "start this server command (split like a shell line) "
-            "and stop it at the end",
-        ),
-        (
-            "--after-start",
-            None,
-            "command run after every start of --launch once "
-            "/health answers, before any request, e.g. python3 -m "
-            "bench.pairs.load_served_pair; must exit 0",
-        ),
-        ("--server-log", "/tmp/soak-server.log", None),
-        ("--start-timeout", 900.0, None),
-        ("--stop-grace", 30.0, "seconds between SIGTERM and SIGKILL"),
-        (
-            "--restart-at",
-            0.0,
-            "with --launch: restart the server this many "
-            "seconds into the load (0: never)",
-        ),
-        ("--fault-grace", 5.0, "seconds after a restart still inside its fault window"),
-        (
-            "--server-pid",
-            0,
-            "pid whose RSS (with its descendants) is sampled, "
-            "when the server was not launched here",
-        ),
-        (
-            "--tree-budget",
-            0,
-            "the server's tree_budget: bounds the draft tokens "
-            "per draft (unchecked without it)",
-        ),
-    ],
-    "load": [
-        ("--duration", 600.0, "seconds, at least"),
-        ("--requests", 2000, "requests, at least"),
-        ("--max-duration", 1800.0, "the load stops here whatever was sent"),
-        ("--concurrency", 96, None),
-        ("--prompts", None, "JSONL with a 'prompt' field"),
-        ("--num-prompts", 64, None),
-        ("--seed", 0, None),
-        ("--max-tokens-max", 1024, None),
-        ("--chat-fraction", 0.4, None),
-        ("--stream-fraction", 0.5, None),
-        ("--greedy-fraction", 0.5, None),
-        ("--n-fraction", 0.15, "of the sampled requests, n in 2..4"),
-        (
-            "--long-fraction",
-            0.05,
-            "prompts of token ids within 80 tokens of max_model_len",
-        ),
-        ("--abort-fraction", 0.2, None),
-        ("--abort-max-s", 3.0, "aborts after a delay: uniform in [0, this]"),
-        ("--refuse-fraction", 0.05, None),
-        ("--bad-fraction", 0.02, None),
-        ("--timeout", 300.0, "client-side limit per request, s (past it: hang)"),
-    ],
-    "monitoring and criteria": [
-        ("--health-interval", 2.0, None),
-        ("--health-timeout", 5.0, None),
-        ("--metrics-interval", 10.0, None),
-        ("--memory-interval", 5.0, None),
-        ("--progress-interval", 15.0, None),
-        (
-            "--warmup",
-            None,
-            "seconds of each server lifetime before memory must "
-            "be flat (default: 20%% of --duration)",
-        ),
-        ("--rss-growth-mib", 256.0, None),
-        ("--gpu-growth-mib", 128.0, None),
-        ("--nvidia-smi", "nvidia-smi", None),
-        ("--gpus", None, "nvidia-smi -i, e.g. 0 or 0,1"),
-        ("--drain-timeout", 120.0, None),
-        (
-            "--reference-url",
-            None,
-            "a no-spec server of the same model (loopback), "
-            "started with --logprobs-mode processed_logprobs",
-        ),
-        ("--reference-concurrency", 32, None),
-        ("--reference-max-s", 1200.0, None),
-        (
-            "--tie-tolerance",
-            0.01,
-            "with --float32: reference top-2 logprob gap of a near-tie",
-        ),
-    ],
-    "output": [
-        ("--pair", None, "name in the output file (default: the model name)"),
-        ("--out", None, "default: bench/results/<date>-soak-<pair>.json"),
-    ],
-}
-# Options whose "unset" is None although their type is a number.
-NUMBER_OR_NONE = {"--max-model-len", "--server-pid", "--tree-budget", "--warmup"}
+def _memory_criterion(series: dict, skipped: str) -> dict:
+    judged = {k: v for k, v in series.items() if v["ok"] is not None}
+    if not judged:
+        return _crit(
+            None, "skipped: fewer than 3 samples after warm-up" if series else skipped
+        )
+    worst = max(judged, key=lambda k: judged[k]["growth_mib"])
+    w = judged[worst]
+    detail = f"largest growth after warm-up {w['growth_mib']:g} MiB "
+    detail += f"({w['slope_mib_per_min']:g} MiB/min, {worst}), "
+    detail += f"tolerance {w['tolerance_mib']:g} MiB"
+    return _crit(all(v["ok"] for v in judged.values()), detail)
+
+
+# (option, default, help); the type is the default's, str for None.
+OPTIONS = [
+    ("--base-url", "http://127.0.0.1:8000", None),
+    ("--launch", None, "start this server command, stop it at the end"),
+    ("--after-start", None, "run after each start of --launch; must exit 0"),
+    ("--server-log", "/tmp/soak-server.log", None),
+    ("--start-timeout", 900.0, None),
+    ("--stop-grace", 30.0, "seconds between SIGTERM and SIGKILL"),
+    ("--restart-at", 0.0, "with --launch: restart the server at this second"),
+    ("--fault-grace", 5.0, "seconds after a restart still in its fault window"),
+    ("--server-pid", None, "whose RSS (and descendants') is sampled, no --launch"),
+    ("--tree-budget", None, "the server's: bounds the draft tokens per draft"),
+    ("--duration", 600.0, "seconds, at least"),
+    ("--requests", 2000, "requests, at least"),
+    ("--max-duration", 1800.0, "the load stops here whatever was sent"),
+    ("--concurrency", 96, None),
+    ("--prompts", None, "JSONL with a 'prompt' field"),
+    ("--seed", 0, None),
+    ("--max-tokens-max", 1024, None),
+    ("--abort-fraction", 0.2, None),
+    ("--abort-max-s", 3.0, "aborts after a delay: uniform in [0, this]"),
+    ("--refuse-fraction", 0.05, None),
+    ("--bad-fraction", 0.02, None),
+    ("--timeout", 300.0, "client-side limit per request (past it: hang)"),
+    ("--health-interval", 2.0, None),
+    ("--metrics-interval", 10.0, None),
+    ("--memory-interval", 5.0, None),
+    ("--progress-interval", 15.0, None),
+    ("--warmup", None, "s per server lifetime, memory not judged (20%% of --duration)"),
+    ("--rss-growth-mib", 256.0, None),
+    ("--gpu-growth-mib", 128.0, None),
+    ("--nvidia-smi", "nvidia-smi", None),
+    ("--drain-timeout", 120.0, None),
+    ("--reference-url", None, "no-spec server, --logprobs-mode processed_logprobs"),
+    ("--reference-max-s", 1200.0, None),
+    ("--tie-tolerance", 0.01, "with --float32: top-2 logprob gap of a near-tie"),
+    ("--pair", None, "name in the output file (default: the model's)"),
+    ("--out", None, "default: bench/results/<date>-soak-<pair>.json"),
+]
+TYPES = {"--server-pid": int, "--tree-budget": int, "--warmup": float}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1960,39 +1444,21 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n")[1],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    groups = {name: ap.add_argument_group(name) for name in OPTIONS}
-    for name, options in OPTIONS.items():
-        for flag, default, help_ in options:
-            kind = float if flag == "--warmup" else type(default)
-            if default is None or flag in NUMBER_OR_NONE:
-                kind, default = (str if kind is type(None) else kind), None
-            groups[name].add_argument(flag, type=kind, default=default, help=help_)
-    g = groups["server"]
-    g.add_argument(
+    for flag, default, help_ in OPTIONS:
+        kind = TYPES.get(flag, str if default is None else type(default))
+        ap.add_argument(flag, type=kind, default=default, help=help_)
+    ap.add_argument(
         "--expect-ddtree",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="DDTree server: send the refused kinds, check its series",
     )
-    g.add_argument(
+    ap.add_argument(
         "--expect-preemption",
         action="store_true",
         help="fail unless vllm:num_preemptions moved",
     )
-    g = groups["monitoring and criteria"]
-    g.add_argument(
-        "--gpu-memory",
-        choices=("auto", "server", "device"),
-        default="auto",
-        help="GPU memory of the server's processes (nvidia-smi's compute apps; "
-        "auto: when nvidia-smi lists them, else each GPU's total) or each GPU's "
-        "total",
-    )
-    g.add_argument(
-        "--float32",
-        action="store_true",
-        help="both servers run float32: near-ties are reported, not failed",
-    )
+    ap.add_argument("--float32", action="store_true", help="near-ties are not failures")
     return ap
 
 
@@ -2001,30 +1467,23 @@ def main(argv: list[str] | None = None) -> int:
     if a.restart_at and not a.launch:
         raise SystemExit("soak: --restart-at needs --launch")
     result = asyncio.run(Soak(a).run())
-    pair = a.pair or re.sub(
-        r"[^A-Za-z0-9_.-]+", "_", os.path.basename(str(result.get("model") or "server"))
-    )
-    out = a.out or os.path.join(
-        REPO, "bench", "results", f"{datetime.date.today():%Y-%m-%d}-soak-{pair}.json"
-    )
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1, sort_keys=True)
+    model = os.path.basename(str(result.get("model") or "server"))
+    pair = a.pair or re.sub(r"[^A-Za-z0-9_.-]+", "_", model)
+    name = f"{datetime.date.today():%Y-%m-%d}-soak-{pair}.json"
+    out = a.out or os.path.join(REPO, "bench", "results", name)
+    write_json(out, result)
     crit = result.get("criteria", {})
     for name, c in crit.items():
-        mark = {True: "PASS", False: "FAIL", None: "skip"}[c["ok"]]
-        print(f"{mark}  {name:16s} {c['detail']}", flush=True)
+        print(f"{MARK[c['ok']]}  {name:16s} {c['detail']}")
     if "fatal" in result:
-        print(f"FAIL  {result['fatal']}", flush=True)
+        print(f"FAIL  {result['fatal']}")
     summary = {
         "ok": result["ok"],
         "out": out,
         "criteria": {k: c["ok"] for k, c in crit.items()},
         "by_outcome": result.get("requests", {}).get("by_outcome"),
     }
-    if "fatal" in result:
-        summary["fatal"] = result["fatal"]
-    print("RESULT " + json.dumps(summary, sort_keys=True), flush=True)
+    emit("RESULT", summary | {k: v for k, v in result.items() if k == "fatal"})
     return 0 if result["ok"] else 1
 
 

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""bench/serving/soak.py against fake OpenAI servers on 127.0.0.1 (tests/soak_fake.py):
-a good fake passes every criterion; fakes that misbehave (a 500, a request that
-never answers, growing RSS and GPU memory, /health failing, non-greedy output,
-nothing refused, bad input accepted, counters that fall or disagree, a server
-that never drains, no preemption, too little load) fail exactly the criteria
-they should. A launched fake restarted mid-run passes: its errors fall inside
-the fault window. Seeded, a few seconds in all."""
+"""bench/serving/soak.py against fake OpenAI servers on 127.0.0.1
+(tests/helpers/soak_fake.py): a good fake passes every criterion; fakes that
+misbehave (a 500, a request that never answers, growing RSS and GPU memory,
+/health failing, non-greedy output, nothing refused, bad input accepted,
+counters that fall or disagree, a server that never drains, no preemption, too
+little load) fail exactly the criteria they should. A launched fake restarted
+mid-run passes: its errors fall inside the fault window. Seeded, a few seconds
+in all. The /metrics parser reads counters typed either way."""
 
 from __future__ import annotations
 
@@ -165,7 +166,7 @@ def test_server_errors_non_greedy_rss_metrics_and_nothing_refused_fail(tmp_path)
         fail_at={5, 9},  # two 500s
         no_choices_at=set(range(10, 40)),  # 200s without choices (the plain ones)
         perturb_greedy=True,  # greedy outputs differ at their 4th character
-        leak_kib=512,  # RSS grows by about 150 MiB
+        leak_kib=2048,  # RSS grows by 2 MiB a request, 60 requests at least
         metrics_inconsistent=True,  # emitted tokens != accepted + drafts
         refuse=False,  # structured outputs and bad_words served
     )
@@ -467,3 +468,54 @@ def test_check_metrics_monotone_per_lifetime_and_ddtree_series_required():
     r = soak.check_metrics([(0, 0, plain), (1, 0, plain)], {}, True, {})
     assert any("series missing" in p for p in r["problems"])
     assert soak.check_metrics([(0, 0, plain), (1, 0, plain)], {}, False, {})["ok"]
+
+
+def test_parse_metrics_sums_engines_and_tells_cumulative_series():
+    text = "\n".join(
+        [
+            "# TYPE vllm:spec_decode_num_drafts counter",
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 3.0',
+            'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 4.0',
+            'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9',
+            "# TYPE vllm:ddtree_acceptance_length histogram",
+            'vllm:ddtree_acceptance_length_bucket{engine="0",le="1.0"} 2.0',
+            'vllm:ddtree_acceptance_length_bucket{engine="0",le="+Inf"} 5.0',
+            'vllm:ddtree_acceptance_length_count{engine="0"} 5.0',
+            'vllm:ddtree_acceptance_length_sum{engine="0"} 9.0',
+            "# TYPE vllm:num_preemptions_total counter",  # as prometheus_client writes
+            'vllm:num_preemptions_total{engine="0"} 6.0',
+            "# TYPE vllm:num_requests_running gauge",
+            'vllm:num_requests_running{engine="0"} 2.0',
+            "# TYPE process_cpu_seconds counter",
+            "process_cpu_seconds_total 8.0",
+        ]
+    )
+    samples, cumulative = soak.parse_metrics(text + "\n")
+    assert samples == {
+        soak.DRAFTS: 7.0,
+        f'{soak.AL}_bucket{{le="1.0"}}': 2.0,
+        f'{soak.AL}_bucket{{le="+Inf"}}': 5.0,
+        f"{soak.AL}_count": 5.0,
+        f"{soak.AL}_sum": 9.0,
+        soak.PREEMPTIONS: 6.0,
+        soak.RUNNING: 2.0,
+    }
+    assert cumulative == {
+        soak.DRAFTS,
+        soak.PREEMPTIONS,
+        f"{soak.AL}_bucket",
+        f"{soak.AL}_count",
+        f"{soak.AL}_sum",
+    }
+
+
+def test_nvidia_smi_lines_without_a_number_are_left_out(tmp_path):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\necho "0, [N/A]"\necho "1, 512"\n')
+    smi.chmod(0o755)
+    assert soak.nvidia_smi(str(smi), "--query-gpu=index,memory.used") == (
+        [("1", 512.0)],
+        "",
+    )
+    rows, why = soak.nvidia_smi(str(tmp_path / "none"), "--query-gpu=index")
+    assert rows == [] and why.endswith("not found")
