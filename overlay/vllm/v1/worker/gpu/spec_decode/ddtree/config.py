@@ -21,15 +21,18 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.spec_decode.ddtree.config import (
     DDTREE_METHOD,
     DDTREE_OPTION_DEFAULTS,
+    STREAMING_INPUT_ERROR,
     ddtree_options,
+    ddtree_sampling_params_error,
     resolve_ddtree_method,
     verify_ddtree_drafter,
+    verify_ddtree_vllm_config,
     verify_release_line,
 )
 from vllm.v1.worker.gpu.spec_decode.dflash.config import DFlashSpeculatorConfig
 
 if TYPE_CHECKING:
-    from vllm.config import SpeculativeConfig
+    from vllm.config import SpeculativeConfig, VllmConfig
 
 
 class SpecWithDDTreeOptions:
@@ -57,6 +60,32 @@ class SpecWithDDTreeOptions:
             setattr(self._spec, name, value)
 
 
+class VllmConfigWithDDTreeOptions:
+    """A `VllmConfig` seen with `SpecWithDDTreeOptions` as its speculative
+    config, for the engine-level checks shared with the 0.26.0 line; every
+    other attribute is the config's own (read and written through)."""
+
+    def __init__(self, vllm_config: "VllmConfig", spec: SpecWithDDTreeOptions):
+        object.__setattr__(self, "_vllm_config", vllm_config)
+        object.__setattr__(self, "speculative_config", spec)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_vllm_config"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._vllm_config, name, value)
+
+
+# The measured policy times the captured decode graphs on the worker; on
+# this line nothing carries the schedule it picks to the scheduler, which
+# reads num_speculative_tokens_per_batch_size once, from the config.
+MEASURED_POLICY_UNPORTED_ERROR = (
+    "DDTree: budget_policy 'measured' needs its worker-measured schedule "
+    "carried to the scheduler, which this build's vLLM {version} cannot do; "
+    "use budget_policy 'batch' (the default here) or 'fixed'."
+)
+
+
 def tree_verification_unported_error(vllm_version: str) -> str:
     return (
         f"DDTree: this build's vLLM {vllm_version} V2 model runner has no tree "
@@ -81,6 +110,13 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
 
         options = ddtree_options(spec.speculator_options)
         verify_release_line(vllm_version)
+        if options["budget_policy"] == "measured":
+            raise ValueError(
+                MEASURED_POLICY_UNPORTED_ERROR.format(version=vllm_version)
+            )
+        if options["budget_policy"] is None:
+            # "measured", the default where it can run, cannot here.
+            options["budget_policy"] = "batch"
         view = SpecWithDDTreeOptions(spec, options)
         # Sets num_speculative_tokens = tree_budget (the tokens verified per
         # step), which DFlash's setup below requires.
@@ -91,3 +127,22 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         verify_ddtree_drafter(view)
         spec.speculator_options = options
         raise ValueError(tree_verification_unported_error(vllm_version))
+
+    @property
+    def num_draft_states(self) -> int:
+        # One committed recurrent state per request: the tree verification
+        # only reads it and the post-walk commit rewrites it in place.
+        return 0
+
+    def unsupported_request_reason(self, params: Any, resumable: bool) -> str | None:
+        if resumable:
+            return STREAMING_INPUT_ERROR
+        return ddtree_sampling_params_error(params)
+
+    def verify_vllm_config(self, vllm_config: "VllmConfig") -> None:
+        # The engine-level checks shared with the 0.26.0 line: the TRITON_ATTN
+        # target backend, the KV-cache dtype, KV connectors, pipeline stages,
+        # the target's attention and hybrid layers.
+        spec = self.spec_config
+        view = SpecWithDDTreeOptions(spec, ddtree_options(spec.speculator_options))
+        verify_ddtree_vllm_config(VllmConfigWithDDTreeOptions(vllm_config, view))
