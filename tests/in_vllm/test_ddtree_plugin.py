@@ -21,7 +21,7 @@ speculator_config = pytest.importorskip(
     reason="vLLM without the speculative-method interface (the 0.26.0 line)",
 )
 
-from verifier_fakes import DRAFTER, TARGET, needs_models  # noqa: E402
+from verifier_fakes import DRAFTER, TARGET  # noqa: E402
 
 from vllm.v1.spec_decode import tree_hooks  # noqa: E402
 from vllm.v1.spec_decode.ddtree import config as ddtree_config  # noqa: E402
@@ -125,6 +125,25 @@ def dflash_setup(monkeypatch):
     return calls
 
 
+def _engine_config(spec, **fields):
+    """The parts of a `VllmConfig` that DDTree's engine-level checks read."""
+    from vllm.config import AttentionConfig, CacheConfig
+
+    return SimpleNamespace(
+        speculative_config=spec,
+        attention_config=AttentionConfig(),
+        cache_config=CacheConfig(),
+        model_config=None,
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=1, data_parallel_size=1, tensor_parallel_size=1
+        ),
+        scheduler_config=None,
+        compilation_config=None,
+        kv_transfer_config=None,
+        **fields,
+    )
+
+
 def _configure(spec):
     plugin_config.DDTreeSpeculatorConfig.configure(spec)
 
@@ -159,7 +178,11 @@ def test_the_release_line_guard_refuses_ddtree_on_0_34(monkeypatch, dflash_setup
         ({}, {"model": None}, "needs 'model'"),
         ({"budget_policy": "fast"}, {}, "budget_policy must be"),
         ({"draft_depth": 16}, {}, "exceeds the drafter's block_size - 1 = 15"),
-        ({"acceptance_prior": 1.5}, {}, "acceptance_prior must be"),
+        (
+            {"budget_policy": "measured"},
+            {},
+            "budget_policy 'measured' needs its worker-measured schedule",
+        ),
     ],
 )
 def test_bad_configs_are_refused_in_one_line(
@@ -184,11 +207,17 @@ def test_a_good_config_is_resolved_and_refused_until_the_runner_hooks_land(
 ):
     """Opted in, a valid config goes through DFlash's setup with
     num_speculative_tokens = tree_budget, gets draft_depth from the drafter and
-    the batch policy's schedule as vLLM's dynamic schedule, then stops in one
-    line: this line's V2 runner does not verify trees yet."""
+    the batch policy's schedule as vLLM's dynamic schedule (the default
+    policy here: "measured" is refused), then stops in one line at the engine
+    checks: this line's V2 runner does not verify trees yet."""
     monkeypatch.setenv(ddtree_config.ALLOW_UNVERIFIED_LINE_ENV, "1")
-    spec = _spec(tree_budget=32, budget_policy="batch", verify_tokens_per_step=128)
-    _one_line_error(spec, "no tree verification hooks yet")
+    spec = _spec(tree_budget=32, verify_tokens_per_step=128)
+    _configure(spec)
+    assert spec.speculator_options["budget_policy"] == "batch"
+    engine = _engine_config(spec)
+    with pytest.raises(ValueError, match="no tree verification hooks yet") as info:
+        plugin_config.DDTreeSpeculatorConfig(spec).verify_vllm_config(engine)
+    assert "\n" not in str(info.value)
     assert dflash_setup == [32]
     assert spec.num_speculative_tokens == 32
     assert spec.speculator_options["draft_depth"] == 15
@@ -226,7 +255,6 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@needs_models
 def test_method_ddtree_through_vllms_own_speculative_config():
     """`vllm serve`'s path on vLLM's CPU platform with the tiny pair: the
     plugin's method goes through SpeculativeConfig's custom-method branch to

@@ -919,9 +919,7 @@ def mamba_num_spec_tokens(speculative_config: "SpeculativeConfig | None") -> int
     needs neither (0). A tree of B nodes would otherwise reserve B + 1 state
     slots per request and layer.
     """
-    if speculative_config is None:
-        return 0
-    if speculative_config.use_ddtree():
+    if speculative_config is None or is_ddtree(speculative_config):
         return 0
     return speculative_config.num_speculative_tokens
 

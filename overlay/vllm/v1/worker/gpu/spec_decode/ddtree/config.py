@@ -24,6 +24,7 @@ from vllm.v1.spec_decode.ddtree.config import (
     STREAMING_INPUT_ERROR,
     ddtree_options,
     ddtree_sampling_params_error,
+    is_drafter_attention_config,
     resolve_ddtree_method,
     verify_ddtree_drafter,
     verify_ddtree_vllm_config,
@@ -126,7 +127,6 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         # the budget policy's schedule into num_speculative_tokens_per_batch_size.
         verify_ddtree_drafter(view)
         spec.speculator_options = options
-        raise ValueError(tree_verification_unported_error(vllm_version))
 
     @property
     def num_draft_states(self) -> int:
@@ -143,6 +143,11 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         # The engine-level checks shared with the 0.26.0 line: the TRITON_ATTN
         # target backend, the KV-cache dtype, KV connectors, pipeline stages,
         # the target's attention and hybrid layers.
+        from vllm.version import __version__ as vllm_version
+
         spec = self.spec_config
         view = SpecWithDDTreeOptions(spec, ddtree_options(spec.speculator_options))
         verify_ddtree_vllm_config(VllmConfigWithDDTreeOptions(vllm_config, view))
+        if not is_drafter_attention_config(vllm_config.attention_config):
+            # After the checks above, so that a bad config is named first.
+            raise ValueError(tree_verification_unported_error(vllm_version))
