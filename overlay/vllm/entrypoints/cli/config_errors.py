@@ -48,10 +48,7 @@ def config_error_line(exc: BaseException) -> str | None:
         messages = [" ".join(m.split()) for m in _validation_messages(err)]
         messages = [m for m in messages if m]
         if messages:
-            title = getattr(err, "title", None)
             line = "; ".join(dict.fromkeys(messages))
-            if title:
-                line = f"invalid {title}: {line}"
             if len(line) > MAX_LINE:
                 line = line[: MAX_LINE - 3] + "..."
             return line
