@@ -40,9 +40,8 @@ from vllm.v1.spec_decode.ddtree.config import (  # noqa: E402
 )
 
 try:  # vLLM's speculative-method interface (0.34.0): DDTree is a plugin
-    from vllm.v1.worker.gpu.spec_decode import speculator_config  # noqa: F401
-
     from vllm.v1.spec_decode.ddtree import plugin
+    from vllm.v1.worker.gpu.spec_decode import speculator_config  # noqa: F401
 except ImportError:  # the 0.26.0 line: its patched SpeculativeConfig
     plugin = None
 
