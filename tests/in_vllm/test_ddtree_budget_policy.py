@@ -24,6 +24,18 @@ from verifier_fakes import (  # noqa: E402
     store_trees,
 )
 
+try:  # the 0.26.0 line's patch: the measured schedule to the scheduler
+    from vllm.v1.spec_decode.dynamic.utils import DynamicSDScheduleUpdate  # noqa: F401
+
+    MEASURED_POLICY = True
+except ImportError:
+    MEASURED_POLICY = False
+measured_policy_line = pytest.mark.skipif(
+    not MEASURED_POLICY,
+    reason="budget_policy 'measured' is refused on this vLLM line (nothing "
+    "carries a worker-measured schedule to the scheduler)",
+)
+
 
 def _measured_verifier(max_reqs=4, max_tokens=64, **spec_fields):
     from vllm.v1.worker.gpu.spec_decode.ddtree.verifier import DDTreeVerifier
@@ -114,6 +126,7 @@ def test_other_policies_count_nothing():
 from verifier_fakes import DRAFTER, make_spec  # noqa: E402
 
 
+@measured_policy_line
 def test_measured_policy_starts_from_the_batch_schedule(target_model_config):
     from vllm.v1.spec_decode.ddtree.config import capture_budgets
 
@@ -152,6 +165,7 @@ def test_measured_policy_starts_from_the_batch_schedule(target_model_config):
     assert capture_budgets(batch) == [15, 32, 64]
 
 
+@measured_policy_line
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -314,6 +328,7 @@ def test_the_default_policy_is_measured_where_it_can_run(monkeypatch):
     assert chosen.speculative_config.budget_policy == "measured"
 
 
+@measured_policy_line
 def test_an_unset_policy_with_a_pinned_schedule_is_batch(target_model_config):
     spec = make_spec(
         target_model_config,
@@ -393,6 +408,7 @@ def _walk_outputs(num_reqs, budget, accepted_ranks):
     return num_accepted, src, qsl, qsl
 
 
+@measured_policy_line
 def test_planner_starts_from_the_prior_and_replans_on_its_interval(caplog):
     from vllm.v1.spec_decode.ddtree import policy
 
@@ -454,6 +470,7 @@ def test_planner_starts_from_the_prior_and_replans_on_its_interval(caplog):
     assert planner.update is third
 
 
+@measured_policy_line
 def test_first_replans_come_sooner_then_every_interval():
     """A fresh server re-plans 1 s after `begin`, then after 2, 4 and 8 s,
     then every ``budget_replan_interval`` (10 s here)."""
@@ -485,6 +502,7 @@ def test_planner_refuses_a_resolved_sync_scheduler():
         DDTreeBudgetPlanner(cfg, torch.device("cpu"))
 
 
+@measured_policy_line
 def test_planner_drops_budgets_without_graphs_and_needs_nospec():
     planner, _ = _planner()
     target, drafter = _timings(budgets=(0, 15))
@@ -497,6 +515,7 @@ def test_planner_drops_budgets_without_graphs_and_needs_nospec():
         planner.set_costs(target, drafter, {15: 64, 32: 32})
 
 
+@measured_policy_line
 def test_planner_start_measures_once_then_reads_the_cache(monkeypatch, tmp_path):
     from vllm.v1.worker.gpu.spec_decode.ddtree import budget as budget_module
 
@@ -586,6 +605,7 @@ def test_captured_decode_shapes_are_the_full_decode_graphs_of_the_budgets():
 
 
 # --------------------------------------------------------------- scheduler
+@measured_policy_line
 def test_scheduler_applies_each_new_version_and_reports_it_once():
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.spec_decode.dynamic.utils import DynamicSDScheduleUpdate
@@ -646,6 +666,7 @@ def test_scheduler_applies_each_new_version_and_reports_it_once():
     assert own.dynamic_sd_schedule == [(1, 8, 0, 1.0)]
 
 
+@measured_policy_line
 def test_runner_outputs_and_stats_carry_the_schedule_types():
     """ModelRunnerOutput's field defaults to None (nothing changes without
     the measured policy); SpecDecodingStats round-trips through vLLM's
@@ -666,6 +687,7 @@ def test_runner_outputs_and_stats_carry_the_schedule_types():
 
 
 # ---------------------------------------------------- CUDA-graph capture
+@measured_policy_line
 def test_decode_graphs_are_captured_for_every_measured_budget(monkeypatch):
     from vllm.config import (
         CacheConfig,
@@ -778,6 +800,7 @@ def test_budget_and_tau_per_batch_size_in_metrics(registry):
 
 
 # ----------------------------------------------- no speculation, no drafts
+@measured_policy_line
 def test_drafts_are_skipped_only_after_start_and_for_budget_zero():
     planner, _ = _planner()
     assert planner.begin_step(8, None, 0)  # the warm-up's steps carry no number
@@ -792,6 +815,7 @@ def _by_batch(schedule):
     return {n: b for lo, hi, b in schedule for n in range(lo, hi + 1)}
 
 
+@measured_policy_line
 def test_served_steps_are_timed_between_step_starts_and_move_the_plan():
     """The host clock between two steps' starts is the first one's served
     time, filed under its batch size and kind (drafts or none) against the

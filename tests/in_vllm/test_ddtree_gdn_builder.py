@@ -59,6 +59,9 @@ def builder(num_speculative_blocks, cudagraph_mode=CUDAGraphMode.NONE):
             num_speculative_tokens=B,
             parallel_drafting=False,
             use_eagle_block_drop=lambda: False,
+            # vLLM 0.33+ (DFlash's drafting slots are not the GDN builder's).
+            enable_adaptive_verification=False,
+            max_num_new_slots_for_drafting=0,
         ),
         scheduler_config=SimpleNamespace(max_num_seqs=8),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1),
@@ -141,6 +144,20 @@ def test_mixed_batch_spec_rows_and_commit(monkeypatch):
         return o, torch.full_like(initial_state, 7.0)
 
     layer.chunk_gated_delta_rule = chunk_stub
+    if hasattr(qgdn, "gather_initial_states"):
+        # vLLM 0.33+: the chunk kernel's state gather and scatter (CUDA
+        # kernels) around it, as torch.
+        layer.gdn_prefill_backend = "triton"
+
+        def gather(state, indices, has_initial_state):
+            mask = has_initial_state.view(-1, *[1] * (state.ndim - 1))
+            return torch.where(mask, state[indices.long()], 0.0)
+
+        def scatter(state, src, indices):
+            state[indices.long()] = src.to(state.dtype)
+
+        monkeypatch.setattr(qgdn, "gather_initial_states", gather)
+        monkeypatch.setattr(qgdn, "scatter_states", scatter)
     committed = [t.clone() for t in layer.kv_cache]
     gen = torch.Generator().manual_seed(70)
     prefill_len = 3

@@ -51,7 +51,7 @@ def make_layer(seed, prefix=PREFIX):
     layer.conv_kernel_size = W
     layer.activation = "silu"
     layer.enable_packed_recurrent_decode = False
-    layer.ddtree_verifier = None  # as __init__ leaves it; bind_layers sets it
+    layer.tree_verifier = None  # as __init__ leaves it; bind_layers sets it
     layer.conv1d = SimpleNamespace(
         weight=torch.randn(CONV_DIM, 1, W, generator=gen) * 0.5,
         bias=torch.randn(CONV_DIM, generator=gen) * 0.1,

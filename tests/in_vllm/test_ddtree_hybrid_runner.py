@@ -34,9 +34,16 @@ from verifier_fakes import (  # noqa: E402
 )
 
 from vllm.v1.spec_decode.ddtree.config import (  # noqa: E402
+    is_ddtree,
     mamba_num_spec_tokens,
     verify_ddtree_vllm_config,
 )
+
+try:  # vLLM's speculative-method interface (0.34.0): DDTree is a plugin
+    from vllm.v1.spec_decode.ddtree import plugin
+    from vllm.v1.worker.gpu.spec_decode import speculator_config  # noqa: F401
+except ImportError:  # the 0.26.0 line: its patched SpeculativeConfig
+    plugin = None
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -161,6 +168,10 @@ def hybrid_model_config(tmp_path_factory):
 
 
 def _spec(model_config, **kw):
+    if plugin is not None and kw.get("method") == "ddtree":
+        # DDTree's options are speculator_options on vLLM's interface.
+        plugin.register()
+        kw["speculator_options"] = {"tree_budget": kw.pop("tree_budget")}
     return make_spec(model_config, model=DRAFTER, **kw)
 
 
@@ -169,7 +180,7 @@ def test_real_hybrid_config_is_accepted(hybrid_model_config):
 
     assert hybrid_model_config.is_hybrid
     spec = _spec(hybrid_model_config, method="ddtree", tree_budget=16)
-    assert spec.use_ddtree()
+    assert is_ddtree(spec)
     cfg = SimpleNamespace(
         use_v2_model_runner=True,
         attention_config=SimpleNamespace(backend=None),

@@ -128,6 +128,25 @@ def dflash_setup(monkeypatch):
     return calls
 
 
+def _engine_config(spec, **fields):
+    """The parts of a `VllmConfig` that DDTree's engine-level checks read."""
+    from vllm.config import AttentionConfig, CacheConfig
+
+    return SimpleNamespace(
+        speculative_config=spec,
+        attention_config=AttentionConfig(),
+        cache_config=CacheConfig(),
+        model_config=None,
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=1, data_parallel_size=1, tensor_parallel_size=1
+        ),
+        scheduler_config=None,
+        compilation_config=None,
+        kv_transfer_config=None,
+        **fields,
+    )
+
+
 def _configure(spec):
     plugin_config.DDTreeSpeculatorConfig.configure(spec)
 
@@ -162,7 +181,11 @@ def test_the_release_line_guard_refuses_ddtree_on_0_34(monkeypatch, dflash_setup
         ({}, {"model": None}, "needs 'model'"),
         ({"budget_policy": "fast"}, {}, "budget_policy must be"),
         ({"draft_depth": 16}, {}, "exceeds the drafter's block_size - 1 = 15"),
-        ({"acceptance_prior": 1.5}, {}, "acceptance_prior must be"),
+        (
+            {"budget_policy": "measured"},
+            {},
+            "budget_policy 'measured' needs its worker-measured schedule",
+        ),
     ],
 )
 def test_bad_configs_are_refused_in_one_line(
@@ -193,6 +216,10 @@ def test_a_good_config_is_resolved(monkeypatch, dflash_setup, budget_policy):
         tree_budget=32, budget_policy=budget_policy, verify_tokens_per_step=128
     )
     _configure(spec)
+    # The engine-level checks pass it too (TRITON_ATTN for the target).
+    plugin_config.DDTreeSpeculatorConfig(spec).verify_vllm_config(
+        _engine_config(spec)
+    )
     assert dflash_setup == [32]
     assert spec.speculator_options["budget_policy"] == "batch"
     assert spec.num_speculative_tokens == 32

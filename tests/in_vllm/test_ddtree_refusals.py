@@ -24,6 +24,13 @@ from verifier_fakes import DRAFTER, TARGET  # noqa: E402
 
 from vllm.v1.spec_decode.ddtree import config as ddtree_config  # noqa: E402
 
+try:  # vLLM's speculative-method interface (0.34.0); not the 0.26.0 line
+    from vllm.v1.worker.gpu.spec_decode.ddtree import (
+        config as ddtree_speculator_config,
+    )
+except ImportError:
+    ddtree_speculator_config = None
+
 ENGINE_CONFIGS_ON_CPU = """
 import json, os, sys
 from vllm import platforms
@@ -475,7 +482,20 @@ def test_streaming_input_requests_are_refused_under_ddtree():
         pass
 
     def processor(method):
-        spec = SimpleNamespace(use_ddtree=lambda: method == "ddtree")
+        spec = SimpleNamespace(
+            use_ddtree=lambda: method == "ddtree", num_speculative_tokens=8
+        )
+        if ddtree_speculator_config is not None:
+            # vLLM 0.34.0: the input processor asks the speculator config.
+            from vllm.v1.worker.gpu.spec_decode.dflash.config import (
+                DFlashSpeculatorConfig,
+            )
+
+            spec.speculator_config = (
+                ddtree_speculator_config.DDTreeSpeculatorConfig
+                if method == "ddtree"
+                else DFlashSpeculatorConfig
+            )(spec)
         stub = SimpleNamespace(speculative_config=spec)
 
         def validate(params, supported_tasks):
@@ -489,7 +509,12 @@ def test_streaming_input_requests_are_refused_under_ddtree():
             stub, "r", {"prompt_token_ids": [1]}, None, (), resumable=resumable
         )
 
-    with pytest.raises(ValueError) as info:
+    # A ValueError on the 0.26.0 line, vLLM's VLLMValidationError (an HTTP
+    # 400) where the input processor asks the speculator config (0.34.0).
+    import vllm.exceptions
+
+    upstream_error = getattr(vllm.exceptions, "VLLMValidationError", ValueError)
+    with pytest.raises((ValueError, upstream_error)) as info:
         run(processor("ddtree"), resumable=True)
     assert str(info.value) == (
         "DDTree does not support streaming input (resumable requests): a "

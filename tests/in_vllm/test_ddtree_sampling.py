@@ -26,8 +26,36 @@ VOCAB = 32
 
 
 # ------------------------------------------------------------ validation
+# vLLM's speculative-method interface (0.34.0): the input processor asks the
+# speculator config; the 0.26.0 line's patched SamplingParams asks use_ddtree.
+try:
+    from vllm.v1.worker.gpu.spec_decode import speculator_config
+except ImportError:  # the 0.26.0 line
+    speculator_config = None
+
+
 def _ddtree_spec(on=True):
-    return SimpleNamespace(use_ddtree=lambda: on)
+    spec = SimpleNamespace(use_ddtree=lambda: on, num_speculative_tokens=8)
+    if speculator_config is not None:
+        from vllm.v1.worker.gpu.spec_decode.ddtree.config import (
+            DDTreeSpeculatorConfig,
+        )
+        from vllm.v1.worker.gpu.spec_decode.dflash.config import (
+            DFlashSpeculatorConfig,
+        )
+
+        config_cls = DDTreeSpeculatorConfig if on else DFlashSpeculatorConfig
+        spec.speculator_config = config_cls(spec)
+    return spec
+
+
+def _validate(params, spec):
+    """The line's per-request checks of a spec-decode request."""
+    if speculator_config is not None:
+        reason = spec.speculator_config.unsupported_request_reason(params, False)
+        if reason is not None:
+            raise ValueError(reason)
+    params._validate_spec_decode(spec)
 
 
 def test_structured_outputs_are_refused_with_ddtree():
@@ -37,27 +65,40 @@ def test_structured_outputs_are_refused_with_ddtree():
         structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
     )
     with pytest.raises(ValueError, match="DDTree does not support structured"):
-        params._validate_spec_decode(_ddtree_spec())
+        _validate(params, _ddtree_spec())
     with pytest.raises(ValueError, match="method='dflash'"):
-        params._validate_spec_decode(_ddtree_spec())
-    params._validate_spec_decode(_ddtree_spec(on=False))  # chain: upstream's
+        _validate(params, _ddtree_spec())
+    _validate(params, _ddtree_spec(on=False))  # chain: upstream's
 
 
 def test_bad_words_are_refused_and_the_rest_is_accepted():
     from vllm.sampling_params import SamplingParams
 
     with pytest.raises(ValueError, match="DDTree does not support bad_words"):
-        SamplingParams(bad_words=["foo"])._validate_spec_decode(_ddtree_spec())
-    SamplingParams(
-        temperature=0.7,
-        top_p=0.9,
-        top_k=20,
-        seed=3,
-        repetition_penalty=1.2,
-        frequency_penalty=0.5,
-        presence_penalty=0.3,
-        logprobs=2,
-    )._validate_spec_decode(_ddtree_spec())
+        _validate(SamplingParams(bad_words=["foo"]), _ddtree_spec())
+    _validate(
+        SamplingParams(
+            temperature=0.7,
+            top_p=0.9,
+            top_k=20,
+            seed=3,
+            repetition_penalty=1.2,
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+            logprobs=2,
+        ),
+        _ddtree_spec(),
+    )
+
+
+@pytest.mark.skipif(
+    speculator_config is not None,
+    reason="vLLM 0.34.0 refuses min_p and logit_bias for every speculative "
+    "method (SamplingParams has no per-method hook on that line)",
+)
+def test_min_p_and_logit_bias_are_accepted_under_ddtree():
+    from vllm.sampling_params import SamplingParams
+
     # min_p and logit_bias apply per tree row (Sampler.sample); the chain
     # methods keep upstream's refusal.
     chain_only = SamplingParams(min_p=0.1, logit_bias={3: 1.0})

@@ -511,7 +511,8 @@ def verify_ddtree_vllm_config(vllm_config: "VllmConfig") -> None:
         # H100/H200 FlashAttention: its context K/V store is one C++ op per
         # layer, where TRITON_ATTN's is a Triton launch each).
         return
-    if not vllm_config.use_v2_model_runner:
+    # (vLLM 0.34.0 and later have the V2 model runner only, and no switch.)
+    if not getattr(vllm_config, "use_v2_model_runner", True):
         raise ValueError(
             "DDTree runs on the V2 model runner only; unset "
             "VLLM_USE_V2_MODEL_RUNNER=0 or use method='dflash'."
@@ -965,54 +966,62 @@ def mamba_num_spec_tokens(speculative_config: "SpeculativeConfig | None") -> int
     needs neither (0). A tree of B nodes would otherwise reserve B + 1 state
     slots per request and layer.
     """
-    if speculative_config is None:
-        return 0
-    if speculative_config.use_ddtree():
+    if speculative_config is None or is_ddtree(speculative_config):
         return 0
     return speculative_config.num_speculative_tokens
 
 
-def verify_ddtree_sampling_params(params: object) -> None:
-    """Per-request checks (called from ``SamplingParams.verify``).
+def ddtree_sampling_params_error(params: object) -> str | None:
+    """Why DDTree cannot serve a request with these parameters, or None.
 
     The target samples every tree node with the request's own parameters
     (temperature, top-k / top-p, min-p, logit bias, penalties on the node's
     ancestor path, seeds) and logprobs are returned for the emitted tokens,
     so upstream's spec-decode refusal of min_p / logit_bias does not apply
-    (the caller skips it). Two
-    request features see the verified tokens as a chain and would be wrong
-    for a tree, so they are refused with one readable line instead.
+    on the 0.26.0 line (the caller skips it). Two request features see the
+    verified tokens as a chain and would be wrong for a tree, so they are
+    refused with one readable line instead.
     """
     if getattr(params, "structured_outputs", None) is not None:
-        raise ValueError(
+        return (
             "DDTree does not support structured outputs (guided decoding): "
             "the grammar would have to be advanced along every tree branch. "
             "Use method='dflash' (or no speculative decoding) for such "
             "requests."
         )
     if getattr(params, "bad_words", None):
-        raise ValueError(
+        return (
             "DDTree does not support bad_words (they are matched against the "
             "verified tokens as a chain, not along tree branches); use "
             "method='dflash'."
         )
+    return None
+
+
+def verify_ddtree_sampling_params(params: object) -> None:
+    """Per-request checks (called from ``SamplingParams.verify``):
+    `ddtree_sampling_params_error` as a ``ValueError``."""
+    error = ddtree_sampling_params_error(params)
+    if error is not None:
+        raise ValueError(error)
+
+
+# A session whose next input is prefilled in more than one chunk keeps the
+# previous turn's draft placeholders (async scheduling sets them when the
+# turn ends and only a finished prompt resets them), so the scheduler gives
+# a request draft tokens and a prefill chunk in one step. The tree bias
+# would then fall on the chunk's first rows instead of the tree (a dense
+# target verifies wrongly) and the Gated DeltaNet tree path of a hybrid
+# stops the engine. Refused per request instead.
+STREAMING_INPUT_ERROR = (
+    "DDTree does not support streaming input (resumable requests): a "
+    "session's next input can be scheduled with the previous turn's "
+    "draft tokens, which the tree verification cannot take; use "
+    "method='dflash' or no speculative decoding for streaming sessions."
+)
 
 
 def verify_ddtree_streaming_input() -> None:
     """Per-request check of a streaming-input (resumable) request, called
-    from ``InputProcessor.process_inputs``.
-
-    A session whose next input is prefilled in more than one chunk keeps the
-    previous turn's draft placeholders (async scheduling sets them when the
-    turn ends and only a finished prompt resets them), so the scheduler
-    gives a request draft tokens and a prefill chunk in one step. The tree
-    bias would then fall on the chunk's first rows instead of the tree (a
-    dense target verifies wrongly) and the Gated DeltaNet tree path of a
-    hybrid stops the engine. Refused per request instead.
-    """
-    raise ValueError(
-        "DDTree does not support streaming input (resumable requests): a "
-        "session's next input can be scheduled with the previous turn's "
-        "draft tokens, which the tree verification cannot take; use "
-        "method='dflash' or no speculative decoding for streaming sessions."
-    )
+    from ``InputProcessor.process_inputs``: `STREAMING_INPUT_ERROR`."""
+    raise ValueError(STREAMING_INPUT_ERROR)

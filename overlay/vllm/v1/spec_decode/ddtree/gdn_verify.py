@@ -36,7 +36,7 @@ double the buffers (a ``conv_dim`` row per verify token and layer) for a
 recomputation of at most ``draft_depth + 1`` rows per request and layer.
 
 The verifier binds this object to each GDN layer of a hybrid target
-(`DDTreeGDN.bind_layers` sets the layer's ``ddtree_verifier``); the upstream
+(`DDTreeGDN.bind_layers` sets the layer's ``tree_verifier``); the upstream
 layer only gains that attribute and two branches that call `conv` and
 `recurrent` when it is set.
 """
@@ -333,7 +333,7 @@ class DDTreeGDN:
         self.group_metadata = []
         self._groups_checked = False
         for layer in layers.values():
-            layer.ddtree_verifier = self
+            layer.tree_verifier = self
         self._compile_commit()
 
     def _compile_commit(self) -> None:

@@ -40,14 +40,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm.logger import init_logger
 from vllm.v1.spec_decode.ddtree import policy, step_costs
 from vllm.v1.spec_decode.ddtree.acceptance import AcceptanceCounters
-from vllm.v1.spec_decode.dynamic.utils import DynamicSDScheduleUpdate
+
+if TYPE_CHECKING:
+    # The 0.26.0 line's patched vllm/v1/spec_decode/dynamic/utils.py; on
+    # other lines the measured policy is refused at startup, so this module
+    # must import without it.
+    from vllm.v1.spec_decode.dynamic.utils import DynamicSDScheduleUpdate
 
 logger = init_logger(__name__)
 
@@ -255,6 +260,8 @@ class DDTreeBudgetPlanner:
             return
         self.schedule = schedule
         self._version += 1
+        from vllm.v1.spec_decode.dynamic.utils import DynamicSDScheduleUpdate
+
         self.update = DynamicSDScheduleUpdate(
             version=self._version,
             schedule=schedule,

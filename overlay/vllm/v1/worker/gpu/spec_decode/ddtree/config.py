@@ -16,19 +16,22 @@ This module imports vLLM 0.34.0's speculator configs: only that line imports
 it (through the name the plugin registers).
 """
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.spec_decode.ddtree.config import (
+    STREAMING_INPUT_ERROR,
     SpecWithDDTreeOptions,
     ddtree_options,
+    ddtree_sampling_params_error,
     resolve_ddtree_method,
     verify_ddtree_drafter,
+    verify_ddtree_vllm_config,
     verify_release_line,
 )
 from vllm.v1.worker.gpu.spec_decode.dflash.config import DFlashSpeculatorConfig
 
 if TYPE_CHECKING:
-    from vllm.config import SpeculativeConfig
+    from vllm.config import SpeculativeConfig, VllmConfig
 
 
 MEASURED_POLICY_UNPORTED_ERROR = (
@@ -37,6 +40,22 @@ MEASURED_POLICY_UNPORTED_ERROR = (
     "to the scheduler yet (docs/architecture-0.34.0.md, H9); use "
     "budget_policy 'batch' (the default here) or 'fixed'."
 )
+
+
+class VllmConfigWithDDTreeOptions:
+    """A `VllmConfig` seen with `SpecWithDDTreeOptions` as its speculative
+    config, for the engine-level checks shared with the 0.26.0 line; every
+    other attribute is the config's own (read and written through)."""
+
+    def __init__(self, vllm_config: "VllmConfig", spec: SpecWithDDTreeOptions):
+        object.__setattr__(self, "_vllm_config", vllm_config)
+        object.__setattr__(self, "speculative_config", spec)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_vllm_config"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._vllm_config, name, value)
 
 
 def hybrid_target_unported_error(architecture: object) -> str:
@@ -79,3 +98,22 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         target = spec.target_model_config
         if target is not None and target.is_hybrid:
             raise ValueError(hybrid_target_unported_error(target.architecture))
+
+    @property
+    def num_draft_states(self) -> int:
+        # One committed recurrent state per request: the tree verification
+        # only reads it and the post-walk commit rewrites it in place.
+        return 0
+
+    def unsupported_request_reason(self, params: Any, resumable: bool) -> str | None:
+        if resumable:
+            return STREAMING_INPUT_ERROR
+        return ddtree_sampling_params_error(params)
+
+    def verify_vllm_config(self, vllm_config: "VllmConfig") -> None:
+        # The engine-level checks shared with the 0.26.0 line: the TRITON_ATTN
+        # target backend, the KV-cache dtype, KV connectors, pipeline stages,
+        # the target's attention and hybrid layers.
+        spec = self.spec_config
+        view = SpecWithDDTreeOptions(spec, ddtree_options(spec.speculator_options))
+        verify_ddtree_vllm_config(VllmConfigWithDDTreeOptions(vllm_config, view))
