@@ -222,10 +222,14 @@ def torch_reference():
     return sys.modules["ddtree_reference"]
 
 
-def add_kernel_options(ap: argparse.ArgumentParser, iters: int, repeats: int) -> None:
-    """The kernel tools' timing options and result file."""
+def add_kernel_options(
+    ap: argparse.ArgumentParser, iters: int, repeats: int | None = None
+) -> None:
+    """The kernel tools' timing options (``--repeats``: timings of ``--iters``
+    calls each, the median taken) and result file."""
     ap.add_argument("--iters", type=int, default=iters)
-    ap.add_argument("--repeats", type=int, default=repeats)
+    if repeats is not None:
+        ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--out", default=None, help="JSON rows")
 
 
