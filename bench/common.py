@@ -82,6 +82,17 @@ def load_prompts(path: str, last: int = 0) -> list[list[int]]:
     return [r[-last:] for r in rows if len(r) >= last] if last else rows
 
 
+def add_options(ap: argparse.ArgumentParser, options: dict) -> None:
+    """``{"--name": (default, help)}``: each option's type is its default's
+    (False: a flag; None: a string)."""
+    for flag, (default, text) in options.items():
+        if default is False:
+            ap.add_argument(flag, action="store_true", help=text)
+        else:
+            kind = str if default is None else type(default)
+            ap.add_argument(flag, type=kind, default=default, help=text)
+
+
 # ---------------------------------------------------------------- engines
 
 
@@ -95,15 +106,16 @@ def add_engine_options(
     """The engine options of every tool that starts vLLM engines;
     ``processes``: one engine process each (``forward`` passes the options
     on), with a time limit."""
-    ap.add_argument("--models", default=PAIR_MODELS, help="the trained pairs")
-    ap.add_argument("--max-tokens", type=int, default=max_tokens)
-    ap.add_argument("--max-model-len", type=int, default=max_model_len)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=gpu_util)
-    ap.add_argument("--chain-k", type=int, default=15, help="the chain's length K")
+    options = {
+        "--models": (PAIR_MODELS, "the trained pairs"),
+        "--max-tokens": (max_tokens, "new tokens per request"),
+        "--max-model-len": (max_model_len, None),
+        "--gpu-memory-utilization": (gpu_util, None),
+        "--chain-k": (15, "the chain's length K"),
+    }
     if processes:
-        ap.add_argument(
-            "--engine-timeout", type=int, default=900, help="seconds per engine"
-        )
+        options["--engine-timeout"] = (900, "seconds per engine")
+    add_options(ap, options)
 
 
 ENGINE_OPTIONS = ("models", "max_tokens", "max_model_len", "gpu_memory_utilization")

@@ -543,53 +543,28 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     common.add_engine_options(ap, max_tokens=128)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--conc", default="1,8,32")
-    ap.add_argument("--equal-budget", type=int, default=15)
-    ap.add_argument("--c1-budgets", default="64")
-    ap.add_argument("--chain-last", action="store_true", help="the V2 chain last")
-    ap.add_argument(
-        "--no-v1-chain", action="store_true", help="no hybrid V1-runner chain"
-    )
-    ap.add_argument(
-        "--host-profile-conc",
-        default="",
-        help="concurrencies also decoded under cProfile (host time by function)",
-    )
-    ap.add_argument(
-        "--profile-conc",
-        default="",
-        help="concurrencies profiled (default: all of --conc; others timed only)",
-    )
-    ap.add_argument("--timed-batches", type=int, default=4)
-    ap.add_argument("--timed-repeats", type=int, default=3, help="median taken")
-    ap.add_argument("--profile-batches", type=int, default=2)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument(
-        "--profile-max-tokens",
-        type=int,
-        default=0,
-        help="new tokens per profiled request (0: --max-tokens)",
-    )
-    ap.add_argument(
-        "--weights",
-        default="dummy",
-        help="'dummy', 'pair' or 'dummy,pair': 'pair' writes the shape's trained "
-        "pair into each engine (after its dummy-weight figures: one engine "
-        "start for both) and decodes held-out prompts",
-    )
-    ap.add_argument(
-        "--rows-from",
-        default="",
-        help="logs of engines run one by one (--engine, their ROW lines): write "
-        "--out from their rows and start no engine",
-    )
-    ap.add_argument(
-        "--tree-attention",
-        default="unified,split",
-        help="VLLM_DDTREE_TREE_ATTENTION modes (unified, split, auto) of the "
-        "DDTree engines, one set each",
-    )
+    common.add_options(ap, {
+        "--shapes": (",".join(SHAPES), None),
+        "--conc": ("1,8,32", None),
+        "--equal-budget": (15, "DDTree's budget at every concurrency"),
+        "--c1-budgets": ("64", "DDTree's budgets at concurrency 1"),
+        "--chain-last": (False, "the V2 chain after the DDTree engines"),
+        "--no-v1-chain": (False, "no V1-runner chain on the hybrid shape"),
+        "--host-profile-conc": ("", "concurrencies also decoded under cProfile"),
+        "--profile-conc": ("", "concurrencies profiled (default: all)"),
+        "--timed-batches": (4, None),
+        "--timed-repeats": (3, "timed decodes per concurrency, the median taken"),
+        "--profile-batches": (2, None),
+        "--prompt-len": (128, None),
+        "--profile-max-tokens": (0, "tokens per profiled request (0: --max-tokens)"),
+        "--weights": ("dummy", "'dummy', 'pair' or 'dummy,pair': 'pair' writes the "
+            "shape's trained pair into each engine (after its dummy-weight figures) "
+            "and decodes held-out prompts"),
+        "--rows-from": ("", "logs of engines run one by one (--engine): --out "
+            "from their ROW lines, no engine started"),
+        "--tree-attention": ("unified,split", "VLLM_DDTREE_TREE_ATTENTION modes "
+            "(unified, split, auto) of the DDTree engines, one set each"),
+    })  # fmt: skip
     ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
     for internal in ("--shape", "--method", "--runner"):
         ap.add_argument(internal, help=argparse.SUPPRESS)

@@ -583,57 +583,26 @@ def annotate(rows: list[dict], workdir: str) -> None:
 def add_engine_options(ap: argparse.ArgumentParser) -> None:
     """The options every engine process takes (engine_command passes them on)."""
     common.add_engine_options(ap)
-    ap.add_argument("--prompts", help="default: <models>/prompts/heldout.jsonl")
-    ap.add_argument(
-        "--prompt-tokens",
-        type=int,
-        default=160,
-        help="cut each prompt to its last N tokens, leaving out shorter ones (0: "
-        "whole): the pairs were trained on 512-token windows, 160 + 256 new "
-        "tokens stay inside them",
-    )
-    ap.add_argument("--c1-prompts", type=int, default=8)
-    ap.add_argument(
-        "--per-client",
-        type=int,
-        default=4,
-        help="c > 1 decodes this many prompts per client: the steady window "
-        "spans about this many request lifetimes less one",
-    )
-    ap.add_argument(
-        "--min-prompts",
-        type=int,
-        default=0,
-        help="c > 1 decodes at least this many prompts (longer windows at 2 and 4)",
-    )
-    ap.add_argument(
-        "--mtp-k",
-        type=int,
-        default=mtp.SPECULATIVE_TOKENS,
-        help="draft tokens of the mtp method (default: mtp.py's choice)",
-    )
-    ap.add_argument("--ddtree", default="{}", help="DDTree speculative_config (JSON)")
-    ap.add_argument("--llm-kwargs", help="more LLM(...) keyword arguments (JSON)")
-    ap.add_argument(
-        "--warm-tokens",
-        type=int,
-        default=32,
-        help="before each timed decode, decode 2c of its prompts untimed "
-        "(staggered, up to this many tokens each) so that kernels compile "
-        "outside the window; 0: none",
-    )
-    ap.add_argument(
-        "--profile",
-        action="store_true",
-        help="profile each concurrency's steady window instead of timing it "
-        "(torch profiler): rows with a 'profile' object, not for the tables",
-    )
-    ap.add_argument(
-        "--sampled-conc",
-        default="1,8",
-        help="concurrencies decoded again at temperature 1 by each bf16 engine "
-        "('' for none)",
-    )
+    common.add_options(ap, {
+        "--prompts": (None, "default: <models>/prompts/heldout.jsonl"),
+        "--prompt-tokens": (160, "cut each prompt to its last N tokens, leaving "
+            "out shorter ones (0: whole): 160 + 256 new tokens stay inside the "
+            "512-token windows the pairs were trained on"),
+        "--c1-prompts": (8, "prompts decoded at c = 1"),
+        "--per-client": (4, "c > 1 decodes this many prompts per client: the "
+            "steady window spans about this many request lifetimes less one"),
+        "--min-prompts": (0, "c > 1 decodes at least this many prompts"),
+        "--mtp-k": (mtp.SPECULATIVE_TOKENS, "draft tokens of the mtp method"),
+        "--ddtree": ("{}", "DDTree speculative_config keys (JSON)"),
+        "--llm-kwargs": (None, "more LLM(...) keyword arguments (JSON)"),
+        "--warm-tokens": (32, "before each timed decode, 2c of its prompts "
+            "untimed, staggered, up to this many tokens each (kernels compile "
+            "outside the window; 0: none)"),
+        "--profile": (False, "profile each steady window instead of timing it "
+            "(torch profiler): rows with a 'profile' object, not for the tables"),
+        "--sampled-conc": ("1,8", "concurrencies decoded again at temperature 1 "
+            "by each bf16 engine ('' for none)"),
+    })  # fmt: skip
 
 
 ENGINE_OPTIONS = (
@@ -662,23 +631,18 @@ def engine_command(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON rows (rewritten per engine)")
-    ap.add_argument("--pairs", default=",".join(pc.PAIRS))
-    ap.add_argument("--dtypes", default="bfloat16,float32")
-    ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--small", action="store_true", help="also run the small pair")
-    ap.add_argument("--conc", default="1,4,8,16,32")
-    ap.add_argument("--float32-conc", help="of the float32 engines (default: --conc)")
-    ap.add_argument(
-        "--embedding",
-        choices=["full", "placed", "none"],
-        default="full",
-        help="check each pair's embedding (check_embedding.py): 'full' at the "
-        "production shape (Qwen3.6-27B in float32), 'placed' without the "
-        "identity layers and with 16384 vocabulary rows",
-    )
-    ap.add_argument("--plot", help="PNG of tokens/s (plot_pairs.py)")
+    ap.add_argument("--embedding", choices=["full", "placed", "none"], default="full")
+    common.add_options(ap, {
+        "--pairs": (",".join(pc.PAIRS), None),
+        "--dtypes": ("bfloat16,float32", None),
+        "--methods": (",".join(METHODS), None),
+        "--small": (False, "also run the small pair"),
+        "--conc": ("1,4,8,16,32", None),
+        "--float32-conc": (None, "of the float32 engines (default: --conc)"),
+        "--plot": (None, "PNG of tokens/s (plot_pairs.py)"),
+        "--workdir": (None, "token files (default: next to --out)"),
+    })  # fmt: skip
     add_engine_options(ap)
-    ap.add_argument("--workdir", help="token files (default: next to --out)")
     for internal in ("--pair", "--dtype", "--method"):  # one engine's
         ap.add_argument(internal, help=argparse.SUPPRESS)
     ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
