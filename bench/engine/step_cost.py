@@ -8,41 +8,28 @@ with dummy weights (tau = 1: the figures are pure step cost), bf16, CUDA graphs:
         [--equal-budget 15] [--c1-budgets 64] [--profile-batches 2] \\
         [--tree-attention unified,split] [--prompt-len 128]
 
-Shapes are the benchmark pairs' production configs
-(``bench/pairs/models/<shape>/production-{target,drafter}``: Qwen3-8B and
-Qwen3.6-27B with their 5-layer DFlash drafters), loaded with
-``load_format="dummy"``. One engine per configuration, each in its own process:
-the chain (K = ``--chain-k``; on the hybrid shape on both model runners, V1 as
-vLLM picks by default and V2 as DDTree always runs), DDTree with
-``budget_policy: fixed`` at ``--equal-budget`` nodes (as many verified tokens
-per request as the chain) at every ``--conc`` and at each ``--c1-budgets`` at
-concurrency 1, once per ``--tree-attention`` mode (``VLLM_DDTREE_TREE_ATTENTION``
-of the DDTree engines: by default both kernels, whichever ``auto`` would take).
+Shapes are the benchmark pairs' production configs (Qwen3-8B and Qwen3.6-27B with
+their 5-layer DFlash drafters), loaded with ``load_format="dummy"``. One engine
+per configuration, each in its own process and in-process inside it (the torch
+profiler sees its kernels): the chain (K = ``--chain-k``; on the hybrid shape on
+both model runners), DDTree with ``budget_policy: fixed`` at ``--equal-budget``
+nodes (as many verified tokens as the chain) at every ``--conc`` and at each
+``--c1-budgets`` at concurrency 1, once per ``--tree-attention`` mode.
 
-Each engine runs in-process (the torch profiler sees its kernels) and, per
-concurrency: an untimed batch (kernels specialised on its shapes compile
-there), the same prompts' prefill alone, ``--timed-repeats`` timed decodes
-(wall time per engine step, no profiler; the row takes the median and keeps
-them all; GPU clocks and power sampled meanwhile), then ``--profile-batches``
-batches under the profiler (profile.py: the GPU-busy share, GPU time by kernel
-class and by phase, the top kernels and host ops) and, at
-``--host-profile-conc``, under cProfile.
+Per concurrency: an untimed batch (its kernels compile there), the same
+prompts' prefill alone, ``--timed-repeats`` timed decodes (the median taken;
+GPU clocks and power sampled meanwhile), then ``--profile-batches`` batches
+under the torch profiler (profile.py) and, at ``--host-profile-conc``, under
+cProfile. ``--weights dummy,pair`` measures again with the shape's trained pair
+written in (held-out prompts, both taus): with dummy weights the chain's
+drafts are likely one repeated token, which the GPU, at its power cap,
+verifies faster than a tree's distinct tokens.
 
-With ``--weights dummy,pair`` each engine, once its dummy-weight figures are
-taken, gets the shape's trained pair written in place (pair_worker.py) and
-measures again on the pairs' held-out prompts (rows with ``"weights":
-"pair"`` and both taus): with dummy weights the chain's drafts are likely one
-token repeated, which the GPU, at its power cap, verifies faster than a
-tree's distinct tokens.
-
-``--out`` holds ``{"command", "rows", "engines"}``: one row per (shape,
-concurrency, tree budget) with ``chain_ms_per_step``, ``ddtree_ms_per_step``,
-their ratio, ``equal_tokens``, the same less each batch's prefill
-(``*_decode_ms_per_step``, ``decode_ratio``: with trained weights the methods
-take different numbers of steps, over which the prefill spreads unequally),
-both GPU-busy shares, the clocks, and the V1 chain's figures (``chain_v1_*``);
-``engines`` holds each engine's rows. It is rewritten after every engine.
-``--rows-from`` builds it from the logs of engines run one by one.
+``--out``: ``{"command", "rows", "engines"}``, one row per (shape, weights,
+concurrency, tree budget) against the V2 chain (``ratio``, the same less the
+prefill: ``decode_ratio``, GPU-busy shares, clocks, the V1 chain's
+``chain_v1_*``), rewritten after every engine; ``--rows-from`` builds it from
+the logs of engines run one by one.
 """
 
 from __future__ import annotations

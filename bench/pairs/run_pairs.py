@@ -8,26 +8,21 @@ their production shapes, side by side, on held-out prompts.
         [--dtypes bfloat16,float32] [--methods nospec,chain,ddtree] \\
         [--conc 1,4,8,16,32] [--small] [--embedding full|placed|none]
 
-Each (pair, dtype, method) runs in its own process: one vLLM engine started with
-``load_format="dummy"`` at the production shape (bench/pairs/models/<pair>/
-production-{target,drafter} hold the configs), the trained pair written into it
-in place (pair_worker.py), then greedy decoding (``ignore_eos``) at each
-concurrency c with c requests always in flight, as c clients of a server keep
-them. Rows: tokens/s of the steady window, tau (vLLM's spec-decode counters),
-ms per engine step and whether each output equals the no-speculation output of
-the same pair, dtype and concurrency; each bf16 engine then decodes
-``--sampled-conc`` again at temperature 1 (rows with ``"temperature": 1.0``,
-nothing compared). ``--small`` also runs the small pair itself (no
-speculation, float32): the production shape's greedy outputs must equal it.
+Each (pair, dtype, method) runs in its own process: one vLLM engine loaded with
+dummy weights at the production shape (``<models>/<pair>/production-*``), the
+trained pair written in (pair_worker.py), then greedy decoding (``ignore_eos``)
+at each concurrency c with c requests always in flight. Rows: tokens/s of the
+steady window, tau, ms per engine step, whether each output equals no
+speculation's (the same pair, dtype and concurrency); bf16 engines then decode
+``--sampled-conc`` at temperature 1 (nothing compared). ``--small`` also runs
+the small pair itself (float32): the production shape's outputs must equal it.
 
-Methods: ``nospec``, ``chain``, ``chain_v2`` (the chain on the V2 model runner;
-hybrid targets run it on V1 by default, DDTree always on V2), ``ddtree``
-(``budget_policy: "batch"`` unless ``--ddtree`` sets one), ``ddtree_measured``
-(``budget_policy: "measured"``), ``mtp`` (the hybrid target's own MTP module,
-``<pair>/mtp``, ``--mtp-k`` draft tokens). Progress goes to stderr, each
-engine's log to ``<workdir>/engine_<pair>_<dtype>_<method>.log``; the JSON (a
-list of rows) is rewritten after every engine, so a cut run keeps what
-finished; then one embedding row per pair (check_embedding.py) and the plot.
+Methods: ``nospec``, ``chain``, ``chain_v2`` (the chain on the V2 model runner),
+``ddtree`` (``budget_policy: "batch"`` unless ``--ddtree`` sets one),
+``ddtree_measured``, ``mtp`` (the hybrid target's MTP head, ``--mtp-k``). The
+JSON is rewritten after every engine (a cut run keeps what finished); each
+engine's log is ``<workdir>/engine_<pair>_<dtype>_<method>.log``; then one
+embedding row per pair (check_embedding.py) and the plot.
 """
 
 from __future__ import annotations
