@@ -624,3 +624,7 @@ def run_engines(a, result: dict) -> None:
         new = engine_rows(lines)
         result["engines"] += new or [dict(shape=shape, **e, error="no rows")]
         write_result(a, result)
+
+
+if __name__ == "__main__":
+    main()
