@@ -153,7 +153,7 @@ def chain_config(drafter: str, k: int) -> dict:
 
 
 def spec_counters(llm) -> tuple[float, float]:
-    """vLLM's accepted-token and draft counters (tau over an interval:
+    """The accepted-token and draft counters of vLLM (tau over an interval:
     1 + accepted / drafts of their increases)."""
     values = {m.name: m.value for m in llm.get_metrics()}
     return (

@@ -73,8 +73,8 @@ TOP_HOST_OPS = 12
 
 
 def num_preemptions(llm) -> float:
-    """vLLM's preemption counter (requests whose KV was freed under memory
-    pressure and recomputed later)."""
+    """The preemption counter of vLLM (requests whose KV was freed under
+    memory pressure and recomputed later)."""
     return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
 
 

@@ -3,43 +3,32 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Time the target's tree attention: unified vs split vs FA3 causal.
 
-One attention layer's call on a decode batch: ``--batch`` requests, each
-with ``T`` query tokens (``--tree-tokens``: 1 + budget; 16 is the DFlash
-chain's K = 15) after ``--context`` committed tokens, a random tree per
-request, bf16, a paged KV cache in the TRITON_ATTN layout (block 16),
-at the Qwen3-8B (32 query / 8 KV heads of 128, 36 attention layers) and
-Qwen3.6-27B (24 / 4 of 256, 16 attention layers) shapes:
+One attention layer's call on a decode batch: ``--batch`` requests of ``T``
+query tokens (``--tree-tokens``: 1 + budget; 16 is the chain's K = 15) after
+``--context`` committed tokens, a random tree per request, bf16, a paged KV cache
+in the TRITON_ATTN layout (block 16), at the Qwen3-8B (32 query / 8 KV heads of
+128, 36 attention layers) and Qwen3.6-27B (24 / 4 of 256, 16 layers) shapes:
 
-* ``unified``  the patched Triton unified attention kernel with the packed
-               tree mask as its ``qq_bias`` (what TRITON_ATTN runs today);
-* ``split``    ``VLLM_DDTREE_TREE_ATTENTION=split``: FA3 over the prefix
-               (non-causal, ahead-of-time schedule, the CUDA-graph split
-               bound) + the Triton kernel over the tree, merged in place
-               (``vllm/v1/spec_decode/ddtree/tree_attention.py``, through
-               `SplitTreeAttention` as the backend calls it);
-* ``fa3_causal`` FA3 causal over the same tokens without a tree, as the
-               FLASH_ATTN backend runs the chain's verification.
+* ``unified``  the patched Triton unified attention with the packed tree mask as
+               its ``qq_bias``;
+* ``split``    FA3 over the prefix + the Triton kernel over the tree, merged in
+               place (`SplitTreeAttention`, as the backend calls it);
+  ``split_in_two`` the same with every request longer than the tree on FA3
+               causal alone (where that bound should lie);
+* ``fa3_causal`` FA3 causal over the same tokens, as the chain's verification;
+* ``tree:<block or auto>:<warps>`` (``--tree-configs``) the tree kernel alone
+               at that launch shape.
 
-``--tree-configs`` adds the Triton tree kernel alone (part (b) of the split,
-merging into a prefix output with its log-sum-exp) at each launch shape
-``<query tokens per program or auto>:<warps>``, e.g. ``auto:4,16:4,16:8``;
-its rows are ``tree:<config>`` with their largest difference from the first
-configuration's output.
-
-Each method is captured in a CUDA graph (decode batches replay full
-graphs); ``--iters`` replays between CUDA events, the median of
-``--repeats`` such runs, in microseconds per call, and per step (times the
-shape's attention layers). Each row also has the largest difference of the
-split's output from the unified kernel's (bf16). Prints a table, writes
-JSON rows with ``--out``.
-
-GPU (an H100/H200: FA3; our wheel installed):
+``--chunks N`` adds a new prompt's prefill chunk of N tokens to each batch.
+Each method is captured in a CUDA graph; ``--iters`` replays between CUDA
+events, the median of ``--repeats``, in µs per call and per step (times the
+shape's attention layers), with the split's largest difference from the
+unified kernel's output. Prints a table, writes JSON rows with ``--out``.
 
     python3 -m bench.kernels.tree_attention --out bench/results/tree-attention.json
 
-CPU smoke run (Triton interpreter, the torch reference of the prefix pass
-instead of FA3, no graph, no ``fa3_causal``: checks the plumbing, times
-nothing):
+CPU smoke run (Triton interpreter, the torch reference prefix pass instead of
+FA3, no graph, no ``fa3_causal``; times nothing):
 
     TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= python3 -m bench.kernels.tree_attention \\
         --device cpu --shapes tiny --contexts 40 --tree-tokens 5 --batch 2 \\
