@@ -88,7 +88,7 @@ def main() -> None:
         ap, max_tokens=128, gpu_util=0.5, max_model_len=2048, processes=False
     )
     ap.add_argument("--budget", type=int, default=64, help="DDTree tree_budget")
-    ap.add_argument("--prompts", default=DEFAULT_PROMPTS, help="jsonl, 'prompt' key")
+    ap.add_argument("--prompts", help="jsonl, 'prompt' key (default: held-out)")
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--samples", type=int, default=2500, help="per prompt")
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -125,7 +125,8 @@ def main() -> None:
     t0 = time.time()
     llm = LLM(**kw)
     startup_s = time.time() - t0
-    prompts = load_prompts(a.prompts, a.num_prompts)
+    held_out = os.path.join(a.models, common.HELDOUT)
+    prompts = load_prompts(a.prompts or held_out, a.num_prompts)
     params = dict(temperature=a.temperature, top_p=a.top_p, ignore_eos=True)
 
     def generate(prompts, sps) -> list[list[int]]:
