@@ -4,6 +4,7 @@
 ``__main__`` guard calls main)."""
 
 import runpy
+import sys
 
 import pytest
 
@@ -21,6 +22,8 @@ TOOLS = [
 @pytest.mark.parametrize("module", TOOLS)
 def test_help(module, monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", [module, "--help"])
+    # Run afresh as __main__, as python3 -m does (not over an imported copy).
+    monkeypatch.delitem(sys.modules, module, raising=False)
     with pytest.raises(SystemExit) as stop:
         runpy.run_module(module, run_name="__main__")
     assert stop.value.code == 0
