@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the bench tools share: progress lines, result rows (``ROW {json}``
 from an engine process, ``RESULT {json}`` for a reader), JSON result files
-rewritten as rows come in, the options of the engine processes and the
-loopback check of the serving tools.
+rewritten as rows come in, the engine options and engine processes, the
+kernel tools' timers and the loopback check of the serving tools.
 
 Run the tools from the checkout's root as modules, e.g.
 ``python3 -m bench.engine.step_cost --help``."""
@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from urllib.parse import urlparse
 
 REPO = Path(__file__).resolve().parent.parent
 PAIR_MODELS = str(REPO / "bench" / "pairs" / "models")
+HELDOUT = "prompts/heldout.jsonl"  # under PAIR_MODELS: prompts no pair trained on
 LOOPBACK_HOSTS = {"127.0.0.1", "::1", "localhost"}
 
 # Child processes import bench from this checkout too: the engine processes
@@ -72,22 +74,57 @@ def csv_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def load_prompts(path: str, last: int = 0) -> list[list[int]]:
+    """The token ids of ``path``'s prompts; with ``last``, those of at least
+    ``last`` tokens, cut to their last ``last``."""
+    with open(path) as f:
+        rows = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
+    return [r[-last:] for r in rows if len(r) >= last] if last else rows
+
+
+def add_options(ap: argparse.ArgumentParser, options: dict) -> None:
+    """``{"--name": (default, help)}``: each option's type is its default's
+    (False: a flag; None: a string)."""
+    for flag, (default, text) in options.items():
+        if default is False:
+            ap.add_argument(flag, action="store_true", help=text)
+        else:
+            kind = str if default is None else type(default)
+            ap.add_argument(flag, type=kind, default=default, help=text)
+
+
+# ---------------------------------------------------------------- engines
+
+
 def add_engine_options(
-    ap: argparse.ArgumentParser, max_tokens: int = 256, gpu_util: float = 0.85
+    ap: argparse.ArgumentParser,
+    max_tokens: int = 256,
+    gpu_util: float = 0.85,
+    max_model_len: int = 1024,
+    processes: bool = True,
 ) -> None:
-    """The options every engine process of step_cost.py and run_pairs.py
-    takes (``forward`` passes them on to it)."""
-    ap.add_argument("--models", default=PAIR_MODELS, help="the trained pairs")
-    ap.add_argument("--max-tokens", type=int, default=max_tokens)
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=gpu_util)
-    ap.add_argument("--chain-k", type=int, default=15, help="the chain's length K")
-    ap.add_argument(
-        "--engine-timeout", type=int, default=900, help="seconds per engine process"
-    )
+    """The engine options of every tool that starts vLLM engines;
+    ``processes``: one engine process each (``forward`` passes the options
+    on), with a time limit."""
+    options = {
+        "--models": (PAIR_MODELS, "the trained pairs"),
+        "--max-tokens": (max_tokens, "new tokens per request"),
+        "--max-model-len": (max_model_len, None),
+        "--gpu-memory-utilization": (gpu_util, None),
+        "--chain-k": (15, "the chain's length K"),
+    }
+    if processes:
+        options["--engine-timeout"] = (900, "seconds per engine")
+    add_options(ap, options)
 
 
-def engine_kwargs(a, target: str, dtype: str, max_num_seqs: int, hybrid: bool) -> dict:
+ENGINE_OPTIONS = ("models", "max_tokens", "max_model_len", "gpu_memory_utilization")
+ENGINE_OPTIONS += ("chain_k",)
+
+
+def engine_kwargs(
+    a, target: str, dtype: str, max_num_seqs: int, hybrid: bool, **overrides
+) -> dict:
     """``LLM(...)`` keywords of a benchmark engine with ``a``'s engine
     options: token ids in and out, stats kept (tau comes from them), no
     prefix caching (every timed prompt is computed); a hybrid target without
@@ -107,7 +144,7 @@ def engine_kwargs(a, target: str, dtype: str, max_num_seqs: int, hybrid: bool) -
         kw.update(
             limit_mm_per_prompt={"image": 0, "video": 0}, gdn_prefill_backend="triton"
         )
-    return kw
+    return kw | overrides
 
 
 def chain_config(drafter: str, k: int) -> dict:
@@ -115,8 +152,14 @@ def chain_config(drafter: str, k: int) -> dict:
     return dict(method="dflash", model=drafter, num_speculative_tokens=k)
 
 
-ENGINE_OPTIONS = ("models", "max_tokens", "max_model_len", "gpu_memory_utilization")
-ENGINE_OPTIONS += ("chain_k",)
+def spec_counters(llm) -> tuple[float, float]:
+    """The accepted-token and draft counters of vLLM (tau over an interval:
+    1 + accepted / drafts of their increases)."""
+    values = {m.name: m.value for m in llm.get_metrics()}
+    return (
+        values.get("vllm:spec_decode_num_accepted_tokens", 0.0),
+        values.get("vllm:spec_decode_num_drafts", 0.0),
+    )
 
 
 def forward(a: argparse.Namespace, names) -> list[str]:
@@ -165,6 +208,9 @@ def run_engine_process(
     return rows_in(lines), rc, tail, log_lines
 
 
+# ---------------------------------------------------------------- kernels
+
+
 def use_overlay() -> None:
     """Import DDTree's modules from this checkout's ``overlay/`` where no vLLM
     is installed (``vllm`` is then a namespace package of our modules, as in
@@ -176,19 +222,86 @@ def use_overlay() -> None:
 
 def torch_reference():
     """The torch reference implementations of the checkout's tests
-    (``ddtree_reference.py``, not in the wheel)."""
-    found = sorted(REPO.glob("tests/**/ddtree_reference.py"))
-    if not found:
-        raise SystemExit(
-            f"no ddtree_reference.py under {REPO / 'tests'}: the reference "
-            "columns time the torch reference of a checkout"
-        )
+    (``tests/ddtree_reference.py``, not in the wheel)."""
+    path = REPO / "tests" / "ddtree_reference.py"
+    if not path.exists():
+        raise SystemExit(f"no {path}: the reference runs from a checkout")
     if "ddtree_reference" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("ddtree_reference", found[0])
+        spec = importlib.util.spec_from_file_location("ddtree_reference", path)
         module = importlib.util.module_from_spec(spec)
         sys.modules["ddtree_reference"] = module
         spec.loader.exec_module(module)
     return sys.modules["ddtree_reference"]
+
+
+def add_kernel_options(
+    ap: argparse.ArgumentParser, iters: int, repeats: int | None = None
+) -> None:
+    """The kernel tools' timing options (``--repeats``: timings of ``--iters``
+    calls each, the median taken) and result file."""
+    ap.add_argument("--iters", type=int, default=iters)
+    if repeats is not None:
+        ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--out", default=None, help="JSON rows")
+
+
+def graph_us(fn, repeats: int, calls: int = 1, replays: int = 1) -> float:
+    """Microseconds per call of ``fn``: captured ``calls`` times in one CUDA
+    graph, ``replays`` replays between two CUDA events, the median of
+    ``repeats`` such timings (all queued before one synchronize)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compiles and builds cached tables before capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    events = [
+        [torch.cuda.Event(enable_timing=True) for _ in "se"] for _ in range(repeats)
+    ]
+    for start, end in events:
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(
+        s.elapsed_time(e) * 1e3 / (calls * replays) for s, e in events
+    )
+
+
+def eager_us(fn, repeats: int, calls: int = 1, cuda: bool = False) -> float:
+    """Microseconds per call of ``fn`` run eagerly, ``calls`` calls a
+    timing, the median of ``repeats`` (CUDA events on a GPU, the wall clock
+    otherwise: a CPU smoke run times nothing real)."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        if cuda:
+            import torch
+
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in "se")
+            start.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if cuda:
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / calls)
+        else:
+            samples.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(samples)
+
+
+# ---------------------------------------------------------------- serving
 
 
 def check_loopback(base_url: str, tool: str) -> str:

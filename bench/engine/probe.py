@@ -6,11 +6,7 @@ row measured at a concurrency the engine could not hold says so."""
 
 from __future__ import annotations
 
-import functools
-
 from bench.common import progress
-
-log = functools.partial(progress, "engine_probe")
 
 
 def engine_core(llm):
@@ -20,26 +16,24 @@ def engine_core(llm):
 
 def engine_max_concurrency(llm) -> float | None:
     """The engine's capacity in concurrent requests of ``max_model_len``
-    tokens (vLLM's "Maximum concurrency" startup figure): on a hybrid target
-    the chain keeps a recurrent state per draft position, so the capacity can
-    fall below the concurrency measured."""
+    tokens (vLLM's "Maximum concurrency" startup figure; on a hybrid target
+    the chain keeps a recurrent state per draft position)."""
     core = engine_core(llm)
     if core is None:
         return None
     try:
-        from vllm.v1.core.kv_cache_utils import (
-            get_max_concurrency_for_kv_cache_config,
-        )
+        from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
-        capacity = get_max_concurrency_for_kv_cache_config(
-            core.vllm_config, core.scheduler.kv_cache_config
+        return round(
+            get_max_concurrency_for_kv_cache_config(
+                core.vllm_config, core.scheduler.kv_cache_config
+            ),
+            2,
         )
     except (ImportError, AttributeError, TypeError) as e:
-        # A release without this helper: step_cost's rows take vLLM's
-        # startup line instead (its engine_rows).
-        log(f"no KV-cache capacity from the engine: {e!r}")
+        # step_cost's rows then take vLLM's startup line (engine_rows).
+        progress("engine_probe", f"no KV-cache capacity from the engine: {e!r}")
         return None
-    return round(capacity, 2)
 
 
 class RunningProbe:
@@ -48,20 +42,19 @@ class RunningProbe:
 
     def __init__(self, llm):
         core = engine_core(llm)
-        self.scheduler = core.scheduler if core is not None else None
         self.max_running: int | None = None
         self.active = False
-        if self.scheduler is not None:
-            schedule = self.scheduler.schedule
+        if core is None:
+            return
+        scheduler, schedule = core.scheduler, core.scheduler.schedule
 
-            def probed_schedule(*args, **kwargs):
-                out = schedule(*args, **kwargs)
-                if self.active:
-                    n = len(self.scheduler.running)
-                    self.max_running = max(self.max_running or 0, n)
-                return out
+        def probed_schedule(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            if self.active:
+                self.max_running = max(self.max_running or 0, len(scheduler.running))
+            return out
 
-            self.scheduler.schedule = probed_schedule
+        scheduler.schedule = probed_schedule
 
     def __enter__(self) -> RunningProbe:
         self.active = True

@@ -1,20 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 """Where an engine step's time goes, under the torch profiler (engine
 in-process): wall time per step, the share of it the GPU is busy, GPU kernel
-time per step split into the DDTree tree build (our Triton build kernels),
-DDTree bookkeeping (tree bias, walk, KV compaction kernels) and everything
-else (the target and drafter forwards, sampling), the same time by phase
-(the DFlash pass: a profiler range around the speculator's propose(), the
-tree build taken out; tree build, bookkeeping, verify, the rest), host time
-by op, and the steps with a prefill chunk apart from the others. Only the
-Triton build backend (the CUDA default) has kernels of its own names; with
-``VLLM_DDTREE_BACKEND=torch`` the build counts as "other". Used by
-``engine/step_cost.py`` and ``pairs/run_pairs.py --profile``."""
+time split into the DDTree tree build (our Triton build kernels), DDTree
+bookkeeping (tree bias, walk, KV compaction) and the rest (the forwards,
+sampling), the same time by phase (the DFlash pass: a profiler range around
+the speculator's propose(), the tree build taken out), host time by op and by
+part of the runner, and the steps with a prefill chunk apart from the others.
+With ``VLLM_DDTREE_BACKEND=torch`` the build has no kernels of its own names
+and counts as "other". Used by ``engine/step_cost.py`` and
+``pairs/run_pairs.py --profile``."""
 
 import bisect
+import functools
+import importlib
 import json
 import re
 import time
+
+from bench import common
 
 # Kernel-name patterns of DDTree's own GPU work.
 TREE_BUILD_KERNELS = re.compile(
@@ -27,84 +30,18 @@ BOOKKEEPING_KERNELS = re.compile(
     r"|_ddtree_compact_rows_kernel|_commit_conv_kernel|_commit_gdn_kernel"
     r"|_ddtree_tree_positions_kernel|_ddtree_store_trees_kernel"
 )
-
-
-def num_preemptions(llm) -> float:
-    """The preemption counter of vLLM (requests whose KV was freed under memory
-    pressure and recomputed later): a run that should exercise preemption
-    shows it moved."""
-    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
-
-
-def spec_metrics(llm) -> tuple[float, float, list[float]]:
-    accepted = drafts = 0.0
-    per_pos: list[float] = []
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_accepted_tokens":
-            accepted = m.value
-        elif m.name == "vllm:spec_decode_num_drafts":
-            drafts = m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            per_pos = list(getattr(m, "values", []) or [])
-    return accepted, drafts, per_pos
-
-
 RANGE_PREFIX = "ddtree_bench::"
 DRAFT_RANGE = RANGE_PREFIX + "draft"
-
-
-def _label_draft_passes() -> None:
-    """Wrap the DFlash speculator's propose() (the chain's and DDTree's, which
-    inherits it) in a profiler range, so the GPU time of the draft pass can
-    be told from the verify forward (engine in-process)."""
-    import torch
-
-    try:
-        from vllm.v1.worker.gpu.spec_decode.dflash.speculator import (
-            DFlashSpeculator,
-        )
-    except ImportError:
-        return
-    orig = DFlashSpeculator.propose
-    if getattr(orig, "_labelled", False):
-        return
-
-    def propose(self, *args, **kwargs):
-        with torch.profiler.record_function(DRAFT_RANGE):
-            return orig(self, *args, **kwargs)
-
-    propose._labelled = True  # type: ignore[attr-defined]
-    DFlashSpeculator.propose = propose
-
-
-# The engine steps' own ranges (`_label_steps`): the model runner's
-# execute_model and sample_tokens of a step that carries a prefill chunk
-# ("mixed") or only decodes and verifies ("decode").
+# The engine steps' ranges (`label_steps`): the runner's execute_model and
+# sample_tokens of a step with a prefill chunk ("mixed") or without.
 STEP_KINDS = ("mixed", "decode")
-
-
-def _step_range(phase: str, kind: str) -> str:
-    return f"{RANGE_PREFIX}{phase}_{kind}"
-
-
-def _has_prefill(scheduler_output) -> bool:
-    """Whether a step schedules more tokens for some request than one plus
-    its drafts: a prefill chunk (a new request's or a long prompt's next)."""
-    spec = scheduler_output.scheduled_spec_decode_tokens
-    return any(
-        n > 1 + len(spec.get(req_id, ()))
-        for req_id, n in scheduler_output.num_scheduled_tokens.items()
-    )
-
-
-# Ranges inside a step (`_label_steps`), by the runner's parts they wrap:
-# (range, module, class, method). The draft pass has its own (`DRAFT_RANGE`);
-# what no range covers (the eager model call, the runner's own code) is the
-# step's host time less theirs.
+# Ranges inside a step, by the runner's parts they wrap: (range, module,
+# class, method). What no range covers (the eager model call, the runner's
+# own code) is the step's host time less theirs.
 _RUNNER = "vllm.v1.worker.gpu.model_runner"
 _STATES = "vllm.v1.worker.gpu.model_states"
 _GRAPHS = "vllm.v1.worker.gpu.cudagraph_utils"
-_DDTREE = "vllm.v1.worker.gpu.spec_decode.ddtree.verifier"
+_VERIFIER = "vllm.v1.worker.gpu.spec_decode.ddtree.verifier"
 STEP_PHASES = (
     ("requests", _RUNNER, "GPUModelRunner", "add_requests"),
     ("inputs", _RUNNER, "GPUModelRunner", "prepare_inputs"),
@@ -119,9 +56,9 @@ STEP_PHASES = (
     ("full_graph", _GRAPHS, "CudaGraphManager", "run_fullgraph"),
     ("piecewise", _GRAPHS, "CudaGraphManager", "run_pw_graph"),
     ("sample", _RUNNER, "GPUModelRunner", "sample"),
-    ("ddtree_prepare", _DDTREE, "DDTreeVerifier", "prepare_verify"),
-    ("ddtree_compact", _DDTREE, "DDTreeVerifier", "compact"),
-    ("ddtree_store_trees", _DDTREE, "DDTreeVerifier", "store_trees"),
+    ("ddtree_prepare", _VERIFIER, "DDTreeVerifier", "prepare_verify"),
+    ("ddtree_compact", _VERIFIER, "DDTreeVerifier", "compact"),
+    ("ddtree_store_trees", _VERIFIER, "DDTreeVerifier", "store_trees"),
     (
         "ddtree_gdn_commit",
         "vllm.v1.spec_decode.ddtree.gdn_verify",
@@ -129,153 +66,191 @@ STEP_PHASES = (
         "commit",
     ),
 )
+# Kernels kept per profile (enough for a step's tail past the target's
+# GEMMs) and host operators per step kind.
+TOP_KERNELS = 30
+TOP_HOST_OPS = 12
+
+
+def num_preemptions(llm) -> float:
+    """The preemption counter of vLLM (requests whose KV was freed under
+    memory pressure and recomputed later)."""
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+def _step_range(phase: str, kind: str) -> str:
+    return f"{RANGE_PREFIX}{phase}_{kind}"
 
 
 def _phase_range(phase: str) -> str:
     return f"{RANGE_PREFIX}phase_{phase}"
 
 
-def _label_phases() -> None:
-    """Wrap the runner's parts listed in `STEP_PHASES` in profiler ranges
-    (those this vLLM has), so a step's host time splits by part."""
-    import importlib
-
-    for phase, module, cls_name, method in STEP_PHASES:
-        try:
-            cls = getattr(importlib.import_module(module), cls_name)
-        except (ImportError, AttributeError):
-            continue
-        # Only the class's own method: a subclass that inherits it is
-        # labelled through its base (no range inside a range of itself).
-        orig = cls.__dict__.get(method)
-        if orig is None or getattr(orig, "_labelled", False):
-            continue
-
-        setattr(cls, method, _in_range(orig, _phase_range(phase)))
+def _has_prefill(scheduler_output) -> bool:
+    """Whether a step schedules more tokens for some request than one plus
+    its drafts: a prefill chunk (a new request's or a long prompt's next)."""
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    return any(
+        n > 1 + len(spec.get(req_id, ()))
+        for req_id, n in scheduler_output.num_scheduled_tokens.items()
+    )
 
 
-def _in_range(fn, name: str):
-    """``fn`` (a method) inside a profiler range ``name``."""
-    import functools
-
+def _in_range(fn, name):
+    """Method ``fn`` inside a profiler range: ``name``, or ``name(self)``
+    when callable (None: no range)."""
     import torch
 
     @functools.wraps(fn)
     def wrapped(self, *args, **kwargs):
-        with torch.profiler.record_function(name):
+        label = name(self, *args, **kwargs) if callable(name) else name
+        if label is None:
+            return fn(self, *args, **kwargs)
+        with torch.profiler.record_function(label):
             return fn(self, *args, **kwargs)
 
     wrapped._labelled = True  # type: ignore[attr-defined]
     return wrapped
 
 
-def _label_steps() -> None:
-    """Wrap the V2 model runner's execute_model and sample_tokens in
-    profiler ranges named by the step's kind (engine in-process), so that a
-    profile tells steps with a prefill chunk from the others, and the
-    runner's parts in ranges of their own (`_label_phases`)."""
-    import torch
+def _label(cls, method: str, name) -> None:
+    """Wrap ``cls``'s own ``method`` once (a subclass that inherits it is
+    labelled through its base: no range inside a range of itself)."""
+    orig = cls.__dict__.get(method)
+    if orig is not None and not getattr(orig, "_labelled", False):
+        setattr(cls, method, _in_range(orig, name))
 
+
+def _label_phases() -> None:
+    """Ranges around the runner's parts listed in `STEP_PHASES` (those this
+    vLLM has), so that a step's host time splits by part."""
+    for phase, module, cls_name, method in STEP_PHASES:
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+        except (ImportError, AttributeError):
+            continue
+        _label(cls, method, _phase_range(phase))
+
+
+def label_steps() -> None:
+    """Ranges around the DFlash speculator's propose() (the chain's and
+    DDTree's: the draft pass), the V2 model runner's execute_model and
+    sample_tokens, named by the step's kind, and its parts (`_label_phases`);
+    engine in-process."""
     try:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+        from vllm.v1.worker.gpu.spec_decode.dflash.speculator import (
+            DFlashSpeculator,
+        )
     except ImportError:
         return
+    _label(DFlashSpeculator, "propose", DRAFT_RANGE)
     _label_phases()
-    execute, sample = GPUModelRunner.execute_model, GPUModelRunner.sample_tokens
-    if getattr(execute, "_labelled", False):
-        return
 
-    def execute_model(self, scheduler_output, *args, **kwargs):
+    def execute_kind(runner, scheduler_output, *args, **kwargs):
+        runner._ddtree_bench_step_kind = None
         if kwargs.get("dummy_run") or scheduler_output.total_num_scheduled_tokens == 0:
-            return execute(self, scheduler_output, *args, **kwargs)
+            return None
         kind = "mixed" if _has_prefill(scheduler_output) else "decode"
-        self._ddtree_bench_step_kind = kind
-        with torch.profiler.record_function(_step_range("execute", kind)):
-            return execute(self, scheduler_output, *args, **kwargs)
+        runner._ddtree_bench_step_kind = kind
+        return _step_range("execute", kind)
 
-    def sample_tokens(self, *args, **kwargs):
-        kind = getattr(self, "_ddtree_bench_step_kind", None)
-        if kind is None:
-            return sample(self, *args, **kwargs)
-        self._ddtree_bench_step_kind = None
-        with torch.profiler.record_function(_step_range("sample", kind)):
-            return sample(self, *args, **kwargs)
+    def sample_kind(runner, *args, **kwargs):
+        kind = getattr(runner, "_ddtree_bench_step_kind", None)
+        runner._ddtree_bench_step_kind = None
+        return None if kind is None else _step_range("sample", kind)
 
-    execute_model._labelled = True  # type: ignore[attr-defined]
-    GPUModelRunner.execute_model = execute_model
-    GPUModelRunner.sample_tokens = sample_tokens
+    _label(GPUModelRunner, "execute_model", execute_kind)
+    _label(GPUModelRunner, "sample_tokens", sample_kind)
 
 
-# Host operators kept per step kind.
-TOP_HOST_OPS = 12
+def _device_us(ev) -> float:
+    return getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+
+
+def _starts_inside(spans: list[tuple[float, float]]):
+    """Whether an event starts inside one of the sorted ``(start, end)``."""
+    starts = [start for start, _ in spans]
+
+    def inside(ev) -> bool:
+        i = bisect.bisect_right(starts, ev.time_range.start) - 1
+        return i >= 0 and ev.time_range.start <= spans[i][1]
+
+    return inside
+
+
+def _union_us(ranges: list[tuple[float, float]]) -> float:
+    """The time the ``(start, end)`` ranges cover together."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(ranges):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def _span(ev) -> tuple[float, float]:
+    return ev.time_range.start, ev.time_range.end
 
 
 def step_kind_summary(events, cuda_type) -> dict:
-    """Per step kind (`STEP_KINDS`) of a profile with `_label_steps`' ranges:
-    the steps, and per step the host time inside the runner's two calls,
-    the GPU kernel time of the kernels that start inside their GPU-side
-    ranges, and those ranges' span (first to last kernel: the kernel time
-    plus the GPU's idle gaps inside the step). Then where the host time
-    goes: per part of the runner (`STEP_PHASES`' ranges and the draft
-    pass's, by their start inside the step's host ranges; ``other``: the
-    rest) and the host operators with the most self time. Kinds with no
-    step are left out."""
+    """Per step kind (`STEP_KINDS`, from `label_steps`' ranges): the steps,
+    per step the host time inside the runner's two calls, the GPU kernel
+    time of the kernels starting inside their GPU-side ranges and those
+    ranges' span (kernel time plus the GPU's idle gaps); where the host time
+    goes by part of the runner (`STEP_PHASES`' ranges and the draft pass's,
+    by their start inside the step's host ranges; ``other``: the rest) and
+    the host operators with the most self time. Kinds with no step are left
+    out."""
     events = list(events)
     out = {}
     for kind in STEP_KINDS:
         names = {_step_range("execute", kind), _step_range("sample", kind)}
         cpu = [ev for ev in events if ev.name in names and ev.device_type != cuda_type]
-        steps = sum(1 for ev in cpu if ev.name == _step_range("execute", kind))
+        steps = sum(ev.name == _step_range("execute", kind) for ev in cpu)
         if not steps:
             continue
-        host_ranges = sorted((ev.time_range.start, ev.time_range.end) for ev in cpu)
-        host_starts = [start for start, _ in host_ranges]
+        host_ranges = sorted(map(_span, cpu))
+        # Host ranges end where the next may start: a start on an end is out.
+        starts = [start for start, _ in host_ranges]
 
-        def in_step(ev, ranges=host_ranges, starts=host_starts) -> bool:
+        def in_step(ev, ranges=host_ranges, starts=starts) -> bool:
             i = bisect.bisect_right(starts, ev.time_range.start) - 1
             return i >= 0 and ev.time_range.start < ranges[i][1]
 
-        host_us = sum(end - start for start, end in host_ranges)
         by_phase: dict[str, float] = {}
-        phase_ranges: list[tuple[float, float]] = []
-        ops: dict[str, float] = {}
+        phase_ranges, ops = [], {}
         for ev in events:
             if ev.device_type == cuda_type or ev.name in names or not in_step(ev):
                 continue
             if ev.name.startswith(RANGE_PREFIX):
                 phase = ev.name[len(RANGE_PREFIX) :].removeprefix("phase_")
-                by_phase[phase] = by_phase.get(phase, 0.0) + (
-                    ev.time_range.end - ev.time_range.start
-                )
-                phase_ranges.append((ev.time_range.start, ev.time_range.end))
+                by_phase[phase] = by_phase.get(phase, 0.0) + _span(ev)[1] - _span(ev)[0]
+                phase_ranges.append(_span(ev))
             else:
-                self_us = getattr(ev, "self_cpu_time_total", 0.0)
-                ops[ev.name[:60]] = ops.get(ev.name[:60], 0.0) + self_us
-        # A range inside another (DDTree's sampling inside the runner's) is
-        # counted in both; "other" is the host time outside every range.
+                name = ev.name[:60]
+                ops[name] = ops.get(name, 0.0) + getattr(ev, "self_cpu_time_total", 0)
+        # A range inside another (DDTree's commit inside the runner's
+        # sampling) counts in both; "other" is the time outside every range.
+        host_us = sum(end - start for start, end in host_ranges)
         by_phase["other"] = host_us - _union_us(phase_ranges)
-        top_ops = sorted(ops.items(), key=lambda kv: -kv[1])[:TOP_HOST_OPS]
         spans = sorted(
-            (ev.time_range.start, ev.time_range.end)
+            _span(ev)
             for ev in events
             if ev.name in names and ev.device_type == cuda_type
         )
-        starts = [start for start, _ in spans]
-        kernel_us = 0.0
-        for ev in events:
-            if ev.device_type != cuda_type or ev.name.startswith(RANGE_PREFIX):
-                continue
-            i = bisect.bisect_right(starts, ev.time_range.start) - 1
-            if i >= 0 and ev.time_range.start <= spans[i][1]:
-                kernel_us += _device_us(ev)
+        inside = _starts_inside(spans)
+        kernel_us = sum(
+            _device_us(ev)
+            for ev in events
+            if ev.device_type == cuda_type
+            and not ev.name.startswith(RANGE_PREFIX)
+            and inside(ev)
+        )
+        top_ops = sorted(ops.items(), key=lambda kv: -kv[1])[:TOP_HOST_OPS]
         out[kind] = dict(
             steps=steps,
-            host_ms_per_step=round(
-                sum(ev.time_range.end - ev.time_range.start for ev in cpu)
-                / steps
-                / 1e3,
-                3,
-            ),
+            host_ms_per_step=round(host_us / steps / 1e3, 3),
             gpu_kernel_ms_per_step=round(kernel_us / steps / 1e3, 3),
             gpu_span_ms_per_step=round(
                 sum(end - start for start, end in spans) / steps / 1e3, 3
@@ -288,43 +263,23 @@ def step_kind_summary(events, cuda_type) -> dict:
     return out
 
 
-def _union_us(ranges: list[tuple[float, float]]) -> float:
-    """The time the ``(start, end)`` ranges cover together."""
-    total = 0.0
-    end = float("-inf")
-    for start, stop in sorted(ranges):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
-
-
-def _device_us(ev) -> float:
-    return (
-        ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-    )
-
-
 def split_gpu_time(events, cuda_type) -> tuple[dict, dict, float, bool, dict]:
     """GPU kernel time of profiler ``events`` by category (tree build,
-    bookkeeping, other), per kernel name, and the part launched by the draft
-    pass (tree build included); whether a draft range was seen; and the
-    launches per kernel name (the same kernel taking longer per step is more
-    calls or bigger ones: the count tells which).
+    bookkeeping, other) and per kernel name; the part launched by the draft
+    pass (tree build included); whether a draft range was seen; the launches
+    per kernel name.
 
-    The draft pass is told by the GPU-side copy of its record_function range
-    (from its first to its last kernel): a kernel belongs to it when it
-    starts inside one. The CPU range's own device time misses kernels
-    replayed from CUDA graphs, and the GPU-side range is a span (idle time
-    included), not kernel time: neither is summed itself.
-    """
+    A kernel belongs to the draft pass when it starts inside the GPU-side
+    copy of its range (first to last kernel). The CPU range's own device
+    time misses kernels replayed from CUDA graphs, and the GPU-side range is
+    a span (idle time included): neither is summed itself."""
     events = list(events)
     spans = sorted(
-        (ev.time_range.start, ev.time_range.end)
+        _span(ev)
         for ev in events
         if ev.name == DRAFT_RANGE and ev.device_type == cuda_type
     )
-    starts = [start for start, _ in spans]
+    in_draft = _starts_inside(spans)
     us = {"tree_build": 0.0, "bookkeeping": 0.0, "other": 0.0}
     top: dict[str, float] = {}
     calls: dict[str, int] = {}
@@ -333,25 +288,18 @@ def split_gpu_time(events, cuda_type) -> tuple[dict, dict, float, bool, dict]:
         # Ranges (the draft pass's, the steps') are spans, not kernel time.
         if ev.device_type != cuda_type or ev.name.startswith(RANGE_PREFIX):
             continue
-        dur = _device_us(ev)
-        name = ev.name
-        if TREE_BUILD_KERNELS.search(name):
+        dur, name = _device_us(ev), ev.name[:60]
+        if TREE_BUILD_KERNELS.search(ev.name):
             us["tree_build"] += dur
-        elif BOOKKEEPING_KERNELS.search(name):
+        elif BOOKKEEPING_KERNELS.search(ev.name):
             us["bookkeeping"] += dur
         else:
             us["other"] += dur
-        top[name[:60]] = top.get(name[:60], 0.0) + dur
-        calls[name[:60]] = calls.get(name[:60], 0) + 1
-        i = bisect.bisect_right(starts, ev.time_range.start) - 1
-        if i >= 0 and ev.time_range.start <= spans[i][1]:
+        top[name] = top.get(name, 0.0) + dur
+        calls[name] = calls.get(name, 0) + 1
+        if in_draft(ev):
             draft_us += dur
     return us, top, draft_us, bool(spans), calls
-
-
-# Kernels kept per profile: enough to account for a step's tail (the tree
-# kernels, attention and small launches past the target's GEMMs).
-TOP_KERNELS = 30
 
 
 def profile_summary(prof, steps: float, wall_s: float) -> dict:
@@ -360,42 +308,40 @@ def profile_summary(prof, steps: float, wall_s: float) -> dict:
     phase, the GPU busy share, the top kernels and host ops."""
     import torch
 
-    us, top, draft_range_us, has_draft_range, calls = split_gpu_time(
-        prof.events(), torch.autograd.DeviceType.CUDA
-    )
+    cuda = torch.autograd.DeviceType.CUDA
+    us, top, draft_us, has_draft, calls = split_gpu_time(prof.events(), cuda)
     wall_us = wall_s * 1e6 / steps
     averages = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    top_names = [k for k, _ in sorted(top.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]]
+    top_names = sorted(top, key=lambda k: -top[k])[:TOP_KERNELS]
+    draft = draft_us - us["tree_build"]  # the DFlash pass less the tree build
+
+    def per_step(values: dict, digits: int = 1) -> dict:
+        return {k: round(v / steps, digits) for k, v in values.items()}
+
     return dict(
         wall_us_per_step=round(wall_us, 1),
-        gpu_us_per_step={k: round(v / steps, 1) for k, v in us.items()},
-        # The same GPU time by phase (None without a draft pass, i.e. no
-        # speculation): DFlash pass (without the tree build),
-        # tree build, DDTree bookkeeping, and the rest (target verify forward,
-        # sampling, input preparation).
-        gpu_us_per_step_by_phase={
-            "draft": round((draft_range_us - us["tree_build"]) / steps, 1),
-            "tree_build": round(us["tree_build"] / steps, 1),
-            "bookkeeping": round(us["bookkeeping"] / steps, 1),
-            "verify_and_rest": round(
-                (us["other"] - (draft_range_us - us["tree_build"])) / steps, 1
-            ),
-        }
-        if has_draft_range
+        gpu_us_per_step=per_step(us),
+        # None without a draft pass (no speculation).
+        gpu_us_per_step_by_phase=per_step(
+            dict(
+                draft=draft,
+                tree_build=us["tree_build"],
+                bookkeeping=us["bookkeeping"],
+                verify_and_rest=us["other"] - draft,
+            )
+        )
+        if has_draft
         else None,
         # Below 1: the GPU idles inside the step (host-bound or waiting).
         gpu_busy_share=round(sum(us.values()) / steps / wall_us, 3),
         ddtree_share_of_step=round(
             (us["tree_build"] + us["bookkeeping"]) / steps / wall_us, 4
         ),
-        # Steps that carry a prefill chunk apart from the others (with
-        # `_label_steps`): their count, host and GPU time per step.
-        step_kinds=step_kind_summary(prof.events(), torch.autograd.DeviceType.CUDA),
-        top_kernels_us_per_step={k: round(top[k] / steps, 1) for k in top_names},
-        top_kernels_calls_per_step={k: round(calls[k] / steps, 2) for k in top_names},
-        # Host side: where the step's CPU time goes (self time per op), and
-        # how often each op runs per step (an op called once per layer
-        # means that layer's part runs outside the CUDA graphs).
+        step_kinds=step_kind_summary(prof.events(), cuda),
+        top_kernels_us_per_step=per_step({k: top[k] for k in top_names}),
+        top_kernels_calls_per_step=per_step({k: calls[k] for k in top_names}, 2),
+        # Host side: self time and calls per op (an op called once per layer
+        # runs outside the CUDA graphs).
         top_cpu_ops_us_per_step={
             e.key[:60]: round(e.self_cpu_time_total / steps, 1) for e in averages[:15]
         },
@@ -407,15 +353,13 @@ def profile_summary(prof, steps: float, wall_s: float) -> dict:
 
 def profile_steps(llm, prompts, sp, conc: int = 1, **labels) -> dict:
     """Decode ``prompts`` ``conc`` at a time under the torch profiler; print
-    (and return) the wall time and the GPU kernel time per engine step, by
-    category."""
+    (``PROFILE {json}``) and return `profile_summary` per engine step."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    _label_draft_passes()
-    _label_steps()
+    label_steps()
     llm.generate(prompts[:conc], sp, use_tqdm=False)  # warm-up outside the trace
-    acc0, drafts0, _ = spec_metrics(llm)
+    acc0, drafts0 = common.spec_counters(llm)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.time()
         toks = 0
@@ -424,17 +368,16 @@ def profile_steps(llm, prompts, sp, conc: int = 1, **labels) -> dict:
             toks += sum(len(o.outputs[0].token_ids) for o in outs)
         torch.cuda.synchronize()
         dt = time.time() - t
-    acc1, drafts1, _ = spec_metrics(llm)
+    acc1, drafts1 = common.spec_counters(llm)
+    drafts = drafts1 - drafts0
     # Draft counters are per request: an engine step drafts for `conc` of them.
-    steps = ((drafts1 - drafts0) or toks) / conc
+    steps = (drafts or toks) / conc
     res = dict(
         **labels,
         conc=conc,
         prompts=len(prompts),
         steps=round(steps, 1),
-        tau=round(1 + (acc1 - acc0) / (drafts1 - drafts0), 3)
-        if drafts1 > drafts0
-        else None,
+        tau=round(1 + (acc1 - acc0) / drafts, 3) if drafts > 0 else None,
         **profile_summary(prof, steps, dt),
     )
     print("PROFILE", json.dumps(res), flush=True)

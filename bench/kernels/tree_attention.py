@@ -3,43 +3,32 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Time the target's tree attention: unified vs split vs FA3 causal.
 
-One attention layer's call on a decode batch: ``--batch`` requests, each
-with ``T`` query tokens (``--tree-tokens``: 1 + budget; 16 is the DFlash
-chain's K = 15) after ``--context`` committed tokens, a random tree per
-request, bf16, a paged KV cache in the TRITON_ATTN layout (block 16),
-at the Qwen3-8B (32 query / 8 KV heads of 128, 36 attention layers) and
-Qwen3.6-27B (24 / 4 of 256, 16 attention layers) shapes:
+One attention layer's call on a decode batch: ``--batch`` requests of ``T``
+query tokens (``--tree-tokens``: 1 + budget; 16 is the chain's K = 15) after
+``--context`` committed tokens, a random tree per request, bf16, a paged KV cache
+in the TRITON_ATTN layout (block 16), at the Qwen3-8B (32 query / 8 KV heads of
+128, 36 attention layers) and Qwen3.6-27B (24 / 4 of 256, 16 layers) shapes:
 
-* ``unified``  the patched Triton unified attention kernel with the packed
-               tree mask as its ``qq_bias`` (what TRITON_ATTN runs today);
-* ``split``    ``VLLM_DDTREE_TREE_ATTENTION=split``: FA3 over the prefix
-               (non-causal, ahead-of-time schedule, the CUDA-graph split
-               bound) + the Triton kernel over the tree, merged in place
-               (``vllm/v1/spec_decode/ddtree/tree_attention.py``, through
-               `SplitTreeAttention` as the backend calls it);
-* ``fa3_causal`` FA3 causal over the same tokens without a tree, as the
-               FLASH_ATTN backend runs the chain's verification.
+* ``unified``  the patched Triton unified attention with the packed tree mask as
+               its ``qq_bias``;
+* ``split``    FA3 over the prefix + the Triton kernel over the tree, merged in
+               place (`SplitTreeAttention`, as the backend calls it);
+  ``split_in_two`` the same with every request longer than the tree on FA3
+               causal alone (where that bound should lie);
+* ``fa3_causal`` FA3 causal over the same tokens, as the chain's verification;
+* ``tree:<block or auto>:<warps>`` (``--tree-configs``) the tree kernel alone
+               at that launch shape.
 
-``--tree-configs`` adds the Triton tree kernel alone (part (b) of the split,
-merging into a prefix output with its log-sum-exp) at each launch shape
-``<query tokens per program or auto>:<warps>``, e.g. ``auto:4,16:4,16:8``;
-its rows are ``tree:<config>`` with their largest difference from the first
-configuration's output.
-
-Each method is captured in a CUDA graph (decode batches replay full
-graphs); ``--iters`` replays between CUDA events, the median of
-``--repeats`` such runs, in microseconds per call, and per step (times the
-shape's attention layers). Each row also has the largest difference of the
-split's output from the unified kernel's (bf16). Prints a table, writes
-JSON rows with ``--out``.
-
-GPU (an H100/H200: FA3; our wheel installed):
+``--chunks N`` adds a new prompt's prefill chunk of N tokens to each batch.
+Each method is captured in a CUDA graph; ``--iters`` replays between CUDA
+events, the median of ``--repeats``, in µs per call and per step (times the
+shape's attention layers), with the split's largest difference from the
+unified kernel's output. Prints a table, writes JSON rows with ``--out``.
 
     python3 -m bench.kernels.tree_attention --out bench/results/tree-attention.json
 
-CPU smoke run (Triton interpreter, the torch reference of the prefix pass
-instead of FA3, no graph, no ``fa3_causal``: checks the plumbing, times
-nothing):
+CPU smoke run (Triton interpreter, the torch reference prefix pass instead of
+FA3, no graph, no ``fa3_causal``; times nothing):
 
     TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= python3 -m bench.kernels.tree_attention \\
         --device cpu --shapes tiny --contexts 40 --tree-tokens 5 --batch 2 \\
@@ -49,10 +38,8 @@ nothing):
 from __future__ import annotations
 
 import argparse
-import pathlib
-import statistics
+import itertools
 import sys
-import time
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -351,41 +338,6 @@ def fa3_causal_fn(case: dict, out: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def time_graph(fn: Callable[[], None], iters: int, repeats: int) -> float:
-    """Median over ``repeats`` of the mean CUDA-graph replay time (us)."""
-    fn()  # compile / warm up outside the graph
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(samples)
-
-
-def time_eager(fn: Callable[[], None], iters: int, repeats: int) -> float:
-    """Wall time of eager calls (CPU smoke runs: the interpreter)."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        samples.append((time.perf_counter() - t0) * 1e6 / iters)
-    return statistics.median(samples)
-
-
 def bench_case(
     shape: str,
     context: int,
@@ -416,63 +368,62 @@ def bench_case(
         else:
             assert method == "fa3_causal" and on_gpu
             fn = fa3_causal_fn(case, out)
-        timer = time_graph if on_gpu else time_eager
-        times[method] = timer(fn, iters, repeats)
+        if on_gpu:
+            times[method] = common.graph_us(fn, repeats, replays=iters)
+        else:
+            times[method] = common.eager_us(fn, repeats, calls=iters)
         fn()  # the outputs of one plain call, for the comparison
         outputs[method] = out
     if on_gpu:
         torch.cuda.synchronize()
+
+    # The largest difference of the split's outputs (as shipped and in two)
+    # from the unified kernel's, and of each tree-kernel launch shape's from
+    # the first's.
+    def max_diff(a: str, b: str) -> float:
+        return float((outputs[a].float() - outputs[b].float()).abs().max())
+
+    splits = [m for m in ("split", "split_in_two") if m in outputs]
     diff = None
-    if "split" in outputs and "unified" in outputs:
-        diff = (outputs["split"].float() - outputs["unified"].float()).abs().max()
-        diff = float(diff)
-    if "split_in_two" in outputs and "unified" in outputs:
-        in_two = outputs["split_in_two"].float() - outputs["unified"].float()
-        diff = max(diff or 0.0, float(in_two.abs().max()))
+    if splits and "unified" in outputs:
+        diff = max(max_diff(m, "unified") for m in splits)
     tree = [m for m in outputs if m.startswith("tree:")]
-    tree_diff = {
-        m: float((outputs[m].float() - outputs[tree[0]].float()).abs().max())
-        for m in tree
-    }
     num_q, num_kv, head_size = case["shape"]
-    return [
-        dict(
-            shape=shape,
-            num_q_heads=num_q,
-            num_kv_heads=num_kv,
-            head_size=head_size,
-            context=context,
-            tree_tokens=t,
-            batch=batch,
-            prefill_chunk=chunk,
-            method=method,
-            us=round(us, 2),
-            attention_layers=layers,
-            us_per_step=round(us * layers, 1),
-            split_vs_unified_max_abs_diff=diff,
-            **(
-                dict(tree_vs_first_config_max_abs_diff=tree_diff[method])
-                if method in tree_diff
-                else {}
-            ),
+    rows = []
+    for method, us in times.items():
+        rows.append(
+            dict(
+                shape=shape,
+                num_q_heads=num_q,
+                num_kv_heads=num_kv,
+                head_size=head_size,
+                context=context,
+                tree_tokens=t,
+                batch=batch,
+                prefill_chunk=chunk,
+                method=method,
+                us=round(us, 2),
+                attention_layers=layers,
+                us_per_step=round(us * layers, 1),
+                split_vs_unified_max_abs_diff=diff,
+            )
         )
-        for method, us in times.items()
-    ]
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+        if method in tree:
+            rows[-1]["tree_vs_first_config_max_abs_diff"] = max_diff(method, tree[0])
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="qwen3-8b,qwen3.6-27b")
-    parser.add_argument("--contexts", type=ints, default=[512, 1024, 2048, 4096, 8192])
-    parser.add_argument("--tree-tokens", type=ints, default=[16, 65])
-    parser.add_argument("--batch", type=ints, default=[1, 8, 32])
+    parser.add_argument(
+        "--contexts", type=common.csv_ints, default=[512, 1024, 2048, 4096, 8192]
+    )
+    parser.add_argument("--tree-tokens", type=common.csv_ints, default=[16, 65])
+    parser.add_argument("--batch", type=common.csv_ints, default=[1, 8, 32])
     parser.add_argument(
         "--chunks",
-        type=ints,
+        type=common.csv_ints,
         default=[0],
         help="also time each batch with one more request: a new prompt's "
         "first prefill chunk of this many tokens (0: none), as continuous "
@@ -486,9 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         "<query tokens per program or auto>:<warps>, e.g. auto:4,16:4,16:8",
     )
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--iters", type=int, default=100)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=pathlib.Path, default=None)
+    common.add_kernel_options(parser, iters=100, repeats=5)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     methods = [m for m in args.methods.split(",") if m]
@@ -501,36 +450,23 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
     rows: list[dict] = []
-    header = (
+    print(
         f"{'shape':<12} {'ctx':>5} {'T':>3} {'batch':>5} {'chunk':>5} {'method':<10} "
         f"{'us/call':>9} {'us/step':>9} {'|split-unified|':>15}"
     )
-    print(header)
-    for shape in shapes:
-        for context in args.contexts:
-            for t in args.tree_tokens:
-                for batch in args.batch:
-                    for chunk in args.chunks:
-                        for row in bench_case(
-                            shape,
-                            context,
-                            t,
-                            batch,
-                            device,
-                            methods,
-                            args.iters,
-                            args.repeats,
-                            chunk=chunk,
-                        ):
-                            rows.append(row)
-                            diff = row["split_vs_unified_max_abs_diff"]
-                            print(
-                                f"{shape:<12} {context:>5} {t:>3} {batch:>5} "
-                                f"{chunk:>5} {row['method']:<10} {row['us']:>9.1f} "
-                                f"{row['us_per_step']:>9.1f} "
-                                f"{'' if diff is None else f'{diff:.2e}':>15}",
-                                flush=True,
-                            )
+    cases = (shapes, args.contexts, args.tree_tokens, args.batch, args.chunks)
+    for shape, context, t, batch, chunk in itertools.product(*cases):
+        for row in bench_case(
+            shape, context, t, batch, device, methods, args.iters, args.repeats, chunk
+        ):
+            rows.append(row)
+            diff = row["split_vs_unified_max_abs_diff"]
+            print(
+                f"{shape:<12} {context:>5} {t:>3} {batch:>5} {chunk:>5} "
+                f"{row['method']:<10} {row['us']:>9.1f} {row['us_per_step']:>9.1f} "
+                f"{'' if diff is None else f'{diff:.2e}':>15}",
+                flush=True,
+            )
     meta = dict(
         device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         torch=torch.__version__,
@@ -540,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         timing="cuda graph replay" if device.type == "cuda" else "eager (smoke)",
     )
     if args.out is not None:
-        common.write_json(str(args.out), {"meta": meta, "rows": rows}, indent=2)
+        common.write_json(args.out, {"meta": meta, "rows": rows}, indent=2)
         print(f"wrote {args.out}")
     return 0
 

@@ -24,8 +24,7 @@ step (times 48 layers). Each row also has the largest difference of the
 chunked kernel's output from the replay kernel's. ``--table-budget 64``
 gives the trees a parent table of 64 columns, as the engine has with
 ``tree_budget`` 64 when its batch policy verifies 15-node trees; the call
-gets the step's longest query as the verifier passes it (``--table-form``:
-without it, the form then follows the table's width). ``--variants`` times
+gets the step's longest query as the verifier passes it. ``--variants`` times
 other launch settings of `tree_gdn` beside the defaults. Prints a table,
 writes JSON rows with ``--out``.
 
@@ -35,7 +34,6 @@ writes JSON rows with ``--out``.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
@@ -198,39 +196,12 @@ def chain_call(case, batch: int, budget: int):
     return run
 
 
-def time_graph(fn, iters: int, repeats: int) -> float:
-    """Median microseconds per call of ``fn`` replayed in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--budgets", default="15,31,63")
+    common.add_kernel_options(ap, iters=20, repeats=5)
+    ap.add_argument("--batches", type=common.csv_ints, default=[1, 8, 32])
+    ap.add_argument("--budgets", type=common.csv_ints, default=[15, 31, 63])
     ap.add_argument("--scales", default="8,1", help="draft logit scales")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
         "--table-budget",
         type=int,
@@ -240,19 +211,16 @@ def main(argv: list[str] | None = None) -> None:
         "policy as the engine runs them (the kernel form follows the table)",
     )
     ap.add_argument(
-        "--table-form",
-        action="store_true",
-        help="call without the step's longest query, so that the kernel "
-        "takes the form of the parent table's width (as before the verifier "
-        "passed it)",
-    )
-    ap.add_argument(
         "--variants",
         default="",
         help="other launch settings to time beside the defaults, ';' between "
         "variants, e.g. 'CHUNK_MAX_NODES=64;CHUNK_MAX_NODES=64,CHUNK_NUM_WARPS=8'",
     )
     a = ap.parse_args(argv)
+
+    def timed(fn) -> float:  # a graph of --iters calls, the median of replays
+        return common.graph_us(fn, a.repeats, calls=a.iters)
+
     variants = {v: parse_variant(v) for v in a.variants.split(";") if v}
     rows = []
     header = (
@@ -261,22 +229,20 @@ def main(argv: list[str] | None = None) -> None:
         f"{'chunk/chain':>11} {'max|diff|':>9}"
     ) + "".join(f"  {v} us" for v in variants)
     print(header, flush=True)
-    for batch in map(int, a.batches.split(",")):
-        for budget in map(int, a.budgets.split(",")):
+    for batch in a.batches:
+        for budget in a.budgets:
             for scale in map(float, a.scales.split(",")):
                 case, depth = make_case(
                     batch, budget, scale, "cuda", table_budget=a.table_budget
                 )
-                query_len = None if a.table_form else budget + 1
+                query_len = budget + 1
                 chunk = tree_call(case, False, max_query_len=query_len)
                 replay = tree_call(case, True, max_query_len=query_len)
                 diff = (chunk().float() - replay().float()).abs().max().item()
                 us = {
-                    "chunk": time_graph(chunk, a.iters, a.repeats),
-                    "replay": time_graph(replay, a.iters, a.repeats),
-                    "chain": time_graph(
-                        chain_call(case, batch, budget), a.iters, a.repeats
-                    ),
+                    "chunk": timed(chunk),
+                    "replay": timed(replay),
+                    "chain": timed(chain_call(case, batch, budget)),
                 }
                 variant_us, variant_diff = {}, {}
                 for name, settings in variants.items():
@@ -284,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
                     variant_diff[name] = (
                         (fn().float() - replay().float()).abs().max().item()
                     )
-                    variant_us[name] = time_graph(fn, a.iters, a.repeats)
+                    variant_us[name] = timed(fn)
                 row = dict(
                     shape="hybrid-27b",
                     batch=batch,

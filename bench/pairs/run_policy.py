@@ -84,32 +84,20 @@ def tabulate(
             row[f"ddtree_{other}_tok_s"] = r["tok_s"] if r else None
             row[f"ddtree_{other}_budget"] = r.get("budget_chosen") if r else None
             row[f"ddtree_{other}_tau"] = r.get("tau") if r else None
-        best = [
-            x
-            for x in (row["nospec_tok_s"], row["chain_tok_s"], row.get("mtp_tok_s"))
-            if x
-        ]
-        row["ddtree_over_best"] = (
-            round(row["ddtree_tok_s"] / max(best), 3) if best else None
-        )
-        row["ddtree_over_chain"] = (
-            round(row["ddtree_tok_s"] / row["chain_tok_s"], 3)
-            if row["chain_tok_s"]
-            else None
-        )
+        others = (row["nospec_tok_s"], row["chain_tok_s"], row.get("mtp_tok_s"))
+        best = max((x for x in others if x), default=None)
+        for key, other in (("best", best), ("chain", row["chain_tok_s"])):
+            ratio = round(row["ddtree_tok_s"] / other, 3) if other else None
+            row[f"ddtree_over_{key}"] = ratio
         for key in ("max_concurrency", "max_running"):
             if chain and chain.get(key) is not None:
                 row[f"chain_{key}"] = chain[key]
         # Kernel compiles logged while a method's decode was timed: its
         # figure there carries a stall.
+        methods = dict(ddtree=tree, nospec=nospec, chain=chain, mtp=mtp)
         compiles = {
-            name: r["jit_compiles"]
-            for name, r in (
-                ("ddtree", tree),
-                ("nospec", nospec),
-                ("chain", chain),
-                ("mtp", mtp),
-            )
+            k: r["jit_compiles"]
+            for k, r in methods.items()
             if r and r.get("jit_compiles")
         }
         if compiles:
@@ -209,45 +197,22 @@ def main() -> None:
             ["nospec", a.chain_method] + [POLICY_METHODS[p] for p in policies]
         )
         extra = [x for x in a.run_pairs_args if x != "--"]
-        cmd = [
-            sys.executable,
-            "-m",
-            "bench.pairs.run_pairs",
-            "--out",
-            rows_path,
-            "--pairs",
-            a.pairs,
-            "--dtypes",
-            "bfloat16",
-            "--methods",
-            methods,
-            "--conc",
-            a.conc,
-            "--sampled-conc",
-            "",
-            "--embedding",
-            "none",
-            *extra,
-        ]
+        cmd = [sys.executable, "-m", "bench.pairs.run_pairs", "--out", rows_path]
+        cmd += ["--pairs", a.pairs, "--dtypes", "bfloat16", "--methods", methods]
+        cmd += ["--conc", a.conc, "--sampled-conc", "", "--embedding", "none", *extra]
         log("running " + " ".join(cmd[1:]))
         rc = subprocess.run(cmd).returncode
         if rc != 0:
             log(f"run_pairs ended with {rc}; tabulating what finished")
     with open(rows_path) as f:
         table = tabulate(json.load(f), policies, a.chain_method)
-    with open(a.out, "w") as f:
-        json.dump(table, f, indent=1)
+    common.write_json(a.out, table)
     for r in table:
         log(
             f"{r['pair']} c={r['concurrency']}: no spec {r['nospec_tok_s']}, chain "
             f"{r['chain_tok_s']}, DDTree {r['ddtree_tok_s']} (budget "
             f"{r['budget_chosen']}, tau {r['tau']}); over the best "
-            f"{r['ddtree_over_best']}"
-            + (
-                f" (kernel compiles while timed: {r['jit_compiles_while_timed']})"
-                if "jit_compiles_while_timed" in r
-                else ""
-            )
+            f"{r['ddtree_over_best']}; compiles {r.get('jit_compiles_while_timed')}"
         )
     if a.plot and table:
         plot(table, a.plot)

@@ -4,6 +4,7 @@ temperature 0 and 1, and how its rows replace those of pairs.json."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -27,11 +28,14 @@ def test_merge_replaces_the_same_pair_and_temperature_only():
     assert got == [rows[1], rows[2], new[0], new[1]]
 
 
-def test_committed_dense_pair_at_both_temperatures(tmp_path, capsys):
-    """Two held-out prompts of the committed dense pair on the CPU: the rows
-    land in the file, the sampled continuation accepts less than the greedy
-    one (a tiny target's samples at T = 1 are far less predictable), and the
-    tree accepts at least as much as the chain at each temperature."""
+def test_committed_dense_pair_at_both_temperatures(tmp_path, capsys, monkeypatch):
+    """Two held-out prompts of the committed dense pair on the CPU, 32 new
+    tokens each (the tool's 256 cost a CPU minute more): the rows land in the
+    file, the sampled continuation accepts less than the greedy one (a tiny
+    target's samples at T = 1 are far less predictable), and the tree accepts
+    at least as much as the chain at each temperature."""
+    short = functools.partial(offline_tau.evaluate, new_tokens=32)
+    monkeypatch.setattr(offline_tau, "evaluate", short)
     out = tmp_path / "pairs.json"
     out.write_text(json.dumps([{"pair": "dense-8b", "method": "nospec"}]))
     offline_tau.main(

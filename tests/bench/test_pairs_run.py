@@ -9,6 +9,7 @@ import json
 import pytest
 from repo_paths import BENCH_RESULTS
 
+from bench import common
 from bench.pairs import run_pairs
 
 
@@ -466,7 +467,7 @@ def test_warm_up_runs_2c_staggered_requests_c_in_flight():
     engine = _FakeWarmEngine()
     llm = SimpleNamespace(llm_engine=engine)
     params = _Params()
-    run_pairs.warm_up(llm, ["p0", "p1", "p2"], params, 4, 32, True, "warm-c4-t0")
+    run_pairs.warm_up(llm, ["p0", "p1", "p2"], params, 4, 32, "warm-c4-t0")
     assert len(engine.added) == 8 and not engine.in_flight
     assert engine.most_in_flight == 4
     assert [p for _, p, _ in engine.added] == ["p0", "p1", "p2"] * 2 + ["p0", "p1"]
@@ -510,8 +511,8 @@ def test_prompts_are_cut_to_their_last_tokens_and_the_cut_passed_on(tmp_path):
     path = tmp_path / "p.jsonl"
     rows = [list(range(n)) for n in (5, 200, 160, 400)]
     path.write_text("".join(json.dumps({"prompt_token_ids": r}) + "\n" for r in rows))
-    assert run_pairs.load_prompts(str(path), 0) == rows
-    cut = run_pairs.load_prompts(str(path), 160)
+    assert common.load_prompts(str(path), 0) == rows
+    cut = common.load_prompts(str(path), 160)
     assert cut == [list(range(40, 200)), list(range(160)), list(range(240, 400))]
     ap = run_pairs.argparse.ArgumentParser()
     run_pairs.add_engine_options(ap)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -162,34 +161,6 @@ def test_chain_engines_take_no_tree_attention_mode(monkeypatch):
     }
 
 
-def test_watchdog_prints_the_stuck_stage_stack(capsys):
-    """A stage running past the period gets every thread's stack in the log
-    (read under the GIL); a re-armed watchdog stays quiet."""
-    watchdog = step_cost.StageWatchdog(1.0)
-
-    def stuck_in_engine_stage():
-        time.sleep(2.6)
-
-    stuck_in_engine_stage()
-    err = capsys.readouterr().err
-    assert "stage running past 1.0 s" in err
-    assert "stuck_in_engine_stage" in err
-    for _ in range(4):
-        watchdog.rearm()
-        time.sleep(0.5)
-    watchdog.stop()
-    assert "stage running past" not in capsys.readouterr().err
-
-
-def test_watchdog_period_zero_is_off(capsys):
-    """--stack-dump-s 0 turns the dumps off (not one a second during the
-    timed decodes)."""
-    watchdog = step_cost.StageWatchdog(0)
-    time.sleep(1.6)
-    watchdog.stop()
-    assert "stage running past" not in capsys.readouterr().err
-
-
 def test_no_v1_chain_leaves_the_hybrid_v1_chain_out():
     hybrid = step_cost.engines_for("hybrid-27b", [1], 15, [], ("auto",), False, False)
     assert [(e["method"], e["runner"]) for e in hybrid] == [
@@ -292,47 +263,6 @@ def test_timed_decode_counts_steps_from_the_draft_counter():
     llm = FakeLLM()
     dt, toks, steps = step_cost.timed_decode(llm, [0, 1, 2], None, 2)
     assert dt >= 0 and toks == 18 and steps == 7.5
-
-
-def test_chain_twice_runs_the_v2_chain_around_ddtree():
-    dense = step_cost.engines_for(
-        "dense-8b", [1], 15, [64], ("auto",), chain_twice=True
-    )
-    assert [(e["method"], e.get("budget")) for e in dense] == [
-        ("chain", None),
-        ("ddtree", 15),
-        ("ddtree", 64),
-        ("chain", None),
-    ]
-
-
-def test_two_chain_passes_give_their_mean_and_keep_both():
-    def row(method, ms, budget=None, gpu=None):
-        return dict(
-            shape="dense-8b",
-            method=method,
-            runner="v2",
-            budget=budget,
-            concurrency=8,
-            ms_per_step=ms,
-            gpu=gpu,
-        )
-
-    clocks = dict(sm_clock_mhz=1980, power_w=500.0)
-    rows = step_cost.summarize(
-        [
-            row("chain", 7.0, gpu=clocks),
-            row("ddtree", 7.7, 15, gpu=dict(sm_clock_mhz=1900, power_w=600.0)),
-            row("chain", 8.0, gpu=dict(sm_clock_mhz=1850, power_w=650.0)),
-        ],
-        15,
-    )
-    assert len(rows) == 1
-    r = rows[0]
-    assert r["chain_ms_per_step"] == 7.5 and r["chain_ms_per_step_passes"] == [7.0, 8.0]
-    assert r["ratio"] == round(7.7 / 7.5, 3)
-    # The clocks of the last chain pass (the one the row's chain dict holds).
-    assert (r["chain_sm_clock_mhz"], r["ddtree_sm_clock_mhz"]) == (1850, 1900)
 
 
 def test_gpu_sampler_summary_without_nvml():
