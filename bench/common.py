@@ -152,6 +152,17 @@ def chain_config(drafter: str, k: int) -> dict:
     return dict(method="dflash", model=drafter, num_speculative_tokens=k)
 
 
+def ddtree_config(drafter: str, **options) -> dict:
+    """DDTree's speculative_config with its ``options`` (tree_budget,
+    budget_policy, ...): fields of the 0.26.0 line's patched config, the
+    plugin's ``speculator_options`` on vLLM 0.34.0 and later."""
+    try:
+        import vllm.v1.worker.gpu.spec_decode.speculator_config  # noqa: F401
+    except ImportError:
+        return dict(method="ddtree", model=drafter, **options)
+    return dict(method="ddtree", model=drafter, speculator_options=options)
+
+
 def spec_counters(llm) -> tuple[float, float]:
     """The accepted-token and draft counters of vLLM (tau over an interval:
     1 + accepted / drafts of their increases)."""

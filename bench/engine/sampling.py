@@ -118,9 +118,7 @@ def main() -> None:
     if a.mode == "dflash":
         kw["speculative_config"] = common.chain_config(a.drafter, a.chain_k)
     elif a.mode == "ddtree":
-        kw["speculative_config"] = dict(
-            method="ddtree", model=a.drafter, tree_budget=a.budget
-        )
+        kw["speculative_config"] = common.ddtree_config(a.drafter, tree_budget=a.budget)
     tag = a.tag or a.mode
     t0 = time.time()
     llm = LLM(**kw)

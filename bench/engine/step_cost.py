@@ -363,12 +363,8 @@ def run_engine(a) -> None:
     if "pair" in weights_modes:  # the trained pair written in after dummy's
         kw["worker_extension_cls"] = "bench.pairs.pair_worker.EmbeddedPairWorker"
     kw["speculative_config"] = (
-        dict(
-            method="ddtree",
-            model=drafter,
-            tree_budget=a.budget,
-            draft_depth=a.chain_k,
-            budget_policy="fixed",
+        common.ddtree_config(
+            drafter, tree_budget=a.budget, draft_depth=a.chain_k, budget_policy="fixed"
         )
         if ddtree
         else common.chain_config(drafter, a.chain_k)

@@ -363,11 +363,11 @@ def speculative_config(a, drafter: str) -> dict | None:
     if a.method == "mtp":
         return mtp.speculative_config(a.mtp_k)
     if a.method in DDTREE_METHODS:
-        spec = dict(method="ddtree", model=drafter, **json.loads(a.ddtree))
+        options = json.loads(a.ddtree)
         if a.method == "ddtree_measured":
-            spec["budget_policy"] = "measured"
-        spec.setdefault("budget_policy", "batch")
-        return spec
+            options["budget_policy"] = "measured"
+        options.setdefault("budget_policy", "batch")
+        return common.ddtree_config(drafter, **options)
     return None
 
 
