@@ -166,7 +166,7 @@ def ddtree_config(drafter: str, **options) -> dict:
 def spec_counters(llm) -> tuple[float, float]:
     """The accepted-token and draft counters of vLLM (tau over an interval:
     1 + accepted / drafts of their increases)."""
-    values = {m.name: m.value for m in llm.get_metrics()}
+    values = {m.name: getattr(m, "value", 0.0) for m in llm.get_metrics()}
     return (
         values.get("vllm:spec_decode_num_accepted_tokens", 0.0),
         values.get("vllm:spec_decode_num_drafts", 0.0),

@@ -128,8 +128,15 @@ class DDTreeSpeculator(DFlashSpeculator):
         req_states: Any | None = None,
     ):
         # The base class sizes draft_tokens by num_speculative_tokens, which
-        # DDTree sets to the tree budget: one column per tree node.
-        super().__init__(drafter_vllm_config(vllm_config), device)
+        # DDTree sets to the tree budget: one column per tree node. Where the
+        # runner asks its speculator to verify (vLLM 0.34.0), the drafter's
+        # CUDA graphs are sized by request counts, not by the target's
+        # schedule, and the DFlash loader re-resolves the config it is given:
+        # the schedule must stay the one the sizes were resolved with.
+        super().__init__(
+            vllm_config if SPECULATOR_VERIFIES else drafter_vllm_config(vllm_config),
+            device,
+        )
         spec = ddtree_speculative_config(self.speculative_config)
         assert spec.tree_budget is not None and spec.draft_depth is not None
         self.tree_budget: int = spec.tree_budget
@@ -452,6 +459,10 @@ class TreeWalkSampler:
     """DDTree's rejection sampler for the V2 runner (called as upstream's:
     ``(logits, input_batch, draft_logits)``): the target's draw at every
     tree node, then the walk from the root (`DDTreeVerifier.sample`)."""
+
+    # Read by the runner's warm-up like upstream's rejection sampler's: the
+    # tree walk verifies whole trees, never an adaptive number of drafts.
+    enable_adaptive_verification = False
 
     def __init__(self, verifier: DDTreeVerifier, sampler: Any, req_states: Any):
         self.verifier = verifier
