@@ -217,9 +217,7 @@ def test_a_good_config_is_resolved(monkeypatch, dflash_setup, budget_policy):
     )
     _configure(spec)
     # The engine-level checks pass it too (TRITON_ATTN for the target).
-    plugin_config.DDTreeSpeculatorConfig(spec).verify_vllm_config(
-        _engine_config(spec)
-    )
+    plugin_config.DDTreeSpeculatorConfig(spec).verify_vllm_config(_engine_config(spec))
     assert dflash_setup == [32]
     assert spec.speculator_options["budget_policy"] == "batch"
     assert spec.num_speculative_tokens == 32

@@ -73,13 +73,29 @@ def test_a_config_error_is_its_own_message_on_one_line():
     assert config_errors.config_error_line(RuntimeError("x")) is None
 
 
-def test_exit_on_config_error_exits_with_one_line_or_returns():
-    with pytest.raises(SystemExit) as info:
-        config_errors.exit_on_config_error(_validation_error(size=-1), "vllm serve")
-    assert info.value.code == (
-        "vllm serve: error: size must not be negative; pass --size 0 or more."
+def test_the_excepthook_prints_a_config_error_on_one_line(monkeypatch, capsys):
+    passed_on = []
+    monkeypatch.setattr(sys, "excepthook", lambda *exc: passed_on.append(exc[1]))
+    config_errors.install_config_error_excepthook()
+    config_errors.install_config_error_excepthook()  # once: no second wrapper
+    hook = sys.excepthook
+    assert getattr(hook, "prints_config_errors", False)
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/vllm", "serve", "m"])
+    error = _validation_error(size=-1)
+    hook(type(error), error, None)
+    assert capsys.readouterr().err == (
+        "vllm serve: error: size must not be negative; pass --size 0 or more.\n"
     )
-    assert config_errors.exit_on_config_error(KeyError("k"), "vllm serve") is None
+    assert passed_on == []
+    # Anything else, and a config error of another program: the previous hook.
+    other = KeyError("k")
+    hook(type(other), other, None)
+    monkeypatch.setattr(sys, "argv", ["script.py"])
+    hook(type(error), error, None)
+    assert passed_on == [other, error]
+    assert capsys.readouterr().err == ""
+    assert config_errors.cli_prog(["vllm"]) == "vllm"
+    assert config_errors.cli_prog(["vllm", "--version"]) == "vllm"
 
 
 CLI_ON_CPU = (
@@ -97,7 +113,8 @@ CLI_ON_CPU = (
 @needs_interface
 def test_vllm_serve_prints_a_config_error_on_one_line():
     """`vllm serve` with an option DDTree refuses (any config's ValueError
-    alike): status 1, `vllm serve: error: <message>`, no traceback."""
+    alike): status 1, `vllm serve: error: <message>`, no traceback. Through
+    the excepthook that DDTree's general plugin installs."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="WARNING")
     spec = json.dumps(
         {

@@ -121,7 +121,7 @@ NOT_PER_STEP = {
     # Startup only: timing the captured graphs, the step-cost cache.
     "vllm/v1/spec_decode/ddtree/step_costs.py",
     "vllm/v1/spec_decode/ddtree/startup.py",
-    # The CLI's one line for a config error (the 0.34.0 line's CLI patch).
+    # The CLI's one line for a config error (an excepthook, at startup).
     "vllm/entrypoints/cli/config_errors.py",
     "vllm/v1/spec_decode/ddtree/tree_triton.py",
     "vllm/v1/spec_decode/ddtree/tree_gdn.py",

@@ -5,12 +5,18 @@
 vLLM's configs are pydantic dataclasses: a ``ValueError`` raised by a
 config's ``__post_init__`` (a bad option, a method's refusal) reaches the CLI
 as a multi-line ``ValidationError`` with the whole argument dump, at the end
-of a long traceback. `exit_on_config_error` prints the config's own message
-alone and exits with status 1, as argparse does for a bad argument; any other
-exception is left to the caller. Generic: it knows no option or method.
+of a long traceback. `install_config_error_excepthook` makes such an uncaught
+error of the ``vllm`` CLI print the config's own message alone, as argparse
+does for a bad argument (the interpreter exits with status 1 after an
+uncaught exception); any other exception, and any other program, goes to the
+previous hook unchanged. A general plugin installs it: vLLM loads those in
+the CLI process while it builds the argument parser, before any config.
+Generic: it knows no option or method.
 """
 
+import os
 import sys
+from types import TracebackType
 
 MAX_LINE = 500
 
@@ -56,9 +62,36 @@ def config_error_line(exc: BaseException) -> str | None:
     return None
 
 
-def exit_on_config_error(exc: BaseException, prog: str = "vllm") -> None:
-    """Exit with one line on stderr if ``exc`` is a configuration error;
-    return (so that the caller re-raises) otherwise."""
-    line = config_error_line(exc)
-    if line is not None:
-        sys.exit(f"{prog}: error: {line}")
+def cli_prog(argv: list[str]) -> str | None:
+    """``vllm <subcommand>`` when ``argv`` is the ``vllm`` CLI's, else None
+    (a Python program that uses vLLM keeps its traceback)."""
+    if not argv or os.path.basename(argv[0]) != "vllm":
+        return None
+    if len(argv) > 1 and not argv[1].startswith("-"):
+        return f"vllm {argv[1]}"
+    return "vllm"
+
+
+def install_config_error_excepthook() -> None:
+    """Wrap ``sys.excepthook`` once: an uncaught configuration error of the
+    ``vllm`` CLI is printed as ``vllm <subcommand>: error: <message>``."""
+    previous = sys.excepthook
+    if getattr(previous, "prints_config_errors", False):
+        return
+
+    def excepthook(
+        exc_type: type[BaseException],
+        exc: BaseException,
+        tb: TracebackType | None,
+    ) -> None:
+        prog = cli_prog(sys.argv)
+        line = None
+        if prog is not None and isinstance(exc, Exception):
+            line = config_error_line(exc)
+        if line is None:
+            previous(exc_type, exc, tb)
+        else:
+            print(f"{prog}: error: {line}", file=sys.stderr)
+
+    excepthook.prints_config_errors = True  # type: ignore[attr-defined]
+    sys.excepthook = excepthook

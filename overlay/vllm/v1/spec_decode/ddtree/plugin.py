@@ -9,12 +9,16 @@ registers ``method: "ddtree"`` through `register_speculative_method`, with
 DDTree's `SpeculatorConfig` named lazily (config modules are imported in
 every process), and DDTree's implementations of the neutral tree hooks
 (`vllm.v1.spec_decode.tree_hooks`) that the line's patched shared modules
-call. The 0.26.0 line has neither interface: its patched configs name DDTree
+call. It also installs the CLI's one line for an uncaught config error
+(`vllm.entrypoints.cli.config_errors`), so that `vllm serve` prints a
+DDTree refusal (or any config's) as ``vllm serve: error: <message>``. The
+0.26.0 line has neither interface: its patched configs name DDTree
 themselves, and nothing there imports this module.
 """
 
 from typing import Any
 
+from vllm.entrypoints.cli.config_errors import install_config_error_excepthook
 from vllm.v1.spec_decode import tree_hooks
 from vllm.v1.spec_decode.ddtree.config import DDTREE_METHOD
 
@@ -41,3 +45,4 @@ def register() -> None:
     tree_hooks.register_tree_hook(
         DDTREE_METHOD, "split_attention_for_builder", split_attention_for_builder
     )
+    install_config_error_excepthook()
