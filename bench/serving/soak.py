@@ -84,6 +84,7 @@ ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 AL = "vllm:ddtree_acceptance_length"
+AL_COUNT, AL_SUM = f"{AL}_count", f"{AL}_sum"
 PER_DEPTH = "vllm:ddtree_num_accepted_tokens_per_depth_total"
 BUDGET = "vllm:ddtree_tree_budget"
 DEPTH = "vllm:ddtree_draft_depth"
@@ -696,14 +697,11 @@ def flatness(
     }
 
 
-def _labelled(sample: dict[str, float], name: str, label: str) -> dict[str, float]:
-    """{label's value: sample} of the series ``name``."""
-    out = {}
-    for key, v in sample.items():
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', key))
-        if key.split("{", 1)[0] == name and label in labels:
-            out[labels[label]] = v
-    return out
+def _labelled(sample: dict[str, float], name: str, label: str) -> dict[float, float]:
+    """{``label``'s value: sample} of the series ``name``, in numeric order."""
+    pattern = re.compile(rf'{re.escape(name)}{{.*\b{label}="([^"]*)"')
+    found = ((m, v) for key, v in sample.items() if (m := pattern.match(key)))
+    return dict(sorted((float(m[1]), v) for m, v in found))
 
 
 def check_metrics(scrapes, cumulative, expect_ddtree, client_tokens, tree_budget=None):
@@ -715,114 +713,111 @@ def check_metrics(scrapes, cumulative, expect_ddtree, client_tokens, tree_budget
     verify per request (the gauge shows only the last step's)."""
     if not scrapes:
         return {"ok": False, "problems": ["no /metrics scrape answered"], "epochs": []}
-    problems: list[str] = []
     epochs: dict[int, list] = defaultdict(list)
     for t, e, s in scrapes:
         epochs[e].append((t, s))
-    summary = []
-    for e, ss in sorted(epochs.items()):
-
-        def check(bad: bool, msg: str, e=e) -> None:
-            if bad:
-                problems.append(f"epoch {e}: {msg}")
-
-        for (ta, a), (tb, b) in zip(ss, ss[1:]):
-            for key, vb in b.items():
-                name = key.split("{", 1)[0]
-                mono = name in cumulative if cumulative else name.endswith(MONOTONE)
-                if key in a and mono and vb < a[key] - 1e-6:
-                    check(
-                        True,
-                        f"{key} fell from {a[key]:g} to {vb:g} ({ta:.1f}s, {tb:.1f}s)",
-                    )
-        first, last = ss[0][1], ss[-1][1]
-
-        def d(key: str, first=first, last=last) -> float:
-            return last.get(key, 0.0) - first.get(key, 0.0)
-
-        def moved(name: str, label: str, first=first, last=last) -> dict[str, float]:
-            f = _labelled(first, name, label)
-            return {
-                k: v - f.get(k, 0.0) for k, v in _labelled(last, name, label).items()
-            }
-
-        drafts, acc, dtok, gen = d(DRAFTS), d(ACCEPTED), d(DRAFT_TOKENS), d(GEN_TOKENS)
-        per_pos = sorted((int(k), v) for k, v in moved(PER_POS, "position").items())
-        per_pos = [v for _, v in per_pos]
-        budget = max((s[BUDGET] for _, s in ss if BUDGET in s), default=None)
-        depth, client = last.get(DEPTH), client_tokens.get(e, 0)
-        ep = {
-            "epoch": e,
-            "scrapes": len(ss),
-            "t": [round(ss[0][0], 2), round(ss[-1][0], 2)],
-            "drafts": drafts,
-            "accepted": acc,
-            "draft_tokens": dtok,
-            "tau": round(1 + acc / drafts, 4) if drafts else None,
-            "generation_tokens": gen,
-            "client_completion_tokens": client,
-            "preemptions": d(PREEMPTIONS),
-            "accepted_per_position": per_pos,
-            "tree_budget_max": budget,
-            "draft_depth": depth,
-        }
-        summary.append(ep)
-        has_spec, has_ddtree = DRAFTS in last, f"{AL}_count" in last
-        missing = expect_ddtree and not (has_spec and has_ddtree)
-        check(missing, "vllm:spec_decode_* or vllm:ddtree_* series missing")
-        msg = f"{GEN_TOKENS} moved {gen:g}, less than the {client} completion tokens"
-        check(client > gen + 0.5, msg + " the clients were sent")
-        if not has_spec:
-            continue
-        tb = tree_budget or math.inf
-        check(expect_ddtree and drafts <= 0 and len(ss) > 1, f"{DRAFTS} did not move")
-        check(acc > dtok + 0.5, f"accepted {acc:g} > draft tokens {dtok:g}")
-        check(dtok < drafts - 0.5, f"draft tokens {dtok:g} < drafts {drafts:g}")
-        msg = f"draft tokens {dtok:g} > drafts {drafts:g} x tree_budget {tree_budget}"
-        check(dtok > drafts * tb + 0.5, msg)
-        check((budget or 0) > tb, f"{BUDGET} reached {budget:g} > tree_budget {tb:g}")
-        msg = f"accepted {acc:g} > drafts {drafts:g} x depth {depth}"
-        check(bool(depth) and acc > drafts * (depth or 0) + 0.5, msg)
-        if per_pos:
-            msg = f"position 0 count {per_pos[0]:g} > drafts {drafts:g}"
-            check(per_pos[0] > drafts + 0.5, msg)
-            rise = any(y > x + 0.5 for x, y in zip(per_pos, per_pos[1:]))
-            check(rise, f"per-position accepted counts rise: {per_pos}")
-            msg = f"per-position counts sum to {sum(per_pos):g}, accepted is {acc:g}"
-            check(abs(sum(per_pos) - acc) > 0.5, msg)
-        if not has_ddtree:
-            continue
-        al_count = d(f"{AL}_count")
-        al_sum = ep["emitted_tokens"] = d(f"{AL}_sum")
-        check(
-            abs(al_count - drafts) > 0.5,
-            f"{AL}_count moved {al_count:g}, drafts {drafts:g}",
+    problems: list[str] = []
+    summary = [
+        _check_epoch(
+            e,
+            ss,
+            problems,
+            cumulative,
+            expect_ddtree,
+            client_tokens.get(e, 0),
+            tree_budget,
         )
-        msg = f"emitted tokens ({AL}_sum) {al_sum:g} != accepted {acc:g} + drafts"
-        check(abs(al_sum - acc - drafts) > 0.5, msg)
-        buckets = [
-            v
-            for _, v in sorted(
-                (float(k), v) for k, v in moved(f"{AL}_bucket", "le").items()
-            )
-        ]
-        check(
-            any(y < x - 0.5 for x, y in zip(buckets, buckets[1:])),
-            f"{AL} buckets not cumulative",
-        )
-        inf = buckets[-1] if buckets else al_count
-        check(
-            abs(inf - al_count) > 0.5, f"{AL} +Inf bucket {inf:g} != count {al_count:g}"
-        )
-        depths = moved(PER_DEPTH, "depth")
-        for k, v in enumerate(per_pos):
-            n = depths.get(str(k + 1), 0.0)
-            check(
-                abs(n - v) > 0.5,
-                f"depth {k + 1} count {n:g} != position {k} count {v:g}",
-            )
+        for e, ss in sorted(epochs.items())
+    ]
     n = len(problems)
     return {"ok": not n, "problems": problems[:30], "n_problems": n, "epochs": summary}
+
+
+def _check_epoch(e, ss, problems, cumulative, expect_ddtree, client, tree_budget):
+    """One lifetime's summary; its problems appended to ``problems``."""
+
+    def check(failed: bool, what: str) -> None:
+        if failed:
+            problems.append(f"epoch {e}: {what}")
+
+    for (ta, a), (tb, b) in itertools.pairwise(ss):
+        for key, v in b.items():
+            name = key.split("{", 1)[0]
+            mono = name in cumulative if cumulative else name.endswith(MONOTONE)
+            if key in a and mono and v < a[key] - 1e-6:
+                check(
+                    True, f"{key} fell from {a[key]:g} to {v:g} ({ta:.1f}s, {tb:.1f}s)"
+                )
+    first, last = ss[0][1], ss[-1][1]
+    delta = {k: v - first.get(k, 0.0) for k, v in last.items()}
+    drafts, acc, dtok, gen, al_count, al_sum = (
+        delta.get(k, 0.0)
+        for k in (DRAFTS, ACCEPTED, DRAFT_TOKENS, GEN_TOKENS, AL_COUNT, AL_SUM)
+    )
+    per_pos = list(_labelled(delta, PER_POS, "position").values())
+    budget = max((s[BUDGET] for _, s in ss if BUDGET in s), default=None)
+    depth = last.get(DEPTH)
+    ep = {
+        "epoch": e,
+        "scrapes": len(ss),
+        "t": [round(ss[0][0], 2), round(ss[-1][0], 2)],
+        "drafts": drafts,
+        "accepted": acc,
+        "draft_tokens": dtok,
+        "tau": round(1 + acc / drafts, 4) if drafts else None,
+        "generation_tokens": gen,
+        "client_completion_tokens": client,
+        "preemptions": delta.get(PREEMPTIONS, 0.0),
+        "accepted_per_position": per_pos,
+        "tree_budget_max": budget,
+        "draft_depth": depth,
+    }
+    has_spec, has_ddtree = DRAFTS in last, AL_COUNT in last
+    missing = expect_ddtree and not (has_spec and has_ddtree)
+    check(missing, "vllm:spec_decode_* or vllm:ddtree_* series missing")
+    msg = f"{GEN_TOKENS} moved {gen:g}, less than the {client} completion tokens"
+    check(client > gen + 0.5, msg + " the clients were sent")
+    if not has_spec:
+        return ep
+    tb = tree_budget or math.inf
+    check(expect_ddtree and drafts <= 0 and len(ss) > 1, f"{DRAFTS} did not move")
+    check(acc > dtok + 0.5, f"accepted {acc:g} > draft tokens {dtok:g}")
+    check(dtok < drafts - 0.5, f"draft tokens {dtok:g} < drafts {drafts:g}")
+    msg = f"draft tokens {dtok:g} > drafts {drafts:g} x tree_budget {tree_budget}"
+    check(dtok > drafts * tb + 0.5, msg)
+    check((budget or 0) > tb, f"{BUDGET} reached {budget:g} > tree_budget {tb:g}")
+    msg = f"accepted {acc:g} > drafts {drafts:g} x depth {depth}"
+    check(bool(depth) and acc > drafts * (depth or 0) + 0.5, msg)
+    if per_pos:
+        check(
+            per_pos[0] > drafts + 0.5,
+            f"position 0 count {per_pos[0]:g} > drafts {drafts:g}",
+        )
+        rise = any(y > x + 0.5 for x, y in itertools.pairwise(per_pos))
+        check(rise, f"per-position accepted counts rise: {per_pos}")
+        msg = f"per-position counts sum to {sum(per_pos):g}, accepted is {acc:g}"
+        check(abs(sum(per_pos) - acc) > 0.5, msg)
+    if not has_ddtree:
+        return ep
+    ep["emitted_tokens"] = al_sum
+    check(
+        abs(al_count - drafts) > 0.5,
+        f"{AL_COUNT} moved {al_count:g}, drafts {drafts:g}",
+    )
+    msg = f"emitted tokens ({AL_SUM}) {al_sum:g} != accepted {acc:g} + drafts"
+    check(abs(al_sum - acc - drafts) > 0.5, msg)
+    buckets = list(_labelled(delta, f"{AL}_bucket", "le").values())
+    falls = any(y < x - 0.5 for x, y in itertools.pairwise(buckets))
+    check(falls, f"{AL} buckets not cumulative")
+    inf = buckets[-1] if buckets else al_count
+    check(abs(inf - al_count) > 0.5, f"{AL} +Inf bucket {inf:g} != count {al_count:g}")
+    depths = _labelled(delta, PER_DEPTH, "depth")
+    for k, v in enumerate(per_pos):
+        n = depths.get(k + 1, 0.0)
+        check(
+            abs(n - v) > 0.5, f"depth {k + 1} count {n:g} != position {k} count {v:g}"
+        )
+    return ep
 
 
 class Soak:
