@@ -232,6 +232,11 @@ class Plan:
             "in_fault_window": self.in_fault,
         }
 
+    @property
+    def failing(self) -> bool:
+        cut = self.status in FAULT_ONLY or self.error_kind in FAULT_ONLY_KINDS
+        return self.status not in CLEAN[self.category] and not (cut and self.in_fault)
+
     def set(self, status: str, kind: str | None = None, error: str | None = None):
         self.status, self.error_kind, self.error = status, kind, error
 
@@ -844,6 +849,7 @@ class Soak:
         self.cumulative: set[str] = set()
         self.scrape_lock = asyncio.Lock()
         self.load_end = 0.0
+        self.warmup = a.warmup if a.warmup is not None else 0.2 * a.duration
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
@@ -1212,72 +1218,55 @@ class Soak:
             "stop_token_ids": ctx.stop_token_ids,
         } | self.evaluate(bad_rows, final, greedy)
 
-    def memory(self, samples, warmup: float, tol: float) -> dict:
-        """flatness() of each series (name, epoch) of ``samples`` (t, epoch,
-        {name: MiB}), without those inside a restart's window (a server
-        stopping or starting is not the steady state)."""
+    def memory(self, samples, tol: float, name) -> dict:
+        """flatness() of each series of ``samples`` (t, epoch, {key: MiB}),
+        named ``name(key, epoch)``, without the samples inside a restart's
+        window (a server stopping or starting is not the steady state)."""
         series = defaultdict(list)
         for t, e, mem in samples:
-            for name, v in mem.items():
-                if not self.in_window(t, t):
-                    series[name, e].append((t, v))
-        start = self.epoch_start
+            for key, v in mem.items() if not self.in_window(t, t) else ():
+                series[key, e].append((t, v))
         return {
-            k: flatness(v, start.get(k[1], 0.0), warmup, tol)
-            for k, v in sorted(series.items())
+            name(key, e): flatness(v, self.epoch_start.get(e, 0.0), self.warmup, tol)
+            for (key, e), v in sorted(series.items())
         }
 
     def evaluate(self, bad_rows: list[dict], final: tuple, greedy: dict | None) -> dict:
         a, outs = self.a, self.outcomes
-
-        def failing(o: Plan) -> bool:
-            cut = o.status in FAULT_ONLY or o.error_kind in FAULT_ONLY_KINDS
-            return o.status not in CLEAN[o.category] and not (cut and o.in_fault)
-
+        failing = [o for o in outs if o.failing]
         crit: dict[str, dict] = {}
         for cat, name in zip(CLEAN, ("requests", "refusals", "bad_input")):
-            mine = [o for o in outs if o.category == cat]
-            bad = Counter(o.status for o in mine if failing(o))
-            detail = f"{len(mine) - bad.total()}/{len(mine)} clean"
-            detail += f"; failing: {dict(bad)}" if bad else ""
-            crit[name] = _crit(not bad, detail)
+            n = sum(o.category == cat for o in outs)
+            bad = Counter(o.status for o in failing if o.category == cat)
+            more = f"; failing: {dict(bad)}" if bad else ""
+            crit[name] = _crit(not bad, f"{n - bad.total()}/{n} clean{more}")
         if not a.expect_ddtree:
             crit["refusals"] = _crit(None, "skipped (--no-expect-ddtree)")
         elif not any(o.category == "refuse" for o in outs):
             crit["refusals"] = _crit(False, "no refused kind was sent")
         phase_bad = [r["name"] for r in bad_rows if not r["ok"]]
+        n = len(bad_rows)
+        phase = f"{len(phase_bad)}/{n} failed ({', '.join(phase_bad[:8])})"
         crit["bad_input"]["ok"] &= not phase_bad
-        failed = f"{len(phase_bad)}/{len(bad_rows)} failed ({', '.join(phase_bad[:8])})"
         crit["bad_input"]["detail"] += "; one at a time: " + (
-            failed if phase_bad else f"{len(bad_rows)} ok"
+            phase if phase_bad else f"{n} ok"
         )
         ok = self.issued >= a.requests and self.load_end >= a.duration
         detail = f"{self.issued} requests in {self.load_end:.0f}s"
         crit["load"] = _crit(ok, detail + f" (asked: {a.requests} in {a.duration:g}s)")
-        health = self.health
         bad_h = [
-            (t, s) for t, t1, s in health if s != 200 and not self.in_window(t, t1)
+            (t, s) for t, t1, s in self.health if s != 200 and not self.in_window(t, t1)
         ]
         detail = f"{len(self.health)} polls, {len(bad_h)} not 200 outside fault windows"
         first = f" (first at {bad_h[0][0]:.1f}s: {bad_h[0][1]})" if bad_h else ""
         crit["health"] = _crit(bool(self.health) and not bad_h, detail + first)
         drained, probe, last = final
-        ok = drained and probe == "completed" and last == 200
-        crit["final"] = _crit(
-            ok, f"drained {drained}, short request {probe}, /health {last}"
-        )
-
-        warmup = a.warmup if a.warmup is not None else 0.2 * a.duration
+        detail = f"drained {drained}, short request {probe}, /health {last}"
+        crit["final"] = _crit(drained and probe == "completed" and last == 200, detail)
         rss = [(t, e, {"rss": v}) for t, e, v in self.rss]
-        rss = {
-            str(e): v
-            for (_, e), v in self.memory(rss, warmup, a.rss_growth_mib).items()
-        }
-        gpu = self.memory(self.gpu, warmup, a.gpu_growth_mib)
-        gpu = {
-            f"{k if k == 'server' else 'gpu' + k}/epoch{e}": v
-            for (k, e), v in gpu.items()
-        }
+        rss = self.memory(rss, a.rss_growth_mib, lambda _, e: str(e))
+        gpu_name = lambda k, e: f"{k if k == 'server' else 'gpu' + k}/epoch{e}"
+        gpu = self.memory(self.gpu, a.gpu_growth_mib, gpu_name)
         why = (
             "no RSS sample"
             if self.server_pid
@@ -1286,53 +1275,36 @@ class Soak:
         crit["server_rss"] = _memory_criterion(rss, f"skipped: {why}")
         why = self.gpu_reason or "no sample"
         crit["gpu_memory"] = _memory_criterion(gpu, f"skipped: {why}")
-
-        # Per server lifetime: the requests that started after its first
-        # scrape and ended before its last, whose tokens the counters cover.
-        span: dict[int, list[float]] = {}
-        for t, e, _ in self.scrapes:
-            span.setdefault(e, [t, t])[1] = t
-        client_tokens: dict[int, int] = defaultdict(int)
-        for o in outs:
-            t_first, t_last = span.get(o.epoch, (math.inf, -math.inf))
-            if o.status == "completed" and t_first <= o.t_start and o.t_end <= t_last:
-                client_tokens[o.epoch] += o.completion_tokens or 0
-        args = (a.expect_ddtree, client_tokens, a.tree_budget)
-        metrics = check_metrics(self.scrapes, self.cumulative, *args)
+        metrics = check_metrics(
+            self.scrapes, self.cumulative, a.expect_ddtree, self.client_tokens(),
+            a.tree_budget,
+        )  # fmt: skip
         problems = metrics["problems"]
-        n = metrics["n_problems"]
-        detail = f"{n} problems, first: {problems[0]}" if problems else ""
+        detail = problems and f"{metrics['n_problems']} problems, first: {problems[0]}"
         crit["metrics"] = _crit(metrics["ok"], detail or "consistent")
         preempt = sum(ep["preemptions"] for ep in metrics["epochs"])
         ok = preempt > 0 if a.expect_preemption else None
-        detail = f"{preempt:g} preemptions" + (
-            "" if ok is not None else " (not required)"
-        )
-        crit["preemption"] = _crit(ok, detail)
+        more = "" if ok is not None else " (not required)"
+        crit["preemption"] = _crit(ok, f"{preempt:g} preemptions{more}")
         crit["greedy_reference"] = _crit(None, "skipped: no --reference-url")
-        if greedy is not None:
-            g, errors = greedy, len(greedy["reference_errors"])
-            detail = f"{g['identical']}/{g['compared']} identical, "
-            detail += f"{g['num_near_ties']} near-ties, {g['num_mismatches']} "
-            detail += f"mismatches, {errors} not compared"
+        if g := greedy:
+            detail = f"{g['identical']}/{g['compared']} identical, {g['num_near_ties']}"
+            detail += f" near-ties, {g['num_mismatches']} mismatches,"
+            detail += f" {len(g['reference_errors'])} not compared"
             crit["greedy_reference"] = _crit(g["ok"], detail)
 
         by_kind: dict = defaultdict(Counter)
+        fault: Counter = Counter()
         for o in outs:
             by_kind[f"{o.category}:{o.name}"][o.status] += 1
-        failing_rows = [o.brief() for o in outs if failing(o)]
-        errors = Counter(o.error_kind for o in outs if o.error_kind)
-        fault = [
-            f"{o.status}:{o.error_kind}" if o.error_kind else o.status for o in outs
-        ]
-        fault = Counter(f for f, o in zip(fault, outs) if o.in_fault)
+            kind = f"{o.status}:{o.error_kind}" if o.error_kind else o.status
+            fault[kind] += o.in_fault
         latency = {
             s: percentiles([o.t_end - o.t_start for o in outs if o.status == s])
             for s in ("completed", "aborted", "refused", "rejected")
         }
         ttft = [o.ttft for o in outs if o.status == "completed" and o.ttft is not None]
         latency["completed_stream_ttft"] = percentiles(ttft)
-        windows = [[round(w0, 2), round(w1 or 0, 2)] for w0, w1 in self.windows]
         return {
             "ok": all(c["ok"] is not False for c in crit.values()),
             "criteria": crit,
@@ -1341,11 +1313,13 @@ class Soak:
                 "load_s": round(self.load_end, 2),
                 "by_outcome": dict(Counter(o.status for o in outs)),
                 "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
-                "errors_by_kind": dict(errors),
+                "errors_by_kind": dict(
+                    Counter(o.error_kind for o in outs if o.error_kind)
+                ),
                 "in_fault_window": sum(o.in_fault for o in outs),
-                "in_fault_window_by_outcome": dict(fault),
-                "failing": failing_rows[:50],
-                "n_failing": len(failing_rows),
+                "in_fault_window_by_outcome": {k: v for k, v in fault.items() if v},
+                "failing": [o.brief() for o in failing[:50]],
+                "n_failing": len(failing),
             },
             "latency_s": latency,
             "health": {
@@ -1354,7 +1328,7 @@ class Soak:
                 "interval_s": a.health_interval,
             },
             "memory": {
-                "warmup_s": warmup,
+                "warmup_s": self.warmup,
                 "rss": {"pid": self.server_pid, "epochs": rss},
                 "gpu": {
                     "scope": self.gpu_scope,
@@ -1367,11 +1341,27 @@ class Soak:
             "greedy_reference": greedy,
             "bad_input": bad_rows,
             "faults": {
-                "windows": windows,
+                "windows": [
+                    [round(w0, 2), round(w1 or 0, 2)] for w0, w1 in self.windows
+                ],
                 "restarts": self.restarts,
                 "grace_s": a.fault_grace,
             },
         }
+
+    def client_tokens(self) -> dict[int, int]:
+        """Per server lifetime: the completion tokens of the requests that
+        started after its first scrape and ended before its last, which its
+        counters cover."""
+        span: dict[int, list[float]] = {}
+        for t, e, _ in self.scrapes:
+            span.setdefault(e, [t, t])[1] = t
+        tokens: dict[int, int] = defaultdict(int)
+        for o in self.outcomes:
+            t_first, t_last = span.get(o.epoch, (math.inf, -math.inf))
+            if o.status == "completed" and t_first <= o.t_start and o.t_end <= t_last:
+                tokens[o.epoch] += o.completion_tokens or 0
+        return tokens
 
 
 def _crit(ok: bool | None, detail: str) -> dict:
