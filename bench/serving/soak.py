@@ -62,14 +62,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import (
-    REPO,
-    check_loopback,
-    emit,
-    percentiles,
-    progress,
-    write_json,
-)
+from bench.common import REPO, check_loopback, emit, percentiles, progress, write_json
 
 REFUSE_STRUCTURED = "DDTree does not support structured outputs"
 REFUSE_BAD_WORDS = "DDTree does not support bad_words"
@@ -143,16 +136,10 @@ class Endpoint:
 
     def __init__(self, base_url: str):
         self.base_url = check_loopback(base_url, "soak")
-        self._client: httpx.AsyncClient | None = None
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:  # inside the running loop
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-            self._client = httpx.AsyncClient(
-                base_url=self.base_url, timeout=None, limits=limits
-            )
-        return self._client
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        self.client = httpx.AsyncClient(
+            base_url=self.base_url, timeout=None, limits=limits
+        )
 
     async def call(self, method, path, body=None, timeout=10.0) -> tuple[int, bytes]:
         """(status, body); status 0 for no answer in time or no connection."""
@@ -844,7 +831,9 @@ class Soak:
         self.rss: list[tuple[float, int, float]] = []  # (t, epoch, MiB)
         self.gpu: list[tuple[float, int, dict[str, float]]] = []
         self.gpu_reason = self.gpu_scope_note = ""
-        self.gpu_scope: str | None = None
+        # "server" or "device" once known; "device" without a server pid.
+        self.gpu_scope = None if a.launch or a.server_pid else "device"
+        self.gpu_on = True
         self.scrapes: list[tuple[float, int, dict[str, float]]] = []
         self.cumulative: set[str] = set()
         self.scrape_lock = asyncio.Lock()
@@ -864,10 +853,6 @@ class Soak:
     @property
     def server_pid(self) -> int | None:
         return self.server.proc.pid if self.server else self.a.server_pid
-
-    async def _sleep(self, s: float) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.stop_monitors.wait(), s)
 
     async def discover(self) -> Context:
         card = (await self.ep.json("GET", "/v1/models"))["data"][0]
@@ -934,12 +919,17 @@ class Soak:
             await asyncio.sleep(0.05)
         self.stop_load.set()
 
-    async def health_poller(self) -> None:
+    async def every(self, interval: float, sample) -> None:
+        """``sample()`` every ``interval`` s until the monitors stop."""
         while not self.stop_monitors.is_set():
-            t = self.clock()
-            status, _ = await self.ep.call("GET", "/health", timeout=HEALTH_TIMEOUT)
-            self.health.append((t, self.clock(), status))
-            await self._sleep(self.a.health_interval)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stop_monitors.wait(), interval)
+            await sample()
+
+    async def poll_health(self) -> None:
+        t = self.clock()
+        status, _ = await self.ep.call("GET", "/health", timeout=HEALTH_TIMEOUT)
+        self.health.append((t, self.clock(), status))
 
     async def scrape(self) -> dict[str, float] | None:
         # One at a time, in the server's order; the lifetime is the one asked
@@ -957,11 +947,9 @@ class Soak:
             self.scrapes.append((t, epoch, s))
             return s
 
-    async def metrics_scraper(self) -> None:
-        while not self.stop_monitors.is_set():
-            if self.up.is_set():
-                await self.scrape()
-            await self._sleep(self.a.metrics_interval)
+    async def scrape_if_up(self) -> None:
+        if self.up.is_set():
+            await self.scrape()
 
     def gpu_sample(self, pids: set[int] | None) -> tuple[dict[str, float] | None, str]:
         """The GPU memory of the server's processes once nvidia-smi is seen to
@@ -985,47 +973,36 @@ class Soak:
         mem = dict(rows)
         return (mem, "") if mem else (None, why or f"{smi} printed no memory.used")
 
-    async def memory_sampler(self) -> None:
-        gpu_on = True
-        if self.server_pid is None:
-            self.gpu_scope = "device"
-        while not self.stop_monitors.is_set():
-            t, epoch, pid, pids = self.clock(), self.epoch, self.server_pid, None
-            if pid is not None:
-                pids, rss = await asyncio.to_thread(process_tree, pid)
-                if rss is not None:
-                    self.rss.append((t, epoch, rss))
-            if gpu_on:
-                mem, why = await asyncio.to_thread(self.gpu_sample, pids)
-                if mem is not None:
-                    self.gpu.append((t, epoch, mem))
-                elif why:
-                    gpu_on, self.gpu_reason = not why.endswith("not found"), why
-            await self._sleep(self.a.memory_interval)
+    async def sample_memory(self) -> None:
+        t, epoch, pid, pids = self.clock(), self.epoch, self.server_pid, None
+        if pid is not None:
+            pids, rss = await asyncio.to_thread(process_tree, pid)
+            if rss is not None:
+                self.rss.append((t, epoch, rss))
+        if self.gpu_on:
+            mem, why = await asyncio.to_thread(self.gpu_sample, pids)
+            if mem is not None:
+                self.gpu.append((t, epoch, mem))
+            elif why:
+                self.gpu_on, self.gpu_reason = not why.endswith("not found"), why
 
     async def progress(self) -> None:
-        while not self.stop_monitors.is_set():
-            await self._sleep(self.a.progress_interval)
-            c = dict(sorted(Counter(o.status for o in self.outcomes).items()))
-            h = [s for _, _, s in self.health]
-            now = self.scrapes[-1][2] if self.scrapes else {}
-            s0 = next((x[2] for x in self.scrapes if x[1] == self.epoch), {})
-            d = {
-                k: now.get(k, 0) - s0.get(k, 0) for k in (DRAFTS, ACCEPTED, PREEMPTIONS)
-            }
-            tau = round(1 + d[ACCEPTED] / d[DRAFTS], 2) if d[DRAFTS] else None
-            rss = f"{self.rss[-1][2]:.0f}" if self.rss else "-"
-            gpu = (
-                "+".join(f"{v:.0f}" for v in self.gpu[-1][2].values())
-                if self.gpu
-                else "-"
-            )
-            log(
-                f"{self.clock():6.0f}s issued {self.issued} in flight {self.in_flight}"
-                f" | {c} | health {h[-1] if h else None} ({len(h) - h.count(200)}"
-                f" not 200 of {len(h)}) | rss {rss} gpu {gpu} MiB | preemptions"
-                f" {d[PREEMPTIONS]:g} tau {tau}"
-            )
+        c = dict(sorted(Counter(o.status for o in self.outcomes).items()))
+        h = [s for _, _, s in self.health]
+        now = self.scrapes[-1][2] if self.scrapes else {}
+        s0 = next((x[2] for x in self.scrapes if x[1] == self.epoch), {})
+        d = {k: now.get(k, 0) - s0.get(k, 0) for k in (DRAFTS, ACCEPTED, PREEMPTIONS)}
+        tau = round(1 + d[ACCEPTED] / d[DRAFTS], 2) if d[DRAFTS] else None
+        rss = f"{self.rss[-1][2]:.0f}" if self.rss else "-"
+        gpu = (
+            "+".join(f"{v:.0f}" for v in self.gpu[-1][2].values()) if self.gpu else "-"
+        )
+        log(
+            f"{self.clock():6.0f}s issued {self.issued} in flight {self.in_flight}"
+            f" | {c} | health {h[-1] if h else None} ({len(h) - h.count(200)}"
+            f" not 200 of {len(h)}) | rss {rss} gpu {gpu} MiB | preemptions"
+            f" {d[PREEMPTIONS]:g} tau {tau}"
+        )
 
     async def restarter(self) -> None:
         await asyncio.sleep(max(0.0, self.a.restart_at - self.clock()))
@@ -1163,9 +1140,8 @@ class Soak:
         finally:
             if self.server is not None:
                 await self.server.stop()
-            for ep in (self.ep, self.ref):
-                if ep is not None and ep._client is not None:
-                    await ep._client.aclose()
+            for ep in filter(None, (self.ep, self.ref)):
+                await ep.client.aclose()
 
     async def _run(self, ctx: Context) -> dict:
         a = self.a
@@ -1175,10 +1151,14 @@ class Soak:
         self.t0 = time.monotonic()
         await self.scrape()
         monitors = [
-            asyncio.create_task(f())
-            for f in (self.health_poller, self.metrics_scraper)
-            + (self.memory_sampler, self.progress)
-        ]  # fmt: skip
+            asyncio.create_task(self.every(interval, sample))
+            for sample, interval in (
+                (self.poll_health, a.health_interval),
+                (self.scrape_if_up, a.metrics_interval),
+                (self.sample_memory, a.memory_interval),
+                (self.progress, a.progress_interval),
+            )
+        ]
         restart = None
         if a.restart_at:
             restart = asyncio.create_task(self.restarter())
