@@ -440,27 +440,18 @@ def choice_text(api: str, c: dict, stream: bool = False) -> str:
     return c.get("text") or ""
 
 
-def _top2_gap(logprobs) -> float:
-    v = sorted(logprobs, reverse=True)
-    return v[0] - v[1] if len(v) > 1 else float("inf")
-
-
-def choice_logprobs(api: str, c: dict) -> list[tuple[str, float]]:
-    """(token text, top-1 minus top-2 logprob) of each token of a choice."""
+def choice_logprobs(api: str, c: dict) -> tuple[list[str], list[float]]:
+    """The tokens of a choice and the top-1 minus top-2 logprob of each."""
     lp = c.get("logprobs") or {}
     if api == "chat":
-        return [
-            (
-                e.get("token", ""),
-                _top2_gap(t["logprob"] for t in e.get("top_logprobs") or []),
-            )
-            for e in lp.get("content") or []
-        ]
-    tops = lp.get("top_logprobs") or []
-    return [
-        (t, _top2_gap((top or {}).values()))
-        for t, top in zip(lp.get("tokens") or [], tops)
-    ]
+        content = lp.get("content") or []
+        tokens = [e.get("token", "") for e in content]
+        tops = [[t["logprob"] for t in e.get("top_logprobs") or []] for e in content]
+    else:
+        tokens = lp.get("tokens") or []
+        tops = [list((top or {}).values()) for top in lp.get("top_logprobs") or []]
+    tops = [sorted(t, reverse=True) for t in tops]
+    return tokens, [t[0] - t[1] if len(t) > 1 else math.inf for t in tops]
 
 
 def first_difference(text: str, ref: str) -> int | None:
@@ -473,19 +464,15 @@ def token_index(ref_tokens: list[str], char: int) -> int | None:
     return next((k for k, end in enumerate(ends) if end > char), None)
 
 
-def divergence_gap(
-    text: str, ref: str, tokens: list[str], gaps: list[float]
-) -> float | None:
-    """The reference's top-2 gap at the token where ``text`` first parts from
-    ``ref`` (None when unknown). Where that is the start of a reference token,
-    ours may have parted a token earlier (another split of the same
-    characters): the smaller gap of the two counts."""
-    i = first_difference(text, ref)
-    i = min(len(text), len(ref)) if i is None else i
-    k = token_index(tokens, i)
+def divergence_gap(char: int, tokens: list[str], gaps: list[float]) -> float | None:
+    """The reference's top-2 gap at the token holding character ``char``, where
+    the outputs part (None when unknown). Where that is the start of a
+    reference token, ours may have parted a token earlier (another split of
+    the same characters): the smaller gap of the two counts."""
+    k = token_index(tokens, char)
     if k is None:
         return None
-    at_start = k > 0 and sum(len(t) for t in tokens[:k]) == i
+    at_start = k > 0 and sum(len(t) for t in tokens[:k]) == char
     return min(gaps[k], gaps[k - 1]) if at_start else gaps[k]
 
 
@@ -497,69 +484,62 @@ async def run_plan(ep: Endpoint, req: Plan, timeout: float, clock) -> Plan:
         if event.endswith("send_request_body.complete"):
             sent.set()
 
+    def take(payload: dict) -> None:
+        for c in payload.get("choices") or []:
+            text, idx = choice_text(req.api, c, req.stream), int(c.get("index", 0))
+            if text and req.stream and req.ttft is None:
+                req.ttft = time.monotonic() - t0
+            req.texts[idx] = req.texts.get(idx, "") + text
+        if usage := payload.get("usage"):
+            req.completion_tokens = usage.get("completion_tokens")
+
     async def receive() -> None:
         body = req.raw if req.raw is not None else json.dumps(req.body).encode()
         headers = {"content-type": req.content_type}
-        trace_ext = {"trace": trace}
         async with ep.client.stream(
-            "POST", req.path, content=body, headers=headers, extensions=trace_ext
+            "POST", req.path, content=body, headers=headers, extensions={"trace": trace}
         ) as resp:
             req.http = resp.status_code
             if resp.status_code != 200:
                 msg = error_message(await resp.aread())
                 return req.error_answer(resp.status_code, msg, "http")
             if not req.stream:
-                payload = json.loads(await resp.aread())
-                for c in payload.get("choices") or []:
-                    req.texts[int(c.get("index", 0))] = choice_text(req.api, c)
-                usage = payload.get("usage") or {}
-                req.completion_tokens = usage.get("completion_tokens")
+                take(json.loads(await resp.aread()))
                 return req.served()
             if "text/event-stream" not in resp.headers.get("content-type", ""):
                 return req.set("bad_response", "not_an_event_stream")
             chunks = 0
             async for line in resp.aiter_lines():
-                data = line[5:].strip() if line.startswith("data:") else None
-                if data == "[DONE]":
-                    return req.served()
-                if data is None:
+                if not line.startswith("data:"):
                     continue
+                if (data := line[5:].strip()) == "[DONE]":
+                    return req.served()
                 payload = json.loads(data)
                 if (err := payload.get("error")) is not None:
                     err = err if isinstance(err, dict) else {"message": str(err)}
-                    code = int(err.get("code") or 500)
-                    msg = str(err.get("message", ""))
+                    msg, code = str(err.get("message", "")), int(err.get("code") or 500)
                     return req.error_answer(code, msg, "stream_error")
-                for c in payload.get("choices") or []:
-                    text, idx = choice_text(req.api, c, True), int(c.get("index", 0))
-                    if text and req.ttft is None:
-                        req.ttft = time.monotonic() - t0
-                    req.texts[idx] = req.texts.get(idx, "") + text
-                if usage := payload.get("usage"):
-                    req.completion_tokens = usage.get("completion_tokens")
+                take(payload)
                 chunks += 1
-                if req.abort_chunks is not None and chunks >= req.abort_chunks:
+                if chunks == req.abort_chunks:
                     req.status = "aborted"
                     return
             req.set("connection_error", "stream_ended_without_done")
 
-    async def give_up() -> None:  # this long after sending (0: at once)
-        await sent.wait()
-        await asyncio.sleep(req.abort_s)
-
     async def go() -> None:
-        if req.abort_s is None:
-            return await receive()
-        tasks = [asyncio.ensure_future(receive()), asyncio.ensure_future(give_up())]
+        task = asyncio.ensure_future(receive())
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            if tasks[0].done():
-                return tasks[0].result()
-            req.status = "aborted"
+            if req.abort_s is not None:  # give up this long after sending
+                waiter = asyncio.ensure_future(sent.wait())
+                await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if not (await asyncio.wait([task], timeout=req.abort_s))[0]:
+                    req.status = "aborted"
+                    return
+            await task
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     try:
         await asyncio.wait_for(go(), timeout)
@@ -1085,15 +1065,14 @@ class Soak:
                 return errors.append(
                     {"id": o.id, "http": status, "error": error_message(data)[:200]}
                 )
-            ref_text, tg = choice_text(o.api, c), choice_logprobs(o.api, c)
-            tokens, gaps = [t for t, _ in tg], [g for _, g in tg]
+            ref_text, (tokens, gaps) = choice_text(o.api, c), choice_logprobs(o.api, c)
             res["compared"] += 1
             diffs = [text for _, text in sorted(o.texts.items()) if text != ref_text]
             if not diffs:
                 res["identical"] += 1
                 return
             char = first_difference(diffs[0], ref_text) or 0
-            gap = divergence_gap(diffs[0], ref_text, tokens, gaps)
+            gap = divergence_gap(char, tokens, gaps)
             drop = ("model", "prompt", "messages", "stream_options")
             row = {
                 "id": o.id, "api": o.api, "stream": o.stream, "name": o.name,
