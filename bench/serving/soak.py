@@ -864,14 +864,17 @@ class Soak:
             out = _bad_plan(-1 - k, case)
             await run_plan(self.ep, out, self.a.timeout, self.clock)
             health, _ = await self.ep.call("GET", "/health", timeout=HEALTH_TIMEOUT)
+            row = {k: getattr(out, k) for k in ("name", "api")}
             rows.append(
-                {
-                    "name": out.name, "api": out.api, "outcome": out.status,
-                    "http": out.http, "error_kind": out.error_kind,
-                    "message": out.error, "health_after": health,
-                    "ok": out.status == "rejected" and health == 200,
+                row
+                | {
+                    "outcome": out.status,
+                    "http": out.http,
+                    "error_kind": out.error_kind,
                 }
-            )  # fmt: skip
+                | {"message": out.error, "health_after": health}
+                | {"ok": out.status == "rejected" and health == 200}
+            )
         return rows
 
     async def client(self, ctx: Context) -> None:
@@ -1023,11 +1026,8 @@ class Soak:
 
     async def compare_reference(self) -> dict:
         a = self.a
-        todo = [
-            o for o in self.outcomes
-            if o.category == "load" and o.status == "completed"
-            if o.greedy and not o.in_fault
-        ]  # fmt: skip
+        done = [o for o in self.outcomes if o.status == "completed" and o.greedy]
+        todo = [o for o in done if not o.in_fault]
         res: dict = {"compared": 0, "identical": 0, "eligible": len(todo)}
         near, bad, errors = [], [], []
         try:
@@ -1074,14 +1074,14 @@ class Soak:
             char = first_difference(diffs[0], ref_text) or 0
             gap = divergence_gap(char, tokens, gaps)
             drop = ("model", "prompt", "messages", "stream_options")
-            row = {
-                "id": o.id, "api": o.api, "stream": o.stream, "name": o.name,
-                "first_diff_char": char, "first_diff_token": token_index(tokens, char),
+            row = {k: getattr(o, k) for k in ("id", "api", "stream", "name")} | {
+                "first_diff_char": char,
+                "first_diff_token": token_index(tokens, char),
                 "ref_top2_gap": gap,
                 "sampling": {k: v for k, v in o.body.items() if k not in drop},
                 "ours": diffs[0][max(0, char - 20) : char + 20],
                 "ref": ref_text[max(0, char - 20) : char + 20],
-            }  # fmt: skip
+            }
             tie = a.float32 and gap is not None and gap < a.tie_tolerance
             (near if tie else bad).append(row)
 
@@ -1234,10 +1234,10 @@ class Soak:
         crit["server_rss"] = _memory_criterion(rss, f"skipped: {why}")
         why = self.gpu_reason or "no sample"
         crit["gpu_memory"] = _memory_criterion(gpu, f"skipped: {why}")
+        tokens = self.client_tokens()
         metrics = check_metrics(
-            self.scrapes, self.cumulative, a.expect_ddtree, self.client_tokens(),
-            a.tree_budget,
-        )  # fmt: skip
+            self.scrapes, self.cumulative, a.expect_ddtree, tokens, a.tree_budget
+        )
         problems = metrics["problems"]
         detail = problems and f"{metrics['n_problems']} problems, first: {problems[0]}"
         crit["metrics"] = _crit(metrics["ok"], detail or "consistent")
@@ -1379,6 +1379,13 @@ OPTIONS = [
     ("--tie-tolerance", 0.01, "with --float32: top-2 logprob gap of a near-tie"),
     ("--pair", None, "name in the output file (default: the model's)"),
     ("--out", None, "default: bench/results/<date>-soak-<pair>.json"),
+    (
+        "--expect-ddtree",
+        True,
+        "DDTree server: send the refused kinds, check its series",
+    ),
+    ("--expect-preemption", False, "fail unless vllm:num_preemptions moved"),
+    ("--float32", False, "near-ties are not failures"),
 ]
 TYPES = {"--server-pid": int, "--tree-budget": int, "--warmup": float}
 
@@ -1389,20 +1396,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for flag, default, help_ in OPTIONS:
-        kind = TYPES.get(flag, str if default is None else type(default))
-        ap.add_argument(flag, type=kind, default=default, help=help_)
-    ap.add_argument(
-        "--expect-ddtree",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="DDTree server: send the refused kinds, check its series",
-    )
-    ap.add_argument(
-        "--expect-preemption",
-        action="store_true",
-        help="fail unless vllm:num_preemptions moved",
-    )
-    ap.add_argument("--float32", action="store_true", help="near-ties are not failures")
+        if isinstance(default, bool):
+            kw: dict = {"action": argparse.BooleanOptionalAction}
+        else:
+            kw = {"type": TYPES.get(flag, str if default is None else type(default))}
+        ap.add_argument(flag, default=default, help=help_, **kw)
     return ap
 
 
