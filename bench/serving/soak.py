@@ -57,6 +57,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from subprocess import DEVNULL, STDOUT
 
 import httpx
 import psutil
@@ -572,11 +573,9 @@ def process_tree(pid: int) -> tuple[set[int] | None, float | None]:
 def nvidia_smi(cmd: str, query: str) -> tuple[list[tuple[str, float]], str]:
     """(pid or GPU index, MiB) of each line nvidia-smi prints for the two-field
     ``query`` (lines without a number, e.g. "[N/A]", left out), or [] and why."""
+    args = [cmd, query, "--format=csv,noheader,nounits"]
     try:
-        p = subprocess.run(
-            [cmd, query, "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=15,
-        )  # fmt: skip
+        p = subprocess.run(args, capture_output=True, text=True, timeout=15)
     except FileNotFoundError:
         return [], f"{cmd} not found"
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -585,9 +584,8 @@ def nvidia_smi(cmd: str, query: str) -> tuple[list[tuple[str, float]], str]:
         return [], f"{cmd} exited {p.returncode}: {p.stderr.strip()[:200]}"
     rows = [[x.strip() for x in line.split(",")] for line in p.stdout.splitlines()]
     number = re.compile(r"\d+(\.\d*)?")
-    return [
-        (r[0], float(r[1])) for r in rows if len(r) == 2 and number.fullmatch(r[1])
-    ], ""
+    found = [r for r in rows if len(r) == 2 and number.fullmatch(r[1])]
+    return [(k, float(v)) for k, v in found], ""
 
 
 class LaunchedServer:
@@ -598,24 +596,26 @@ class LaunchedServer:
         self.a, self.proc = a, None
 
     def start(self) -> None:
-        with open(self.a.server_log, "ab") as logf:
+        cmd = shlex.split(self.a.launch)
+        with open(self.a.server_log, "ab") as log_file:
             self.proc = subprocess.Popen(
-                shlex.split(self.a.launch), stdout=logf, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+                cmd,
+                stdout=log_file,
+                stderr=STDOUT,
+                stdin=DEVNULL,
+                start_new_session=True,
+            )
 
     async def wait_ready(self, ep: Endpoint) -> str | None:
         """None once /health answers 200 and --after-start exited 0, else
         what went wrong."""
         a, deadline = self.a, time.monotonic() + self.a.start_timeout
+        see = f"; see {a.server_log}"
         while (await ep.call("GET", "/health", timeout=HEALTH_TIMEOUT))[0] != 200:
-            if self.proc.poll() is not None:
-                rc = self.proc.returncode
-                return f"server exited during startup (rc {rc}); see {a.server_log}"
+            if (rc := self.proc.poll()) is not None:
+                return f"server exited during startup (rc {rc}){see}"
             if time.monotonic() > deadline:
-                return (
-                    f"server not healthy after {a.start_timeout:g}s; see {a.server_log}"
-                )
+                return f"server not healthy after {a.start_timeout:g}s{see}"
             await asyncio.sleep(0.2)
         if a.after_start:
             left = max(1.0, deadline - time.monotonic())
@@ -864,15 +864,10 @@ class Soak:
             out = _bad_plan(-1 - k, case)
             await run_plan(self.ep, out, self.a.timeout, self.clock)
             health, _ = await self.ep.call("GET", "/health", timeout=HEALTH_TIMEOUT)
-            row = {k: getattr(out, k) for k in ("name", "api")}
+            keys = ("name", "api", "http", "error_kind")
             rows.append(
-                row
-                | {
-                    "outcome": out.status,
-                    "http": out.http,
-                    "error_kind": out.error_kind,
-                }
-                | {"message": out.error, "health_after": health}
+                {k: getattr(out, k) for k in keys}
+                | {"outcome": out.status, "message": out.error, "health_after": health}
                 | {"ok": out.status == "rejected" and health == 200}
             )
         return rows
