@@ -142,21 +142,16 @@ class Endpoint:
             base_url=self.base_url, timeout=None, limits=limits
         )
 
-    async def call(self, method, path, body=None, timeout=10.0) -> tuple[int, bytes]:
+    async def call(self, method, path, payload=None, timeout=10.0) -> tuple[int, bytes]:
         """(status, body); status 0 for no answer in time or no connection."""
-        headers = {"content-type": "application/json"} if body is not None else None
         try:
-            r = await asyncio.wait_for(
-                self.client.request(method, path, content=body, headers=headers),
-                timeout,
-            )
-        except (asyncio.TimeoutError, httpx.HTTPError, OSError):
+            r = await self.client.request(method, path, json=payload, timeout=timeout)
+        except (httpx.HTTPError, OSError):
             return 0, b""
         return r.status_code, r.content
 
     async def json(self, method: str, path: str, payload=None):
-        body = None if payload is None else json.dumps(payload).encode()
-        status, data = await self.call(method, path, body)
+        status, data = await self.call(method, path, payload)
         if status != 200:
             why = f"HTTP {status}: {data[:200]!r}" if status else "no answer"
             raise RuntimeError(f"{method} {self.base_url}{path}: {why}")
@@ -1048,9 +1043,8 @@ class Soak:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return errors.append({"id": o.id, "error": "no time left"})
-                data = json.dumps(body).encode()
                 status, data = await self.ref.call(
-                    "POST", o.path, data, min(a.timeout, left)
+                    "POST", o.path, body, min(a.timeout, left)
                 )
             try:
                 c = json.loads(data)["choices"][0] if status == 200 else None
