@@ -994,14 +994,11 @@ class Soak:
         self.restarts.append(
             {"t_stop": round(t_stop, 2), "t_up": round(t_up, 2), "error": err}
         )
-        log(
-            f"restart failed: {err}"
-            if err
-            else f"restart: up again after {t_up - t_stop:.1f}s"
-        )
         if err:
+            log(f"restart failed: {err}")
             self.stop_load.set()
         else:
+            log(f"restart: up again after {t_up - t_stop:.1f}s")
             await self.scrape()  # the first of the new lifetime
         self.up.set()
 
