@@ -650,7 +650,7 @@ def flatness(
     if len(post) < 3:
         return res | {"ok": None, "reason": "fewer than 3 samples after the warm-up"}
     ts, vs = zip(*post)
-    slope = statistics.linear_regression(ts, vs).slope if len(set(ts)) > 1 else 0.0
+    slope = statistics.linear_regression(ts, vs).slope
     growth = slope * (ts[-1] - ts[0])
     return res | {
         "ok": growth <= tol,
@@ -1403,15 +1403,13 @@ def main(argv: list[str] | None = None) -> int:
     crit = result.get("criteria", {})
     for name, c in crit.items():
         print(f"{MARK[c['ok']]}  {name:16s} {c['detail']}")
+    summary = {"ok": result["ok"], "out": out}
+    summary["criteria"] = {k: c["ok"] for k, c in crit.items()}
+    summary["by_outcome"] = result.get("requests", {}).get("by_outcome")
     if "fatal" in result:
         print(f"FAIL  {result['fatal']}")
-    summary = {
-        "ok": result["ok"],
-        "out": out,
-        "criteria": {k: c["ok"] for k, c in crit.items()},
-        "by_outcome": result.get("requests", {}).get("by_outcome"),
-    }
-    emit("RESULT", summary | {k: v for k, v in result.items() if k == "fatal"})
+        summary["fatal"] = result["fatal"]
+    emit("RESULT", summary)
     return 0 if result["ok"] else 1
 
 
