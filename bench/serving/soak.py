@@ -1027,15 +1027,11 @@ class Soak:
 
         async def one(o: Plan) -> None:
             skip = ("stream", "stream_options", "prompt_logprobs")
-            body = {k: v for k, v in o.body.items() if k not in skip} | {
-                "model": ref_model
-            }
+            body = {k: v for k, v in o.body.items() if k not in skip}
+            key = "top_logprobs" if o.api == "chat" else "logprobs"
+            body |= {"model": ref_model, key: max(2, body.get(key) or 0)}
             if o.api == "chat":
-                body.update(
-                    logprobs=True, top_logprobs=max(2, body.get("top_logprobs", 0))
-                )
-            else:
-                body["logprobs"] = max(2, body.get("logprobs") or 0)
+                body["logprobs"] = True
             async with sem:
                 left = deadline - time.monotonic()
                 if left <= 0:
