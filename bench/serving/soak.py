@@ -875,12 +875,11 @@ class Soak:
                 continue
             i, self.issued = self.issued, self.issued + 1
             req = make_plan(i, self.a.seed, ctx, self.a)
-            self.in_flight += 1
-            epoch = self.epoch
-            await run_plan(self.ep, req, self.a.timeout, self.clock)
+            req.epoch, self.in_flight = self.epoch, self.in_flight + 1
+            self.outcomes.append(
+                await run_plan(self.ep, req, self.a.timeout, self.clock)
+            )
             self.in_flight -= 1
-            req.epoch = epoch
-            self.outcomes.append(req)
             if req.status == "connection_error" and not self.up.is_set():
                 await asyncio.sleep(0.05)
 
@@ -1208,11 +1207,8 @@ class Soak:
         rss = self.memory(rss, a.rss_growth_mib, lambda _, e: str(e))
         gpu_name = lambda k, e: f"{k if k == 'server' else 'gpu' + k}/epoch{e}"
         gpu = self.memory(self.gpu, a.gpu_growth_mib, gpu_name)
-        why = (
-            "no RSS sample"
-            if self.server_pid
-            else "no server pid (--launch, --server-pid)"
-        )
+        why = "no server pid (--launch, --server-pid)"
+        why = "no RSS sample" if self.server_pid else why
         crit["server_rss"] = _memory_criterion(rss, f"skipped: {why}")
         why = self.gpu_reason or "no sample"
         crit["gpu_memory"] = _memory_criterion(gpu, f"skipped: {why}")
