@@ -1119,9 +1119,7 @@ class Soak:
                 (self.progress, a.progress_interval),
             )
         ]
-        restart = None
-        if a.restart_at:
-            restart = asyncio.create_task(self.restarter())
+        restart = asyncio.create_task(self.restarter()) if a.restart_at else None
         clients = [asyncio.create_task(self.client(ctx)) for _ in range(a.concurrency)]
         await self.load_timer()
         await asyncio.gather(*clients)
@@ -1148,15 +1146,10 @@ class Soak:
             log("comparing greedy outputs with the reference server")
             greedy = await self.compare_reference()
         final = drained, probe.status, final_health
-        return {
-            "model": ctx.model,
-            "max_model_len": ctx.max_model_len,
-            "prompts": {
-                "completion": len(ctx.completion_prompts),
-                "chat": len(ctx.chat_prompts),
-            },
-            "stop_token_ids": ctx.stop_token_ids,
-        } | self.evaluate(bad_rows, final, greedy)
+        n = {"completion": len(ctx.completion_prompts), "chat": len(ctx.chat_prompts)}
+        keys = ("model", "max_model_len", "stop_token_ids")
+        report = {k: getattr(ctx, k) for k in keys} | {"prompts": n}
+        return report | self.evaluate(bad_rows, final, greedy)
 
     def memory(self, samples, tol: float, name) -> dict:
         """flatness() of each series of ``samples`` (t, epoch, {key: MiB}),
