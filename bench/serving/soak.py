@@ -831,9 +831,7 @@ class Soak:
 
     async def discover(self) -> Context:
         card = (await self.ep.json("GET", "/v1/models"))["data"][0]
-        model, max_len = card["id"], int(card.get("max_model_len") or 0)
-        if max_len <= 0:
-            raise RuntimeError("/v1/models gives no max_model_len")
+        model, max_len = card["id"], int(card["max_model_len"])
         comp, chat, long_tokens, stop_ids = [], [], [], set()
 
         async def tokenize(**kw) -> dict:
@@ -842,11 +840,11 @@ class Soak:
         for text in load_prompts(self.a.prompts)[:NUM_PROMPTS]:
             t = await tokenize(prompt=text)
             if t["count"] <= max_len - 16:  # room for 16 new tokens
-                comp.append((text, int(t["count"])))
+                comp.append((text, t["count"]))
                 long_tokens += t["tokens"]
             c = await tokenize(messages=[{"role": "user", "content": text}])
             if c["count"] <= max_len - 16:
-                chat.append((text, int(c["count"])))
+                chat.append((text, c["count"]))
         if not comp or not chat:
             raise RuntimeError(f"no prompt leaves 16 tokens of max_model_len={max_len}")
         for s in STOP_TEXTS:
