@@ -57,19 +57,13 @@ import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from subprocess import DEVNULL, STDOUT
 
 import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import (
-    REPO,
-    check_loopback,
-    emit,
-    percentiles,
-    progress,
-    write_json,
-)
+from bench.common import REPO, check_loopback, emit, percentiles, progress, write_json
 
 REFUSE_STRUCTURED = "DDTree does not support structured outputs"
 REFUSE_BAD_WORDS = "DDTree does not support bad_words"
@@ -84,6 +78,7 @@ ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 AL = "vllm:ddtree_acceptance_length"
+AL_COUNT, AL_SUM = f"{AL}_count", f"{AL}_sum"
 PER_DEPTH = "vllm:ddtree_num_accepted_tokens_per_depth_total"
 BUDGET = "vllm:ddtree_tree_budget"
 DEPTH = "vllm:ddtree_draft_depth"
@@ -142,32 +137,21 @@ class Endpoint:
 
     def __init__(self, base_url: str):
         self.base_url = check_loopback(base_url, "soak")
-        self._client: httpx.AsyncClient | None = None
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        self.client = httpx.AsyncClient(
+            base_url=self.base_url, timeout=None, limits=limits
+        )
 
-    @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:  # inside the running loop
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-            self._client = httpx.AsyncClient(
-                base_url=self.base_url, timeout=None, limits=limits
-            )
-        return self._client
-
-    async def call(self, method, path, body=None, timeout=10.0) -> tuple[int, bytes]:
+    async def call(self, method, path, payload=None, timeout=10.0) -> tuple[int, bytes]:
         """(status, body); status 0 for no answer in time or no connection."""
-        headers = {"content-type": "application/json"} if body is not None else None
         try:
-            r = await asyncio.wait_for(
-                self.client.request(method, path, content=body, headers=headers),
-                timeout,
-            )
-        except (asyncio.TimeoutError, httpx.HTTPError, OSError):
+            r = await self.client.request(method, path, json=payload, timeout=timeout)
+        except (httpx.HTTPError, OSError):
             return 0, b""
         return r.status_code, r.content
 
     async def json(self, method: str, path: str, payload=None):
-        body = None if payload is None else json.dumps(payload).encode()
-        status, data = await self.call(method, path, body)
+        status, data = await self.call(method, path, payload)
         if status != 200:
             why = f"HTTP {status}: {data[:200]!r}" if status else "no answer"
             raise RuntimeError(f"{method} {self.base_url}{path}: {why}")
@@ -230,6 +214,11 @@ class Plan:
             "latency_s": round(self.t_end - self.t_start, 3),
             "in_fault_window": self.in_fault,
         }
+
+    @property
+    def failing(self) -> bool:
+        cut = self.status in FAULT_ONLY or self.error_kind in FAULT_ONLY_KINDS
+        return self.status not in CLEAN[self.category] and not (cut and self.in_fault)
 
     def set(self, status: str, kind: str | None = None, error: str | None = None):
         self.status, self.error_kind, self.error = status, kind, error
@@ -447,27 +436,18 @@ def choice_text(api: str, c: dict, stream: bool = False) -> str:
     return c.get("text") or ""
 
 
-def _top2_gap(logprobs) -> float:
-    v = sorted(logprobs, reverse=True)
-    return v[0] - v[1] if len(v) > 1 else float("inf")
-
-
-def choice_logprobs(api: str, c: dict) -> list[tuple[str, float]]:
-    """(token text, top-1 minus top-2 logprob) of each token of a choice."""
+def choice_logprobs(api: str, c: dict) -> tuple[list[str], list[float]]:
+    """The tokens of a choice and the top-1 minus top-2 logprob of each."""
     lp = c.get("logprobs") or {}
     if api == "chat":
-        return [
-            (
-                e.get("token", ""),
-                _top2_gap(t["logprob"] for t in e.get("top_logprobs") or []),
-            )
-            for e in lp.get("content") or []
-        ]
-    tops = lp.get("top_logprobs") or []
-    return [
-        (t, _top2_gap((top or {}).values()))
-        for t, top in zip(lp.get("tokens") or [], tops)
-    ]
+        content = lp.get("content") or []
+        tokens = [e.get("token", "") for e in content]
+        tops = [[t["logprob"] for t in e.get("top_logprobs") or []] for e in content]
+    else:
+        tokens = lp.get("tokens") or []
+        tops = [list((top or {}).values()) for top in lp.get("top_logprobs") or []]
+    tops = [sorted(t, reverse=True) for t in tops]
+    return tokens, [t[0] - t[1] if len(t) > 1 else math.inf for t in tops]
 
 
 def first_difference(text: str, ref: str) -> int | None:
@@ -480,19 +460,15 @@ def token_index(ref_tokens: list[str], char: int) -> int | None:
     return next((k for k, end in enumerate(ends) if end > char), None)
 
 
-def divergence_gap(
-    text: str, ref: str, tokens: list[str], gaps: list[float]
-) -> float | None:
-    """The reference's top-2 gap at the token where ``text`` first parts from
-    ``ref`` (None when unknown). Where that is the start of a reference token,
-    ours may have parted a token earlier (another split of the same
-    characters): the smaller gap of the two counts."""
-    i = first_difference(text, ref)
-    i = min(len(text), len(ref)) if i is None else i
-    k = token_index(tokens, i)
+def divergence_gap(char: int, tokens: list[str], gaps: list[float]) -> float | None:
+    """The reference's top-2 gap at the token holding character ``char``, where
+    the outputs part (None when unknown). Where that is the start of a
+    reference token, ours may have parted a token earlier (another split of
+    the same characters): the smaller gap of the two counts."""
+    k = token_index(tokens, char)
     if k is None:
         return None
-    at_start = k > 0 and sum(len(t) for t in tokens[:k]) == i
+    at_start = k > 0 and sum(len(t) for t in tokens[:k]) == char
     return min(gaps[k], gaps[k - 1]) if at_start else gaps[k]
 
 
@@ -504,69 +480,62 @@ async def run_plan(ep: Endpoint, req: Plan, timeout: float, clock) -> Plan:
         if event.endswith("send_request_body.complete"):
             sent.set()
 
+    def take(payload: dict) -> None:
+        for c in payload.get("choices") or []:
+            text, idx = choice_text(req.api, c, req.stream), int(c.get("index", 0))
+            if text and req.stream and req.ttft is None:
+                req.ttft = time.monotonic() - t0
+            req.texts[idx] = req.texts.get(idx, "") + text
+        if usage := payload.get("usage"):
+            req.completion_tokens = usage.get("completion_tokens")
+
     async def receive() -> None:
         body = req.raw if req.raw is not None else json.dumps(req.body).encode()
         headers = {"content-type": req.content_type}
-        trace_ext = {"trace": trace}
         async with ep.client.stream(
-            "POST", req.path, content=body, headers=headers, extensions=trace_ext
+            "POST", req.path, content=body, headers=headers, extensions={"trace": trace}
         ) as resp:
             req.http = resp.status_code
             if resp.status_code != 200:
                 msg = error_message(await resp.aread())
                 return req.error_answer(resp.status_code, msg, "http")
             if not req.stream:
-                payload = json.loads(await resp.aread())
-                for c in payload.get("choices") or []:
-                    req.texts[int(c.get("index", 0))] = choice_text(req.api, c)
-                usage = payload.get("usage") or {}
-                req.completion_tokens = usage.get("completion_tokens")
+                take(json.loads(await resp.aread()))
                 return req.served()
             if "text/event-stream" not in resp.headers.get("content-type", ""):
                 return req.set("bad_response", "not_an_event_stream")
             chunks = 0
             async for line in resp.aiter_lines():
-                data = line[5:].strip() if line.startswith("data:") else None
-                if data == "[DONE]":
-                    return req.served()
-                if data is None:
+                if not line.startswith("data:"):
                     continue
+                if (data := line[5:].strip()) == "[DONE]":
+                    return req.served()
                 payload = json.loads(data)
                 if (err := payload.get("error")) is not None:
                     err = err if isinstance(err, dict) else {"message": str(err)}
-                    code = int(err.get("code") or 500)
-                    msg = str(err.get("message", ""))
+                    msg, code = str(err.get("message", "")), int(err.get("code") or 500)
                     return req.error_answer(code, msg, "stream_error")
-                for c in payload.get("choices") or []:
-                    text, idx = choice_text(req.api, c, True), int(c.get("index", 0))
-                    if text and req.ttft is None:
-                        req.ttft = time.monotonic() - t0
-                    req.texts[idx] = req.texts.get(idx, "") + text
-                if usage := payload.get("usage"):
-                    req.completion_tokens = usage.get("completion_tokens")
+                take(payload)
                 chunks += 1
-                if req.abort_chunks is not None and chunks >= req.abort_chunks:
+                if chunks == req.abort_chunks:
                     req.status = "aborted"
                     return
             req.set("connection_error", "stream_ended_without_done")
 
-    async def give_up() -> None:  # this long after sending (0: at once)
-        await sent.wait()
-        await asyncio.sleep(req.abort_s)
-
     async def go() -> None:
-        if req.abort_s is None:
-            return await receive()
-        tasks = [asyncio.ensure_future(receive()), asyncio.ensure_future(give_up())]
+        task = asyncio.ensure_future(receive())
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            if tasks[0].done():
-                return tasks[0].result()
-            req.status = "aborted"
+            if req.abort_s is not None:  # give up this long after sending
+                waiter = asyncio.ensure_future(sent.wait())
+                await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if not (await asyncio.wait([task], timeout=req.abort_s))[0]:
+                    req.status = "aborted"
+                    return
+            await task
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     try:
         await asyncio.wait_for(go(), timeout)
@@ -599,11 +568,9 @@ def process_tree(pid: int) -> tuple[set[int] | None, float | None]:
 def nvidia_smi(cmd: str, query: str) -> tuple[list[tuple[str, float]], str]:
     """(pid or GPU index, MiB) of each line nvidia-smi prints for the two-field
     ``query`` (lines without a number, e.g. "[N/A]", left out), or [] and why."""
+    args = [cmd, query, "--format=csv,noheader,nounits"]
     try:
-        p = subprocess.run(
-            [cmd, query, "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=15,
-        )  # fmt: skip
+        p = subprocess.run(args, capture_output=True, text=True, timeout=15)
     except FileNotFoundError:
         return [], f"{cmd} not found"
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -612,9 +579,8 @@ def nvidia_smi(cmd: str, query: str) -> tuple[list[tuple[str, float]], str]:
         return [], f"{cmd} exited {p.returncode}: {p.stderr.strip()[:200]}"
     rows = [[x.strip() for x in line.split(",")] for line in p.stdout.splitlines()]
     number = re.compile(r"\d+(\.\d*)?")
-    return [
-        (r[0], float(r[1])) for r in rows if len(r) == 2 and number.fullmatch(r[1])
-    ], ""
+    found = [r for r in rows if len(r) == 2 and number.fullmatch(r[1])]
+    return [(k, float(v)) for k, v in found], ""
 
 
 class LaunchedServer:
@@ -625,24 +591,26 @@ class LaunchedServer:
         self.a, self.proc = a, None
 
     def start(self) -> None:
-        with open(self.a.server_log, "ab") as logf:
+        cmd = shlex.split(self.a.launch)
+        with open(self.a.server_log, "ab") as log_file:
             self.proc = subprocess.Popen(
-                shlex.split(self.a.launch), stdout=logf, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+                cmd,
+                stdout=log_file,
+                stderr=STDOUT,
+                stdin=DEVNULL,
+                start_new_session=True,
+            )
 
     async def wait_ready(self, ep: Endpoint) -> str | None:
         """None once /health answers 200 and --after-start exited 0, else
         what went wrong."""
         a, deadline = self.a, time.monotonic() + self.a.start_timeout
+        see = f"; see {a.server_log}"
         while (await ep.call("GET", "/health", timeout=HEALTH_TIMEOUT))[0] != 200:
-            if self.proc.poll() is not None:
-                rc = self.proc.returncode
-                return f"server exited during startup (rc {rc}); see {a.server_log}"
+            if (rc := self.proc.poll()) is not None:
+                return f"server exited during startup (rc {rc}){see}"
             if time.monotonic() > deadline:
-                return (
-                    f"server not healthy after {a.start_timeout:g}s; see {a.server_log}"
-                )
+                return f"server not healthy after {a.start_timeout:g}s{see}"
             await asyncio.sleep(0.2)
         if a.after_start:
             left = max(1.0, deadline - time.monotonic())
@@ -682,7 +650,7 @@ def flatness(
     if len(post) < 3:
         return res | {"ok": None, "reason": "fewer than 3 samples after the warm-up"}
     ts, vs = zip(*post)
-    slope = statistics.linear_regression(ts, vs).slope if len(set(ts)) > 1 else 0.0
+    slope = statistics.linear_regression(ts, vs).slope
     growth = slope * (ts[-1] - ts[0])
     return res | {
         "ok": growth <= tol,
@@ -696,14 +664,11 @@ def flatness(
     }
 
 
-def _labelled(sample: dict[str, float], name: str, label: str) -> dict[str, float]:
-    """{label's value: sample} of the series ``name``."""
-    out = {}
-    for key, v in sample.items():
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', key))
-        if key.split("{", 1)[0] == name and label in labels:
-            out[labels[label]] = v
-    return out
+def _labelled(sample: dict[str, float], name: str, label: str) -> dict[float, float]:
+    """{``label``'s value: sample} of the series ``name``, in numeric order."""
+    pattern = re.compile(rf'{re.escape(name)}{{.*\b{label}="([^"]*)"')
+    found = ((m, v) for key, v in sample.items() if (m := pattern.match(key)))
+    return dict(sorted((float(m[1]), v) for m, v in found))
 
 
 def check_metrics(scrapes, cumulative, expect_ddtree, client_tokens, tree_budget=None):
@@ -715,114 +680,111 @@ def check_metrics(scrapes, cumulative, expect_ddtree, client_tokens, tree_budget
     verify per request (the gauge shows only the last step's)."""
     if not scrapes:
         return {"ok": False, "problems": ["no /metrics scrape answered"], "epochs": []}
-    problems: list[str] = []
     epochs: dict[int, list] = defaultdict(list)
     for t, e, s in scrapes:
         epochs[e].append((t, s))
-    summary = []
-    for e, ss in sorted(epochs.items()):
-
-        def check(bad: bool, msg: str, e=e) -> None:
-            if bad:
-                problems.append(f"epoch {e}: {msg}")
-
-        for (ta, a), (tb, b) in zip(ss, ss[1:]):
-            for key, vb in b.items():
-                name = key.split("{", 1)[0]
-                mono = name in cumulative if cumulative else name.endswith(MONOTONE)
-                if key in a and mono and vb < a[key] - 1e-6:
-                    check(
-                        True,
-                        f"{key} fell from {a[key]:g} to {vb:g} ({ta:.1f}s, {tb:.1f}s)",
-                    )
-        first, last = ss[0][1], ss[-1][1]
-
-        def d(key: str, first=first, last=last) -> float:
-            return last.get(key, 0.0) - first.get(key, 0.0)
-
-        def moved(name: str, label: str, first=first, last=last) -> dict[str, float]:
-            f = _labelled(first, name, label)
-            return {
-                k: v - f.get(k, 0.0) for k, v in _labelled(last, name, label).items()
-            }
-
-        drafts, acc, dtok, gen = d(DRAFTS), d(ACCEPTED), d(DRAFT_TOKENS), d(GEN_TOKENS)
-        per_pos = sorted((int(k), v) for k, v in moved(PER_POS, "position").items())
-        per_pos = [v for _, v in per_pos]
-        budget = max((s[BUDGET] for _, s in ss if BUDGET in s), default=None)
-        depth, client = last.get(DEPTH), client_tokens.get(e, 0)
-        ep = {
-            "epoch": e,
-            "scrapes": len(ss),
-            "t": [round(ss[0][0], 2), round(ss[-1][0], 2)],
-            "drafts": drafts,
-            "accepted": acc,
-            "draft_tokens": dtok,
-            "tau": round(1 + acc / drafts, 4) if drafts else None,
-            "generation_tokens": gen,
-            "client_completion_tokens": client,
-            "preemptions": d(PREEMPTIONS),
-            "accepted_per_position": per_pos,
-            "tree_budget_max": budget,
-            "draft_depth": depth,
-        }
-        summary.append(ep)
-        has_spec, has_ddtree = DRAFTS in last, f"{AL}_count" in last
-        missing = expect_ddtree and not (has_spec and has_ddtree)
-        check(missing, "vllm:spec_decode_* or vllm:ddtree_* series missing")
-        msg = f"{GEN_TOKENS} moved {gen:g}, less than the {client} completion tokens"
-        check(client > gen + 0.5, msg + " the clients were sent")
-        if not has_spec:
-            continue
-        tb = tree_budget or math.inf
-        check(expect_ddtree and drafts <= 0 and len(ss) > 1, f"{DRAFTS} did not move")
-        check(acc > dtok + 0.5, f"accepted {acc:g} > draft tokens {dtok:g}")
-        check(dtok < drafts - 0.5, f"draft tokens {dtok:g} < drafts {drafts:g}")
-        msg = f"draft tokens {dtok:g} > drafts {drafts:g} x tree_budget {tree_budget}"
-        check(dtok > drafts * tb + 0.5, msg)
-        check((budget or 0) > tb, f"{BUDGET} reached {budget:g} > tree_budget {tb:g}")
-        msg = f"accepted {acc:g} > drafts {drafts:g} x depth {depth}"
-        check(bool(depth) and acc > drafts * (depth or 0) + 0.5, msg)
-        if per_pos:
-            msg = f"position 0 count {per_pos[0]:g} > drafts {drafts:g}"
-            check(per_pos[0] > drafts + 0.5, msg)
-            rise = any(y > x + 0.5 for x, y in zip(per_pos, per_pos[1:]))
-            check(rise, f"per-position accepted counts rise: {per_pos}")
-            msg = f"per-position counts sum to {sum(per_pos):g}, accepted is {acc:g}"
-            check(abs(sum(per_pos) - acc) > 0.5, msg)
-        if not has_ddtree:
-            continue
-        al_count = d(f"{AL}_count")
-        al_sum = ep["emitted_tokens"] = d(f"{AL}_sum")
-        check(
-            abs(al_count - drafts) > 0.5,
-            f"{AL}_count moved {al_count:g}, drafts {drafts:g}",
+    problems: list[str] = []
+    summary = [
+        _check_epoch(
+            e,
+            ss,
+            problems,
+            cumulative,
+            expect_ddtree,
+            client_tokens.get(e, 0),
+            tree_budget,
         )
-        msg = f"emitted tokens ({AL}_sum) {al_sum:g} != accepted {acc:g} + drafts"
-        check(abs(al_sum - acc - drafts) > 0.5, msg)
-        buckets = [
-            v
-            for _, v in sorted(
-                (float(k), v) for k, v in moved(f"{AL}_bucket", "le").items()
-            )
-        ]
-        check(
-            any(y < x - 0.5 for x, y in zip(buckets, buckets[1:])),
-            f"{AL} buckets not cumulative",
-        )
-        inf = buckets[-1] if buckets else al_count
-        check(
-            abs(inf - al_count) > 0.5, f"{AL} +Inf bucket {inf:g} != count {al_count:g}"
-        )
-        depths = moved(PER_DEPTH, "depth")
-        for k, v in enumerate(per_pos):
-            n = depths.get(str(k + 1), 0.0)
-            check(
-                abs(n - v) > 0.5,
-                f"depth {k + 1} count {n:g} != position {k} count {v:g}",
-            )
+        for e, ss in sorted(epochs.items())
+    ]
     n = len(problems)
     return {"ok": not n, "problems": problems[:30], "n_problems": n, "epochs": summary}
+
+
+def _check_epoch(e, ss, problems, cumulative, expect_ddtree, client, tree_budget):
+    """One lifetime's summary; its problems appended to ``problems``."""
+
+    def check(failed: bool, what: str) -> None:
+        if failed:
+            problems.append(f"epoch {e}: {what}")
+
+    for (ta, a), (tb, b) in itertools.pairwise(ss):
+        for key, v in b.items():
+            name = key.split("{", 1)[0]
+            mono = name in cumulative if cumulative else name.endswith(MONOTONE)
+            if key in a and mono and v < a[key] - 1e-6:
+                check(
+                    True, f"{key} fell from {a[key]:g} to {v:g} ({ta:.1f}s, {tb:.1f}s)"
+                )
+    first, last = ss[0][1], ss[-1][1]
+    delta = {k: v - first.get(k, 0.0) for k, v in last.items()}
+    drafts, acc, dtok, gen, al_count, al_sum = (
+        delta.get(k, 0.0)
+        for k in (DRAFTS, ACCEPTED, DRAFT_TOKENS, GEN_TOKENS, AL_COUNT, AL_SUM)
+    )
+    per_pos = list(_labelled(delta, PER_POS, "position").values())
+    budget = max((s[BUDGET] for _, s in ss if BUDGET in s), default=None)
+    depth = last.get(DEPTH)
+    ep = {
+        "epoch": e,
+        "scrapes": len(ss),
+        "t": [round(ss[0][0], 2), round(ss[-1][0], 2)],
+        "drafts": drafts,
+        "accepted": acc,
+        "draft_tokens": dtok,
+        "tau": round(1 + acc / drafts, 4) if drafts else None,
+        "generation_tokens": gen,
+        "client_completion_tokens": client,
+        "preemptions": delta.get(PREEMPTIONS, 0.0),
+        "accepted_per_position": per_pos,
+        "tree_budget_max": budget,
+        "draft_depth": depth,
+    }
+    has_spec, has_ddtree = DRAFTS in last, AL_COUNT in last
+    missing = expect_ddtree and not (has_spec and has_ddtree)
+    check(missing, "vllm:spec_decode_* or vllm:ddtree_* series missing")
+    msg = f"{GEN_TOKENS} moved {gen:g}, less than the {client} completion tokens"
+    check(client > gen + 0.5, msg + " the clients were sent")
+    if not has_spec:
+        return ep
+    tb = tree_budget or math.inf
+    check(expect_ddtree and drafts <= 0 and len(ss) > 1, f"{DRAFTS} did not move")
+    check(acc > dtok + 0.5, f"accepted {acc:g} > draft tokens {dtok:g}")
+    check(dtok < drafts - 0.5, f"draft tokens {dtok:g} < drafts {drafts:g}")
+    msg = f"draft tokens {dtok:g} > drafts {drafts:g} x tree_budget {tree_budget}"
+    check(dtok > drafts * tb + 0.5, msg)
+    check((budget or 0) > tb, f"{BUDGET} reached {budget:g} > tree_budget {tb:g}")
+    msg = f"accepted {acc:g} > drafts {drafts:g} x depth {depth}"
+    check(bool(depth) and acc > drafts * (depth or 0) + 0.5, msg)
+    if per_pos:
+        check(
+            per_pos[0] > drafts + 0.5,
+            f"position 0 count {per_pos[0]:g} > drafts {drafts:g}",
+        )
+        rise = any(y > x + 0.5 for x, y in itertools.pairwise(per_pos))
+        check(rise, f"per-position accepted counts rise: {per_pos}")
+        msg = f"per-position counts sum to {sum(per_pos):g}, accepted is {acc:g}"
+        check(abs(sum(per_pos) - acc) > 0.5, msg)
+    if not has_ddtree:
+        return ep
+    ep["emitted_tokens"] = al_sum
+    check(
+        abs(al_count - drafts) > 0.5,
+        f"{AL_COUNT} moved {al_count:g}, drafts {drafts:g}",
+    )
+    msg = f"emitted tokens ({AL_SUM}) {al_sum:g} != accepted {acc:g} + drafts"
+    check(abs(al_sum - acc - drafts) > 0.5, msg)
+    buckets = list(_labelled(delta, f"{AL}_bucket", "le").values())
+    falls = any(y < x - 0.5 for x, y in itertools.pairwise(buckets))
+    check(falls, f"{AL} buckets not cumulative")
+    inf = buckets[-1] if buckets else al_count
+    check(abs(inf - al_count) > 0.5, f"{AL} +Inf bucket {inf:g} != count {al_count:g}")
+    depths = _labelled(delta, PER_DEPTH, "depth")
+    for k, v in enumerate(per_pos):
+        n = depths.get(k + 1, 0.0)
+        check(
+            abs(n - v) > 0.5, f"depth {k + 1} count {n:g} != position {k} count {v:g}"
+        )
+    return ep
 
 
 class Soak:
@@ -844,11 +806,14 @@ class Soak:
         self.rss: list[tuple[float, int, float]] = []  # (t, epoch, MiB)
         self.gpu: list[tuple[float, int, dict[str, float]]] = []
         self.gpu_reason = self.gpu_scope_note = ""
-        self.gpu_scope: str | None = None
+        # "server" or "device" once known; "device" without a server pid.
+        self.gpu_scope = None if a.launch or a.server_pid else "device"
+        self.gpu_on = True
         self.scrapes: list[tuple[float, int, dict[str, float]]] = []
         self.cumulative: set[str] = set()
         self.scrape_lock = asyncio.Lock()
         self.load_end = 0.0
+        self.warmup = a.warmup if a.warmup is not None else 0.2 * a.duration
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
@@ -864,15 +829,9 @@ class Soak:
     def server_pid(self) -> int | None:
         return self.server.proc.pid if self.server else self.a.server_pid
 
-    async def _sleep(self, s: float) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.stop_monitors.wait(), s)
-
     async def discover(self) -> Context:
         card = (await self.ep.json("GET", "/v1/models"))["data"][0]
-        model, max_len = card["id"], int(card.get("max_model_len") or 0)
-        if max_len <= 0:
-            raise RuntimeError("/v1/models gives no max_model_len")
+        model, max_len = card["id"], int(card["max_model_len"])
         comp, chat, long_tokens, stop_ids = [], [], [], set()
 
         async def tokenize(**kw) -> dict:
@@ -881,11 +840,11 @@ class Soak:
         for text in load_prompts(self.a.prompts)[:NUM_PROMPTS]:
             t = await tokenize(prompt=text)
             if t["count"] <= max_len - 16:  # room for 16 new tokens
-                comp.append((text, int(t["count"])))
+                comp.append((text, t["count"]))
                 long_tokens += t["tokens"]
             c = await tokenize(messages=[{"role": "user", "content": text}])
             if c["count"] <= max_len - 16:
-                chat.append((text, int(c["count"])))
+                chat.append((text, c["count"]))
         if not comp or not chat:
             raise RuntimeError(f"no prompt leaves 16 tokens of max_model_len={max_len}")
         for s in STOP_TEXTS:
@@ -898,14 +857,12 @@ class Soak:
             out = _bad_plan(-1 - k, case)
             await run_plan(self.ep, out, self.a.timeout, self.clock)
             health, _ = await self.ep.call("GET", "/health", timeout=HEALTH_TIMEOUT)
+            keys = ("name", "api", "http", "error_kind")
             rows.append(
-                {
-                    "name": out.name, "api": out.api, "outcome": out.status,
-                    "http": out.http, "error_kind": out.error_kind,
-                    "message": out.error, "health_after": health,
-                    "ok": out.status == "rejected" and health == 200,
-                }
-            )  # fmt: skip
+                {k: getattr(out, k) for k in keys}
+                | {"outcome": out.status, "message": out.error, "health_after": health}
+                | {"ok": out.status == "rejected" and health == 200}
+            )
         return rows
 
     async def client(self, ctx: Context) -> None:
@@ -916,12 +873,11 @@ class Soak:
                 continue
             i, self.issued = self.issued, self.issued + 1
             req = make_plan(i, self.a.seed, ctx, self.a)
-            self.in_flight += 1
-            epoch = self.epoch
-            await run_plan(self.ep, req, self.a.timeout, self.clock)
+            req.epoch, self.in_flight = self.epoch, self.in_flight + 1
+            self.outcomes.append(
+                await run_plan(self.ep, req, self.a.timeout, self.clock)
+            )
             self.in_flight -= 1
-            req.epoch = epoch
-            self.outcomes.append(req)
             if req.status == "connection_error" and not self.up.is_set():
                 await asyncio.sleep(0.05)
 
@@ -933,12 +889,17 @@ class Soak:
             await asyncio.sleep(0.05)
         self.stop_load.set()
 
-    async def health_poller(self) -> None:
+    async def every(self, interval: float, sample) -> None:
+        """``sample()`` every ``interval`` s until the monitors stop."""
         while not self.stop_monitors.is_set():
-            t = self.clock()
-            status, _ = await self.ep.call("GET", "/health", timeout=HEALTH_TIMEOUT)
-            self.health.append((t, self.clock(), status))
-            await self._sleep(self.a.health_interval)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stop_monitors.wait(), interval)
+            await sample()
+
+    async def poll_health(self) -> None:
+        t = self.clock()
+        status, _ = await self.ep.call("GET", "/health", timeout=HEALTH_TIMEOUT)
+        self.health.append((t, self.clock(), status))
 
     async def scrape(self) -> dict[str, float] | None:
         # One at a time, in the server's order; the lifetime is the one asked
@@ -956,11 +917,9 @@ class Soak:
             self.scrapes.append((t, epoch, s))
             return s
 
-    async def metrics_scraper(self) -> None:
-        while not self.stop_monitors.is_set():
-            if self.up.is_set():
-                await self.scrape()
-            await self._sleep(self.a.metrics_interval)
+    async def scrape_if_up(self) -> None:
+        if self.up.is_set():
+            await self.scrape()
 
     def gpu_sample(self, pids: set[int] | None) -> tuple[dict[str, float] | None, str]:
         """The GPU memory of the server's processes once nvidia-smi is seen to
@@ -984,47 +943,36 @@ class Soak:
         mem = dict(rows)
         return (mem, "") if mem else (None, why or f"{smi} printed no memory.used")
 
-    async def memory_sampler(self) -> None:
-        gpu_on = True
-        if self.server_pid is None:
-            self.gpu_scope = "device"
-        while not self.stop_monitors.is_set():
-            t, epoch, pid, pids = self.clock(), self.epoch, self.server_pid, None
-            if pid is not None:
-                pids, rss = await asyncio.to_thread(process_tree, pid)
-                if rss is not None:
-                    self.rss.append((t, epoch, rss))
-            if gpu_on:
-                mem, why = await asyncio.to_thread(self.gpu_sample, pids)
-                if mem is not None:
-                    self.gpu.append((t, epoch, mem))
-                elif why:
-                    gpu_on, self.gpu_reason = not why.endswith("not found"), why
-            await self._sleep(self.a.memory_interval)
+    async def sample_memory(self) -> None:
+        t, epoch, pid, pids = self.clock(), self.epoch, self.server_pid, None
+        if pid is not None:
+            pids, rss = await asyncio.to_thread(process_tree, pid)
+            if rss is not None:
+                self.rss.append((t, epoch, rss))
+        if self.gpu_on:
+            mem, why = await asyncio.to_thread(self.gpu_sample, pids)
+            if mem is not None:
+                self.gpu.append((t, epoch, mem))
+            elif why:
+                self.gpu_on, self.gpu_reason = not why.endswith("not found"), why
 
     async def progress(self) -> None:
-        while not self.stop_monitors.is_set():
-            await self._sleep(self.a.progress_interval)
-            c = dict(sorted(Counter(o.status for o in self.outcomes).items()))
-            h = [s for _, _, s in self.health]
-            now = self.scrapes[-1][2] if self.scrapes else {}
-            s0 = next((x[2] for x in self.scrapes if x[1] == self.epoch), {})
-            d = {
-                k: now.get(k, 0) - s0.get(k, 0) for k in (DRAFTS, ACCEPTED, PREEMPTIONS)
-            }
-            tau = round(1 + d[ACCEPTED] / d[DRAFTS], 2) if d[DRAFTS] else None
-            rss = f"{self.rss[-1][2]:.0f}" if self.rss else "-"
-            gpu = (
-                "+".join(f"{v:.0f}" for v in self.gpu[-1][2].values())
-                if self.gpu
-                else "-"
-            )
-            log(
-                f"{self.clock():6.0f}s issued {self.issued} in flight {self.in_flight}"
-                f" | {c} | health {h[-1] if h else None} ({len(h) - h.count(200)}"
-                f" not 200 of {len(h)}) | rss {rss} gpu {gpu} MiB | preemptions"
-                f" {d[PREEMPTIONS]:g} tau {tau}"
-            )
+        c = dict(sorted(Counter(o.status for o in self.outcomes).items()))
+        h = [s for _, _, s in self.health]
+        now = self.scrapes[-1][2] if self.scrapes else {}
+        s0 = next((x[2] for x in self.scrapes if x[1] == self.epoch), {})
+        d = {k: now.get(k, 0) - s0.get(k, 0) for k in (DRAFTS, ACCEPTED, PREEMPTIONS)}
+        tau = round(1 + d[ACCEPTED] / d[DRAFTS], 2) if d[DRAFTS] else None
+        rss = f"{self.rss[-1][2]:.0f}" if self.rss else "-"
+        gpu = (
+            "+".join(f"{v:.0f}" for v in self.gpu[-1][2].values()) if self.gpu else "-"
+        )
+        log(
+            f"{self.clock():6.0f}s issued {self.issued} in flight {self.in_flight}"
+            f" | {c} | health {h[-1] if h else None} ({len(h) - h.count(200)}"
+            f" not 200 of {len(h)}) | rss {rss} gpu {gpu} MiB | preemptions"
+            f" {d[PREEMPTIONS]:g} tau {tau}"
+        )
 
     async def restarter(self) -> None:
         await asyncio.sleep(max(0.0, self.a.restart_at - self.clock()))
@@ -1043,14 +991,11 @@ class Soak:
         self.restarts.append(
             {"t_stop": round(t_stop, 2), "t_up": round(t_up, 2), "error": err}
         )
-        log(
-            f"restart failed: {err}"
-            if err
-            else f"restart: up again after {t_up - t_stop:.1f}s"
-        )
         if err:
+            log(f"restart failed: {err}")
             self.stop_load.set()
         else:
+            log(f"restart: up again after {t_up - t_stop:.1f}s")
             await self.scrape()  # the first of the new lifetime
         self.up.set()
 
@@ -1065,11 +1010,8 @@ class Soak:
 
     async def compare_reference(self) -> dict:
         a = self.a
-        todo = [
-            o for o in self.outcomes
-            if o.category == "load" and o.status == "completed"
-            if o.greedy and not o.in_fault
-        ]  # fmt: skip
+        done = [o for o in self.outcomes if o.status == "completed" and o.greedy]
+        todo = [o for o in done if not o.in_fault]
         res: dict = {"compared": 0, "identical": 0, "eligible": len(todo)}
         near, bad, errors = [], [], []
         try:
@@ -1082,22 +1024,17 @@ class Soak:
 
         async def one(o: Plan) -> None:
             skip = ("stream", "stream_options", "prompt_logprobs")
-            body = {k: v for k, v in o.body.items() if k not in skip} | {
-                "model": ref_model
-            }
+            body = {k: v for k, v in o.body.items() if k not in skip}
+            key = "top_logprobs" if o.api == "chat" else "logprobs"
+            body |= {"model": ref_model, key: max(2, body.get(key) or 0)}
             if o.api == "chat":
-                body.update(
-                    logprobs=True, top_logprobs=max(2, body.get("top_logprobs", 0))
-                )
-            else:
-                body["logprobs"] = max(2, body.get("logprobs") or 0)
+                body["logprobs"] = True
             async with sem:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return errors.append({"id": o.id, "error": "no time left"})
-                data = json.dumps(body).encode()
                 status, data = await self.ref.call(
-                    "POST", o.path, data, min(a.timeout, left)
+                    "POST", o.path, body, min(a.timeout, left)
                 )
             try:
                 c = json.loads(data)["choices"][0] if status == 200 else None
@@ -1107,24 +1044,23 @@ class Soak:
                 return errors.append(
                     {"id": o.id, "http": status, "error": error_message(data)[:200]}
                 )
-            ref_text, tg = choice_text(o.api, c), choice_logprobs(o.api, c)
-            tokens, gaps = [t for t, _ in tg], [g for _, g in tg]
+            ref_text, (tokens, gaps) = choice_text(o.api, c), choice_logprobs(o.api, c)
             res["compared"] += 1
             diffs = [text for _, text in sorted(o.texts.items()) if text != ref_text]
             if not diffs:
                 res["identical"] += 1
                 return
             char = first_difference(diffs[0], ref_text) or 0
-            gap = divergence_gap(diffs[0], ref_text, tokens, gaps)
+            gap = divergence_gap(char, tokens, gaps)
             drop = ("model", "prompt", "messages", "stream_options")
-            row = {
-                "id": o.id, "api": o.api, "stream": o.stream, "name": o.name,
-                "first_diff_char": char, "first_diff_token": token_index(tokens, char),
+            row = {k: getattr(o, k) for k in ("id", "api", "stream", "name")} | {
+                "first_diff_char": char,
+                "first_diff_token": token_index(tokens, char),
                 "ref_top2_gap": gap,
                 "sampling": {k: v for k, v in o.body.items() if k not in drop},
                 "ours": diffs[0][max(0, char - 20) : char + 20],
                 "ref": ref_text[max(0, char - 20) : char + 20],
-            }  # fmt: skip
+            }
             tie = a.float32 and gap is not None and gap < a.tie_tolerance
             (near if tie else bad).append(row)
 
@@ -1162,9 +1098,8 @@ class Soak:
         finally:
             if self.server is not None:
                 await self.server.stop()
-            for ep in (self.ep, self.ref):
-                if ep is not None and ep._client is not None:
-                    await ep._client.aclose()
+            for ep in filter(None, (self.ep, self.ref)):
+                await ep.client.aclose()
 
     async def _run(self, ctx: Context) -> dict:
         a = self.a
@@ -1174,13 +1109,15 @@ class Soak:
         self.t0 = time.monotonic()
         await self.scrape()
         monitors = [
-            asyncio.create_task(f())
-            for f in (self.health_poller, self.metrics_scraper)
-            + (self.memory_sampler, self.progress)
-        ]  # fmt: skip
-        restart = None
-        if a.restart_at:
-            restart = asyncio.create_task(self.restarter())
+            asyncio.create_task(self.every(interval, sample))
+            for sample, interval in (
+                (self.poll_health, a.health_interval),
+                (self.scrape_if_up, a.metrics_interval),
+                (self.sample_memory, a.memory_interval),
+                (self.progress, a.progress_interval),
+            )
+        ]
+        restart = asyncio.create_task(self.restarter()) if a.restart_at else None
         clients = [asyncio.create_task(self.client(ctx)) for _ in range(a.concurrency)]
         await self.load_timer()
         await asyncio.gather(*clients)
@@ -1207,137 +1144,95 @@ class Soak:
             log("comparing greedy outputs with the reference server")
             greedy = await self.compare_reference()
         final = drained, probe.status, final_health
-        return {
-            "model": ctx.model,
-            "max_model_len": ctx.max_model_len,
-            "prompts": {
-                "completion": len(ctx.completion_prompts),
-                "chat": len(ctx.chat_prompts),
-            },
-            "stop_token_ids": ctx.stop_token_ids,
-        } | self.evaluate(bad_rows, final, greedy)
+        n = {"completion": len(ctx.completion_prompts), "chat": len(ctx.chat_prompts)}
+        keys = ("model", "max_model_len", "stop_token_ids")
+        report = {k: getattr(ctx, k) for k in keys} | {"prompts": n}
+        return report | self.evaluate(bad_rows, final, greedy)
 
-    def memory(self, samples, warmup: float, tol: float) -> dict:
-        """flatness() of each series (name, epoch) of ``samples`` (t, epoch,
-        {name: MiB}), without those inside a restart's window (a server
-        stopping or starting is not the steady state)."""
+    def memory(self, samples, tol: float, name) -> dict:
+        """flatness() of each series of ``samples`` (t, epoch, {key: MiB}),
+        named ``name(key, epoch)``, without the samples inside a restart's
+        window (a server stopping or starting is not the steady state)."""
         series = defaultdict(list)
         for t, e, mem in samples:
-            for name, v in mem.items():
-                if not self.in_window(t, t):
-                    series[name, e].append((t, v))
-        start = self.epoch_start
+            for key, v in mem.items() if not self.in_window(t, t) else ():
+                series[key, e].append((t, v))
         return {
-            k: flatness(v, start.get(k[1], 0.0), warmup, tol)
-            for k, v in sorted(series.items())
+            name(key, e): flatness(v, self.epoch_start.get(e, 0.0), self.warmup, tol)
+            for (key, e), v in sorted(series.items())
         }
 
     def evaluate(self, bad_rows: list[dict], final: tuple, greedy: dict | None) -> dict:
         a, outs = self.a, self.outcomes
-
-        def failing(o: Plan) -> bool:
-            cut = o.status in FAULT_ONLY or o.error_kind in FAULT_ONLY_KINDS
-            return o.status not in CLEAN[o.category] and not (cut and o.in_fault)
-
+        failing = [o for o in outs if o.failing]
         crit: dict[str, dict] = {}
         for cat, name in zip(CLEAN, ("requests", "refusals", "bad_input")):
-            mine = [o for o in outs if o.category == cat]
-            bad = Counter(o.status for o in mine if failing(o))
-            detail = f"{len(mine) - bad.total()}/{len(mine)} clean"
-            detail += f"; failing: {dict(bad)}" if bad else ""
-            crit[name] = _crit(not bad, detail)
+            n = sum(o.category == cat for o in outs)
+            bad = Counter(o.status for o in failing if o.category == cat)
+            more = f"; failing: {dict(bad)}" if bad else ""
+            crit[name] = _crit(not bad, f"{n - bad.total()}/{n} clean{more}")
         if not a.expect_ddtree:
             crit["refusals"] = _crit(None, "skipped (--no-expect-ddtree)")
         elif not any(o.category == "refuse" for o in outs):
             crit["refusals"] = _crit(False, "no refused kind was sent")
         phase_bad = [r["name"] for r in bad_rows if not r["ok"]]
+        n = len(bad_rows)
+        phase = f"{len(phase_bad)}/{n} failed ({', '.join(phase_bad[:8])})"
         crit["bad_input"]["ok"] &= not phase_bad
-        failed = f"{len(phase_bad)}/{len(bad_rows)} failed ({', '.join(phase_bad[:8])})"
         crit["bad_input"]["detail"] += "; one at a time: " + (
-            failed if phase_bad else f"{len(bad_rows)} ok"
+            phase if phase_bad else f"{n} ok"
         )
         ok = self.issued >= a.requests and self.load_end >= a.duration
         detail = f"{self.issued} requests in {self.load_end:.0f}s"
         crit["load"] = _crit(ok, detail + f" (asked: {a.requests} in {a.duration:g}s)")
-        health = self.health
         bad_h = [
-            (t, s) for t, t1, s in health if s != 200 and not self.in_window(t, t1)
+            (t, s) for t, t1, s in self.health if s != 200 and not self.in_window(t, t1)
         ]
         detail = f"{len(self.health)} polls, {len(bad_h)} not 200 outside fault windows"
         first = f" (first at {bad_h[0][0]:.1f}s: {bad_h[0][1]})" if bad_h else ""
         crit["health"] = _crit(bool(self.health) and not bad_h, detail + first)
         drained, probe, last = final
-        ok = drained and probe == "completed" and last == 200
-        crit["final"] = _crit(
-            ok, f"drained {drained}, short request {probe}, /health {last}"
-        )
-
-        warmup = a.warmup if a.warmup is not None else 0.2 * a.duration
+        detail = f"drained {drained}, short request {probe}, /health {last}"
+        crit["final"] = _crit(drained and probe == "completed" and last == 200, detail)
         rss = [(t, e, {"rss": v}) for t, e, v in self.rss]
-        rss = {
-            str(e): v
-            for (_, e), v in self.memory(rss, warmup, a.rss_growth_mib).items()
-        }
-        gpu = self.memory(self.gpu, warmup, a.gpu_growth_mib)
-        gpu = {
-            f"{k if k == 'server' else 'gpu' + k}/epoch{e}": v
-            for (k, e), v in gpu.items()
-        }
-        why = (
-            "no RSS sample"
-            if self.server_pid
-            else "no server pid (--launch, --server-pid)"
-        )
+        rss = self.memory(rss, a.rss_growth_mib, lambda _, e: str(e))
+        gpu_name = lambda k, e: f"{k if k == 'server' else 'gpu' + k}/epoch{e}"
+        gpu = self.memory(self.gpu, a.gpu_growth_mib, gpu_name)
+        why = "no server pid (--launch, --server-pid)"
+        why = "no RSS sample" if self.server_pid else why
         crit["server_rss"] = _memory_criterion(rss, f"skipped: {why}")
         why = self.gpu_reason or "no sample"
         crit["gpu_memory"] = _memory_criterion(gpu, f"skipped: {why}")
-
-        # Per server lifetime: the requests that started after its first
-        # scrape and ended before its last, whose tokens the counters cover.
-        span: dict[int, list[float]] = {}
-        for t, e, _ in self.scrapes:
-            span.setdefault(e, [t, t])[1] = t
-        client_tokens: dict[int, int] = defaultdict(int)
-        for o in outs:
-            t_first, t_last = span.get(o.epoch, (math.inf, -math.inf))
-            if o.status == "completed" and t_first <= o.t_start and o.t_end <= t_last:
-                client_tokens[o.epoch] += o.completion_tokens or 0
-        args = (a.expect_ddtree, client_tokens, a.tree_budget)
-        metrics = check_metrics(self.scrapes, self.cumulative, *args)
+        tokens = self.client_tokens()
+        metrics = check_metrics(
+            self.scrapes, self.cumulative, a.expect_ddtree, tokens, a.tree_budget
+        )
         problems = metrics["problems"]
-        n = metrics["n_problems"]
-        detail = f"{n} problems, first: {problems[0]}" if problems else ""
+        detail = problems and f"{metrics['n_problems']} problems, first: {problems[0]}"
         crit["metrics"] = _crit(metrics["ok"], detail or "consistent")
         preempt = sum(ep["preemptions"] for ep in metrics["epochs"])
         ok = preempt > 0 if a.expect_preemption else None
-        detail = f"{preempt:g} preemptions" + (
-            "" if ok is not None else " (not required)"
-        )
-        crit["preemption"] = _crit(ok, detail)
+        more = "" if ok is not None else " (not required)"
+        crit["preemption"] = _crit(ok, f"{preempt:g} preemptions{more}")
         crit["greedy_reference"] = _crit(None, "skipped: no --reference-url")
-        if greedy is not None:
-            g, errors = greedy, len(greedy["reference_errors"])
-            detail = f"{g['identical']}/{g['compared']} identical, "
-            detail += f"{g['num_near_ties']} near-ties, {g['num_mismatches']} "
-            detail += f"mismatches, {errors} not compared"
+        if g := greedy:
+            detail = f"{g['identical']}/{g['compared']} identical, {g['num_near_ties']}"
+            detail += f" near-ties, {g['num_mismatches']} mismatches,"
+            detail += f" {len(g['reference_errors'])} not compared"
             crit["greedy_reference"] = _crit(g["ok"], detail)
 
         by_kind: dict = defaultdict(Counter)
+        fault: Counter = Counter()
         for o in outs:
             by_kind[f"{o.category}:{o.name}"][o.status] += 1
-        failing_rows = [o.brief() for o in outs if failing(o)]
-        errors = Counter(o.error_kind for o in outs if o.error_kind)
-        fault = [
-            f"{o.status}:{o.error_kind}" if o.error_kind else o.status for o in outs
-        ]
-        fault = Counter(f for f, o in zip(fault, outs) if o.in_fault)
+            kind = f"{o.status}:{o.error_kind}" if o.error_kind else o.status
+            fault[kind] += o.in_fault
         latency = {
             s: percentiles([o.t_end - o.t_start for o in outs if o.status == s])
             for s in ("completed", "aborted", "refused", "rejected")
         }
         ttft = [o.ttft for o in outs if o.status == "completed" and o.ttft is not None]
         latency["completed_stream_ttft"] = percentiles(ttft)
-        windows = [[round(w0, 2), round(w1 or 0, 2)] for w0, w1 in self.windows]
         return {
             "ok": all(c["ok"] is not False for c in crit.values()),
             "criteria": crit,
@@ -1346,11 +1241,13 @@ class Soak:
                 "load_s": round(self.load_end, 2),
                 "by_outcome": dict(Counter(o.status for o in outs)),
                 "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
-                "errors_by_kind": dict(errors),
+                "errors_by_kind": dict(
+                    Counter(o.error_kind for o in outs if o.error_kind)
+                ),
                 "in_fault_window": sum(o.in_fault for o in outs),
-                "in_fault_window_by_outcome": dict(fault),
-                "failing": failing_rows[:50],
-                "n_failing": len(failing_rows),
+                "in_fault_window_by_outcome": {k: v for k, v in fault.items() if v},
+                "failing": [o.brief() for o in failing[:50]],
+                "n_failing": len(failing),
             },
             "latency_s": latency,
             "health": {
@@ -1359,7 +1256,7 @@ class Soak:
                 "interval_s": a.health_interval,
             },
             "memory": {
-                "warmup_s": warmup,
+                "warmup_s": self.warmup,
                 "rss": {"pid": self.server_pid, "epochs": rss},
                 "gpu": {
                     "scope": self.gpu_scope,
@@ -1372,11 +1269,27 @@ class Soak:
             "greedy_reference": greedy,
             "bad_input": bad_rows,
             "faults": {
-                "windows": windows,
+                "windows": [
+                    [round(w0, 2), round(w1 or 0, 2)] for w0, w1 in self.windows
+                ],
                 "restarts": self.restarts,
                 "grace_s": a.fault_grace,
             },
         }
+
+    def client_tokens(self) -> dict[int, int]:
+        """Per server lifetime: the completion tokens of the requests that
+        started after its first scrape and ended before its last, which its
+        counters cover."""
+        span: dict[int, list[float]] = {}
+        for t, e, _ in self.scrapes:
+            span.setdefault(e, [t, t])[1] = t
+        tokens: dict[int, int] = defaultdict(int)
+        for o in self.outcomes:
+            t_first, t_last = span.get(o.epoch, (math.inf, -math.inf))
+            if o.status == "completed" and t_first <= o.t_start and o.t_end <= t_last:
+                tokens[o.epoch] += o.completion_tokens or 0
+        return tokens
 
 
 def _crit(ok: bool | None, detail: str) -> dict:
@@ -1435,6 +1348,13 @@ OPTIONS = [
     ("--tie-tolerance", 0.01, "with --float32: top-2 logprob gap of a near-tie"),
     ("--pair", None, "name in the output file (default: the model's)"),
     ("--out", None, "default: bench/results/<date>-soak-<pair>.json"),
+    (
+        "--expect-ddtree",
+        True,
+        "DDTree server: send the refused kinds, check its series",
+    ),
+    ("--expect-preemption", False, "fail unless vllm:num_preemptions moved"),
+    ("--float32", False, "near-ties are not failures"),
 ]
 TYPES = {"--server-pid": int, "--tree-budget": int, "--warmup": float}
 
@@ -1445,20 +1365,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for flag, default, help_ in OPTIONS:
-        kind = TYPES.get(flag, str if default is None else type(default))
-        ap.add_argument(flag, type=kind, default=default, help=help_)
-    ap.add_argument(
-        "--expect-ddtree",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="DDTree server: send the refused kinds, check its series",
-    )
-    ap.add_argument(
-        "--expect-preemption",
-        action="store_true",
-        help="fail unless vllm:num_preemptions moved",
-    )
-    ap.add_argument("--float32", action="store_true", help="near-ties are not failures")
+        if isinstance(default, bool):
+            kw: dict = {"action": argparse.BooleanOptionalAction}
+        else:
+            kw = {"type": TYPES.get(flag, str if default is None else type(default))}
+        ap.add_argument(flag, default=default, help=help_, **kw)
     return ap
 
 
@@ -1475,15 +1386,13 @@ def main(argv: list[str] | None = None) -> int:
     crit = result.get("criteria", {})
     for name, c in crit.items():
         print(f"{MARK[c['ok']]}  {name:16s} {c['detail']}")
+    summary = {"ok": result["ok"], "out": out}
+    summary["criteria"] = {k: c["ok"] for k, c in crit.items()}
+    summary["by_outcome"] = result.get("requests", {}).get("by_outcome")
     if "fatal" in result:
         print(f"FAIL  {result['fatal']}")
-    summary = {
-        "ok": result["ok"],
-        "out": out,
-        "criteria": {k: c["ok"] for k, c in crit.items()},
-        "by_outcome": result.get("requests", {}).get("by_outcome"),
-    }
-    emit("RESULT", summary | {k: v for k, v in result.items() if k == "fatal"})
+        summary["fatal"] = result["fatal"]
+    emit("RESULT", summary)
     return 0 if result["ok"] else 1
 
 
