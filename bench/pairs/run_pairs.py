@@ -32,6 +32,7 @@ import functools
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -259,17 +260,12 @@ def step_time_spread(step_seconds: list[float], joined: int | None = None) -> di
     if len(step_seconds) < 2:
         return {}
     ms = sorted(x * 1e3 for x in step_seconds)
-
-    def pct(q: float) -> float:  # linear between the closest ranks (numpy's)
-        pos = (len(ms) - 1) * q / 100
-        lo = int(pos)
-        hi = min(lo + 1, len(ms) - 1)
-        return ms[lo] + (ms[hi] - ms[lo]) * (pos - lo)
-
-    median = pct(50)
+    # Linear between the closest ranks (numpy's default).
+    pct = statistics.quantiles(ms, n=100, method="inclusive")
+    median = pct[49]
     slow = [x for x in ms if x > 2 * median]
     out = dict(
-        step_ms_percentiles={f"p{q}": round(pct(q), 2) for q in (10, 50, 90, 99)}
+        step_ms_percentiles={f"p{q}": round(pct[q - 1], 2) for q in (10, 50, 90, 99)}
         | {"max": round(ms[-1], 2)},
         slow_steps_share=round(len(slow) / len(ms), 3),
         slow_steps_time_share=round(sum(slow) / sum(ms), 3),
@@ -562,11 +558,8 @@ def annotate(rows: list[dict], workdir: str) -> None:
             continue
         if r["method"] == "small":
             continue
-        key, ref = (
-            ("identical_to_small", "small")
-            if r["method"] == "nospec"
-            else ("identical_to_nospec", "nospec")
-        )
+        ref = "small" if r["method"] == "nospec" else "nospec"
+        key = f"identical_to_{ref}"
         got = compare(
             workdir, r["pair"], r["dtype"], r["method"], r["concurrency"], ref
         )
