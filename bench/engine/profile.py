@@ -340,6 +340,15 @@ def profile_summary(prof, steps: float, wall_s: float) -> dict:
     )
 
 
+def decode_in_batches(llm, prompts, sp, conc: int) -> int:
+    """Decode ``prompts`` ``conc`` at a time; the new tokens."""
+    toks = 0
+    for i in range(0, len(prompts), conc):
+        outs = llm.generate(prompts[i : i + conc], sp, use_tqdm=False)
+        toks += sum(len(o.outputs[0].token_ids) for o in outs)
+    return toks
+
+
 def profile_steps(llm, prompts, sp, conc: int = 1, **labels) -> dict:
     """Decode ``prompts`` ``conc`` at a time under the torch profiler; print
     (``PROFILE {json}``) and return `profile_summary` per engine step."""
@@ -351,10 +360,7 @@ def profile_steps(llm, prompts, sp, conc: int = 1, **labels) -> dict:
     acc0, drafts0 = common.spec_counters(llm)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.time()
-        toks = 0
-        for i in range(0, len(prompts), conc):
-            outs = llm.generate(prompts[i : i + conc], sp, use_tqdm=False)
-            toks += sum(len(o.outputs[0].token_ids) for o in outs)
+        toks = decode_in_batches(llm, prompts, sp, conc)
         torch.cuda.synchronize()
         dt = time.time() - t
     acc1, drafts1 = common.spec_counters(llm)
