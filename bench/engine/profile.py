@@ -41,30 +41,22 @@ STEP_KINDS = ("mixed", "decode")
 _RUNNER = "vllm.v1.worker.gpu.model_runner"
 _STATES = "vllm.v1.worker.gpu.model_states"
 _GRAPHS = "vllm.v1.worker.gpu.cudagraph_utils"
+_HYBRID_STATE = f"{_STATES}.mamba_hybrid"
 _VERIFIER = "vllm.v1.worker.gpu.spec_decode.ddtree.verifier"
+_GDN = "vllm.v1.spec_decode.ddtree.gdn_verify"
 STEP_PHASES = (
     ("requests", _RUNNER, "GPUModelRunner", "add_requests"),
     ("inputs", _RUNNER, "GPUModelRunner", "prepare_inputs"),
     ("block_tables", _RUNNER, "GPUModelRunner", "prepare_attn"),
     ("attn_metadata", f"{_STATES}.default", "DefaultModelState", "prepare_attn"),
-    (
-        "attn_metadata",
-        f"{_STATES}.mamba_hybrid",
-        "MambaHybridModelState",
-        "prepare_attn",
-    ),
+    ("attn_metadata", _HYBRID_STATE, "MambaHybridModelState", "prepare_attn"),
     ("full_graph", _GRAPHS, "CudaGraphManager", "run_fullgraph"),
     ("piecewise", _GRAPHS, "CudaGraphManager", "run_pw_graph"),
     ("sample", _RUNNER, "GPUModelRunner", "sample"),
     ("ddtree_prepare", _VERIFIER, "DDTreeVerifier", "prepare_verify"),
     ("ddtree_compact", _VERIFIER, "DDTreeVerifier", "compact"),
     ("ddtree_store_trees", _VERIFIER, "DDTreeVerifier", "store_trees"),
-    (
-        "ddtree_gdn_commit",
-        "vllm.v1.spec_decode.ddtree.gdn_verify",
-        "DDTreeGDN",
-        "commit",
-    ),
+    ("ddtree_gdn_commit", _GDN, "DDTreeGDN", "commit"),
 )
 # Kernels kept per profile (enough for a step's tail past the target's
 # GEMMs) and host operators per step kind.
@@ -168,13 +160,15 @@ def _device_us(ev) -> float:
     return getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
 
 
-def _starts_inside(spans: list[tuple[float, float]]):
-    """Whether an event starts inside one of the sorted ``(start, end)``."""
+def _starts_inside(spans: list[tuple[float, float]], end_inside: bool = True):
+    """Whether an event starts inside one of the sorted ``(start, end)``
+    (on its end too unless not ``end_inside``)."""
     starts = [start for start, _ in spans]
 
     def inside(ev) -> bool:
         i = bisect.bisect_right(starts, ev.time_range.start) - 1
-        return i >= 0 and ev.time_range.start <= spans[i][1]
+        at = ev.time_range.start
+        return i >= 0 and (at <= spans[i][1] if end_inside else at < spans[i][1])
 
     return inside
 
@@ -212,12 +206,7 @@ def step_kind_summary(events, cuda_type) -> dict:
             continue
         host_ranges = sorted(map(_span, cpu))
         # Host ranges end where the next may start: a start on an end is out.
-        starts = [start for start, _ in host_ranges]
-
-        def in_step(ev, ranges=host_ranges, starts=starts) -> bool:
-            i = bisect.bisect_right(starts, ev.time_range.start) - 1
-            return i >= 0 and ev.time_range.start < ranges[i][1]
-
+        in_step = _starts_inside(host_ranges, end_inside=False)
         by_phase: dict[str, float] = {}
         phase_ranges, ops = [], {}
         for ev in events:
@@ -351,6 +340,15 @@ def profile_summary(prof, steps: float, wall_s: float) -> dict:
     )
 
 
+def decode_in_batches(llm, prompts, sp, conc: int) -> int:
+    """Decode ``prompts`` ``conc`` at a time; the new tokens."""
+    toks = 0
+    for i in range(0, len(prompts), conc):
+        outs = llm.generate(prompts[i : i + conc], sp, use_tqdm=False)
+        toks += sum(len(o.outputs[0].token_ids) for o in outs)
+    return toks
+
+
 def profile_steps(llm, prompts, sp, conc: int = 1, **labels) -> dict:
     """Decode ``prompts`` ``conc`` at a time under the torch profiler; print
     (``PROFILE {json}``) and return `profile_summary` per engine step."""
@@ -362,10 +360,7 @@ def profile_steps(llm, prompts, sp, conc: int = 1, **labels) -> dict:
     acc0, drafts0 = common.spec_counters(llm)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.time()
-        toks = 0
-        for i in range(0, len(prompts), conc):
-            outs = llm.generate(prompts[i : i + conc], sp, use_tqdm=False)
-            toks += sum(len(o.outputs[0].token_ids) for o in outs)
+        toks = decode_in_batches(llm, prompts, sp, conc)
         torch.cuda.synchronize()
         dt = time.time() - t
     acc1, drafts1 = common.spec_counters(llm)

@@ -320,10 +320,7 @@ def timed_decode(llm, prompts, sp, conc: int) -> tuple[float, int, float]:
     steps; the draft counter counts one per request and step)."""
     drafts0 = common.spec_counters(llm)[1]
     t = time.time()
-    toks = 0
-    for i in range(0, len(prompts), conc):
-        outs = llm.generate(prompts[i : i + conc], sp, use_tqdm=False)
-        toks += sum(len(o.outputs[0].token_ids) for o in outs)
+    toks = profile.decode_in_batches(llm, prompts, sp, conc)
     dt = time.time() - t
     return dt, toks, (common.spec_counters(llm)[1] - drafts0) / conc
 

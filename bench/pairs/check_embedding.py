@@ -77,16 +77,15 @@ def reduce_production(spec: dict, placed_only: bool, vocab_cap: int | None) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=PAIR_MODELS)
     ap.add_argument("--pair", required=True, choices=list(pc.PAIRS))
-    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default=None)
-    ap.add_argument(
-        "--placed-layers-only",
-        action="store_true",
-        help="leave out the production model's identity layers (fits a CPU)",
-    )
+    common.add_options(ap, {
+        "--models": (PAIR_MODELS, None),
+        "--prompts": (8, "held-out prompts"),
+        "--device": ("cuda" if torch.cuda.is_available() else "cpu", None),
+        "--out": (None, None),
+        "--placed-layers-only": (False, "leave out the production model's "
+            "identity layers (fits a CPU)"),
+    })  # fmt: skip
     ap.add_argument(
         "--vocab-cap",
         type=int,

@@ -46,6 +46,7 @@ import sys
 import sysconfig
 import time
 
+from bench import common
 from bench.pairs import offline_tau, train
 from bench.pairs import pair_configs as pc
 
@@ -379,39 +380,26 @@ def offline_tau_of_head(head, model, seqs, hidden, plen: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--models", default=os.path.join(os.path.dirname(__file__), "models")
-    )
-    ap.add_argument("--pair", default="hybrid-27b")
-    ap.add_argument(
-        "--seconds",
-        type=float,
-        default=840.0,
-        help="wall-clock budget of continuations and training (the held-out "
-        "sequences and the evaluation come on top)",
-    )
-    ap.add_argument(
-        "--device",
-        default="cpu",
-        help="cpu (the committed head, short of training) or cuda (a retrain "
-        "that reaches far more steps)",
-    )
-    ap.add_argument("--work", default="/tmp/mtp-work", help="cache of sequences")
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads (one is fastest on a shared, oversubscribed CPU)",
-    )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gen-batch", type=int, default=64)
-    ap.add_argument("--gen-share", type=float, default=0.35)
-    ap.add_argument("--corpus-mb", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--anchors", type=int, default=32, help="per sequence")
-    ap.add_argument("--unroll", type=int, default=3, help="draft steps trained")
-    ap.add_argument("--lr", type=float, default=2e-3, help="peak")
-    ap.add_argument("--prompts", type=int, default=48)
+    common.add_options(ap, {
+        "--models": (os.path.join(os.path.dirname(__file__), "models"), None),
+        "--pair": ("hybrid-27b", None),
+        "--seconds": (840.0, "wall-clock budget of continuations and training "
+            "(the held-out sequences and the evaluation come on top)"),
+        "--device": ("cpu", "cpu (the committed head, short of training) or cuda "
+            "(a retrain that reaches far more steps)"),
+        "--work": ("/tmp/mtp-work", "cache of sequences"),
+        "--threads": (1, "torch threads (one is fastest on a shared, "
+            "oversubscribed CPU)"),
+        "--seed": (0, None),
+        "--gen-batch": (64, None),
+        "--gen-share": (0.35, None),
+        "--corpus-mb": (4, None),
+        "--batch": (8, None),
+        "--anchors": (32, "per sequence"),
+        "--unroll": (3, "draft steps trained"),
+        "--lr": (2e-3, "peak"),
+        "--prompts": (48, None),
+    })  # fmt: skip
     a = ap.parse_args(argv)
 
     import torch
@@ -483,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     rec["mtp_id"] = pc.weights_id(a.models, a.pair, "mtp")
     rec["seconds"] = round(time.time() - t0, 1)
     train.log(f"mtp: offline held-out {rec['offline_heldout']}")
-    train.write_json(os.path.join(out_dir, "train_log.json"), rec)
+    common.write_json(os.path.join(out_dir, "train_log.json"), rec)
 
 
 if __name__ == "__main__":

@@ -203,19 +203,18 @@ def merge_rows(rows: list[dict], new: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=common.PAIR_MODELS)
-    ap.add_argument("--pairs", default="dense-8b,hybrid-27b")
-    ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--prompts", type=int, default=48)
-    ap.add_argument("--seed", type=int, default=0, help="of the sampled continuations")
-    ap.add_argument("--out", default=None, help="JSON rows to update (pairs.json)")
-    ap.add_argument(
-        "--prompt-tokens",
-        type=int,
-        default=EVAL_PROMPT_LEN,
-        help="cut each prompt to its last N tokens (with 256 new tokens, inside "
-        "the 512-token windows the pairs were trained on)",
-    )
+    common.add_options(ap, {
+        "--models": (common.PAIR_MODELS, None),
+        "--pairs": ("dense-8b,hybrid-27b", None),
+        "--temperatures": ("0,1", None),
+        "--prompts": (48, None),
+        "--seed": (0, "of the sampled continuations"),
+        "--out": (None, "JSON rows to update (pairs.json)"),
+        "--prompt-tokens": (EVAL_PROMPT_LEN, "cut each prompt to its last N tokens "
+            "(with 256 new tokens, inside the 512-token windows the pairs were "
+            "trained on)"),
+        "--cpu": (False, None),
+    })  # fmt: skip
     ap.add_argument(
         "--min-prompt-tokens",
         type=int,
@@ -223,7 +222,6 @@ def main(argv: list[str] | None = None) -> None:
         help="only prompts at least this long (default: --prompt-tokens), so "
         "that runs at several --prompt-tokens can share their prompts",
     )
-    ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args(argv)
 
     import torch

@@ -10,13 +10,18 @@ production shape each is embedded into (see embed.py).
   drafter of that width.
 
 Every function returns plain dicts in Hugging Face ``config.json`` form; this module
-imports nothing heavy so that the trainer, the embedding, the vLLM runs and the CPU
-tests share one definition.
+imports nothing heavy (no torch) so that the trainer, the embedding, the vLLM runs
+and the CPU tests share one definition.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+import os
+
+from bench import common
 
 # Token ids of the shared byte-level BPE tokenizer (trained with the pairs).
 EOS_ID, MASK_ID, PAD_ID = 0, 1, 2
@@ -250,9 +255,6 @@ def pair(name: str) -> dict:
 def load_pair(models: str, name: str) -> dict:
     """``pair(name)`` with the configs of the trained pair in ``models`` (what its
     weights were trained with) in place of this module's."""
-    import json
-    import os
-
     spec = pair(name)
     for key, sub in (
         ("small_target", "target"),
@@ -291,9 +293,6 @@ def scaled(cfg: dict, **text_overrides) -> dict:
 def weights_id(models: str, name: str, part: str = "drafter") -> str:
     """The first 12 hex digits of the sha256 of ``<models>/<name>/<part>``'s
     weights: which trained weights a result row was measured with."""
-    import hashlib
-    import os
-
     h = hashlib.sha256()
     with open(os.path.join(models, name, part, "model.safetensors"), "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -305,25 +304,18 @@ def write_model_dirs(models: str, name: str) -> None:
     """Write ``<models>/<name>/production-{target,drafter}/config.json`` (the
     production shapes, for ``load_format="dummy"``) and link the shared tokenizer
     (``<models>/tokenizer``) into the target folders."""
-    import json
-    import os
-
     spec = pair(name)
     base = os.path.join(models, name)
     for sub, cfg in (
         ("production-target", spec["big_target"]),
         ("production-drafter", spec["big_drafter"]),
     ):
-        os.makedirs(os.path.join(base, sub), exist_ok=True)
-        with open(os.path.join(base, sub, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=1)
-            f.write("\n")
+        common.write_json(os.path.join(base, sub, "config.json"), cfg)
     for sub in ("target", "production-target"):
         d = os.path.join(base, sub)
         os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, "generation_config.json"), "w") as f:
-            json.dump({"bos_token_id": EOS_ID, "eos_token_id": EOS_ID}, f)
-            f.write("\n")
+        ids = {"bos_token_id": EOS_ID, "eos_token_id": EOS_ID}
+        common.write_json(os.path.join(d, "generation_config.json"), ids, None)
         for fn in ("tokenizer.json", "tokenizer_config.json"):
             link = os.path.join(d, fn)
             if os.path.lexists(link):

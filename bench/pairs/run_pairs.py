@@ -6,7 +6,7 @@ their production shapes, side by side, on held-out prompts.
     python3 -m bench.pairs.run_pairs --out bench/results/pairs.json \\
         --plot bench/results/pairs.png [--pairs dense-8b,hybrid-27b] \\
         [--dtypes bfloat16,float32] [--methods nospec,chain,ddtree] \\
-        [--conc 1,4,8,16,32] [--small] [--embedding full|placed|none]
+        [--conc 1,4,8,16,32] [--small] [--embedding full|none]
 
 Each (pair, dtype, method) runs in its own process: one vLLM engine loaded with
 dummy weights at the production shape (``<models>/<pair>/production-*``), the
@@ -32,6 +32,7 @@ import functools
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -259,17 +260,12 @@ def step_time_spread(step_seconds: list[float], joined: int | None = None) -> di
     if len(step_seconds) < 2:
         return {}
     ms = sorted(x * 1e3 for x in step_seconds)
-
-    def pct(q: float) -> float:  # linear between the closest ranks (numpy's)
-        pos = (len(ms) - 1) * q / 100
-        lo = int(pos)
-        hi = min(lo + 1, len(ms) - 1)
-        return ms[lo] + (ms[hi] - ms[lo]) * (pos - lo)
-
-    median = pct(50)
+    # Linear between the closest ranks (numpy's default).
+    pct = statistics.quantiles(ms, n=100, method="inclusive")
+    median = pct[49]
     slow = [x for x in ms if x > 2 * median]
     out = dict(
-        step_ms_percentiles={f"p{q}": round(pct(q), 2) for q in (10, 50, 90, 99)}
+        step_ms_percentiles={f"p{q}": round(pct[q - 1], 2) for q in (10, 50, 90, 99)}
         | {"max": round(ms[-1], 2)},
         slow_steps_share=round(len(slow) / len(ms), 3),
         slow_steps_time_share=round(sum(slow) / sum(ms), 3),
@@ -400,7 +396,6 @@ def run_engine(a) -> None:
     spec = speculative_config(a, drafter)
     if spec is not None:
         kw["speculative_config"] = spec
-    kw.update(json.loads(a.llm_kwargs or "{}"))
     t0 = time.time()
     llm = LLM(**kw)
     startup = time.time() - t0
@@ -563,11 +558,8 @@ def annotate(rows: list[dict], workdir: str) -> None:
             continue
         if r["method"] == "small":
             continue
-        key, ref = (
-            ("identical_to_small", "small")
-            if r["method"] == "nospec"
-            else ("identical_to_nospec", "nospec")
-        )
+        ref = "small" if r["method"] == "nospec" else "nospec"
+        key = f"identical_to_{ref}"
         got = compare(
             workdir, r["pair"], r["dtype"], r["method"], r["concurrency"], ref
         )
@@ -589,7 +581,6 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
         "--min-prompts": (0, "c > 1 decodes at least this many prompts"),
         "--mtp-k": (mtp.SPECULATIVE_TOKENS, "draft tokens of the mtp method"),
         "--ddtree": ("{}", "DDTree speculative_config keys (JSON)"),
-        "--llm-kwargs": (None, "more LLM(...) keyword arguments (JSON)"),
         "--warm-tokens": (32, "before each timed decode, 2c of its prompts "
             "untimed, staggered, up to this many tokens each (kernels compile "
             "outside the window; 0: none)"),
@@ -604,18 +595,12 @@ ENGINE_OPTIONS = (
     *common.ENGINE_OPTIONS,
     *("out", "prompts", "prompt_tokens", "c1_prompts", "per_client", "min_prompts"),
     *("mtp_k", "ddtree", "sampled_conc", "warm_tokens", "workdir", "profile"),
-    "llm_kwargs",
 )
 
 
-def engine_command(
-    a, pair, dtype, method, conc, workdir=None, llm_kwargs=None
-) -> list[str]:
+def engine_command(a, pair, dtype, method, conc) -> list[str]:
     """The command line of one engine process (``--engine``) with ``a``'s
-    options; ``workdir`` and ``llm_kwargs`` override ``a``'s."""
-    a = argparse.Namespace(**vars(a))
-    a.workdir = workdir or a.workdir
-    a.llm_kwargs = llm_kwargs or a.llm_kwargs
+    options."""
     return [
         *(sys.executable, "-m", "bench.pairs.run_pairs", "--engine"),
         *("--pair", pair, "--dtype", dtype, "--method", method, "--conc", conc),
@@ -626,14 +611,13 @@ def engine_command(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON rows (rewritten per engine)")
-    ap.add_argument("--embedding", choices=["full", "placed", "none"], default="full")
+    ap.add_argument("--embedding", choices=["full", "none"], default="full")
     common.add_options(ap, {
         "--pairs": (",".join(pc.PAIRS), None),
         "--dtypes": ("bfloat16,float32", None),
         "--methods": (",".join(METHODS), None),
         "--small": (False, "also run the small pair"),
         "--conc": ("1,4,8,16,32", None),
-        "--float32-conc": (None, "of the float32 engines (default: --conc)"),
         "--plot": (None, "PNG of tokens/s (plot_pairs.py)"),
         "--workdir": (None, "token files (default: next to --out)"),
     })  # fmt: skip
@@ -643,7 +627,6 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.prompts = a.prompts or os.path.join(a.models, common.HELDOUT)
-    a.float32_conc = a.float32_conc or a.conc
     a.workdir = a.workdir or os.path.join(
         os.path.dirname(os.path.abspath(a.out)), "pairs-tokens"
     )
@@ -660,10 +643,12 @@ def main() -> None:
     for pair in a.pairs.split(","):
         pc.pair(pair)
         if a.small:
-            plan.append((pair, "float32", "small", a.float32_conc))
-        for dtype in a.dtypes.split(","):
-            conc = a.float32_conc if dtype == "float32" else a.conc
-            plan += [(pair, dtype, m, conc) for m in a.methods.split(",")]
+            plan.append((pair, "float32", "small", a.conc))
+        plan += [
+            (pair, dtype, m, a.conc)
+            for dtype in a.dtypes.split(",")
+            for m in a.methods.split(",")
+        ]
     t_all = time.time()
     for k, (pair, dtype, method, conc) in enumerate(plan):
         name = f"{pair} {dtype} {method}"
@@ -709,11 +694,9 @@ def main() -> None:
 
 def check_embedding(a, pair: str) -> dict:
     """One pair's embedding row (check_embedding.py in its own process)."""
-    log(f"embedding check of {pair} ({a.embedding})")
+    log(f"embedding check of {pair}")
     cmd = [sys.executable, "-m", "bench.pairs.check_embedding"]
     cmd += ["--models", a.models, "--pair", pair]
-    if a.embedding == "placed":
-        cmd += ["--placed-layers-only", "--vocab-cap", "16384"]
     try:
         out = subprocess.run(
             cmd, stdout=subprocess.PIPE, text=True, timeout=a.engine_timeout

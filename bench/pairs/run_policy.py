@@ -157,28 +157,19 @@ def plot(table: list[dict], path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="the policy table (JSON)")
-    ap.add_argument("--plot", default=None, help="PNG of tokens/s")
-    ap.add_argument(
-        "--rows", default=None, help="run_pairs rows (default: <out>-rows.json)"
-    )
-    ap.add_argument("--pairs", default="dense-8b,hybrid-27b")
-    ap.add_argument("--conc", default="1,2,4,8,16,32,64")
-    ap.add_argument(
-        "--policies",
-        default="measured,batch",
-        help="DDTree budget policies to run, the first one judged",
-    )
-    ap.add_argument(
-        "--chain-method",
-        default="chain",
-        help="run_pairs method of the chain ('chain_v2': on the V2 runner)",
-    )
-    ap.add_argument(
-        "--methods",
-        default=None,
-        help="run only these run_pairs methods (default: all of the table's)",
-    )
-    ap.add_argument("--tabulate", action="store_true", help="only rebuild --out")
+    common.add_options(ap, {
+        "--plot": (None, "PNG of tokens/s"),
+        "--rows": (None, "run_pairs rows (default: <out>-rows.json)"),
+        "--pairs": ("dense-8b,hybrid-27b", None),
+        "--conc": ("1,2,4,8,16,32,64", None),
+        "--policies": ("measured,batch", "DDTree budget policies to run, the "
+            "first one judged"),
+        "--chain-method": ("chain", "run_pairs method of the chain ('chain_v2': "
+            "on the V2 runner)"),
+        "--methods": (None, "run only these run_pairs methods (default: all of "
+            "the table's)"),
+        "--tabulate": (False, "only rebuild --out"),
+    })  # fmt: skip
     ap.add_argument(
         "run_pairs_args",
         nargs=argparse.REMAINDER,

@@ -43,6 +43,7 @@ import sys
 import sysconfig
 import time
 
+from bench import common
 from bench.pairs import offline_tau
 from bench.pairs import pair_configs as pc
 
@@ -54,12 +55,6 @@ CONT_LEN = 384  # tokens of greedy continuation
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
 
 
 # ---------------------------------------------------------------- corpus, tokenizer
@@ -132,7 +127,7 @@ def train_tokenizer(texts: list[str], out_dir: str):
         "model_max_length": 4096,
         "clean_up_tokenization_spaces": False,
     }
-    write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
+    common.write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
     return tok
 
 
@@ -212,7 +207,7 @@ def save_weights(module, out_dir: str, config: dict, prefix: str = "") -> dict:
     }
     os.makedirs(out_dir, exist_ok=True)
     save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    write_json(os.path.join(out_dir, "config.json"), config)
+    common.write_json(os.path.join(out_dir, "config.json"), config)
     return sd
 
 
@@ -462,40 +457,29 @@ def run_pair(a) -> None:
         new_tokens=24 if a.smoke else offline_tau.EVAL_NEW_TOKENS,
     )
     log(f"{a.pair}: offline held-out {rec['offline_heldout']}")
-    write_json(os.path.join(pdir, "train_log.json"), rec)
+    common.write_json(os.path.join(pdir, "train_log.json"), rec)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--pairs", default=",".join(pc.PAIRS))
-    ap.add_argument("--seconds", type=float, default=560.0, help="the whole run's")
-    ap.add_argument(
-        "--roots", default="", help="source trees (default: stdlib and site-packages)"
-    )
-    ap.add_argument(
-        "--heldout", default="jax,networkx", help="packages kept out of training"
-    )
-    ap.add_argument("--gen-batch", type=int, default=384)
-    ap.add_argument("--max-sequences", type=int, default=8192)
-    ap.add_argument("--drafter-batch", type=int, default=24)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--drafter-lr", type=float, default=1e-3, help="peak")
-    ap.add_argument(
-        "--init-drafter",
-        metavar="DIR",
-        help="start each drafter from <DIR>/<pair>/drafter (a trained set)",
-    )
-    ap.add_argument(
-        "--reuse-target",
-        metavar="DIR",
-        help="keep the tokenizer, prompts and targets of this trained set; "
-        "train drafters only",
-    )
-    ap.add_argument(
-        "--smoke", action="store_true", help="toy sizes: checks the pipeline"
-    )
-    ap.add_argument("--cpu", action="store_true")
+    common.add_options(ap, {
+        "--pairs": (",".join(pc.PAIRS), None),
+        "--seconds": (560.0, "the whole run's"),
+        "--roots": ("", "source trees (default: stdlib and site-packages)"),
+        "--heldout": ("jax,networkx", "packages kept out of training"),
+        "--gen-batch": (384, None),
+        "--max-sequences": (8192, None),
+        "--drafter-batch": (24, None),
+        "--seed": (0, None),
+        "--drafter-lr": (1e-3, "peak"),
+        "--init-drafter": (None, "start each drafter from <DIR>/<pair>/drafter "
+            "(a trained set)"),
+        "--reuse-target": (None, "keep the tokenizer, prompts and targets of this "
+            "trained set (a DIR); train drafters only"),
+        "--smoke": (False, "toy sizes: checks the pipeline"),
+        "--cpu": (False, None),
+    })  # fmt: skip
     ap.add_argument("--pair", help=argparse.SUPPRESS)  # internal: one pair's subprocess
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -528,7 +512,7 @@ def main() -> None:
             "target_steps": rec["target"].get("steps", "reused"),
             "drafter_steps": rec["drafter"]["steps"],
         }
-    write_json(os.path.join(a.out, "summary.json"), summary)
+    common.write_json(os.path.join(a.out, "summary.json"), summary)
     print("SUMMARY", json.dumps(summary), flush=True)
     sys.exit(1 if failed else 0)
 
