@@ -184,7 +184,7 @@ def test_the_release_line_guard_refuses_ddtree_on_0_34(monkeypatch, dflash_setup
         (
             {"budget_policy": "measured"},
             {},
-            "budget_policy 'measured' needs its worker-measured schedule",
+            "budget_policy 'measured' times the captured graphs on the worker",
         ),
     ],
 )

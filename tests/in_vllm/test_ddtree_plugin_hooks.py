@@ -213,7 +213,7 @@ def test_ddtree_checks_the_engine_config(monkeypatch):
     """verify_vllm_config runs the 0.26.0 line's engine-level checks: the
     target gets TRITON_ATTN, a KV connector is refused in one line, and the
     drafter's own derived config is left alone; a config that passes them
-    is refused (in one line) until the line's runner verifies trees."""
+    is accepted."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.worker.gpu.spec_decode.ddtree.config import DDTreeSpeculatorConfig
 
@@ -222,8 +222,7 @@ def test_ddtree_checks_the_engine_config(monkeypatch):
     spec = _spec(method="dflash", custom_method="ddtree")
     config = DDTreeSpeculatorConfig(spec)
     engine = _engine()
-    with pytest.raises(ValueError, match="no tree verification hooks yet"):
-        config.verify_vllm_config(engine)
+    config.verify_vllm_config(engine)
     assert engine.attention_config.backend == AttentionBackendEnum.TRITON_ATTN
 
     connector = SimpleNamespace(kv_connector="ExampleConnector")
