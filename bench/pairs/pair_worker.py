@@ -31,6 +31,20 @@ def _load_small(path: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(path, "model.safetensors"))
 
 
+def _finish_load(model: torch.nn.Module, device: torch.device) -> None:
+    """Rebuild what the model derives from its weights after loading, from the
+    weights just written. vLLM 0.34 derives some tensors in the post-load hooks
+    (DFlash's fused context K/V projection), in place; 0.26's ``load_weights``
+    derives them itself and has no such pass."""
+    try:
+        from vllm.model_executor.model_loader.weight_utils import (
+            finalize_model_weights,
+        )
+    except ImportError:
+        return
+    finalize_model_weights(model, device)
+
+
 def _drafter_model(runner):
     # V2 model runner: runner.speculator.model; V1: runner.drafter.model
     for owner in ("speculator", "drafter"):
@@ -100,6 +114,7 @@ class EmbeddedPairWorker:
                 )
             )
         )
+        _finish_load(target, device)
         out = {
             "pair": pair_name,
             "target_tensors": n_tensors,
@@ -129,6 +144,7 @@ class EmbeddedPairWorker:
                     dtype=dtype,
                 )
             drafter.load_weights(counted(weights))
+            _finish_load(drafter, device)
             out.update(drafter_tensors=n_tensors, drafter_gib=round(n_bytes / 2**30, 2))
             # The drafter must read the target's embedding and lm_head (DFlash
             # and MTP share them at load time); a copy would still hold dummy
