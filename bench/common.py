@@ -222,15 +222,6 @@ def run_engine_process(
 # ---------------------------------------------------------------- kernels
 
 
-def use_overlay() -> None:
-    """Import DDTree's modules from this checkout's ``overlay/`` where no vLLM
-    is installed (``vllm`` is then a namespace package of our modules, as in
-    the tests; torch and Triton suffice for the core)."""
-    overlay = str(REPO / "overlay")
-    if overlay not in sys.path:
-        sys.path.insert(0, overlay)
-
-
 def torch_reference():
     """The torch reference implementations of the checkout's tests
     (``tests/ddtree_reference.py``, not in the wheel)."""
