@@ -5,14 +5,14 @@ with dummy weights (tau = 1: the figures are pure step cost), bf16, CUDA graphs:
 
     python3 -m bench.engine.step_cost --out bench/results/step-cost.json \\
         [--shapes dense-8b,hybrid-27b] [--conc 1,8,32] [--chain-k 15] \\
-        [--equal-budget 15] [--c1-budgets 64] [--profile-batches 2] \\
+        [--c1-budgets 64] [--profile-batches 2] \\
         [--tree-attention unified,split] [--prompt-len 128]
 
 Shapes are the benchmark pairs' production configs (Qwen3-8B and Qwen3.6-27B with
 their 5-layer DFlash drafters), loaded with ``load_format="dummy"``. One engine
 per configuration, each in its own process and in-process inside it (the torch
 profiler sees its kernels): the chain (K = ``--chain-k``; on the hybrid shape on
-both model runners), DDTree with ``budget_policy: fixed`` at ``--equal-budget``
+both model runners), DDTree with ``budget_policy: fixed`` at ``--chain-k``
 nodes (as many verified tokens as the chain) at every ``--conc`` and at each
 ``--c1-budgets`` at concurrency 1, once per ``--tree-attention`` mode.
 
@@ -526,7 +526,6 @@ def main(argv: list[str] | None = None) -> None:
     common.add_options(ap, {
         "--shapes": (",".join(SHAPES), None),
         "--conc": ("1,8,32", None),
-        "--equal-budget": (15, "DDTree's budget at every concurrency"),
         "--c1-budgets": ("64", "DDTree's budgets at concurrency 1"),
         "--chain-last": (False, "the V2 chain after the DDTree engines"),
         "--no-v1-chain": (False, "no V1-runner chain on the hybrid shape"),
@@ -583,7 +582,7 @@ def run_engines(a, result: dict) -> None:
         for e in engines_for(
             shape,
             conc,
-            a.equal_budget,
+            a.chain_k,
             c1_budgets,
             modes,
             a.chain_last,
