@@ -64,12 +64,6 @@ TOP_KERNELS = 30
 TOP_HOST_OPS = 12
 
 
-def num_preemptions(llm) -> float:
-    """The preemption counter of vLLM (requests whose KV was freed under
-    memory pressure and recomputed later)."""
-    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
-
-
 def _step_range(phase: str, kind: str) -> str:
     return f"{RANGE_PREFIX}{phase}_{kind}"
 

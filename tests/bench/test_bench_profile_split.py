@@ -59,17 +59,6 @@ def test_no_draft_range():
     assert (us["other"], draft_us, has_range) == (10, 0.0, False)
 
 
-def test_preemption_count_reads_the_counter_only():
-    metrics = [
-        SimpleNamespace(name="vllm:num_preemptions", value=3.0),
-        SimpleNamespace(name="vllm:num_requests_running", value=7.0),
-        SimpleNamespace(name="vllm:spec_decode_num_drafts", value=11.0),
-    ]
-    llm = SimpleNamespace(get_metrics=lambda: metrics)
-    assert e2e.num_preemptions(llm) == 3.0
-    assert e2e.num_preemptions(SimpleNamespace(get_metrics=lambda: [])) == 0
-
-
 def test_profile_summary_is_per_engine_step():
     """Two steps of 1 ms wall: each step's kernel time by phase and the GPU
     busy share, from the same events as split_gpu_time."""
