@@ -40,7 +40,6 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -496,19 +495,16 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
 # ---------------------------------------------------------------- orchestration
 
 
-def engine_rows(lines) -> list[dict]:
-    """The ``ROW {json}`` lines of an engine's output; a row without its
-    engine's capacity (``max_concurrency``, not recorded by earlier runs)
-    takes it from vLLM's startup line in the same output."""
-    rows, capacity = [], None
-    for x in lines:
-        if x.startswith("ROW "):
-            row = json.loads(x[4:])
-            if row.get("max_concurrency") is None and capacity is not None:
-                row["max_concurrency"] = capacity
-            rows.append(row)
-        elif m := MAX_CONCURRENCY.search(x):
-            capacity = float(m.group(1))
+def engine_rows(lines, rows: list[dict] | None = None) -> list[dict]:
+    """The ``ROW {json}`` rows of an engine's output (``rows``: those already
+    read from it); a row without its engine's capacity (``max_concurrency``,
+    not recorded by earlier runs) takes it from vLLM's startup line there."""
+    lines = list(lines)
+    found = [float(m.group(1)) for m in map(MAX_CONCURRENCY.search, lines) if m]
+    rows = common.rows_in(lines) if rows is None else rows
+    for row in rows:
+        if row.get("max_concurrency") is None and found:
+            row["max_concurrency"] = found[-1]
     return rows
 
 
@@ -602,18 +598,13 @@ def run_engines(a, result: dict) -> None:
             cmd += ["--budget", str(e["budget"])]
         if e.get("tree_attention"):
             cmd += ["--tree-attention", e["tree_attention"]]
-        try:
-            out = subprocess.run(
-                cmd, stdout=subprocess.PIPE, text=True, timeout=a.engine_timeout
-            ).stdout
-        except subprocess.TimeoutExpired as exc:
-            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else ""
+        new, rc, _, lines = common.run_engine_process(cmd, a.engine_timeout)
+        if rc == "timeout":
             log(f"engine {k + 1} ran past {a.engine_timeout} s")
         # vLLM logs to stdout: its lines (startup, PROFILE records) go to
         # this run's log, apart from the rows.
-        lines = out.splitlines()
-        sys.stderr.write("".join(x + "\n" for x in lines if not x.startswith("ROW ")))
-        new = engine_rows(lines)
+        sys.stderr.write("".join(x + "\n" for x in lines))
+        new = engine_rows(lines, new)
         result["engines"] += new or [dict(shape=shape, **e, error="no rows")]
         write_result(a, result)
 

@@ -691,16 +691,10 @@ def check_embedding(a, pair: str) -> dict:
     log(f"embedding check of {pair}")
     cmd = [sys.executable, "-m", "bench.pairs.check_embedding"]
     cmd += ["--models", a.models, "--pair", pair]
-    try:
-        out = subprocess.run(
-            cmd, stdout=subprocess.PIPE, text=True, timeout=a.engine_timeout
-        ).stdout
-    except subprocess.TimeoutExpired:
-        out = ""
-    rows = common.rows_in(out.splitlines(), "EMBEDDING")
-    if rows:
-        return rows[0]
-    return dict(pair=pair, embedding_max_abs_logit_diff=None, error="check failed")
+    lines = common.run_engine_process(cmd, a.engine_timeout)[3]
+    rows = common.rows_in(lines, "EMBEDDING")
+    failed = dict(pair=pair, embedding_max_abs_logit_diff=None, error="check failed")
+    return rows[0] if rows else failed
 
 
 if __name__ == "__main__":
