@@ -82,14 +82,16 @@ def load_prompts(path: str, last: int = 0) -> list[list[int]]:
     return [r[-last:] for r in rows if len(r) >= last] if last else rows
 
 
-def add_options(ap: argparse.ArgumentParser, options: dict) -> None:
-    """``{"--name": (default, help)}``: each option's type is its default's
-    (False: a flag; None: a string)."""
+def add_options(
+    ap: argparse.ArgumentParser, options: dict, types: dict | None = None
+) -> None:
+    """``{"--name": (default, help)}``: each option's type is ``types``' or
+    its default's (False: a flag; None: a string)."""
     for flag, (default, text) in options.items():
         if default is False:
             ap.add_argument(flag, action="store_true", help=text)
         else:
-            kind = str if default is None else type(default)
+            kind = (types or {}).get(flag, str if default is None else type(default))
             ap.add_argument(flag, type=kind, default=default, help=text)
 
 
@@ -220,15 +222,6 @@ def run_engine_process(
 
 
 # ---------------------------------------------------------------- kernels
-
-
-def use_overlay() -> None:
-    """Import DDTree's modules from this checkout's ``overlay/`` where no vLLM
-    is installed (``vllm`` is then a namespace package of our modules, as in
-    the tests; torch and Triton suffice for the core)."""
-    overlay = str(REPO / "overlay")
-    if overlay not in sys.path:
-        sys.path.insert(0, overlay)
 
 
 def torch_reference():

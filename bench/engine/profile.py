@@ -4,15 +4,14 @@ in-process): wall time per step, the share of it the GPU is busy, GPU kernel
 time split into the DDTree tree build (our Triton build kernels), DDTree
 bookkeeping (tree bias, walk, KV compaction) and the rest (the forwards,
 sampling), the same time by phase (the DFlash pass: a profiler range around
-the speculator's propose(), the tree build taken out), host time by op and by
-part of the runner, and the steps with a prefill chunk apart from the others.
+the speculator's propose(), the tree build taken out), host time by op, and
+the steps with a prefill chunk apart from the others.
 With ``VLLM_DDTREE_BACKEND=torch`` the build has no kernels of its own names
 and counts as "other". Used by ``engine/step_cost.py`` and
 ``pairs/run_pairs.py --profile``."""
 
 import bisect
 import functools
-import importlib
 import json
 import re
 import time
@@ -35,47 +34,14 @@ DRAFT_RANGE = RANGE_PREFIX + "draft"
 # The engine steps' ranges (`label_steps`): the runner's execute_model and
 # sample_tokens of a step with a prefill chunk ("mixed") or without.
 STEP_KINDS = ("mixed", "decode")
-# Ranges inside a step, by the runner's parts they wrap: (range, module,
-# class, method). What no range covers (the eager model call, the runner's
-# own code) is the step's host time less theirs.
-_RUNNER = "vllm.v1.worker.gpu.model_runner"
-_STATES = "vllm.v1.worker.gpu.model_states"
-_GRAPHS = "vllm.v1.worker.gpu.cudagraph_utils"
-_HYBRID_STATE = f"{_STATES}.mamba_hybrid"
-_VERIFIER = "vllm.v1.worker.gpu.spec_decode.ddtree.verifier"
-_GDN = "vllm.v1.spec_decode.ddtree.gdn_verify"
-STEP_PHASES = (
-    ("requests", _RUNNER, "GPUModelRunner", "add_requests"),
-    ("inputs", _RUNNER, "GPUModelRunner", "prepare_inputs"),
-    ("block_tables", _RUNNER, "GPUModelRunner", "prepare_attn"),
-    ("attn_metadata", f"{_STATES}.default", "DefaultModelState", "prepare_attn"),
-    ("attn_metadata", _HYBRID_STATE, "MambaHybridModelState", "prepare_attn"),
-    ("full_graph", _GRAPHS, "CudaGraphManager", "run_fullgraph"),
-    ("piecewise", _GRAPHS, "CudaGraphManager", "run_pw_graph"),
-    ("sample", _RUNNER, "GPUModelRunner", "sample"),
-    ("ddtree_prepare", _VERIFIER, "DDTreeVerifier", "prepare_verify"),
-    ("ddtree_compact", _VERIFIER, "DDTreeVerifier", "compact"),
-    ("ddtree_store_trees", _VERIFIER, "DDTreeVerifier", "store_trees"),
-    ("ddtree_gdn_commit", _GDN, "DDTreeGDN", "commit"),
-)
 # Kernels kept per profile (enough for a step's tail past the target's
 # GEMMs) and host operators per step kind.
 TOP_KERNELS = 30
 TOP_HOST_OPS = 12
 
 
-def num_preemptions(llm) -> float:
-    """The preemption counter of vLLM (requests whose KV was freed under
-    memory pressure and recomputed later)."""
-    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
-
-
 def _step_range(phase: str, kind: str) -> str:
     return f"{RANGE_PREFIX}{phase}_{kind}"
-
-
-def _phase_range(phase: str) -> str:
-    return f"{RANGE_PREFIX}phase_{phase}"
 
 
 def _has_prefill(scheduler_output) -> bool:
@@ -113,22 +79,10 @@ def _label(cls, method: str, name) -> None:
         setattr(cls, method, _in_range(orig, name))
 
 
-def _label_phases() -> None:
-    """Ranges around the runner's parts listed in `STEP_PHASES` (those this
-    vLLM has), so that a step's host time splits by part."""
-    for phase, module, cls_name, method in STEP_PHASES:
-        try:
-            cls = getattr(importlib.import_module(module), cls_name)
-        except (ImportError, AttributeError):
-            continue
-        _label(cls, method, _phase_range(phase))
-
-
 def label_steps() -> None:
     """Ranges around the DFlash speculator's propose() (the chain's and
-    DDTree's: the draft pass), the V2 model runner's execute_model and
-    sample_tokens, named by the step's kind, and its parts (`_label_phases`);
-    engine in-process."""
+    DDTree's: the draft pass) and the V2 model runner's execute_model and
+    sample_tokens, named by the step's kind; engine in-process."""
     try:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner
         from vllm.v1.worker.gpu.spec_decode.dflash.speculator import (
@@ -137,7 +91,6 @@ def label_steps() -> None:
     except ImportError:
         return
     _label(DFlashSpeculator, "propose", DRAFT_RANGE)
-    _label_phases()
 
     def execute_kind(runner, scheduler_output, *args, **kwargs):
         runner._ddtree_bench_step_kind = None
@@ -173,16 +126,6 @@ def _starts_inside(spans: list[tuple[float, float]], end_inside: bool = True):
     return inside
 
 
-def _union_us(ranges: list[tuple[float, float]]) -> float:
-    """The time the ``(start, end)`` ranges cover together."""
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(ranges):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
-
-
 def _span(ev) -> tuple[float, float]:
     return ev.time_range.start, ev.time_range.end
 
@@ -191,11 +134,9 @@ def step_kind_summary(events, cuda_type) -> dict:
     """Per step kind (`STEP_KINDS`, from `label_steps`' ranges): the steps,
     per step the host time inside the runner's two calls, the GPU kernel
     time of the kernels starting inside their GPU-side ranges and those
-    ranges' span (kernel time plus the GPU's idle gaps); where the host time
-    goes by part of the runner (`STEP_PHASES`' ranges and the draft pass's,
-    by their start inside the step's host ranges; ``other``: the rest) and
-    the host operators with the most self time. Kinds with no step are left
-    out."""
+    ranges' span (kernel time plus the GPU's idle gaps) and the host
+    operators starting inside the step's host ranges with the most self
+    time. Kinds with no step are left out."""
     events = list(events)
     out = {}
     for kind in STEP_KINDS:
@@ -207,22 +148,14 @@ def step_kind_summary(events, cuda_type) -> dict:
         host_ranges = sorted(map(_span, cpu))
         # Host ranges end where the next may start: a start on an end is out.
         in_step = _starts_inside(host_ranges, end_inside=False)
-        by_phase: dict[str, float] = {}
-        phase_ranges, ops = [], {}
+        ops: dict[str, float] = {}
         for ev in events:
-            if ev.device_type == cuda_type or ev.name in names or not in_step(ev):
-                continue
-            if ev.name.startswith(RANGE_PREFIX):
-                phase = ev.name[len(RANGE_PREFIX) :].removeprefix("phase_")
-                by_phase[phase] = by_phase.get(phase, 0.0) + _span(ev)[1] - _span(ev)[0]
-                phase_ranges.append(_span(ev))
-            else:
+            if ev.device_type == cuda_type or ev.name.startswith(RANGE_PREFIX):
+                continue  # the ranges (the steps', the draft pass's) are no ops
+            if in_step(ev):
                 name = ev.name[:60]
                 ops[name] = ops.get(name, 0.0) + getattr(ev, "self_cpu_time_total", 0)
-        # A range inside another (DDTree's commit inside the runner's
-        # sampling) counts in both; "other" is the time outside every range.
         host_us = sum(end - start for start, end in host_ranges)
-        by_phase["other"] = host_us - _union_us(phase_ranges)
         spans = sorted(
             _span(ev)
             for ev in events
@@ -244,9 +177,6 @@ def step_kind_summary(events, cuda_type) -> dict:
             gpu_span_ms_per_step=round(
                 sum(end - start for start, end in spans) / steps / 1e3, 3
             ),
-            host_ms_per_step_by_phase={
-                k: round(v / steps / 1e3, 3) for k, v in by_phase.items()
-            },
             top_host_ops_us_per_step={k: round(v / steps, 1) for k, v in top_ops},
         )
     return out

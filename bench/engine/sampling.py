@@ -21,8 +21,7 @@ chi-square test (scipy ``chi2_contingency``, rare categories pooled) against
 the reference run's counts, per prompt; (2) tau and tokens/s on
 ``--tau-requests`` generations of ``--max-tokens`` at the same settings; (3)
 ``--seeded`` seeded requests generated twice in the same engine (must be
-identical) and written out, so that two processes compare too
-(``--seeded-ref``). Prints one ``RESULT {json}`` line; the counts go to
+identical). Prints one ``RESULT {json}`` line; the counts go to
 ``<outdir>/sampling_<tag>.json``. Give the run compared by chi-square another
 engine ``--seed`` than the reference: unseeded requests draw their noise from
 it, and the test assumes independent samples.
@@ -99,7 +98,6 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="the engine's")
     ap.add_argument("--tag", help="this run's name (default: --mode)")
     ap.add_argument("--ref", help="tag of the no-spec run")
-    ap.add_argument("--seeded-ref", help="tag of a run whose seeded outputs must equal")
     ap.add_argument("--outdir", default=os.environ.get("OUT", "/tmp"))
     a = ap.parse_args()
 
@@ -187,25 +185,15 @@ def main() -> None:
         dict(counts=saved, seeded=runs[0]),
         indent=None,
     )
-
-    def load(other: str):
-        path = os.path.join(a.outdir, f"sampling_{other}.json")
-        if not os.path.exists(path):
-            return None
-        with open(path) as f:
-            return json.load(f)
-
-    ref = load(a.ref) if a.ref else None
-    if ref is not None:
+    ref_path = os.path.join(a.outdir, f"sampling_{a.ref}.json")
+    if a.ref and os.path.exists(ref_path):
+        with open(ref_path) as f:
+            ref = json.load(f)
         res["p_values_vs_ref"] = ps = p_values(counts, ref["counts"])
         res["min_p"] = min(min(v) for v in ps.values())
         # Several tests per run: a Bonferroni-corrected verdict too.
         res["pass_p_gt_0.01"] = res["min_p"] > 0.01
         res["pass_bonferroni_0.01"] = res["min_p"] > 0.01 / sum(map(len, ps.values()))
-    seeded_ref = load(a.seeded_ref) if a.seeded_ref else None
-    if seeded_ref is not None:
-        same = sum(x == y for x, y in zip(seeded_ref["seeded"], runs[0]))
-        res["seeded_identical_vs_" + a.seeded_ref] = f"{same}/{a.seeded}"
     common.emit("RESULT", res)
 
 

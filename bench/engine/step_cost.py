@@ -5,14 +5,14 @@ with dummy weights (tau = 1: the figures are pure step cost), bf16, CUDA graphs:
 
     python3 -m bench.engine.step_cost --out bench/results/step-cost.json \\
         [--shapes dense-8b,hybrid-27b] [--conc 1,8,32] [--chain-k 15] \\
-        [--equal-budget 15] [--c1-budgets 64] [--profile-batches 2] \\
+        [--c1-budgets 64] [--profile-batches 2] \\
         [--tree-attention unified,split] [--prompt-len 128]
 
 Shapes are the benchmark pairs' production configs (Qwen3-8B and Qwen3.6-27B with
 their 5-layer DFlash drafters), loaded with ``load_format="dummy"``. One engine
 per configuration, each in its own process and in-process inside it (the torch
 profiler sees its kernels): the chain (K = ``--chain-k``; on the hybrid shape on
-both model runners), DDTree with ``budget_policy: fixed`` at ``--equal-budget``
+both model runners), DDTree with ``budget_policy: fixed`` at ``--chain-k``
 nodes (as many verified tokens as the chain) at every ``--conc`` and at each
 ``--c1-budgets`` at concurrency 1, once per ``--tree-attention`` mode.
 
@@ -40,7 +40,6 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -496,19 +495,16 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
 # ---------------------------------------------------------------- orchestration
 
 
-def engine_rows(lines) -> list[dict]:
-    """The ``ROW {json}`` lines of an engine's output; a row without its
-    engine's capacity (``max_concurrency``, not recorded by earlier runs)
-    takes it from vLLM's startup line in the same output."""
-    rows, capacity = [], None
-    for x in lines:
-        if x.startswith("ROW "):
-            row = json.loads(x[4:])
-            if row.get("max_concurrency") is None and capacity is not None:
-                row["max_concurrency"] = capacity
-            rows.append(row)
-        elif m := MAX_CONCURRENCY.search(x):
-            capacity = float(m.group(1))
+def engine_rows(lines, rows: list[dict] | None = None) -> list[dict]:
+    """The ``ROW {json}`` rows of an engine's output (``rows``: those already
+    read from it); a row without its engine's capacity (``max_concurrency``,
+    not recorded by earlier runs) takes it from vLLM's startup line there."""
+    lines = list(lines)
+    found = [float(m.group(1)) for m in map(MAX_CONCURRENCY.search, lines) if m]
+    rows = common.rows_in(lines) if rows is None else rows
+    for row in rows:
+        if row.get("max_concurrency") is None and found:
+            row["max_concurrency"] = found[-1]
     return rows
 
 
@@ -526,7 +522,6 @@ def main(argv: list[str] | None = None) -> None:
     common.add_options(ap, {
         "--shapes": (",".join(SHAPES), None),
         "--conc": ("1,8,32", None),
-        "--equal-budget": (15, "DDTree's budget at every concurrency"),
         "--c1-budgets": ("64", "DDTree's budgets at concurrency 1"),
         "--chain-last": (False, "the V2 chain after the DDTree engines"),
         "--no-v1-chain": (False, "no V1-runner chain on the hybrid shape"),
@@ -583,7 +578,7 @@ def run_engines(a, result: dict) -> None:
         for e in engines_for(
             shape,
             conc,
-            a.equal_budget,
+            a.chain_k,
             c1_budgets,
             modes,
             a.chain_last,
@@ -603,18 +598,13 @@ def run_engines(a, result: dict) -> None:
             cmd += ["--budget", str(e["budget"])]
         if e.get("tree_attention"):
             cmd += ["--tree-attention", e["tree_attention"]]
-        try:
-            out = subprocess.run(
-                cmd, stdout=subprocess.PIPE, text=True, timeout=a.engine_timeout
-            ).stdout
-        except subprocess.TimeoutExpired as exc:
-            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else ""
+        new, rc, _, lines = common.run_engine_process(cmd, a.engine_timeout)
+        if rc == "timeout":
             log(f"engine {k + 1} ran past {a.engine_timeout} s")
         # vLLM logs to stdout: its lines (startup, PROFILE records) go to
         # this run's log, apart from the rows.
-        lines = out.splitlines()
-        sys.stderr.write("".join(x + "\n" for x in lines if not x.startswith("ROW ")))
-        new = engine_rows(lines)
+        sys.stderr.write("".join(x + "\n" for x in lines))
+        new = engine_rows(lines, new)
         result["engines"] += new or [dict(shape=shape, **e, error="no rows")]
         write_result(a, result)
 

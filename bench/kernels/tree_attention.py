@@ -415,28 +415,21 @@ def bench_case(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="qwen3-8b,qwen3.6-27b")
-    parser.add_argument(
-        "--contexts", type=common.csv_ints, default=[512, 1024, 2048, 4096, 8192]
-    )
-    parser.add_argument("--tree-tokens", type=common.csv_ints, default=[16, 65])
-    parser.add_argument("--batch", type=common.csv_ints, default=[1, 8, 32])
-    parser.add_argument(
-        "--chunks",
-        type=common.csv_ints,
-        default=[0],
-        help="also time each batch with one more request: a new prompt's "
-        "first prefill chunk of this many tokens (0: none), as continuous "
-        "batching mixes prefills into decode steps",
-    )
-    parser.add_argument("--methods", default="unified,split,fa3_causal")
-    parser.add_argument(
-        "--tree-configs",
-        default="",
-        help="also time the tree kernel alone at these launch shapes, "
-        "<query tokens per program or auto>:<warps>, e.g. auto:4,16:4,16:8",
-    )
-    parser.add_argument("--device", default="cuda")
+    lists = ("--contexts", "--tree-tokens", "--batch", "--chunks")
+    common.add_options(parser, {
+        "--shapes": ("qwen3-8b,qwen3.6-27b", None),
+        "--contexts": ("512,1024,2048,4096,8192", None),
+        "--tree-tokens": ("16,65", None),
+        "--batch": ("1,8,32", None),
+        "--chunks": ("0", "also time each batch with one more request: a new "
+            "prompt's first prefill chunk of this many tokens (0: none), as "
+            "continuous batching mixes prefills into decode steps"),
+        "--methods": ("unified,split,fa3_causal", None),
+        "--tree-configs": ("", "also time the tree kernel alone at these launch "
+            "shapes, <query tokens per program or auto>:<warps>, e.g. "
+            "auto:4,16:4,16:8"),
+        "--device": ("cuda", None),
+    }, dict.fromkeys(lists, common.csv_ints))  # fmt: skip
     common.add_kernel_options(parser, iters=100, repeats=5)
     args = parser.parse_args(argv)
     device = torch.device(args.device)

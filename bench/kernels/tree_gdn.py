@@ -42,6 +42,8 @@ from bench import common
 H, HV, K, V = 16, 48, 128, 128
 GDN_LAYERS = 48
 DRAFT_DEPTH = 15
+# Random per-depth draft logits times these: peaked (deep, spiny trees), flat.
+DRAFT_LOGIT_SCALES = (8.0, 1.0)
 
 
 def make_case(
@@ -199,23 +201,17 @@ def chain_call(case, batch: int, budget: int):
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_kernel_options(ap, iters=20, repeats=5)
-    ap.add_argument("--batches", type=common.csv_ints, default=[1, 8, 32])
-    ap.add_argument("--budgets", type=common.csv_ints, default=[15, 31, 63])
-    ap.add_argument("--scales", default="8,1", help="draft logit scales")
-    ap.add_argument(
-        "--table-budget",
-        type=int,
-        default=None,
-        help="parent table width (the engine's tree_budget) when wider than a "
-        "row's budget: e.g. 64 times the 15-node trees of the default batch "
-        "policy as the engine runs them (the kernel form follows the table)",
-    )
-    ap.add_argument(
-        "--variants",
-        default="",
-        help="other launch settings to time beside the defaults, ';' between "
-        "variants, e.g. 'CHUNK_MAX_NODES=64;CHUNK_MAX_NODES=64,CHUNK_NUM_WARPS=8'",
-    )
+    common.add_options(ap, {
+        "--batches": ("1,8,32", None),
+        "--budgets": ("15,31,63", None),
+        "--table-budget": (None, "parent table width (the engine's tree_budget) "
+            "when wider than a row's budget: e.g. 64 times the 15-node trees of "
+            "the default batch policy as the engine runs them (the kernel form "
+            "follows the table)"),
+        "--variants": ("", "other launch settings to time beside the defaults, "
+            "';' between variants, e.g. "
+            "'CHUNK_MAX_NODES=64;CHUNK_MAX_NODES=64,CHUNK_NUM_WARPS=8'"),
+    }, {"--table-budget": int})  # fmt: skip
     a = ap.parse_args(argv)
 
     def timed(fn) -> float:  # a graph of --iters calls, the median of replays
@@ -229,9 +225,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{'chunk/chain':>11} {'max|diff|':>9}"
     ) + "".join(f"  {v} us" for v in variants)
     print(header, flush=True)
-    for batch in a.batches:
-        for budget in a.budgets:
-            for scale in map(float, a.scales.split(",")):
+    for batch in common.csv_ints(a.batches):
+        for budget in common.csv_ints(a.budgets):
+            for scale in DRAFT_LOGIT_SCALES:
                 case, depth = make_case(
                     batch, budget, scale, "cuda", table_budget=a.table_budget
                 )

@@ -85,13 +85,9 @@ def main() -> None:
         "--out": (None, None),
         "--placed-layers-only": (False, "leave out the production model's "
             "identity layers (fits a CPU)"),
-    })  # fmt: skip
-    ap.add_argument(
-        "--vocab-cap",
-        type=int,
-        default=None,
-        help="at most this many vocabulary rows in the production model",
-    )
+        "--vocab-cap": (None, "at most this many vocabulary rows in the "
+            "production model"),
+    }, {"--vocab-cap": int})  # fmt: skip
     a = ap.parse_args()
     from safetensors.torch import load_file
 

@@ -214,14 +214,10 @@ def main(argv: list[str] | None = None) -> None:
             "(with 256 new tokens, inside the 512-token windows the pairs were "
             "trained on)"),
         "--cpu": (False, None),
-    })  # fmt: skip
-    ap.add_argument(
-        "--min-prompt-tokens",
-        type=int,
-        default=None,
-        help="only prompts at least this long (default: --prompt-tokens), so "
-        "that runs at several --prompt-tokens can share their prompts",
-    )
+        "--min-prompt-tokens": (None, "only prompts at least this long (default: "
+            "--prompt-tokens), so that runs at several --prompt-tokens can share "
+            "their prompts"),
+    }, {"--min-prompt-tokens": int})  # fmt: skip
     a = ap.parse_args(argv)
 
     import torch

@@ -45,6 +45,8 @@ from bench.pairs import pair_configs as pc
 METHODS = ("nospec", "chain", "ddtree")
 DDTREE_METHODS = ("ddtree", "ddtree_measured")
 PAIR_WORKER = "bench.pairs.pair_worker.EmbeddedPairWorker"
+# Before each timed decode, 2c of its prompts untimed, up to this many tokens.
+WARM_TOKENS = 32
 # vLLM's log timestamps (local time, whole seconds) and its JIT monitor's line.
 LOG_TIME = "%m-%d %H:%M:%S"
 JIT_COMPILE = re.compile(
@@ -359,11 +361,8 @@ def speculative_config(a, drafter: str) -> dict | None:
     if a.method == "mtp":
         return mtp.speculative_config(a.mtp_k)
     if a.method in DDTREE_METHODS:
-        options = json.loads(a.ddtree)
-        if a.method == "ddtree_measured":
-            options["budget_policy"] = "measured"
-        options.setdefault("budget_policy", "batch")
-        return common.ddtree_config(drafter, **options)
+        policy = "measured" if a.method == "ddtree_measured" else "batch"
+        return common.ddtree_config(drafter, budget_policy=policy)
     return None
 
 
@@ -443,8 +442,7 @@ def run_engine(a) -> None:
             for j in range(len(batch))
         ]
         tag = f"c{conc}-t{temperature:g}"
-        if a.warm_tokens > 0:
-            warm_up(llm, requests, sps[0], conc, a.warm_tokens, "warm-" + tag)
+        warm_up(llm, requests, sps[0], conc, WARM_TOKENS, "warm-" + tag)
         what = dict(
             pair=a.pair,
             dtype=a.dtype,
@@ -580,10 +578,6 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
             "steady window spans about this many request lifetimes less one"),
         "--min-prompts": (0, "c > 1 decodes at least this many prompts"),
         "--mtp-k": (mtp.SPECULATIVE_TOKENS, "draft tokens of the mtp method"),
-        "--ddtree": ("{}", "DDTree speculative_config keys (JSON)"),
-        "--warm-tokens": (32, "before each timed decode, 2c of its prompts "
-            "untimed, staggered, up to this many tokens each (kernels compile "
-            "outside the window; 0: none)"),
         "--profile": (False, "profile each steady window instead of timing it "
             "(torch profiler): rows with a 'profile' object, not for the tables"),
         "--sampled-conc": ("1,8", "concurrencies decoded again at temperature 1 "
@@ -594,7 +588,7 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
 ENGINE_OPTIONS = (
     *common.ENGINE_OPTIONS,
     *("out", "prompts", "prompt_tokens", "c1_prompts", "per_client", "min_prompts"),
-    *("mtp_k", "ddtree", "sampled_conc", "warm_tokens", "workdir", "profile"),
+    *("mtp_k", "sampled_conc", "workdir", "profile"),
 )
 
 
@@ -697,16 +691,10 @@ def check_embedding(a, pair: str) -> dict:
     log(f"embedding check of {pair}")
     cmd = [sys.executable, "-m", "bench.pairs.check_embedding"]
     cmd += ["--models", a.models, "--pair", pair]
-    try:
-        out = subprocess.run(
-            cmd, stdout=subprocess.PIPE, text=True, timeout=a.engine_timeout
-        ).stdout
-    except subprocess.TimeoutExpired:
-        out = ""
-    rows = common.rows_in(out.splitlines(), "EMBEDDING")
-    if rows:
-        return rows[0]
-    return dict(pair=pair, embedding_max_abs_logit_diff=None, error="check failed")
+    lines = common.run_engine_process(cmd, a.engine_timeout)[3]
+    rows = common.rows_in(lines, "EMBEDDING")
+    failed = dict(pair=pair, embedding_max_abs_logit_diff=None, error="check failed")
+    return rows[0] if rows else failed
 
 
 if __name__ == "__main__":

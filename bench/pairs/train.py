@@ -153,8 +153,7 @@ def prepare(a) -> None:
 
     t0 = time.time()
     paths = sysconfig.get_paths()
-    roots = a.roots.split(",") if a.roots else [paths["stdlib"], paths["purelib"]]
-    roots = [r for r in roots if os.path.isdir(r)]
+    roots = [r for r in (paths["stdlib"], paths["purelib"]) if os.path.isdir(r)]
     heldout = {h for h in a.heldout.split(",") if h}
     train, held = gather_corpus(
         roots, (2 if a.smoke else CORPUS_MB) << 20, heldout, a.seed
@@ -466,7 +465,6 @@ def main() -> None:
     common.add_options(ap, {
         "--pairs": (",".join(pc.PAIRS), None),
         "--seconds": (560.0, "the whole run's"),
-        "--roots": ("", "source trees (default: stdlib and site-packages)"),
         "--heldout": ("jax,networkx", "packages kept out of training"),
         "--gen-batch": (384, None),
         "--max-sequences": (8192, None),

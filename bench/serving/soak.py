@@ -22,7 +22,7 @@ answers again and ``--after-start`` has run; drain, a short request,
 ``/health``; with ``--reference-url`` (no speculation, same model) every
 completed greedy request outside a fault window is sent again there and the
 outputs compared (with ``--float32`` a divergence where the reference's top-2
-logprobs are within ``--tie-tolerance`` is a near-tie, reported; start the
+logprobs are within 0.01 is a near-tie, reported; start the
 reference with ``--logprobs-mode processed_logprobs`` for the penalties).
 
 Criteria (exit status 1 when one fails; one without its input is skipped):
@@ -63,7 +63,15 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import REPO, check_loopback, emit, percentiles, progress, write_json
+from bench.common import (
+    REPO,
+    add_options,
+    check_loopback,
+    emit,
+    percentiles,
+    progress,
+    write_json,
+)
 
 REFUSE_STRUCTURED = "DDTree does not support structured outputs"
 REFUSE_BAD_WORDS = "DDTree does not support bad_words"
@@ -72,6 +80,8 @@ STOP_TEXTS = ("\n", ")", ":", " the")  # their last token ids stop requests
 # The load's mix; the prompts kept; the reference's concurrency.
 CHAT, STREAM, GREEDY, N_GT_1, LONG = 0.4, 0.5, 0.5, 0.15, 0.05
 NUM_PROMPTS, REFERENCE_CONCURRENCY, HEALTH_TIMEOUT = 64, 32, 5.0
+# With --float32: the largest top-2 logprob gap of a near-tie.
+TIE_TOLERANCE = 0.01
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -164,8 +174,7 @@ def error_message(body: bytes) -> str:
         p = json.loads(body)
     except ValueError:
         return body.decode("utf-8", "replace").strip()[:500]
-    if not isinstance(p, dict):
-        return ""
+    p = p if isinstance(p, dict) else {}
     err = p.get("error")
     if isinstance(err, dict) and err.get("message"):
         return str(err["message"])[:500]
@@ -357,7 +366,7 @@ def make_plan(i: int, seed: int, ctx: Context, a: argparse.Namespace) -> Plan:
     if r < a.bad_fraction:
         ctx.bad = ctx.bad or bad_cases(ctx)
         return _bad_plan(i, ctx.bad[rng.randrange(len(ctx.bad))])
-    refusing = r < a.bad_fraction + a.refuse_fraction and a.expect_ddtree
+    refusing = r < a.bad_fraction + a.refuse_fraction
     long_prompt = not refusing and rng.random() < LONG
     api = "chat" if not long_prompt and rng.random() < CHAT else "completion"
     stream = rng.random() < STREAM
@@ -684,23 +693,16 @@ def check_metrics(scrapes, cumulative, expect_ddtree, client_tokens, tree_budget
     for t, e, s in scrapes:
         epochs[e].append((t, s))
     problems: list[str] = []
+    args = (cumulative, expect_ddtree, tree_budget)
     summary = [
-        _check_epoch(
-            e,
-            ss,
-            problems,
-            cumulative,
-            expect_ddtree,
-            client_tokens.get(e, 0),
-            tree_budget,
-        )
+        _check_epoch(e, ss, problems, client_tokens.get(e, 0), *args)
         for e, ss in sorted(epochs.items())
     ]
     n = len(problems)
     return {"ok": not n, "problems": problems[:30], "n_problems": n, "epochs": summary}
 
 
-def _check_epoch(e, ss, problems, cumulative, expect_ddtree, client, tree_budget):
+def _check_epoch(e, ss, problems, client, cumulative, expect_ddtree, tree_budget):
     """One lifetime's summary; its problems appended to ``problems``."""
 
     def check(failed: bool, what: str) -> None:
@@ -756,10 +758,8 @@ def _check_epoch(e, ss, problems, cumulative, expect_ddtree, client, tree_budget
     msg = f"accepted {acc:g} > drafts {drafts:g} x depth {depth}"
     check(bool(depth) and acc > drafts * (depth or 0) + 0.5, msg)
     if per_pos:
-        check(
-            per_pos[0] > drafts + 0.5,
-            f"position 0 count {per_pos[0]:g} > drafts {drafts:g}",
-        )
+        msg = f"position 0 count {per_pos[0]:g} > drafts {drafts:g}"
+        check(per_pos[0] > drafts + 0.5, msg)
         rise = any(y > x + 0.5 for x, y in itertools.pairwise(per_pos))
         check(rise, f"per-position accepted counts rise: {per_pos}")
         msg = f"per-position counts sum to {sum(per_pos):g}, accepted is {acc:g}"
@@ -767,10 +767,8 @@ def _check_epoch(e, ss, problems, cumulative, expect_ddtree, client, tree_budget
     if not has_ddtree:
         return ep
     ep["emitted_tokens"] = al_sum
-    check(
-        abs(al_count - drafts) > 0.5,
-        f"{AL_COUNT} moved {al_count:g}, drafts {drafts:g}",
-    )
+    msg = f"{AL_COUNT} moved {al_count:g}, drafts {drafts:g}"
+    check(abs(al_count - drafts) > 0.5, msg)
     msg = f"emitted tokens ({AL_SUM}) {al_sum:g} != accepted {acc:g} + drafts"
     check(abs(al_sum - acc - drafts) > 0.5, msg)
     buckets = list(_labelled(delta, f"{AL}_bucket", "le").values())
@@ -781,9 +779,8 @@ def _check_epoch(e, ss, problems, cumulative, expect_ddtree, client, tree_budget
     depths = _labelled(delta, PER_DEPTH, "depth")
     for k, v in enumerate(per_pos):
         n = depths.get(k + 1, 0.0)
-        check(
-            abs(n - v) > 0.5, f"depth {k + 1} count {n:g} != position {k} count {v:g}"
-        )
+        msg = f"depth {k + 1} count {n:g} != position {k} count {v:g}"
+        check(abs(n - v) > 0.5, msg)
     return ep
 
 
@@ -1061,7 +1058,7 @@ class Soak:
                 "ours": diffs[0][max(0, char - 20) : char + 20],
                 "ref": ref_text[max(0, char - 20) : char + 20],
             }
-            tie = a.float32 and gap is not None and gap < a.tie_tolerance
+            tie = a.float32 and gap is not None and gap < TIE_TOLERANCE
             (near if tie else bad).append(row)
 
         await asyncio.gather(*(one(o) for o in todo))
@@ -1171,9 +1168,7 @@ class Soak:
             bad = Counter(o.status for o in failing if o.category == cat)
             more = f"; failing: {dict(bad)}" if bad else ""
             crit[name] = _crit(not bad, f"{n - bad.total()}/{n} clean{more}")
-        if not a.expect_ddtree:
-            crit["refusals"] = _crit(None, "skipped (--no-expect-ddtree)")
-        elif not any(o.category == "refuse" for o in outs):
+        if not any(o.category == "refuse" for o in outs):
             crit["refusals"] = _crit(False, "no refused kind was sent")
         phase_bad = [r["name"] for r in bad_rows if not r["ok"]]
         n = len(bad_rows)
@@ -1205,7 +1200,7 @@ class Soak:
         crit["gpu_memory"] = _memory_criterion(gpu, f"skipped: {why}")
         tokens = self.client_tokens()
         metrics = check_metrics(
-            self.scrapes, self.cumulative, a.expect_ddtree, tokens, a.tree_budget
+            self.scrapes, self.cumulative, True, tokens, a.tree_budget
         )
         problems = metrics["problems"]
         detail = problems and f"{metrics['n_problems']} problems, first: {problems[0]}"
@@ -1310,66 +1305,54 @@ def _memory_criterion(series: dict, skipped: str) -> dict:
     return _crit(all(v["ok"] for v in judged.values()), detail)
 
 
-# (option, default, help); the type is the default's, str for None.
-OPTIONS = [
-    ("--base-url", "http://127.0.0.1:8000", None),
-    ("--launch", None, "start this server command, stop it at the end"),
-    ("--after-start", None, "run after each start of --launch; must exit 0"),
-    ("--server-log", "/tmp/soak-server.log", None),
-    ("--start-timeout", 900.0, None),
-    ("--stop-grace", 30.0, "seconds between SIGTERM and SIGKILL"),
-    ("--restart-at", 0.0, "with --launch: restart the server at this second"),
-    ("--fault-grace", 5.0, "seconds after a restart still in its fault window"),
-    ("--server-pid", None, "whose RSS (and descendants') is sampled, no --launch"),
-    ("--tree-budget", None, "the server's: bounds the draft tokens per draft"),
-    ("--duration", 600.0, "seconds, at least"),
-    ("--requests", 2000, "requests, at least"),
-    ("--max-duration", 1800.0, "the load stops here whatever was sent"),
-    ("--concurrency", 96, None),
-    ("--prompts", None, "JSONL with a 'prompt' field"),
-    ("--seed", 0, None),
-    ("--max-tokens-max", 1024, None),
-    ("--abort-fraction", 0.2, None),
-    ("--abort-max-s", 3.0, "aborts after a delay: uniform in [0, this]"),
-    ("--refuse-fraction", 0.05, None),
-    ("--bad-fraction", 0.02, None),
-    ("--timeout", 300.0, "client-side limit per request (past it: hang)"),
-    ("--health-interval", 2.0, None),
-    ("--metrics-interval", 10.0, None),
-    ("--memory-interval", 5.0, None),
-    ("--progress-interval", 15.0, None),
-    ("--warmup", None, "s per server lifetime, memory not judged (20%% of --duration)"),
-    ("--rss-growth-mib", 256.0, None),
-    ("--gpu-growth-mib", 128.0, None),
-    ("--nvidia-smi", "nvidia-smi", None),
-    ("--drain-timeout", 120.0, None),
-    ("--reference-url", None, "no-spec server, --logprobs-mode processed_logprobs"),
-    ("--reference-max-s", 1200.0, None),
-    ("--tie-tolerance", 0.01, "with --float32: top-2 logprob gap of a near-tie"),
-    ("--pair", None, "name in the output file (default: the model's)"),
-    ("--out", None, "default: bench/results/<date>-soak-<pair>.json"),
-    (
-        "--expect-ddtree",
-        True,
-        "DDTree server: send the refused kinds, check its series",
-    ),
-    ("--expect-preemption", False, "fail unless vllm:num_preemptions moved"),
-    ("--float32", False, "near-ties are not failures"),
-]
-TYPES = {"--server-pid": int, "--tree-budget": int, "--warmup": float}
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n")[1],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    for flag, default, help_ in OPTIONS:
-        if isinstance(default, bool):
-            kw: dict = {"action": argparse.BooleanOptionalAction}
-        else:
-            kw = {"type": TYPES.get(flag, str if default is None else type(default))}
-        ap.add_argument(flag, default=default, help=help_, **kw)
+    types = {"--server-pid": int, "--tree-budget": int, "--warmup": float}
+    add_options(ap, {
+        "--base-url": ("http://127.0.0.1:8000", None),
+        "--launch": (None, "start this server command, stop it at the end"),
+        "--after-start": (None, "run after each start of --launch; must exit 0"),
+        "--server-log": ("/tmp/soak-server.log", None),
+        "--start-timeout": (900.0, None),
+        "--stop-grace": (30.0, "seconds between SIGTERM and SIGKILL"),
+        "--restart-at": (0.0, "with --launch: restart the server at this second"),
+        "--fault-grace": (5.0, "seconds after a restart still in its fault window"),
+        "--server-pid": (None, "whose RSS (and descendants') is sampled, no "
+            "--launch"),
+        "--tree-budget": (None, "the server's: bounds the draft tokens per draft"),
+        "--duration": (600.0, "seconds, at least"),
+        "--requests": (2000, "requests, at least"),
+        "--max-duration": (1800.0, "the load stops here whatever was sent"),
+        "--concurrency": (96, None),
+        "--prompts": (None, "JSONL with a 'prompt' field"),
+        "--seed": (0, None),
+        "--max-tokens-max": (1024, None),
+        "--abort-fraction": (0.2, None),
+        "--abort-max-s": (3.0, "aborts after a delay: uniform in [0, this]"),
+        "--refuse-fraction": (0.05, None),
+        "--bad-fraction": (0.02, None),
+        "--timeout": (300.0, "client-side limit per request (past it: hang)"),
+        "--health-interval": (2.0, None),
+        "--metrics-interval": (10.0, None),
+        "--memory-interval": (5.0, None),
+        "--progress-interval": (15.0, None),
+        "--warmup": (None, "s per server lifetime, memory not judged (20%% of "
+            "--duration)"),
+        "--rss-growth-mib": (256.0, None),
+        "--gpu-growth-mib": (128.0, None),
+        "--nvidia-smi": ("nvidia-smi", None),
+        "--drain-timeout": (120.0, None),
+        "--reference-url": (None, "no-spec server, --logprobs-mode "
+            "processed_logprobs"),
+        "--reference-max-s": (1200.0, None),
+        "--pair": (None, "name in the output file (default: the model's)"),
+        "--out": (None, "default: bench/results/<date>-soak-<pair>.json"),
+        "--expect-preemption": (False, "fail unless vllm:num_preemptions moved"),
+        "--float32": (False, "near-ties are not failures"),
+    }, types)  # fmt: skip
     return ap
 
 

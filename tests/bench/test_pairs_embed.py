@@ -286,16 +286,9 @@ MODELS = PAIR_MODELS
 
 
 @pytest.mark.parametrize("name", list(pc.PAIRS))
-def test_committed_pairs_match_pair_configs(name, tmp_path):
-    """The trained pairs in bench/pairs/models were trained with the configs of
-    pair_configs.py, and their production folders are what write_model_dirs
-    writes."""
-    import json
-
-    spec = pc.pair(name)
-    for sub, key in (("target", "small_target"), ("drafter", "small_drafter")):
-        with open(MODELS / name / sub / "config.json") as f:
-            assert json.load(f) == spec[key], (name, sub)
+def test_write_model_dirs_gives_the_committed_production_folders(name, tmp_path):
+    """The committed production folders are what write_model_dirs writes for a
+    newly trained set (configs, generation config, tokenizer links)."""
     pc.write_model_dirs(str(tmp_path), name)
     for sub in ("production-target", "production-drafter"):
         for f in (tmp_path / name / sub).iterdir():

@@ -63,7 +63,7 @@ FAKE = {
 }
 
 
-def _fake_run(cmd, stdout=None, text=None, timeout=None):
+def _fake_run(cmd, stdout=None, stderr=None, text=None, timeout=None):
     arg, it = {}, iter(cmd[3:])
     for flag in it:
         arg[flag] = True if flag == "--engine" else next(it)
@@ -71,7 +71,7 @@ def _fake_run(cmd, stdout=None, text=None, timeout=None):
     key = (arg["--method"], arg["--runner"], budget)
     mode = arg.get("--tree-attention") if key[0] == "ddtree" else None
     if key == ("ddtree", "v2", 64) and arg["--shape"] == "dense-8b":
-        return SimpleNamespace(stdout="engine died\n")
+        return SimpleNamespace(stdout="engine died\n", returncode=1)
     ms, busy = FAKE[key]
     if mode == "split":
         ms -= 1.0
@@ -91,7 +91,7 @@ def _fake_run(cmd, stdout=None, text=None, timeout=None):
         )
         for c in arg["--conc"].split(",")
     ]
-    return SimpleNamespace(stdout="\n".join(rows) + "\n")
+    return SimpleNamespace(stdout="\n".join(rows) + "\n", returncode=0)
 
 
 def test_rows_pair_ddtree_with_the_v2_chain(tmp_path, monkeypatch):
@@ -286,7 +286,7 @@ def test_rows_compare_chain_and_ddtree_of_the_same_weights(tmp_path, monkeypatch
     the pair rows carry both taus."""
     calls = []
 
-    def fake(cmd, stdout=None, text=None, timeout=None):
+    def fake(cmd, stdout=None, stderr=None, text=None, timeout=None):
         calls.append(cmd)
         method = cmd[cmd.index("--method") + 1]
         modes = cmd[cmd.index("--weights") + 1].split(",")
@@ -311,7 +311,7 @@ def test_rows_compare_chain_and_ddtree_of_the_same_weights(tmp_path, monkeypatch
             )
             for w in modes
         ]
-        return SimpleNamespace(stdout="\n".join(rows) + "\n")
+        return SimpleNamespace(stdout="\n".join(rows) + "\n", returncode=0)
 
     monkeypatch.setattr(subprocess, "run", fake)
     out = tmp_path / "step-cost.json"

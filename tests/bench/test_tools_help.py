@@ -11,7 +11,6 @@ import pytest
 TOOLS = [
     "bench.engine.sampling",
     "bench.engine.step_cost",
-    "bench.kernels.ddtree_core",
     "bench.kernels.tree_attention",
     "bench.kernels.tree_gdn",
     "bench.pairs.run_pairs",
