@@ -49,7 +49,7 @@ from test_ddtree_runner_v034 import (  # noqa: E402
     common_metadata,
     triton_builder,
 )
-from verifier_fakes import B, D, ArgmaxSampler, logits_for  # noqa: E402
+from verifier_fakes import ArgmaxSampler, B, D, logits_for  # noqa: E402
 
 from vllm.config.compilation import CUDAGraphMode  # noqa: E402
 from vllm.model_executor.layers.mamba.gdn import (  # noqa: E402
@@ -169,9 +169,9 @@ class HybridStep:
                 )
             ],
         ]
-        self.groups[1][0].kv_cache_spec = self.groups[1][0].metadata_builders[
-            0
-        ].kv_cache_spec
+        self.groups[1][0].kv_cache_spec = (
+            self.groups[1][0].metadata_builders[0].kv_cache_spec
+        )
         draft_groups = [[SimpleNamespace(metadata_builders=[self.draft_triton])]]
         monkeypatch.setattr(
             DFlashSpeculator,
@@ -212,7 +212,9 @@ class HybridStep:
         x = torch.randn(num_tokens, CONV_DIM, generator=gen)
         b = torch.randn(num_tokens, HV, generator=gen)
         a = torch.randn(num_tokens, HV, generator=gen)
-        run_core(self.monkeypatch, self.layer, attn_metadata[PREFIX], x, b, a, num_tokens)
+        run_core(
+            self.monkeypatch, self.layer, attn_metadata[PREFIX], x, b, a, num_tokens
+        )
         return x, b, a
 
     def propose(self, batch, attn_metadata, num_sampled, num_rejected, **kwargs):

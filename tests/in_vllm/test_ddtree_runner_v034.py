@@ -41,8 +41,8 @@ if not hasattr(BaseSpeculator, "prepare_verify"):
         allow_module_level=True,
     )
 
-from vllm.v1.worker.gpu.model_runner import GPUModelRunner  # noqa: E402
 from vllm.v1.attention.backends import triton_attn  # noqa: E402
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner  # noqa: E402
 from vllm.v1.worker.gpu.spec_decode.ddtree import (  # noqa: E402
     speculator as ddtree_speculator,
 )
@@ -208,7 +208,11 @@ def test_set_attn_hooks_the_target_builders_and_refuses_one_without_the_hook(
     speculator.target_kv_caches_bound = True
     target_builders = [SimpleNamespace(metadata_hook=None) for _ in range(2)]
     mamba = _attn_group(SimpleNamespace(), object.__new__(MambaSpec), "GDN_ATTN")
-    groups = [[_attn_group(target_builders[0])], [mamba], [_attn_group(target_builders[1])]]
+    groups = [
+        [_attn_group(target_builders[0])],
+        [mamba],
+        [_attn_group(target_builders[1])],
+    ]
     speculator.set_attn("state", "kv_cache_config", "block_tables", "bufs", groups)
     assert calls == [("state", "kv_cache_config", "block_tables", "bufs", groups)]
     for builder in target_builders:
@@ -342,9 +346,7 @@ def test_a_tree_step_through_the_runners_hooks(monkeypatch):
             self, "attn_groups", [[_attn_group(draft_builder)]]
         ),
     )
-    speculator.set_attn(
-        None, None, None, None, [[_attn_group(target_builder)]]
-    )
+    speculator.set_attn(None, None, None, None, [[_attn_group(target_builder)]])
     target_meta = target_builder.build(0, common_metadata([3, 5], [3, 25]))
     draft_meta = draft_builder.build(0, common_metadata([3, 5], [3, 25]))
     assert target_meta.tree_attn_bias is verifier.attn_bias

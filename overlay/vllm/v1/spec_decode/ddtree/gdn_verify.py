@@ -657,7 +657,6 @@ class DDTreeGDN:
             query_start_loc,
         )
 
-
     def commit_roots(
         self,
         query_start_loc: torch.Tensor,
