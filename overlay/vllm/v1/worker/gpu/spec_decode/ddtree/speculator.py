@@ -34,6 +34,7 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.triton_utils import triton
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.spec_decode.ddtree.config import (
     ddtree_speculative_config,
     verify_ddtree_target_layers,
@@ -239,8 +240,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         metadata with builders of its own, which keep none. A target
         attention group whose builder has no such hook is refused here, at
         startup; linear-attention (mamba) groups are the GDN path's."""
-        from vllm.v1.kv_cache_interface import MambaSpec
-
         assert self.verifier is not None
         for groups in target_attn_groups:
             for group in groups:
