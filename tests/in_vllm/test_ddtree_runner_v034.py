@@ -2,9 +2,9 @@
 """DDTree's tree verification through the V2 runner's speculator hooks (the
 vLLM 0.34.0 line): the runner takes the speculator's own rejection sampler
 (`BaseSpeculator.custom_sampler`), lets it prepare the verify inputs before
-the target forward (`BaseSpeculator.prepare_verify`), and the model state
-calls a hook with every attention metadata it builds
-(`DefaultModelState.attn_metadata_hook`). DDTreeSpeculator fills them with
+the target forward (`BaseSpeculator.prepare_verify`), and the target's
+TRITON_ATTN metadata builders call a hook with every metadata they build
+(`TritonAttentionMetadataBuilder.metadata_hook`). DDTreeSpeculator fills them with
 its verifier; the tests drive one tree step through the runner's own
 `sample` and the speculator's hooks in the runner's order, and check that
 the runner calls each hook where the step needs it. Skipped where the
@@ -41,8 +41,8 @@ if not hasattr(BaseSpeculator, "prepare_verify"):
         allow_module_level=True,
     )
 
+from vllm.v1.attention.backends import triton_attn  # noqa: E402
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner  # noqa: E402
-from vllm.v1.worker.gpu.model_states import default as default_model_state  # noqa: E402
 from vllm.v1.worker.gpu.spec_decode.ddtree import (  # noqa: E402
     speculator as ddtree_speculator,
 )
@@ -176,60 +176,103 @@ def test_custom_sampler_binds_tree_penalties_and_returns_the_walk():
     assert speculator.custom_sampler(sampler) is None
 
 
-def test_set_attn_hooks_the_model_state_and_refuses_one_without_the_hook(
+def _attn_group(builder, spec=None, backend="TRITON_ATTN"):
+    """An attention group as `init_attn_backend` makes it: its metadata
+    builders (one per micro-batch), KV-cache spec and backend."""
+    return SimpleNamespace(
+        metadata_builders=[builder],
+        kv_cache_spec=spec,
+        backend=SimpleNamespace(get_name=lambda: backend),
+        layer_names=[TARGET_LAYER],
+    )
+
+
+def test_set_attn_hooks_the_target_builders_and_refuses_one_without_the_hook(
     monkeypatch,
 ):
+    """set_attn sets the metadata hook of every target builder that has one
+    (the drafter's own builders, which the base class makes, keep theirs
+    unset), leaves linear-attention (mamba) groups to the GDN path, and
+    refuses a target attention group whose backend has no hook."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     calls = []
-    monkeypatch.setattr(
-        DFlashSpeculator, "set_attn", lambda self, *args: calls.append(args)
-    )
+    draft_builder = SimpleNamespace(metadata_hook=None)
+
+    def dflash_set_attn(self, *args):
+        calls.append(args)
+        self.attn_groups = [[_attn_group(draft_builder)]]
+
+    monkeypatch.setattr(DFlashSpeculator, "set_attn", dflash_set_attn)
     speculator = _speculator()
     speculator.target_kv_caches_bound = True
-    state = SimpleNamespace(attn_metadata_hook=None)
-    speculator.set_attn(state, "kv_cache_config", "block_tables", "bufs", "groups")
-    assert calls == [(state, "kv_cache_config", "block_tables", "bufs", "groups")]
-    assert state.attn_metadata_hook == speculator.attach_tree_bias
+    target_builders = [SimpleNamespace(metadata_hook=None) for _ in range(2)]
+    mamba = _attn_group(SimpleNamespace(), object.__new__(MambaSpec), "GDN_ATTN")
+    groups = [
+        [_attn_group(target_builders[0])],
+        [mamba],
+        [_attn_group(target_builders[1])],
+    ]
+    speculator.set_attn("state", "kv_cache_config", "block_tables", "bufs", groups)
+    assert calls == [("state", "kv_cache_config", "block_tables", "bufs", groups)]
+    for builder in target_builders:
+        assert builder.metadata_hook.func == speculator.verifier.attach_bias_to
+        assert builder.metadata_hook.keywords == {"builder": builder}
+    assert draft_builder.metadata_hook is None
     # New KV caches follow every set_attn: bound again at the next propose.
     assert not speculator.target_kv_caches_bound
-    with pytest.raises(ValueError, match="dense decoder targets"):
-        speculator.set_attn(object(), "kv_cache_config")
+    other = [[_attn_group(SimpleNamespace(), backend="FLASH_ATTN")]]
+    with pytest.raises(ValueError, match="TRITON_ATTN.*FLASH_ATTN"):
+        speculator.set_attn("state", "kv_cache_config", "b", "i", other)
 
 
-def test_the_model_state_calls_the_hook_with_every_metadata_it_builds(
-    monkeypatch,
-):
-    """DefaultModelState.prepare_attn (steps, captures and the drafter's
-    builds alike) hands its metadata to the hook before returning it."""
-    built = {TARGET_LAYER: SimpleNamespace(tree_attn_bias=None)}
-    monkeypatch.setattr(
-        default_model_state, "build_attn_metadata", lambda **kwargs: built
+def triton_builder():
+    """TRITON_ATTN's metadata builder with what its `build` reads (its
+    __init__ needs a whole engine config)."""
+    builder = object.__new__(triton_attn.TritonAttentionMetadataBuilder)
+    scratch = torch.zeros(1)
+    builder.seq_threshold_3D = 1
+    builder.num_par_softmax_segments = 16
+    builder.softmax_segm_output = builder.softmax_segm_max = scratch
+    builder.softmax_segm_expsum = scratch
+    builder.max_seqs_64_segments = 0
+    builder.rswa_window = None
+    builder.tree_split = None
+    builder.metadata_hook = None
+    return builder
+
+
+def common_metadata(query_lens, seq_lens):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(query_lens),
+        num_actual_tokens=int(qsl[-1]),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=torch.zeros(len(query_lens), 4, dtype=torch.int32),
+        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
     )
+
+
+def test_the_builder_calls_the_hook_with_every_metadata_it_builds():
+    """TritonAttentionMetadataBuilder.build (steps, and the captures, which
+    build through it) hands its metadata to the hook before returning it;
+    unset, upstream's behaviour."""
+    builder = triton_builder()
     seen = []
-    state = SimpleNamespace(
-        supports_mm_inputs=False,
-        encoder_cache=None,
-        max_model_len=64,
-        attn_metadata_hook=seen.append,
-    )
-    batch = _batch()
-    batch.num_reqs_after_padding = 2
-    batch.query_start_loc_np = batch.query_start_loc.numpy()
-    batch.max_query_len = 5
-    batch.pcp = None
-    batch.dcp_local_seq_lens = None
-    batch.is_prefilling_np = np.array([True, False])
-    batch.prompt_lens = None
-    batch.fast_prefill = None
-    for for_capture in (True, False):
-        out = default_model_state.DefaultModelState.prepare_attn(
-            state, batch, None, (), None, [], None, for_capture=for_capture
-        )
-        assert out is built
-    assert seen == [built, built]
-    state.attn_metadata_hook = None  # unset: upstream's behaviour
-    default_model_state.DefaultModelState.prepare_attn(
-        state, batch, None, (), None, [], None, for_capture=True
-    )
+    builder.metadata_hook = seen.append
+    out = builder.build(0, common_metadata([3, 5], [3, 25]))
+    capture = builder.build_for_cudagraph_capture(common_metadata([5, 5], [5, 5]))
+    assert seen == [out, capture]
+    assert isinstance(out, triton_attn.TritonAttentionMetadata)
+    builder.metadata_hook = None
+    builder.build(0, common_metadata([1], [4]))
     assert len(seen) == 2
 
 
@@ -293,14 +336,20 @@ def test_a_tree_step_through_the_runners_hooks(monkeypatch):
         kv_cache_groups=[SimpleNamespace(layer_names=[TARGET_LAYER, DRAFT_LAYER])]
     )
 
-    # The model state's hook: the target's metadata gets the tree bias.
-    target_meta = SimpleNamespace(tree_attn_bias=None)
-    draft_meta = SimpleNamespace(tree_attn_bias=None)
-    speculator.attach_tree_bias({TARGET_LAYER: target_meta, DRAFT_LAYER: draft_meta})
+    # The builders' hook: the target's metadata gets the tree bias; the
+    # drafter's builders (its own) have no hook.
+    target_builder, draft_builder = triton_builder(), triton_builder()
+    monkeypatch.setattr(
+        DFlashSpeculator,
+        "set_attn",
+        lambda self, *args: setattr(
+            self, "attn_groups", [[_attn_group(draft_builder)]]
+        ),
+    )
+    speculator.set_attn(None, None, None, None, [[_attn_group(target_builder)]])
+    target_meta = target_builder.build(0, common_metadata([3, 5], [3, 25]))
+    draft_meta = draft_builder.build(0, common_metadata([3, 5], [3, 25]))
     assert target_meta.tree_attn_bias is verifier.attn_bias
-    assert draft_meta.tree_attn_bias is None
-    # The drafter's own builds (the same model state) leave the target's be.
-    speculator.attach_tree_bias({DRAFT_LAYER: draft_meta})
     assert draft_meta.tree_attn_bias is None
 
     # Before the target forward: tree positions (root 20, nodes 20 + depth).

@@ -143,16 +143,41 @@ def save_verify_inputs(
 def spec_decode_rows(
     num_draft_tokens_per_req: np.ndarray | None,
     num_scheduled_tokens: np.ndarray,
+    decode_rows: np.ndarray | None = None,
 ) -> np.ndarray:
     """Batch rows the GDN metadata treats as speculative (tree) rows, in
-    batch order: exactly `MambaHybridModelState.prepare_attn`'s rule (draft
-    tokens scheduled and nothing else but the one decode token)."""
+    batch order: exactly `MambaHybridModelState.prepare_attn`'s rule.
+
+    ``decode_rows`` None (vLLM 0.26): draft tokens scheduled and nothing
+    else but the one decode token. Otherwise (vLLM 0.34, whose model state
+    makes every decode row a spec row, drafts or none: `decode_rows_of`):
+    the rows it marks."""
+    if decode_rows is not None:
+        return np.flatnonzero(decode_rows).astype(np.int64)
     if num_draft_tokens_per_req is None:
         return np.zeros(0, dtype=np.int64)
     num_reqs = num_draft_tokens_per_req.shape[0]
     drafts = num_draft_tokens_per_req
     is_decode = num_scheduled_tokens[:num_reqs] == drafts + 1
     return np.flatnonzero((drafts > 0) & is_decode).astype(np.int64)
+
+
+def decode_rows_of(input_batch: Any, max_decode_tokens: int) -> np.ndarray | None:
+    """vLLM 0.34's `MambaHybridModelState.prepare_attn` rule for the GDN
+    spec-decode rows of a batch (None where the batch has no
+    ``prefill_runs_as_decode_np``: vLLM 0.26, whose rule is
+    `spec_decode_rows`' own): rows not prefilling (a prompt's one-token tail
+    over existing context runs as a decode) with 1 .. ``max_decode_tokens``
+    tokens scheduled (1 + the speculative tokens), drafts or none."""
+    if not hasattr(input_batch, "prefill_runs_as_decode_np"):
+        return None
+    num_reqs = input_batch.num_reqs
+    prefilling = np.asarray(input_batch.is_prefilling_np[:num_reqs])
+    runs_as_decode = input_batch.prefill_runs_as_decode_np
+    if runs_as_decode is not None:
+        prefilling = prefilling & ~np.asarray(runs_as_decode[:num_reqs])
+    scheduled = np.asarray(input_batch.num_scheduled_tokens[:num_reqs])
+    return ~prefilling & (scheduled > 0) & (scheduled <= max_decode_tokens)
 
 
 class DDTreeGDN:
@@ -206,6 +231,9 @@ class DDTreeGDN:
         self._spec_rows_staging = UvaBufferPool(3 * m + 1, torch.int32)
         self.num_spec = 0
         self.num_spec_tokens = 0
+        # True from a step's prepare_step with spec rows until their states
+        # are committed (`commit` after a walk, `commit_roots` without one).
+        self.commit_pending = False
         self.device = device
         self.layer_index: dict[str, int] = {}
         self.layers: dict[str, Any] = {}
@@ -214,6 +242,7 @@ class DDTreeGDN:
         # state slots), and room for every group's slots of a step.
         self.tables: GDNCommitTables | None = None
         self.group_layers: list[str] = []
+        self._group_of: dict[str, int] = {}
         self.slot_buf = torch.zeros(0, dtype=torch.int32, device=device)
         # The step's GDN metadata, one per KV-cache group (attach).
         self.group_metadata: list[Any] = []
@@ -234,7 +263,6 @@ class DDTreeGDN:
         model_config = vllm_config.model_config
         parallel_config = vllm_config.parallel_config
         scheduler_config = vllm_config.scheduler_config
-        spec = vllm_config.speculative_config
         hf = model_config.hf_text_config
         tp = parallel_config.tensor_parallel_size
         key_dim = hf.linear_num_key_heads * hf.linear_key_head_dim
@@ -246,9 +274,10 @@ class DDTreeGDN:
         )
         # Spec rows per step: at most every scheduled token, at most one
         # full tree per request.
+        tree_budget = parent_idx.shape[1]
         max_rows = min(
             scheduler_config.max_num_batched_tokens,
-            scheduler_config.max_num_seqs * (1 + spec.tree_budget),
+            scheduler_config.max_num_seqs * (1 + tree_budget),
         )
         dtype = model_config.dtype
         context = cls(
@@ -278,6 +307,7 @@ class DDTreeGDN:
         self,
         forward_context: dict[str, Any],
         kv_cache_groups: Sequence[Sequence[str]] | None = None,
+        with_states: bool = True,
     ) -> None:
         """Find the target's GDN layers (once the model and its KV caches
         exist) and make this object their tree verifier: from now on each
@@ -286,7 +316,10 @@ class DDTreeGDN:
         ``kv_cache_groups``: the layer names of each KV-cache group (the
         runner's ``kv_cache_config.kv_cache_groups``); GDN layers of
         different groups read their state slots from different metadata.
-        None: all GDN layers in one group."""
+        None: all GDN layers in one group. ``with_states`` False: the
+        layers' states are not allocated yet (the forward's tree path reads
+        them from the layer); `bind_states` binds the post-walk commit to
+        them once they are, before the first commit."""
         from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
             QwenGatedDeltaNetAttention,
         )
@@ -312,19 +345,12 @@ class DDTreeGDN:
                 )
             self.layer_index[name] = i
             self.layers[name] = layer
-        group_of = _group_index(list(layers), kv_cache_groups)
+        self._group_of = _group_index(list(layers), kv_cache_groups)
         self.group_layers = [
-            next(name for name in layers if group_of[name] == g)
-            for g in range(max(group_of.values()) + 1)
+            next(name for name in layers if self._group_of[name] == g)
+            for g in range(max(self._group_of.values()) + 1)
         ]
-        states = [gdn_layer_states(layer) for layer in layers.values()]
-        self.tables = GDNCommitTables(
-            list(layers.values()),
-            [conv for conv, _ in states],
-            [ssm for _, ssm in states],
-            [group_of[name] for name in layers],
-            self.device,
-        )
+        self.tables = None
         self.slot_buf = torch.zeros(
             len(self.group_layers) * self.max_num_reqs,
             dtype=torch.int32,
@@ -334,6 +360,21 @@ class DDTreeGDN:
         self._groups_checked = False
         for layer in layers.values():
             layer.tree_verifier = self
+        if with_states:
+            self.bind_states()
+
+    def bind_states(self) -> None:
+        """The post-walk commit's tables of the bound layers' current states
+        (their KV caches), compiled once here."""
+        layers = self.layers
+        states = [gdn_layer_states(layer) for layer in layers.values()]
+        self.tables = GDNCommitTables(
+            list(layers.values()),
+            [conv for conv, _ in states],
+            [ssm for _, ssm in states],
+            [self._group_of[name] for name in layers],
+            self.device,
+        )
         self._compile_commit()
 
     def _compile_commit(self) -> None:
@@ -419,9 +460,15 @@ class DDTreeGDN:
         scheduler's numpy mirrors)."""
         drafts_np = input_batch.num_draft_tokens_per_req
         scheduled_np = np.asarray(input_batch.num_scheduled_tokens)
-        rows_np = spec_decode_rows(drafts_np, scheduled_np)
+        # 1 + the speculative tokens (the tree budget): the longest decode.
+        decode_rows = decode_rows_of(input_batch, self.parent_idx.shape[1] + 1)
+        rows_np = spec_decode_rows(drafts_np, scheduled_np, decode_rows)
         n = rows_np.shape[0]
-        if drafts_np is not None and n != np.count_nonzero(drafts_np > 0):
+        drafts = np.zeros(0, np.int32) if drafts_np is None else drafts_np
+        row_drafts = drafts[rows_np] if drafts.size else np.zeros(n, np.int32)
+        if np.count_nonzero(row_drafts > 0) != np.count_nonzero(drafts > 0) or (
+            np.any(scheduled_np[rows_np] != row_drafts + 1)
+        ):
             # Such a row would be verified as a tree by the attention layers
             # but run through the GDN layers as a chain (prefill kernels).
             # The scheduler gives drafts with a prefill chunk only to a
@@ -433,6 +480,7 @@ class DDTreeGDN:
             )
         self.num_spec = n
         self.num_spec_tokens = 0
+        self.commit_pending = n > 0
         if n == 0:
             return
         assert n <= input_batch.num_reqs
@@ -577,6 +625,7 @@ class DDTreeGDN:
         into one table first); no host synchronisation, no allocation.
         """
         n = self.num_spec
+        self.commit_pending = False
         if n == 0:
             return
         assert self.tables is not None
@@ -607,6 +656,27 @@ class DDTreeGDN:
             src_row,
             query_start_loc,
         )
+
+    def commit_roots(
+        self,
+        query_start_loc: torch.Tensor,
+        num_accepted: torch.Tensor,
+        src_row: torch.Tensor,
+    ) -> None:
+        """`commit` for a step without a walk (no request had drafts), whose
+        spec rows still ran the tree path (vLLM 0.34 runs every decode row as
+        a spec row, see `decode_rows_of`): each row's path is its root.
+        ``query_start_loc [R + 1]``, the batch's; ``num_accepted [>= R]`` and
+        ``src_row [>= R, D + 1]``, the walk's persistent buffers, get the
+        root paths (two small writes, no tensor made). A no-op unless this
+        step's `prepare_step` found spec rows that no `commit` has committed
+        (a dummy run has no prepare_step)."""
+        if not self.commit_pending:
+            return
+        num_reqs = query_start_loc.shape[0] - 1
+        num_accepted[:num_reqs].fill_(1)
+        src_row[:num_reqs, 0].copy_(query_start_loc[:num_reqs])
+        self.commit(num_accepted[:num_reqs], src_row[:num_reqs], query_start_loc)
 
 
 def _unique_metadata(attn_metadata: dict[str, Any] | None) -> list[Any]:

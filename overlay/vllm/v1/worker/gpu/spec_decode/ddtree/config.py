@@ -58,15 +58,6 @@ class VllmConfigWithDDTreeOptions:
         setattr(self._vllm_config, name, value)
 
 
-def hybrid_target_unported_error(architecture: object) -> str:
-    return (
-        f"DDTree: {architecture} is a hybrid (linear-attention) target; this "
-        "build's vLLM 0.34.0 line has no tree path for its Gated DeltaNet "
-        "layers yet (docs/architecture-0.34.0.md, H5); serve it with the "
-        "vllm-ddtree build on vLLM 0.26.0."
-    )
-
-
 class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
     speculator_class = (
         "vllm.v1.worker.gpu.spec_decode.ddtree.speculator.DDTreeSpeculator"
@@ -95,9 +86,6 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         # default ("measured") and runs as the schedule that starts from.
         verify_ddtree_drafter(view, unset_policy_runs_as="batch")
         spec.speculator_options = options
-        target = spec.target_model_config
-        if target is not None and target.is_hybrid:
-            raise ValueError(hybrid_target_unported_error(target.architecture))
 
     @property
     def num_draft_states(self) -> int:

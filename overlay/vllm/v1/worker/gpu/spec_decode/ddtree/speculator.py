@@ -9,17 +9,20 @@ built with batched top-k steps inside the drafter's CUDA graph, so drafting
 adds no host synchronisation.
 
 Where the V2 runner asks its speculator for a verifier (vLLM 0.34's
-`BaseSpeculator.custom_sampler` and `prepare_verify`, and the model state's
-``attn_metadata_hook``), the speculator owns DDTree's verifier and runs it
-through those hooks: tree positions before the target forward
-(`prepare_verify`), the tree attention bias on every target metadata
-(`set_attn`), the walk as the rejection sampler (`custom_sampler`), and the
-accepted path's compaction and the per-request tree store around the DFlash
-pass (`propose`). On the 0.26.0 line the patched runner holds the verifier
+`BaseSpeculator.custom_sampler` and `prepare_verify`, and the TRITON_ATTN
+metadata builder's ``metadata_hook``), the speculator owns DDTree's verifier
+and runs it through those hooks: tree positions before the target forward
+(`prepare_verify`), the tree attention bias on every target metadata (set on
+the target's builders in `set_attn`; hybrid targets: the Gated DeltaNet
+layers' tree path too), the walk as the rejection sampler
+(`custom_sampler`), and the accepted path's compaction (hybrid targets: the
+GDN states along it) and the per-request tree store around the DFlash pass
+(`propose`). On the 0.26.0 line the patched runner holds the verifier
 itself.
 """
 
 import copy
+import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +34,7 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.triton_utils import triton
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.spec_decode.ddtree.config import (
     ddtree_speculative_config,
     verify_ddtree_target_layers,
@@ -215,26 +219,42 @@ class DDTreeSpeculator(DFlashSpeculator):
         super().set_attn(model_state, kv_cache_config, *args)
         if self.verifier is None:
             return
-        if not hasattr(model_state, "attn_metadata_hook"):
-            raise ValueError(
-                "DDTree supports dense decoder targets only; model state "
-                f"{type(model_state).__name__} has no attention metadata hook."
+        # vLLM 0.34's: block_tables, target_input_buffers, target_attn_groups.
+        target_attn_groups = args[-1]
+        self.hook_target_builders(target_attn_groups)
+        if self.verifier.gdn is not None:
+            # The GDN layers' spec rows take the tree path from the first
+            # forward (captures included); the post-walk commit binds to
+            # their states, allocated after this, at the next propose.
+            self.verifier.gdn.bind_layers(
+                self.vllm_config.compilation_config.static_forward_context,
+                [group.layer_names for group in kv_cache_config.kv_cache_groups],
+                with_states=False,
             )
-        model_state.attn_metadata_hook = self.attach_tree_bias
         self.target_kv_caches_bound = False
 
-    def attach_tree_bias(self, attn_metadata: dict[str, Any]) -> None:
-        """The model state's attention-metadata hook: the tree bias on the
-        target's metadata (the drafter's, built by the same model state,
-        keeps its own attention)."""
+    def hook_target_builders(self, target_attn_groups: Any) -> None:
+        """The tree bias through the ``metadata_hook`` of each of the
+        target's attention metadata builders (TRITON_ATTN's: every step and
+        capture, whichever model state builds them). The drafter builds its
+        metadata with builders of its own, which keep none. A target
+        attention group whose builder has no such hook is refused here, at
+        startup; linear-attention (mamba) groups are the GDN path's."""
         assert self.verifier is not None
-        target_metadata = {
-            name: metadata
-            for name, metadata in attn_metadata.items()
-            if name not in self.draft_attn_layer_names
-        }
-        if target_metadata:
-            self.verifier.attach_bias(target_metadata)
+        for groups in target_attn_groups:
+            for group in groups:
+                for builder in group.metadata_builders:
+                    if hasattr(builder, "metadata_hook"):
+                        builder.metadata_hook = functools.partial(
+                            self.verifier.attach_bias_to, builder=builder
+                        )
+                    elif not isinstance(group.kv_cache_spec, MambaSpec):
+                        raise ValueError(
+                            "DDTree needs the TRITON_ATTN backend for the "
+                            "target model's attention layers; got "
+                            f"{group.backend.get_name()} (its metadata "
+                            "builder has no metadata hook)."
+                        )
 
     def prepare_verify(self, input_batch: InputBatch, positions: torch.Tensor) -> None:
         """Tree positions and tree attention bias before the target forward
@@ -261,6 +281,8 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.draft_attn_layer_names,
             [group.layer_names for group in self.kv_cache_config.kv_cache_groups],
         )
+        if self.verifier.gdn is not None:
+            self.verifier.gdn.bind_states()
         self.target_kv_caches_bound = True
 
     def tree_buffers(self) -> tuple[torch.Tensor, ...]:
@@ -328,8 +350,11 @@ class DDTreeSpeculator(DFlashSpeculator):
             if not self.target_kv_caches_bound:
                 self._bind_target_kv_caches()
             # The accepted path to contiguous KV slots and to the front of the
-            # hidden states the DFlash pass reads.
-            verifier.compact(input_batch, slot_mappings, aux_hidden_states)
+            # hidden states the DFlash pass reads; a hybrid target's GDN
+            # states along it (their state slots: the step's GDN metadata).
+            verifier.compact(
+                input_batch, slot_mappings, aux_hidden_states, attn_metadata
+            )
 
         def upstream_propose(batch: InputBatch, **extra: Any) -> torch.Tensor:
             return super(DDTreeSpeculator, self).propose(

@@ -141,8 +141,9 @@ class DDTreeVerifier:
         # (positions, logits indices, shifts) of the M-RoPE shift to undo.
         self._model_positions: tuple[torch.Tensor, ...] | None = None
         # The split tree attention's metadata of the step (one per KV-cache
-        # group), kept from attach_bias() for prepare_verify().
-        self._tree_splits: list[SplitTreeAttentionMetadata] = []
+        # group, by the metadata builder that built it), kept from
+        # attach_bias() / attach_bias_to() for prepare_verify().
+        self._tree_splits: dict[Any, SplitTreeAttentionMetadata] = {}
 
         # The measured budget policy: counts every walk's acceptance per tree
         # rank on the device and re-plans the budget per batch size.
@@ -343,14 +344,11 @@ class DDTreeVerifier:
     def attach_bias(self, attn_metadata: dict[str, Any]) -> None:
         """Point every target Triton attention metadata at the tree bias."""
         attached = False
-        self._tree_splits = []
-        for metadata in _unique(attn_metadata.values()):
+        self._tree_splits = {}
+        for i, metadata in enumerate(_unique(attn_metadata.values())):
             if hasattr(metadata, "tree_attn_bias"):
-                metadata.tree_attn_bias = self.attn_bias
+                self._attach_to(metadata, i)
                 attached = True
-                tree_split = getattr(metadata, "tree_split", None)
-                if tree_split is not None:
-                    self._tree_splits.append(tree_split)
         if attn_metadata and not attached:
             raise ValueError(
                 "DDTree needs the TRITON_ATTN backend for the target model; got "
@@ -358,6 +356,24 @@ class DDTreeVerifier:
             )
         if self.gdn is not None:
             self.gdn.attach(attn_metadata)
+
+    def attach_bias_to(self, metadata: Any, builder: Any) -> None:
+        """The tree bias on one target Triton attention metadata, as its
+        metadata builder (``builder``, a key) builds it (the builder's
+        ``metadata_hook``: every step and capture). Hybrid targets: the
+        step's longest query for the GDN tree kernels (the GDN metadata
+        itself reaches the GDN path after the forward, `compact`)."""
+        self._attach_to(metadata, builder)
+        if self.gdn is not None:
+            self.gdn.attach({"": metadata})
+
+    def _attach_to(self, metadata: Any, key: Any) -> None:
+        metadata.tree_attn_bias = self.attn_bias
+        tree_split = getattr(metadata, "tree_split", None)
+        if tree_split is not None:
+            self._tree_splits[key] = tree_split
+        else:
+            self._tree_splits.pop(key, None)
 
     # ------------------------------------------------------------ per step
     def prepare_verify(self, input_batch: InputBatch) -> None:
@@ -371,7 +387,7 @@ class DDTreeVerifier:
             # Prefill or plain decode only: no request sees a tree bias, and
             # the split attention may run a prefill chunk on FA3 causal.
             self.attn_bias[:num_reqs].zero_()
-            for tree_split in self._tree_splits:
+            for tree_split in self._tree_splits.values():
                 tree_split.no_tree = True
             return
         logits_indices = input_batch.logits_indices
@@ -496,9 +512,14 @@ class DDTreeVerifier:
         input_batch: InputBatch,
         slot_mappings_by_layer: dict[str, torch.Tensor] | None,
         aux_hidden_states: list[torch.Tensor] | None,
+        attn_metadata: dict[str, Any] | None = None,
     ) -> None:
         """Move the accepted path to the front: KV, hidden states, positions
-        (those of a step without a walk; the walk restores its own)."""
+        (those of a step without a walk; the walk restores its own).
+
+        ``attn_metadata``: the target's of the step, where the verifier saw
+        only its attention metadata before the forward (`attach_bias_to`):
+        the GDN metadata (state slots) of a hybrid target's commit."""
         if self._tree_pos is not None:
             logits_indices, shift = self._tree_pos
             ddtree_restore_positions(input_batch.positions, logits_indices, shift)
@@ -509,7 +530,18 @@ class DDTreeVerifier:
             # prepare_verify).
             ddtree_shift_model_positions(*self._model_positions, restore=True)
             self._model_positions = None
+        if self.gdn is not None and attn_metadata is not None:
+            self.gdn.attach(attn_metadata)
         if self._walk is None:
+            if self.gdn is not None:
+                # No walk (no request had drafts), but decode rows may have
+                # run the GDN tree path: their roots are their paths.
+                num_reqs = input_batch.num_reqs
+                self.gdn.commit_roots(
+                    input_batch.query_start_loc[: num_reqs + 1],
+                    self.walk_buffers.num_accepted,
+                    self.walk_buffers.src_row,
+                )
             return
         num_accepted, src_row, dst_row = self._walk
         self._walk = None
