@@ -163,8 +163,8 @@ def spec_decode_rows(
 
 
 def decode_rows_of(input_batch: Any, max_decode_tokens: int) -> np.ndarray | None:
-    """vLLM 0.34's `MambaHybridModelState.prepare_attn` rule for the GDN
-    spec-decode rows of a batch (None where the batch has no
+    """The GDN spec-decode rows of a batch by the rule of vLLM 0.34's
+    `MambaHybridModelState.prepare_attn` (None where the batch has no
     ``prefill_runs_as_decode_np``: vLLM 0.26, whose rule is
     `spec_decode_rows`' own): rows not prefilling (a prompt's one-token tail
     over existing context runs as a decode) with 1 .. ``max_decode_tokens``
