@@ -51,6 +51,8 @@ def make_layer(seed, prefix=PREFIX):
     layer.conv_kernel_size = W
     layer.activation = "silu"
     layer.enable_packed_recurrent_decode = False
+    # What __init__ resolves off CUDA: the Triton (FLA) prefill kernel.
+    layer.gdn_prefill_backend = "triton"
     layer.tree_verifier = None  # as __init__ leaves it; bind_layers sets it
     layer.conv1d = SimpleNamespace(
         weight=torch.randn(CONV_DIM, 1, W, generator=gen) * 0.5,

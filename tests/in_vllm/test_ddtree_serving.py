@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """DDTree under `vllm serve`, on CPU: the Prometheus series (names, per-depth
-length, values moving when fed the scheduler's stats), the periodic log line,
-and the startup errors of the real CLI (`python -m vllm.entrypoints.cli.main
-serve ...`): one readable line, no traceback, a non-zero exit."""
+length, values moving when fed the scheduler's stats), the periodic log line
+(both on the 0.26.0 line only), and the startup errors of the real CLI
+(`python -m vllm.entrypoints.cli.main serve ...`): one readable line, no
+traceback, a non-zero exit."""
 
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +23,19 @@ from verifier_fakes import DRAFTER, TARGET  # noqa: E402
 LABELS = ["model_name", "engine"]
 PER_ENGINE = {0: ["tiny", "0"]}
 ENGINE = {"model_name": "tiny", "engine": "0"}
+
+try:  # vLLM's speculative-method interface (0.34.0): DDTree is a plugin
+    from vllm.v1.worker.gpu.spec_decode import speculator_config  # noqa: F401
+
+    SPECULATOR_PLUGIN = True
+except ImportError:  # the 0.26.0 line: its patched SpeculativeConfig
+    SPECULATOR_PLUGIN = False
+
+ddtree_metrics_line = pytest.mark.skipif(
+    SPECULATOR_PLUGIN,
+    reason="DDTree's Prometheus series and log line are not ported to vLLM's "
+    "speculative-method interface (docs/architecture-0.34.0.md, H7)",
+)
 
 
 @pytest.fixture
@@ -41,6 +56,7 @@ def _series(registry, name):
 
 
 # ---------------------------------------------------------------- metrics
+@ddtree_metrics_line
 def test_ddtree_prometheus_series_exist_and_move(target_model_config, registry):
     from vllm.v1.spec_decode.ddtree.metrics import DDTREE_METRIC_NAMES
     from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
@@ -113,6 +129,7 @@ def test_ddtree_prometheus_series_exist_and_move(target_model_config, registry):
     assert _value(registry, d, depth="1") == 3
 
 
+@ddtree_metrics_line
 def test_plain_dflash_keeps_upstream_series_only(target_model_config, registry):
     from vllm.v1.spec_decode.metrics import SpecDecodingProm
 
@@ -164,12 +181,11 @@ print("RESULT " + json.dumps({"samples": samples, "log": lines,
 """
 
 
+@ddtree_metrics_line
 def test_vllm_stat_loggers_export_ddtree_series():
     """The PrometheusStatLogger and LoggingStatLogger of vLLM, built from the
     engine config that `vllm serve` would build (EngineArgs ->
     create_engine_config, on vLLM's CPU platform), fed one scheduler step."""
-    import json
-
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     p = subprocess.run(
         [sys.executable, "-c", STAT_LOGGERS_ON_CPU, TARGET, DRAFTER],
@@ -203,6 +219,7 @@ def test_vllm_stat_loggers_export_ddtree_series():
     ), r["log"]
 
 
+@ddtree_metrics_line
 def test_periodic_log_line_names_ddtree_and_budget(target_model_config):
     from vllm.v1.spec_decode.metrics import SpecDecodingLogging, SpecDecodingStats
 
@@ -294,58 +311,99 @@ def test_upstream_speculative_errors_of_a_ddtree_request_are_shortened():
     assert ddtree_spec_error_line(failing("ModelConfig", "bad"), ddtree) is None
 
 
+def speculative_config(method, drafter, options=None, **fields):
+    """`--speculative-config` with DDTree's ``options`` (tree_budget,
+    draft_depth) where this line takes them: fields of the 0.26.0 line's
+    patched config, ``speculator_options`` on vLLM's speculative-method
+    interface."""
+    config = dict(method=method, model=drafter, **fields)
+    if options and SPECULATOR_PLUGIN:
+        config["speculator_options"] = options
+    elif options:
+        config.update(options)
+    return json.dumps(config)
+
+
+# On vLLM's speculative-method interface, vLLM itself refuses another method's
+# speculator_options, in its own words.
+UPSTREAM_OPTIONS_REFUSAL = (
+    "speculator_options is not supported with speculative method 'dflash'."
+)
+BUDGET_ON_DFLASH_MESSAGE = (
+    UPSTREAM_OPTIONS_REFUSAL
+    if SPECULATOR_PLUGIN
+    else "DDTree: tree_budget and draft_depth are only valid with method='ddtree', "
+    "got method='dflash'."
+)
+
+# (name, method, DDTree options, other fields, extra CLI arguments, message)
 BAD_CONFIGS = [
     (
         "budget0",
-        '{"method":"ddtree","model":"%s","tree_budget":0}',
+        "ddtree",
+        {"tree_budget": 0},
+        {},
         [],
         "DDTree: tree_budget must be a positive integer, got 0.",
     ),
     (
         "depth16",
-        '{"method":"ddtree","model":"%s","draft_depth":16}',
+        "ddtree",
+        {"draft_depth": 16},
+        {},
         [],
         "DDTree: draft_depth=16 exceeds the drafter's block_size - 1 = 15.",
     ),
     (
         "nst",
-        '{"method":"ddtree","model":"%s","num_speculative_tokens":8}',
+        "ddtree",
+        {},
+        {"num_speculative_tokens": 8},
         [],
         "num_speculative_tokens=8",
     ),
     (
         "not_dflash",
-        '{"method":"ddtree","model":"%s"}',
+        "ddtree",
+        {},
+        {},
         ["TARGET_AS_DRAFTER"],
         # Upstream refuses the wrapped architecture before our own check runs.
         "is not a DFlash drafter (resolved architectures ['DFlashQwen3ForCausalLM'])",
     ),
     (
         "flash_attn",
-        '{"method":"ddtree","model":"%s"}',
+        "ddtree",
+        {},
+        {},
         ["--attention-backend", "FLASH_ATTN"],
         "got FLASH_ATTN",
     ),
     (
         "budget_on_dflash",
-        '{"method":"dflash","model":"%s","num_speculative_tokens":4,"tree_budget":8}',
+        "dflash",
+        {"tree_budget": 8},
+        {"num_speculative_tokens": 4},
         [],
-        "DDTree: tree_budget and draft_depth are only valid with method='ddtree', "
-        "got method='dflash'.",
+        BUDGET_ON_DFLASH_MESSAGE,
     ),
     # What the tree path cannot do, through the VllmConfig hook and through
     # SpeculativeConfig (pipeline parallelism); test_ddtree_refusals.py builds
     # every refusal's engine config.
     (
         "sliding_window",
-        '{"method":"ddtree","model":"%s"}',
+        "ddtree",
+        {},
+        {},
         ["--hf-overrides", '{"sliding_window": 256}'],
         "DDTree cannot verify trees on Qwen3ForCausalLM: its sliding-window "
         "attention (sliding_window=256) is shorter than max_model_len=512",
     ),
     (
         "pipeline_parallel",
-        '{"method":"ddtree","model":"%s"}',
+        "ddtree",
+        {},
+        {},
         ["--pipeline-parallel-size", "2"],
         "DDTree does not support pipeline parallelism (pipeline_parallel_size=2)",
     ),
@@ -374,7 +432,7 @@ def cli_runs(tmp_path_factory):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="WARNING")
     port = 18000
     procs = {}
-    for i, (name, spec, extra, _) in enumerate(BAD_CONFIGS):
+    for i, (name, method, options, fields, extra, _) in enumerate(BAD_CONFIGS):
         drafter = DRAFTER
         if extra == ["TARGET_AS_DRAFTER"]:
             drafter, extra = TARGET, []
@@ -393,7 +451,7 @@ def cli_runs(tmp_path_factory):
             "--port",
             str(port + i),
             "--speculative-config",
-            spec % drafter,
+            speculative_config(method, drafter, options, **fields),
             *extra,
         ]
         procs[name] = subprocess.Popen(
@@ -414,9 +472,13 @@ def cli_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "name, spec, extra, message", BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS]
+    "name, method, options, fields, extra, message",
+    BAD_CONFIGS,
+    ids=[c[0] for c in BAD_CONFIGS],
 )
-def test_vllm_serve_bad_config_is_one_line(cli_runs, name, spec, extra, message):
+def test_vllm_serve_bad_config_is_one_line(
+    cli_runs, name, method, options, fields, extra, message
+):
     rc, stdout, stderr = cli_runs[name]
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert rc == 1, (rc, stderr[-3000:])
@@ -424,6 +486,9 @@ def test_vllm_serve_bad_config_is_one_line(cli_runs, name, spec, extra, message)
     assert lines, stdout[-2000:]
     # vLLM prefixes its processes' output with "(APIServer pid=N) ".
     last = lines[-1].split(") ", 1)[-1] if lines[-1].startswith("(") else lines[-1]
-    assert last.startswith("vllm serve: error: DDTree"), stderr[-3000:]
-    assert message in last, last
+    if message == UPSTREAM_OPTIONS_REFUSAL:
+        assert last == f"vllm serve: error: {message}", last
+    else:
+        assert last.startswith("vllm serve: error: DDTree"), stderr[-3000:]
+        assert message in last, last
     assert len(last) < 400

@@ -40,6 +40,20 @@ def _stand_ins(monkeypatch):
     monkeypatch.setattr(
         qgdn, "causal_conv1d_update", lambda x, *args, **kwargs: x.clone()
     )
+    # vLLM 0.34.0 reads and writes the prefill rows' states with Triton
+    # kernels for CUDA / XPU; the same gather and scatter in torch.
+    if hasattr(qgdn, "gather_initial_states"):
+
+        def gather(state, indices, has_initial_state):
+            rows = state[indices.long()].clone()
+            rows[~has_initial_state] = 0
+            return rows
+
+        def scatter(state, src, indices):
+            state[indices.long()] = src.to(state.dtype)
+
+        monkeypatch.setattr(qgdn, "gather_initial_states", gather)
+        monkeypatch.setattr(qgdn, "scatter_states", scatter)
 
 
 def chain_layer(seed):

@@ -82,6 +82,20 @@ def _speculative_config_error(exc: BaseException) -> str | None:
     return None
 
 
+def not_a_dflash_drafter_line(message: str, model: object) -> str | None:
+    """The DDTree line for upstream's refusal of the draft model's
+    architecture in ``message`` (the drafter is not a DFlash model); None
+    for any other message."""
+    arch = _ARCH_RE.search(message)
+    if arch is None:
+        return None
+    return (
+        f"DDTree: the draft model {model!r} is not a DFlash drafter "
+        f"(resolved architectures [{arch.group(1)}]); use a DFlash "
+        "checkpoint (DFlashDraftModel with a dflash_config)."
+    )
+
+
 def ddtree_spec_error_line(
     exc: BaseException, speculative_config: object
 ) -> str | None:
@@ -93,14 +107,9 @@ def ddtree_spec_error_line(
     message = _speculative_config_error(exc)
     if message is None:
         return None
-    model = speculative_config.get("model")
-    arch = _ARCH_RE.search(message)
-    if arch is not None:
-        return (
-            f"DDTree: the draft model {model!r} is not a DFlash drafter "
-            f"(resolved architectures [{arch.group(1)}]); use a DFlash "
-            "checkpoint (DFlashDraftModel with a dflash_config)."
-        )
+    line = not_a_dflash_drafter_line(message, speculative_config.get("model"))
+    if line is not None:
+        return line
     line = f"DDTree: invalid --speculative-config: {message}"
     if len(line) > MAX_LINE:
         line = line[: MAX_LINE - 3] + "..."

@@ -28,6 +28,7 @@ from vllm.v1.spec_decode.ddtree.config import (
     verify_ddtree_vllm_config,
     verify_release_line,
 )
+from vllm.v1.spec_decode.ddtree.startup import not_a_dflash_drafter_line
 from vllm.v1.worker.gpu.spec_decode.dflash.config import DFlashSpeculatorConfig
 
 if TYPE_CHECKING:
@@ -79,7 +80,15 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
         # Sets num_speculative_tokens = tree_budget (the tokens verified per
         # step), which DFlash's setup below requires.
         resolve_ddtree_method(view)
-        super().configure(spec)
+        try:
+            super().configure(spec)
+        except ValueError as e:
+            # Upstream's refusal of a drafter that is not a DFlash model lists
+            # every architecture vLLM supports; DDTree's line names the drafter.
+            line = not_a_dflash_drafter_line(str(e), spec.model)
+            if line is None:
+                raise
+            raise ValueError(line) from e
         # The drafter is a DFlash checkpoint; draft_depth from its block size;
         # the budget policy's schedule into num_speculative_tokens_per_batch_size.
         # Unset, the policy is checked and scheduled as the 0.26.0 line's
