@@ -130,13 +130,12 @@ def test_ddtree_spec_rows_get_one_state_column(cudagraph_mode):
     assert md.spec_state_indices_tensor.tolist() == table.tolist()
 
 
-def test_mixed_batch_spec_rows_and_commit(monkeypatch):
-    """Batch: [tree of request A, prefill chunk of request P, tree of B]."""
-    case = Case(7, [5, 3], 3)
-    layer = make_layer(7)
-    # The prefill chunk's kernels (causal_conv1d_fn's and FLA's chunked
-    # delta rule) do not run in the Triton interpreter and are not what is
-    # tested here: torch stand-ins that leave a mark in the prefill slot.
+def stub_prefill_kernels(monkeypatch, layer):
+    """The prefill chunk's kernels (causal_conv1d_fn's and FLA's chunked
+    delta rule) do not run in the Triton interpreter and are not what is
+    tested here: torch stand-ins that leave a mark (7.0) in the prefill
+    slot; on vLLM 0.33+ the chunk kernel's state gather and scatter (CUDA
+    kernels) around it too."""
     monkeypatch.setattr(qgdn, "causal_conv1d_fn", lambda x, *args, **kwargs: x.clone())
 
     def chunk_stub(q, k, v, initial_state, **kwargs):
@@ -145,8 +144,6 @@ def test_mixed_batch_spec_rows_and_commit(monkeypatch):
 
     layer.chunk_gated_delta_rule = chunk_stub
     if hasattr(qgdn, "gather_initial_states"):
-        # vLLM 0.33+: the chunk kernel's state gather and scatter (CUDA
-        # kernels) around it, as torch.
         layer.gdn_prefill_backend = "triton"
 
         def gather(state, indices, has_initial_state):
@@ -158,6 +155,13 @@ def test_mixed_batch_spec_rows_and_commit(monkeypatch):
 
         monkeypatch.setattr(qgdn, "gather_initial_states", gather)
         monkeypatch.setattr(qgdn, "scatter_states", scatter)
+
+
+def test_mixed_batch_spec_rows_and_commit(monkeypatch):
+    """Batch: [tree of request A, prefill chunk of request P, tree of B]."""
+    case = Case(7, [5, 3], 3)
+    layer = make_layer(7)
+    stub_prefill_kernels(monkeypatch, layer)
     committed = [t.clone() for t in layer.kv_cache]
     gen = torch.Generator().manual_seed(70)
     prefill_len = 3

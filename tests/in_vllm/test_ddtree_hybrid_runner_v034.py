@@ -29,11 +29,11 @@ if not hasattr(BaseSpeculator, "prepare_verify"):
     )
 
 from test_ddtree_gdn_builder import builder as gdn_builder  # noqa: E402
+from test_ddtree_gdn_builder import stub_prefill_kernels  # noqa: E402
 from test_ddtree_gdn_hybrid import (  # noqa: E402
     CONV_DIM,
     HV,
     PREFIX,
-    V,
     assert_slot_is_replay,
     gdn_context,
     make_layer,
@@ -52,9 +52,6 @@ from test_ddtree_runner_v034 import (  # noqa: E402
 from verifier_fakes import ArgmaxSampler, B, D, logits_for  # noqa: E402
 
 from vllm.config.compilation import CUDAGraphMode  # noqa: E402
-from vllm.model_executor.layers.mamba.gdn import (  # noqa: E402
-    qwen_gdn_linear_attn as qgdn,
-)
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend  # noqa: E402
 from vllm.v1.attention.backends.triton_attn import (  # noqa: E402
     TritonAttentionBackend,
@@ -84,32 +81,6 @@ def _no_pinned_memory(monkeypatch):
 
     monkeypatch.setattr(torch_utils, "PIN_MEMORY", False)
     monkeypatch.setattr(backend_utils, "PIN_MEMORY", False)
-
-
-def stub_prefill_kernels(monkeypatch, layer):
-    """The prefill chunk's kernels (causal_conv1d_fn's and FLA's chunked
-    delta rule) do not run in the Triton interpreter and are not what is
-    tested here: torch stand-ins, as in test_ddtree_gdn_builder.py, that
-    leave a mark (7.0) in the prefill slot."""
-    monkeypatch.setattr(qgdn, "causal_conv1d_fn", lambda x, *args, **kwargs: x.clone())
-
-    def chunk_stub(q, k, v, initial_state, **kwargs):
-        o = torch.zeros(*v.shape[:2], HV, V, device=v.device)
-        return o, torch.full_like(initial_state, 7.0)
-
-    layer.chunk_gated_delta_rule = chunk_stub
-    if hasattr(qgdn, "gather_initial_states"):
-        layer.gdn_prefill_backend = "triton"
-
-        def gather(state, indices, has_initial_state):
-            mask = has_initial_state.view(-1, *[1] * (state.ndim - 1))
-            return torch.where(mask, state[indices.long()], 0.0)
-
-        def scatter(state, src, indices):
-            state[indices.long()] = src.to(state.dtype)
-
-        monkeypatch.setattr(qgdn, "gather_initial_states", gather)
-        monkeypatch.setattr(qgdn, "scatter_states", scatter)
 
 
 class HybridStep:
