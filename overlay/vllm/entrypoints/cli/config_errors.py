@@ -16,6 +16,7 @@ Generic: it knows no option or method.
 
 import os
 import sys
+from collections.abc import Iterator
 from types import TracebackType
 
 MAX_LINE = 500
@@ -41,9 +42,8 @@ def _validation_messages(exc: BaseException) -> list[str]:
     return messages
 
 
-def config_error_line(exc: BaseException) -> str | None:
-    """The configuration error carried by ``exc`` or its causes, as one line;
-    None when none of them is a config's ``ValidationError``."""
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and its causes and contexts, breadth first, each once."""
     seen: set[int] = set()
     pending: list[BaseException] = [exc]
     while pending:
@@ -51,6 +51,14 @@ def config_error_line(exc: BaseException) -> str | None:
         if id(err) in seen:
             continue
         seen.add(id(err))
+        yield err
+        pending.extend(e for e in (err.__cause__, err.__context__) if e is not None)
+
+
+def config_error_line(exc: BaseException) -> str | None:
+    """The configuration error carried by ``exc`` or its causes, as one line;
+    None when none of them is a config's ``ValidationError``."""
+    for err in exception_chain(exc):
         messages = [" ".join(m.split()) for m in _validation_messages(err)]
         messages = [m for m in messages if m]
         if messages:
@@ -58,7 +66,6 @@ def config_error_line(exc: BaseException) -> str | None:
             if len(line) > MAX_LINE:
                 line = line[: MAX_LINE - 3] + "..."
             return line
-        pending.extend(e for e in (err.__cause__, err.__context__) if e is not None)
     return None
 
 

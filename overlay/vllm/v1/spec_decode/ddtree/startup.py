@@ -17,6 +17,8 @@ shortened to one line too. Any other exception is left alone.
 import re
 import sys
 
+from vllm.entrypoints.cli.config_errors import exception_chain
+
 DDTREE_PREFIX = "DDTree"
 
 
@@ -42,19 +44,12 @@ def _messages(exc: BaseException) -> list[str]:
 def ddtree_config_error_line(exc: BaseException) -> str | None:
     """The DDTree configuration message carried by ``exc`` (or its causes),
     as one line; None when ``exc`` is not a DDTree configuration error."""
-    seen: set[int] = set()
-    pending: list[BaseException] = [exc]
-    while pending:
-        err = pending.pop(0)
-        if id(err) in seen:
-            continue
-        seen.add(id(err))
+    for err in exception_chain(exc):
         if isinstance(err, (ValueError, TypeError)):
             for message in _messages(err):
                 line = " ".join(message.split())
                 if line.startswith(DDTREE_PREFIX):
                     return line
-        pending.extend(e for e in (err.__cause__, err.__context__) if e is not None)
     return None
 
 
