@@ -149,6 +149,14 @@ def engine_kwargs(
     return kw | overrides
 
 
+def is_hybrid(model_dir: str) -> bool:
+    """Whether the checkpoint in ``model_dir`` has linear-attention (Gated
+    DeltaNet) layers."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    return "linear_attention" in cfg.get("text_config", cfg).get("layer_types", ())
+
+
 def chain_config(drafter: str, k: int) -> dict:
     """The DFlash chain's speculative_config: K draft tokens per step."""
     return dict(method="dflash", model=drafter, num_speculative_tokens=k)

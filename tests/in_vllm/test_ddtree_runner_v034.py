@@ -176,14 +176,14 @@ def test_custom_sampler_binds_tree_penalties_and_returns_the_walk():
     assert speculator.custom_sampler(sampler) is None
 
 
-def _attn_group(builder, spec=None, backend="TRITON_ATTN"):
+def _attn_group(builder, spec=None, backend="TRITON_ATTN", layers=(TARGET_LAYER,)):
     """An attention group as `init_attn_backend` makes it: its metadata
-    builders (one per micro-batch), KV-cache spec and backend."""
+    builders (one per micro-batch), KV-cache spec, backend and layers."""
     return SimpleNamespace(
         metadata_builders=[builder],
         kv_cache_spec=spec,
         backend=SimpleNamespace(get_name=lambda: backend),
-        layer_names=[TARGET_LAYER],
+        layer_names=list(layers),
     )
 
 
@@ -193,7 +193,9 @@ def test_set_attn_hooks_the_target_builders_and_refuses_one_without_the_hook(
     """set_attn sets the metadata hook of every target builder that has one
     (the drafter's own builders, which the base class makes, keep theirs
     unset), leaves linear-attention (mamba) groups to the GDN path, and
-    refuses a target attention group whose backend has no hook."""
+    refuses a target attention group whose backend has no hook; the
+    runner's groups of drafter layers only, whatever their backend, are
+    skipped."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     calls = []
@@ -208,8 +210,10 @@ def test_set_attn_hooks_the_target_builders_and_refuses_one_without_the_hook(
     speculator.target_kv_caches_bound = True
     target_builders = [SimpleNamespace(metadata_hook=None) for _ in range(2)]
     mamba = _attn_group(SimpleNamespace(), object.__new__(MambaSpec), "GDN_ATTN")
+    runner_draft_builder = SimpleNamespace(metadata_hook=None)
+    runner_draft = _attn_group(runner_draft_builder, None, "FLASH_ATTN", [DRAFT_LAYER])
     groups = [
-        [_attn_group(target_builders[0])],
+        [_attn_group(target_builders[0]), runner_draft],
         [mamba],
         [_attn_group(target_builders[1])],
     ]
@@ -219,6 +223,7 @@ def test_set_attn_hooks_the_target_builders_and_refuses_one_without_the_hook(
         assert builder.metadata_hook.func == speculator.verifier.attach_bias_to
         assert builder.metadata_hook.keywords == {"builder": builder}
     assert draft_builder.metadata_hook is None
+    assert runner_draft_builder.metadata_hook is None
     # New KV caches follow every set_attn: bound again at the next propose.
     assert not speculator.target_kv_caches_bound
     other = [[_attn_group(SimpleNamespace(), backend="FLASH_ATTN")]]

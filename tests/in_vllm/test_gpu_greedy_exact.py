@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """GPU, end to end: greedy DDTree generates what the target alone generates.
 
-vLLM's LLM API on the dense benchmark pair in float32 with CUDA graphs: 16 held-out
+vLLM's LLM API on each benchmark pair's small trained models (the dense Qwen3
+pair and the Gated DeltaNet hybrid pair) in float32 with CUDA graphs: 16 held-out
 prompts, 64 new tokens each, once without speculation (the reference, with
 its top-2 logprobs) and once per tree budget (3, 16 and 64, fixed budget
 policy, so that every step verifies that many nodes; 3 is one of the measured
@@ -11,8 +12,9 @@ differing token is below 0.01 nats: a float32 near-tie that the batch shape
 decides (stock DFlash diverges there too).
 
 Each engine runs in its own process (one GPU, engines one after the other).
-The pair and its held-out prompts are the checkout's (bench/pairs/models,
-tests/helpers/repo_paths.py). Run on a GPU host:
+The pairs and their held-out prompts are the checkout's (bench/pairs/models,
+tests/helpers/repo_paths.py); hybrid targets run without prefix caching, which
+DDTree refuses there. Run on a GPU host:
 
     python -m pytest -c tests/in_vllm/pytest.ini -m gpu \\
         tests/in_vllm/test_gpu_greedy_exact.py
@@ -25,12 +27,13 @@ import sys
 import textwrap
 
 import pytest
-from repo_paths import DRAFTER, HELDOUT_PROMPTS, TARGET
+from repo_paths import HELDOUT_PROMPTS, PAIR_MODELS
 
 NUM_PROMPTS = 16
 MAX_TOKENS = 64
 NEAR_TIE_NATS = 0.01
 BUDGETS = (3, 16, 64)
+PAIRS = ("dense-8b", "hybrid-27b")
 
 # One engine: its outputs, the reference's top-2 gaps and the spec-decode
 # counters, as one JSON line on stdout.
@@ -47,6 +50,11 @@ ENGINE = textwrap.dedent(
         model=args["target"], dtype="float32", max_model_len=2048, seed=0,
         gpu_memory_utilization=0.5, disable_log_stats=False,
     )
+    if args["hybrid"]:
+        kw.update(
+            enable_prefix_caching=False, gdn_prefill_backend="triton",
+            limit_mm_per_prompt={"image": 0, "video": 0},
+        )
     if args["budget"]:
         options = dict(tree_budget=args["budget"], budget_policy="fixed")
         try:  # vLLM 0.34.0 and later: the plugin's options
@@ -85,10 +93,15 @@ ENGINE = textwrap.dedent(
 )
 
 
-def run_engine(budget: int | None) -> dict:
+def run_engine(pair: str, budget: int | None) -> dict:
+    target = PAIR_MODELS / pair / "target"
+    with open(target / "config.json") as f:
+        config = json.load(f)
+    layer_types = config.get("text_config", config).get("layer_types", ())
     args = dict(
-        target=str(TARGET),
-        drafter=str(DRAFTER),
+        target=str(target),
+        drafter=str(PAIR_MODELS / pair / "drafter"),
+        hybrid="linear_attention" in layer_types,
         prompts=str(HELDOUT_PROMPTS),
         n=NUM_PROMPTS,
         max_tokens=MAX_TOKENS,
@@ -114,15 +127,16 @@ def first_divergence(ref: list[int], out: list[int]) -> int | None:
     return j
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return run_engine(None)
+@pytest.fixture(scope="module", params=PAIRS)
+def pair_reference(request):
+    return request.param, run_engine(request.param, None)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("budget", BUDGETS)
-def test_greedy_ddtree_equals_no_speculation(reference, budget):
-    got = run_engine(budget)
+def test_greedy_ddtree_equals_no_speculation(pair_reference, budget):
+    pair, reference = pair_reference
+    got = run_engine(pair, budget)
     assert got["method"] == "ddtree"
     assert got["drafts"] > 0  # the trees were verified
     assert len(got["tokens"]) == len(reference["tokens"]) == NUM_PROMPTS
@@ -140,11 +154,11 @@ def test_greedy_ddtree_equals_no_speculation(reference, budget):
         else:
             unexplained.append((i, j, gap))
     print(
-        f"B={budget}: {NUM_PROMPTS - near_ties - len(unexplained)}/{NUM_PROMPTS} "
-        "equal, "
+        f"{pair} B={budget}: "
+        f"{NUM_PROMPTS - near_ties - len(unexplained)}/{NUM_PROMPTS} equal, "
         f"{near_ties} near-ties, accepted {got['accepted']} over {got['drafts']} drafts"
     )
     assert not unexplained, (
-        f"DDTree B={budget} diverged from no speculation away from near-ties "
-        f"(prompt, token, reference top-2 gap): {unexplained}"
+        f"DDTree on {pair}, B={budget}, diverged from no speculation away from "
+        f"near-ties (prompt, token, reference top-2 gap): {unexplained}"
     )

@@ -237,12 +237,17 @@ class DDTreeSpeculator(DFlashSpeculator):
         """The tree bias through the ``metadata_hook`` of each of the
         target's attention metadata builders (TRITON_ATTN's: every step and
         capture, whichever model state builds them). The drafter builds its
-        metadata with builders of its own, which keep none. A target
-        attention group whose builder has no such hook is refused here, at
-        startup; linear-attention (mamba) groups are the GDN path's."""
+        metadata with builders of its own, which keep none; the runner's
+        groups of drafter layers only (another backend where the target's and
+        the drafter's KV layouts differ, as on Qwen3.5 hybrids) verify no tree
+        and are skipped. A target attention group whose builder has no such
+        hook is refused here, at startup; linear-attention (mamba) groups are
+        the GDN path's."""
         assert self.verifier is not None
         for groups in target_attn_groups:
             for group in groups:
+                if set(group.layer_names) <= self.draft_attn_layer_names:
+                    continue
                 for builder in group.metadata_builders:
                     if hasattr(builder, "metadata_hook"):
                         builder.metadata_hook = functools.partial(
