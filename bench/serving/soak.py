@@ -68,7 +68,6 @@ from bench.common import (
     add_options,
     check_loopback,
     emit,
-    percentiles,
     progress,
     write_json,
 )
@@ -206,7 +205,6 @@ class Plan:
     error: str | None = None
     t_start: float = 0.0
     t_end: float = 0.0
-    ttft: float | None = None
     texts: dict[int, str] = field(default_factory=dict)
     completion_tokens: int | None = None
     epoch: int = 0
@@ -483,7 +481,7 @@ def divergence_gap(char: int, tokens: list[str], gaps: list[float]) -> float | N
 
 async def run_plan(ep: Endpoint, req: Plan, timeout: float, clock) -> Plan:
     """Send ``req`` and record what came of it in it."""
-    req.t_start, t0, sent = clock(), time.monotonic(), asyncio.Event()
+    req.t_start, sent = clock(), asyncio.Event()
 
     async def trace(event: str, info: dict) -> None:
         if event.endswith("send_request_body.complete"):
@@ -492,8 +490,6 @@ async def run_plan(ep: Endpoint, req: Plan, timeout: float, clock) -> Plan:
     def take(payload: dict) -> None:
         for c in payload.get("choices") or []:
             text, idx = choice_text(req.api, c, req.stream), int(c.get("index", 0))
-            if text and req.stream and req.ttft is None:
-                req.ttft = time.monotonic() - t0
             req.texts[idx] = req.texts.get(idx, "") + text
         if usage := payload.get("usage"):
             req.completion_tokens = usage.get("completion_tokens")
@@ -1222,12 +1218,6 @@ class Soak:
             by_kind[f"{o.category}:{o.name}"][o.status] += 1
             kind = f"{o.status}:{o.error_kind}" if o.error_kind else o.status
             fault[kind] += o.in_fault
-        latency = {
-            s: percentiles([o.t_end - o.t_start for o in outs if o.status == s])
-            for s in ("completed", "aborted", "refused", "rejected")
-        }
-        ttft = [o.ttft for o in outs if o.status == "completed" and o.ttft is not None]
-        latency["completed_stream_ttft"] = percentiles(ttft)
         return {
             "ok": all(c["ok"] is not False for c in crit.values()),
             "criteria": crit,
@@ -1244,7 +1234,6 @@ class Soak:
                 "failing": [o.brief() for o in failing[:50]],
                 "n_failing": len(failing),
             },
-            "latency_s": latency,
             "health": {
                 "polls": len(self.health),
                 "by_status": dict(Counter(str(s) for _, _, s in self.health)),

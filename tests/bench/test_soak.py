@@ -126,9 +126,6 @@ def test_good_fake_passes_every_criterion(tmp_path):
         "stream_error_400",
     }
     assert r["requests"]["errors_by_kind"]["stream_error_400"] > 0
-    lat = r["latency_s"]["completed"]
-    assert lat["n"] == by["completed"] and lat["p50"] <= lat["p99"] <= lat["max"]
-    assert r["latency_s"]["completed_stream_ttft"]["n"] > 0
     # Every bad input, one at a time: a 4xx with a message, healthy after it.
     rows = r["bad_input"]
     assert len(rows) == len(soak.bad_cases(_ctx())) and all(x["ok"] for x in rows)
