@@ -11,9 +11,9 @@ with dummy weights (tau = 1: the figures are pure step cost), bf16, CUDA graphs:
 Shapes are the benchmark pairs' production configs (Qwen3-8B and Qwen3.6-27B with
 their 5-layer DFlash drafters), loaded with ``load_format="dummy"``. One engine
 per configuration, each in its own process and in-process inside it (the torch
-profiler sees its kernels): the chain (K = ``--chain-k``; on the hybrid shape on
-both model runners), DDTree with ``budget_policy: fixed`` at ``--chain-k``
-nodes (as many verified tokens as the chain) at every ``--conc`` and at each
+profiler sees its kernels), all on the V2 model runner: the chain (K =
+``--chain-k``), DDTree with ``budget_policy: fixed`` at ``--chain-k`` nodes
+(as many verified tokens as the chain) at every ``--conc`` and at each
 ``--c1-budgets`` at concurrency 1, once per ``--tree-attention`` mode.
 
 Per concurrency: an untimed batch (its kernels compile there), the same
@@ -25,9 +25,9 @@ dummy weights the chain's drafts are likely one repeated token, which the GPU,
 at its power cap, verifies faster than a tree's distinct tokens.
 
 ``--out``: ``{"command", "rows", "engines"}``, one row per (shape, weights,
-concurrency, tree budget) against the V2 chain (``ratio``, the same less the
-prefill: ``decode_ratio``, GPU-busy shares, clocks, the V1 chain's
-``chain_v1_*``), rewritten after every engine.
+concurrency, tree budget) against the chain (``ratio``, the same less the
+prefill: ``decode_ratio``, GPU-busy shares, clocks), rewritten after every
+engine.
 """
 
 from __future__ import annotations
@@ -61,12 +61,10 @@ def engines_for(
     equal_budget: int,
     c1_budgets: list[int],
     tree_attention: tuple[str, ...] = ("unified",),
-    v1_chain: bool = True,
 ) -> list[dict]:
-    """The engines of one shape: the V2 chain, then per tree-attention mode
+    """The engines of one shape: the chain, then per tree-attention mode
     DDTree at the equal budget at every concurrency and at each other budget
-    at concurrency 1, and last (the rows compare with the V2 chain) the
-    hybrid shape's V1 chain unless not ``v1_chain``."""
+    at concurrency 1."""
     chain = [dict(method="chain", runner="v2", conc=conc)]
     trees = [
         dict(method="ddtree", runner="v2", budget=b, conc=c, tree_attention=mode)
@@ -74,10 +72,7 @@ def engines_for(
         for b, c in [(equal_budget, conc)]
         + [(b, [1]) for b in c1_budgets if b != equal_budget]
     ]
-    engines = chain + trees
-    if shape.startswith("hybrid") and v1_chain:
-        engines.append(dict(method="chain", runner="v1", conc=conc))
-    return engines
+    return chain + trees
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -110,23 +105,23 @@ def capped(engine_row: dict) -> str | None:
 
 
 def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
-    """One step-cost row per DDTree measurement, against the chain of the
-    runner DDTree uses (V2) at the same shape, weights (rows of runs before
-    ``--weights`` were all dummy) and concurrency."""
+    """One step-cost row per DDTree measurement, against the chain at the
+    same shape, weights (rows of runs before ``--weights`` were all dummy)
+    and concurrency."""
 
-    def key(r: dict, runner: str) -> tuple:
-        return (r["shape"], r.get("weights", "dummy"), runner, r["concurrency"])
+    def key(r: dict) -> tuple:
+        return (r["shape"], r.get("weights", "dummy"), r["concurrency"])
 
-    chains = {key(r, r["runner"]): r for r in engine_rows if r["method"] == "chain"}
+    chains = {key(r): r for r in engine_rows if r["method"] == "chain"}
     rows = []
     for r in engine_rows:
-        chain = chains.get(key(r, "v2"))
+        chain = chains.get(key(r))
         if r["method"] != "ddtree" or chain is None:
             continue
         pair = (("chain", chain), ("ddtree", r))
         row = dict(
             shape=r["shape"],
-            weights=key(r, "v2")[1],
+            weights=r.get("weights", "dummy"),
             concurrency=r["concurrency"],
             tree_budget=r["budget"],
             tree_attention=r.get("tree_attention", "unified"),
@@ -160,13 +155,6 @@ def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
             for name in ("sm_clock_mhz", "power_w"):
                 row[f"chain_{name}"] = chain["gpu"][name]
                 row[f"ddtree_{name}"] = r["gpu"][name]
-        v1 = chains.get(key(r, "v1"))
-        if v1 is not None:
-            row.update(
-                chain_v1_ms_per_step=v1["ms_per_step"],
-                chain_v1_gpu_busy=v1.get("gpu_busy"),
-                ratio_to_chain_v1=round(r["ms_per_step"] / v1["ms_per_step"], 3),
-            )
         rows.append(row)
     return rows
 
@@ -260,8 +248,7 @@ def run_engine(a) -> None:
     """One in-process engine: per concurrency the timed decodes, then the
     profiled ones; one ``ROW {json}`` line each."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if a.runner == "v2":
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     ddtree = a.method == "ddtree"
     if ddtree:
         os.environ["VLLM_DDTREE_TREE_ATTENTION"] = a.tree_attention
@@ -356,9 +343,7 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
         median = ms_repeats.index(median_low(ms_repeats))
         dt, toks, steps = repeats[median]
         log(f"c={c}: {len(timed)} requests x {len(repeats)}: {ms_repeats} ms/step")
-        tag = (
-            f"{a.shape}-{a.method}-{a.runner}-{a.budget if ddtree else a.chain_k}-c{c}"
-        )
+        tag = f"{a.shape}-{a.method}-{a.budget if ddtree else a.chain_k}-c{c}"
         if ddtree:
             tag += f"-{a.tree_attention}"
         if weights != "dummy":
@@ -375,7 +360,7 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
             shape=a.shape,
             weights=weights,
             method=a.method,
-            runner=a.runner,
+            runner="v2",
             budget=a.budget if ddtree else None,
             tree_attention=a.tree_attention if ddtree else None,
             concurrency=c,
@@ -418,7 +403,6 @@ def main(argv: list[str] | None = None) -> None:
         "--shapes": (",".join(SHAPES), None),
         "--conc": ("1,8,32", None),
         "--c1-budgets": ("64", "DDTree's budgets at concurrency 1"),
-        "--no-v1-chain": (False, "no V1-runner chain on the hybrid shape"),
         "--profile-conc": ("", "concurrencies profiled (default: all)"),
         "--timed-batches": (4, None),
         "--timed-repeats": (3, "timed decodes per concurrency, the median taken"),
@@ -432,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
             "(unified, split, auto) of the DDTree engines, one set each"),
     })  # fmt: skip
     ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
-    for internal in ("--shape", "--method", "--runner"):
+    for internal in ("--shape", "--method"):
         ap.add_argument(internal, help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -458,9 +442,7 @@ def run_engines(a, result: dict) -> None:
     plan = [
         (shape, e)
         for shape in a.shapes.split(",")
-        for e in engines_for(
-            shape, conc, a.chain_k, c1_budgets, modes, not a.no_v1_chain
-        )
+        for e in engines_for(shape, conc, a.chain_k, c1_budgets, modes)
     ]
     t_all = time.time()
     for k, (shape, e) in enumerate(plan):
@@ -468,7 +450,7 @@ def run_engines(a, result: dict) -> None:
         what = " ".join(str(e.get(x, "")) for x in keys)
         log(f"engine {k + 1}/{len(plan)}: {shape} {what} ({time.time() - t_all:.0f} s)")
         cmd = [sys.executable, "-m", "bench.engine.step_cost", "--engine"]
-        cmd += ["--shape", shape, "--method", e["method"], "--runner", e["runner"]]
+        cmd += ["--shape", shape, "--method", e["method"]]
         cmd += ["--conc", ",".join(map(str, e["conc"]))]
         cmd += common.forward(a, FORWARDED_OPTIONS)
         if e.get("budget"):

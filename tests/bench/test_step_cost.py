@@ -34,7 +34,6 @@ def test_engines_per_shape():
         ("ddtree", "v2", 64, "unified"),
         ("ddtree", "v2", 15, "split"),
         ("ddtree", "v2", 64, "split"),
-        ("chain", "v1", None, None),
     ]
 
 
@@ -47,10 +46,9 @@ def test_random_prompts_are_seeded_and_in_range():
 
 # ms per step and GPU busy share of each fake engine measurement
 FAKE = {
-    ("chain", "v1", None): (18.0, 0.8),
-    ("chain", "v2", None): (20.0, 0.75),
-    ("ddtree", "v2", 15): (21.0, 0.7),
-    ("ddtree", "v2", 64): (23.0, 0.65),
+    ("chain", None): (20.0, 0.75),
+    ("ddtree", 15): (21.0, 0.7),
+    ("ddtree", 64): (23.0, 0.65),
 }
 
 
@@ -59,9 +57,9 @@ def _fake_run(cmd, stdout=None, stderr=None, text=None, timeout=None):
     for flag in it:
         arg[flag] = True if flag == "--engine" else next(it)
     budget = int(arg["--budget"]) if "--budget" in arg else None
-    key = (arg["--method"], arg["--runner"], budget)
+    key = (arg["--method"], budget)
     mode = arg.get("--tree-attention") if key[0] == "ddtree" else None
-    if key == ("ddtree", "v2", 64) and arg["--shape"] == "dense-8b":
+    if key == ("ddtree", 64) and arg["--shape"] == "dense-8b":
         return SimpleNamespace(stdout="engine died\n", returncode=1)
     ms, busy = FAKE[key]
     if mode == "split":
@@ -72,7 +70,7 @@ def _fake_run(cmd, stdout=None, stderr=None, text=None, timeout=None):
             dict(
                 shape=arg["--shape"],
                 method=key[0],
-                runner=key[1],
+                runner="v2",
                 budget=budget,
                 tree_attention=mode,
                 concurrency=int(c),
@@ -111,13 +109,12 @@ def test_rows_pair_ddtree_with_the_v2_chain(tmp_path, monkeypatch):
     r = rows[("hybrid-27b", 8, 15, "unified")]
     assert r["equal_tokens"] is True and r["chain_runner"] == "v2"
     assert (r["chain_ms_per_step"], r["ddtree_ms_per_step"]) == (160.0, 168.0)
-    assert r["ratio"] == 1.05 and r["ratio_to_chain_v1"] == round(168 / 144, 3)
+    assert r["ratio"] == 1.05
     assert (r["chain_gpu_busy"], r["ddtree_gpu_busy"]) == (0.75, 0.7)
     # The split engines' own figures, against the same chain.
     r = rows[("hybrid-27b", 8, 15, "split")]
     assert (r["chain_ms_per_step"], r["ddtree_ms_per_step"]) == (160.0, 160.0)
     assert rows[("hybrid-27b", 1, 64, "split")]["equal_tokens"] is False
-    assert "chain_v1_ms_per_step" not in rows[("dense-8b", 1, 15, "unified")]
     errors = [e for e in result["engines"] if "error" in e]
     assert [(e["shape"], e["budget"], e["tree_attention"]) for e in errors] == [
         ("dense-8b", 64, "unified"),
@@ -140,24 +137,12 @@ def test_chain_engines_take_no_tree_attention_mode(monkeypatch):
         ["--out", os.devnull, "--shapes", "hybrid-27b", "--tree-attention", "split"]
     )
     modes = {
-        (c[c.index("--method") + 1], c[c.index("--runner") + 1]): (
+        c[c.index("--method") + 1]: (
             c[c.index("--tree-attention") + 1] if "--tree-attention" in c else None
         )
         for c in calls
     }
-    assert modes == {
-        ("chain", "v2"): None,
-        ("ddtree", "v2"): "split",
-        ("chain", "v1"): None,
-    }
-
-
-def test_no_v1_chain_leaves_the_hybrid_v1_chain_out():
-    hybrid = step_cost.engines_for("hybrid-27b", [1], 15, [], ("auto",), False)
-    assert [(e["method"], e["runner"]) for e in hybrid] == [
-        ("chain", "v2"),
-        ("ddtree", "v2"),
-    ]
+    assert modes == {"chain": None, "ddtree": "split"}
 
 
 def test_timed_decode_counts_steps_from_the_draft_counter():
