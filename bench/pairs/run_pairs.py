@@ -214,25 +214,19 @@ class _CountedSteps:
     that returned outputs, ``outputs``: the outputs they returned) and joined
     requests (``joined``) are counted from the start. ``mark_window`` (as
     `decode_continuous`'s ``on_window``) records the counts when the steady
-    window opens (True) and closes (False), ``read_counters()`` then, outside
-    the window's step times, and the seconds between consecutive busy steps
-    inside the window: one engine step each."""
+    window opens (True) and closes (False), and the seconds between
+    consecutive busy steps inside the window: one engine step each."""
 
-    def __init__(self, engine, clock=time.perf_counter, read_counters=None):
-        self.engine, self._clock, self._read_counters = engine, clock, read_counters
+    def __init__(self, engine, clock=time.perf_counter):
+        self.engine, self._clock = engine, clock
         self.steps = self.joined = self.busy_steps = self.outputs = 0
         self.window_marks: dict[bool, tuple[int, int, int]] = {}
-        self.window_counters: dict[bool, dict] = {}
         self.window_step_seconds: list[float] = []
         self._last_busy: float | None = None
 
     def mark_window(self, opened: bool) -> None:
-        if opened and self._read_counters is not None:
-            self.window_counters[True] = self._read_counters()
         self.window_marks[opened] = (self.busy_steps, self.outputs, self.joined)
         self._last_busy = self._clock() if opened else None
-        if not opened and self._read_counters is not None:
-            self.window_counters[False] = self._read_counters()
 
     def add_request(self, *args, **kwargs):
         self.joined += 1
@@ -277,21 +271,6 @@ def step_time_spread(step_seconds: list[float], joined: int | None = None) -> di
         extra = sum(ms) - len(ms) * median
         out["ms_over_median_per_join"] = round(extra / joined, 2)
     return out
-
-
-def allocator_in_window(before: dict | None, after: dict | None) -> dict:
-    """What the target worker's CUDA caching allocator did in the steady
-    window (`pair_worker.cuda_allocator_counts` when it opened and closed):
-    each counter's increase and the GiB it held at the close. A retry frees
-    every cached block and synchronises the device (tens of ms on a full
-    GPU), which timings alone cannot tell from slow kernels."""
-    if not before or not after:
-        return {}
-    counts = {
-        k: after[k] - before[k] for k in after if k != "reserved_bytes" and k in before
-    }
-    counts["reserved_gib_at_close"] = round(after.get("reserved_bytes", 0) / 2**30, 2)
-    return dict(allocator_in_window=counts)
 
 
 def window_joined(marks: dict[bool, tuple[int, int, int]]) -> int | None:
@@ -461,13 +440,7 @@ def run_engine(a) -> None:
         acc0, drafts0 = common.spec_counters(llm)
         ddtree = a.method in DDTREE_METHODS
         by_batch0 = ddtree_by_batch_size(llm, conc) if ddtree else {}
-        # The first worker's allocator (tensor-parallel ranks allocate alike).
-        counted = _CountedSteps(
-            llm.llm_engine,
-            read_counters=None
-            if small
-            else lambda: llm.collective_rpc("cuda_allocator_counts")[0],
-        )
+        counted = _CountedSteps(llm.llm_engine)
         running.max_running = None
         t = time.time()
         with running:
@@ -490,9 +463,6 @@ def run_engine(a) -> None:
             max_running=running.max_running,
             **window_step_stats(marks, steady_s),
             **step_time_spread(counted.window_step_seconds, window_joined(marks)),
-            **allocator_in_window(
-                counted.window_counters.get(True), counted.window_counters.get(False)
-            ),
             # The timed decode in the engine log's clock (`jit_compiles_in`).
             timed_from=time.strftime(LOG_TIME, time.localtime(t)),
             timed_to=time.strftime(LOG_TIME, time.localtime(t + dt)),
