@@ -100,51 +100,35 @@ def tabulate(
 
 
 def plot(table: list[dict], path: str) -> None:
-    import matplotlib
+    """Tokens/s of each method and policy, the judged policy's budget written
+    at its points."""
+    from bench.pairs.plot_pairs import plot_panels
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from bench.pairs.plot_pairs import format_axes
-
-    pairs = sorted({r["pair"] for r in table})
-    fig, axes = plt.subplots(
-        1, len(pairs), figsize=(6 * len(pairs), 4.5), squeeze=False
-    )
-    for ax, pair in zip(axes[0], pairs):
+    panels = {}
+    for pair in sorted({r["pair"] for r in table}):
         rows = sorted(
             (r for r in table if r["pair"] == pair), key=lambda r: r["concurrency"]
         )
-        xs = [r["concurrency"] for r in rows]
-        series = [
-            ("nospec_tok_s", "no speculation"),
-            (
-                "chain_tok_s",
-                "DFlash chain K=15"
-                + (", V2 runner" if rows[0].get("chain_method") == "chain_v2" else ""),
-            ),
-            ("ddtree_tok_s", f"DDTree ({rows[0]['policy']} policy)"),
-        ] + [
-            (k, f"DDTree ({k[len('ddtree_') : -len('_tok_s')]} policy)")
+        v2 = rows[0].get("chain_method") == "chain_v2"
+        series = {
+            "nospec_tok_s": "no speculation",
+            "chain_tok_s": "DFlash chain K=15" + (", V2 runner" if v2 else ""),
+            "ddtree_tok_s": f"DDTree ({rows[0]['policy']} policy)",
+        } | {
+            k: f"DDTree ({k[len('ddtree_') : -len('_tok_s')]} policy)"
             for k in rows[0]
             if k.startswith("ddtree_") and k.endswith("_tok_s") and k != "ddtree_tok_s"
+        }
+
+        def note(key: str, r: dict) -> str | None:
+            judged = key == "ddtree_tok_s" and r.get("budget_chosen") is not None
+            return f"b={r['budget_chosen']}" if judged else None
+
+        panels[pair] = [
+            (label, [(r["concurrency"], r[k], note(k, r)) for r in rows if r.get(k)])
+            for k, label in series.items()
         ]
-        for key, label in series:
-            pts = [(x, r[key]) for x, r in zip(xs, rows) if r.get(key)]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=label)
-        for x, r in zip(xs, rows):
-            if r.get("budget_chosen") is not None:
-                ax.annotate(
-                    f"b={r['budget_chosen']}",
-                    (x, r["ddtree_tok_s"]),
-                    textcoords="offset points",
-                    xytext=(4, -10),
-                    fontsize=7,
-                )
-        format_axes(ax, f"{pair} (bf16, held-out prompts, greedy)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_panels(panels, "{pair} (bf16, held-out prompts, greedy)", path)
 
 
 def main() -> None:
