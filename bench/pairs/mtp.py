@@ -381,7 +381,7 @@ def offline_tau_of_head(head, model, seqs, hidden, plen: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_options(ap, {
-        "--models": (os.path.join(os.path.dirname(__file__), "models"), None),
+        "--models": (common.PAIR_MODELS, None),
         "--pair": ("hybrid-27b", None),
         "--seconds": (840.0, "wall-clock budget of continuations and training "
             "(the held-out sequences and the evaluation come on top)"),
