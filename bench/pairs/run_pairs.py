@@ -6,23 +6,22 @@ their production shapes, side by side, on held-out prompts.
     python3 -m bench.pairs.run_pairs --out bench/results/pairs.json \\
         --plot bench/results/pairs.png [--pairs dense-8b,hybrid-27b] \\
         [--dtypes bfloat16,float32] [--methods nospec,chain,ddtree] \\
-        [--conc 1,4,8,16,32] [--small] [--embedding full|none]
+        [--conc 1,4,8,16,32] [--small]
 
 Each (pair, dtype, method) runs in its own process: one vLLM engine loaded with
 dummy weights at the production shape (``<models>/<pair>/production-*``), the
 trained pair written in (pair_worker.py), then greedy decoding (``ignore_eos``)
 at each concurrency c with c requests always in flight. Rows: tokens/s of the
 steady window, tau, ms per engine step, whether each output equals no
-speculation's (the same pair, dtype and concurrency); bf16 engines then decode
-``--sampled-conc`` at temperature 1 (nothing compared). ``--small`` also runs
+speculation's (the same pair, dtype and concurrency). ``--small`` also runs
 the small pair itself (float32): the production shape's outputs must equal it.
 
 Methods: ``nospec``, ``chain``, ``chain_v2`` (the chain on the V2 model runner),
 ``ddtree`` (``budget_policy: "batch"`` unless ``--ddtree`` sets one),
 ``ddtree_measured``, ``mtp`` (the hybrid target's MTP head, ``--mtp-k``). The
 JSON is rewritten after every engine (a cut run keeps what finished); each
-engine's log is ``<workdir>/engine_<pair>_<dtype>_<method>.log``; then one
-embedding row per pair (check_embedding.py) and the plot.
+engine's log is ``<workdir>/engine_<pair>_<dtype>_<method>.log``; then the
+plot. The embedding rows come from check_embedding.py.
 """
 
 from __future__ import annotations
@@ -53,11 +52,6 @@ JIT_COMPILE = re.compile(
     r"(\d\d-\d\d \d\d:\d\d:\d\d).*JIT compilation during inference: (\w+)"
 )
 log = functools.partial(common.progress, "run_pairs")
-
-
-def sampled_conc(a) -> list[int]:
-    """The concurrencies an engine decodes again at temperature 1."""
-    return common.csv_ints(a.sampled_conc)
 
 
 def prompts_for(
@@ -364,7 +358,7 @@ def run_engine(a) -> None:
     drafter = os.path.join(pdir, prefix + "drafter")
     hybrid = pc.load_pair(a.models, a.pair)["kind"] == "hybrid"
     target = os.path.join(pdir, prefix + "target")
-    max_num_seqs = max(a.conc + sampled_conc(a))
+    max_num_seqs = max(a.conc)
     # Every compile after warm-up logged with its specialisation.
     kw = common.engine_kwargs(
         a, target, a.dtype, max_num_seqs, hybrid, jit_monitor_verbose=True
@@ -400,33 +394,22 @@ def run_engine(a) -> None:
         SamplingParams(temperature=0.0, **greedy),
         use_tqdm=False,
     )
-    # Temperature 1 (vLLM's default sampling) after the greedy sweep, bf16
-    # only: the float32 engines check exactness.
-    sampled = [] if a.dtype == "float32" else sampled_conc(a)
-    for conc, temperature in [(c, 0.0) for c in a.conc] + [(c, 1.0) for c in sampled]:
+    for conc in a.conc:
         batch = prompts_for(
             conc, prompts, a.c1_prompts, True, a.per_client, a.min_prompts
         )
         requests = [TokensPrompt(prompt_token_ids=p) for p in batch]
-        # Sampled: one seed per prompt, the same stream of seeds for every
-        # method (outputs still differ: speculation consumes the random
-        # numbers differently).
+        delta = RequestOutputKind.DELTA
         sps = [
-            SamplingParams(
-                temperature=temperature,
-                seed=None if temperature == 0 else j,
-                output_kind=RequestOutputKind.DELTA,
-                **greedy,
-            )
-            for j in range(len(batch))
+            SamplingParams(temperature=0.0, output_kind=delta, **greedy) for _ in batch
         ]
-        tag = f"c{conc}-t{temperature:g}"
+        tag = f"c{conc}-t0"
         warm_up(llm, requests, sps[0], conc, WARM_TOKENS, "warm-" + tag)
         what = dict(
             pair=a.pair,
             dtype=a.dtype,
             method=a.method,
-            temperature=temperature,
+            temperature=0.0,
             concurrency=conc,
             prompts=len(batch),
             prompt_tokens=a.prompt_tokens or None,
@@ -481,10 +464,9 @@ def run_engine(a) -> None:
         if load:
             row["weights_written"] = load
         common.emit("ROW", row)
-        if temperature == 0:
-            name = f"tokens_{a.pair}_{a.dtype}_{a.method}_c{conc}.json"
-            with open(os.path.join(a.workdir, name), "w") as f:
-                json.dump(toks, f)
+        name = f"tokens_{a.pair}_{a.dtype}_{a.method}_c{conc}.json"
+        with open(os.path.join(a.workdir, name), "w") as f:
+            json.dump(toks, f)
         log(f"{a.pair} {a.dtype} {a.method} {tag}: {row['tok_s']} tok/s")
 
 
@@ -550,15 +532,13 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
         "--mtp-k": (mtp.SPECULATIVE_TOKENS, "draft tokens of the mtp method"),
         "--profile": (False, "profile each steady window instead of timing it "
             "(torch profiler): rows with a 'profile' object, not for the tables"),
-        "--sampled-conc": ("1,8", "concurrencies decoded again at temperature 1 "
-            "by each bf16 engine ('' for none)"),
     })  # fmt: skip
 
 
 ENGINE_OPTIONS = (
     *common.ENGINE_OPTIONS,
     *("out", "prompts", "prompt_tokens", "c1_prompts", "per_client", "min_prompts"),
-    *("mtp_k", "sampled_conc", "workdir", "profile"),
+    *("mtp_k", "workdir", "profile"),
 )
 
 
@@ -575,7 +555,6 @@ def engine_command(a, pair, dtype, method, conc) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON rows (rewritten per engine)")
-    ap.add_argument("--embedding", choices=["full", "none"], default="full")
     common.add_options(ap, {
         "--pairs": (",".join(pc.PAIRS), None),
         "--dtypes": ("bfloat16,float32", None),
@@ -641,30 +620,10 @@ def main() -> None:
         rows += new
         annotate(rows, a.workdir)
         common.write_json(a.out, rows)
-    if a.embedding != "none":
-        for pair in a.pairs.split(","):
-            rows = [
-                r
-                for r in rows
-                if r.get("pair") != pair or "embedding_max_abs_logit_diff" not in r
-            ]
-            rows.append(check_embedding(a, pair))
-            common.write_json(a.out, rows)
     if a.plot:
         cmd = [sys.executable, "-m", "bench.pairs.plot_pairs", a.out, "--out", a.plot]
         subprocess.run(cmd, check=False)
     print(json.dumps(rows))
-
-
-def check_embedding(a, pair: str) -> dict:
-    """One pair's embedding row (check_embedding.py in its own process)."""
-    log(f"embedding check of {pair}")
-    cmd = [sys.executable, "-m", "bench.pairs.check_embedding"]
-    cmd += ["--models", a.models, "--pair", pair]
-    lines = common.run_engine_process(cmd, a.engine_timeout)[3]
-    rows = common.rows_in(lines, "EMBEDDING")
-    failed = dict(pair=pair, embedding_max_abs_logit_diff=None, error="check failed")
-    return rows[0] if rows else failed
 
 
 if __name__ == "__main__":

@@ -96,19 +96,6 @@ def test_annotate_compares_greedy_rows_only(tmp_path):
     assert rows[6]["identical_to_small"] == "4/4"
 
 
-def test_engine_command_passes_the_sampled_concurrencies():
-    ap = run_pairs.argparse.ArgumentParser()
-    run_pairs.add_engine_options(ap)
-    ap.add_argument("--out", default="x.json")
-    ap.add_argument("--workdir", default="w")
-    a = ap.parse_args(["--sampled-conc", "1,4", "--prompts", "p.jsonl"])
-    cmd = run_pairs.engine_command(a, "dense-8b", "bfloat16", "ddtree", "1,8")
-    assert cmd[cmd.index("--sampled-conc") + 1] == "1,4"
-    assert run_pairs.sampled_conc(a) == [1, 4]
-    a.sampled_conc = ""
-    assert run_pairs.sampled_conc(a) == []
-
-
 def test_ddtree_readings_take_the_budget_at_the_end_and_tau_over_the_run():
     before = dict(budget=64.0, expected_tau=4.1, tree_requests=10.0, emitted=40.0)
     after = dict(budget=32.0, expected_tau=3.5, tree_requests=30.0, emitted=100.0)
