@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import importlib.util
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -325,22 +324,3 @@ def check_loopback(base_url: str, tool: str) -> str:
             f"{tool}: only loopback http servers are allowed, got {base_url!r}"
         )
     return base_url.rstrip("/")
-
-
-def percentiles(values: list[float]) -> dict:
-    """n, mean, p50, p90, p99 and max (nearest rank) of ``values``."""
-    if not values:
-        return {"n": 0}
-    v = sorted(values)
-
-    def q(p: float) -> float:
-        return round(v[min(len(v) - 1, max(0, math.ceil(p * len(v)) - 1))], 4)
-
-    return {
-        "n": len(v),
-        "mean": round(sum(v) / len(v), 4),
-        "p50": q(0.5),
-        "p90": q(0.9),
-        "p99": q(0.99),
-        "max": round(v[-1], 4),
-    }

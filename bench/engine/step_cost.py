@@ -11,25 +11,23 @@ with dummy weights (tau = 1: the figures are pure step cost), bf16, CUDA graphs:
 Shapes are the benchmark pairs' production configs (Qwen3-8B and Qwen3.6-27B with
 their 5-layer DFlash drafters), loaded with ``load_format="dummy"``. One engine
 per configuration, each in its own process and in-process inside it (the torch
-profiler sees its kernels): the chain (K = ``--chain-k``; on the hybrid shape on
-both model runners), DDTree with ``budget_policy: fixed`` at ``--chain-k``
-nodes (as many verified tokens as the chain) at every ``--conc`` and at each
+profiler sees its kernels), all on the V2 model runner: the chain (K =
+``--chain-k``), DDTree with ``budget_policy: fixed`` at ``--chain-k`` nodes
+(as many verified tokens as the chain) at every ``--conc`` and at each
 ``--c1-budgets`` at concurrency 1, once per ``--tree-attention`` mode.
 
 Per concurrency: an untimed batch (its kernels compile there), the same
 prompts' prefill alone, ``--timed-repeats`` timed decodes (the median taken;
 GPU clocks and power sampled meanwhile), then ``--profile-batches`` batches
-under the torch profiler (profile.py) and, at ``--host-profile-conc``, under
-cProfile. ``--weights dummy,pair`` measures again with the shape's trained pair
-written in (held-out prompts, both taus): with dummy weights the chain's
-drafts are likely one repeated token, which the GPU, at its power cap,
-verifies faster than a tree's distinct tokens.
+under the torch profiler (profile.py). ``--weights dummy,pair`` measures again
+with the shape's trained pair written in (held-out prompts, both taus): with
+dummy weights the chain's drafts are likely one repeated token, which the GPU,
+at its power cap, verifies faster than a tree's distinct tokens.
 
 ``--out``: ``{"command", "rows", "engines"}``, one row per (shape, weights,
-concurrency, tree budget) against the V2 chain (``ratio``, the same less the
-prefill: ``decode_ratio``, GPU-busy shares, clocks, the V1 chain's
-``chain_v1_*``), rewritten after every engine; ``--rows-from`` builds it from
-the logs of engines run one by one.
+concurrency, tree budget) against the chain (``ratio``, the same less the
+prefill: ``decode_ratio``, GPU-busy shares, clocks), rewritten after every
+engine.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ import functools
 import json
 import os
 import random
-import re
 import sys
 import threading
 import time
@@ -53,11 +50,7 @@ SHAPES = ("dense-8b", "hybrid-27b")
 FORWARDED_OPTIONS = (
     *common.ENGINE_OPTIONS,
     *("out", "timed_batches", "timed_repeats", "profile_batches", "prompt_len"),
-    *("profile_max_tokens", "host_profile_conc", "profile_conc", "weights"),
-)
-# vLLM's startup line of the KV cache's capacity in requests.
-MAX_CONCURRENCY = re.compile(
-    r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x"
+    *("profile_max_tokens", "profile_conc", "weights"),
 )
 log = functools.partial(common.progress, "step_cost")
 
@@ -68,14 +61,10 @@ def engines_for(
     equal_budget: int,
     c1_budgets: list[int],
     tree_attention: tuple[str, ...] = ("unified",),
-    chain_last: bool = False,
-    v1_chain: bool = True,
 ) -> list[dict]:
-    """The engines of one shape: the V2 chain (after the DDTree engines with
-    ``chain_last``, so that a run cut short has DDTree's figures), then per
-    tree-attention mode DDTree at the equal budget at every concurrency and
-    at each other budget at concurrency 1, and last (the rows compare with
-    the V2 chain) the hybrid shape's V1 chain unless not ``v1_chain``."""
+    """The engines of one shape: the chain, then per tree-attention mode
+    DDTree at the equal budget at every concurrency and at each other budget
+    at concurrency 1."""
     chain = [dict(method="chain", runner="v2", conc=conc)]
     trees = [
         dict(method="ddtree", runner="v2", budget=b, conc=c, tree_attention=mode)
@@ -83,10 +72,7 @@ def engines_for(
         for b, c in [(equal_budget, conc)]
         + [(b, [1]) for b in c1_budgets if b != equal_budget]
     ]
-    engines = trees + chain if chain_last else chain + trees
-    if shape.startswith("hybrid") and v1_chain:
-        engines.append(dict(method="chain", runner="v1", conc=conc))
-    return engines
+    return chain + trees
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -102,33 +88,10 @@ def heldout_prompts(models: str, n: int, length: int) -> list[list[int]]:
     return [ids[i % len(ids)] for i in range(n)]
 
 
-def profiled_gpu_ms(engine_row: dict) -> float | None:
-    """The profiled GPU time per step in ms; None without a profile or a
-    timed step."""
-    prof = engine_row.get("profile")
-    if not prof or not engine_row.get("ms_per_step"):
-        return None
-    return sum(prof["gpu_us_per_step"].values()) / 1e3
-
-
-def gpu_busy_timed(engine_row: dict) -> float | None:
-    """The profiled GPU time per step over the timed (unprofiled) step: the
-    GPU's busy share of a real step (the profiled decode's own share counts
-    the profiler's host overhead as idle time)."""
-    gpu_ms = profiled_gpu_ms(engine_row)
-    return None if gpu_ms is None else round(gpu_ms / engine_row["ms_per_step"], 3)
-
-
-def host_gap_ms(engine_row: dict) -> float | None:
-    """The timed step less the profiled GPU time per step, in ms."""
-    gpu_ms = profiled_gpu_ms(engine_row)
-    return None if gpu_ms is None else round(engine_row["ms_per_step"] - gpu_ms, 3)
-
-
 def capped(engine_row: dict) -> str | None:
     """Why an engine ran fewer requests at a time than its row's
     concurrency, or None: the most it held during the timed decodes
-    (``max_running``) or, for logs without that, its KV cache's capacity in
+    (``max_running``) or, where no step was seen, its KV cache's capacity in
     requests of ``max_model_len`` tokens (``max_concurrency``; on hybrid
     targets the recurrent state's slots count)."""
     c = engine_row["concurrency"]
@@ -142,23 +105,23 @@ def capped(engine_row: dict) -> str | None:
 
 
 def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
-    """One step-cost row per DDTree measurement, against the chain of the
-    runner DDTree uses (V2) at the same shape, weights (rows of runs before
-    ``--weights`` were all dummy) and concurrency."""
+    """One step-cost row per DDTree measurement, against the chain at the
+    same shape, weights (rows of runs before ``--weights`` were all dummy)
+    and concurrency."""
 
-    def key(r: dict, runner: str) -> tuple:
-        return (r["shape"], r.get("weights", "dummy"), runner, r["concurrency"])
+    def key(r: dict) -> tuple:
+        return (r["shape"], r.get("weights", "dummy"), r["concurrency"])
 
-    chains = {key(r, r["runner"]): r for r in engine_rows if r["method"] == "chain"}
+    chains = {key(r): r for r in engine_rows if r["method"] == "chain"}
     rows = []
     for r in engine_rows:
-        chain = chains.get(key(r, "v2"))
+        chain = chains.get(key(r))
         if r["method"] != "ddtree" or chain is None:
             continue
         pair = (("chain", chain), ("ddtree", r))
         row = dict(
             shape=r["shape"],
-            weights=key(r, "v2")[1],
+            weights=r.get("weights", "dummy"),
             concurrency=r["concurrency"],
             tree_budget=r["budget"],
             tree_attention=r.get("tree_attention", "unified"),
@@ -178,8 +141,6 @@ def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
         )
         for name, e in pair:
             row[f"{name}_gpu_busy"] = e.get("gpu_busy")
-            row[f"{name}_gpu_busy_timed"] = gpu_busy_timed(e)
-            row[f"{name}_host_gap_ms"] = host_gap_ms(e)
             for field in ("tok_s", "max_concurrency", "max_running"):
                 if e.get(field) is not None:
                     row[f"{name}_{field}"] = e[field]
@@ -194,13 +155,6 @@ def summarize(engine_rows: list[dict], chain_k: int) -> list[dict]:
             for name in ("sm_clock_mhz", "power_w"):
                 row[f"chain_{name}"] = chain["gpu"][name]
                 row[f"ddtree_{name}"] = r["gpu"][name]
-        v1 = chains.get(key(r, "v1"))
-        if v1 is not None:
-            row.update(
-                chain_v1_ms_per_step=v1["ms_per_step"],
-                chain_v1_gpu_busy=v1.get("gpu_busy"),
-                ratio_to_chain_v1=round(r["ms_per_step"] / v1["ms_per_step"], 3),
-            )
         rows.append(row)
     return rows
 
@@ -269,51 +223,6 @@ class GpuSampler:
         )
 
 
-def host_profile(llm, prompts, sp, conc: int, steps_of, top: int = 40) -> dict:
-    """Decode ``prompts`` ``conc`` at a time under cProfile (the engine in
-    this thread): per engine step (``steps_of()``: the draft counter), each
-    Python function's own time (``self_us``), its time with callees
-    (``cum_us``) and its calls; the top ``top`` by each."""
-    import cProfile
-    import pstats
-
-    s0 = steps_of()
-    prof = cProfile.Profile()
-    t = time.time()
-    prof.enable()
-    for i in range(0, len(prompts), conc):
-        llm.generate(prompts[i : i + conc], sp, use_tqdm=False)
-    prof.disable()
-    dt = time.time() - t
-    steps = max(steps_of() - s0, 1.0)
-    stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tt, ct, _)
-
-    def name(key: tuple) -> str:
-        file, line, func = key
-        parts = file.replace("\\", "/").split("/")
-        return f"{'/'.join(parts[-2:])}:{line}:{func}"[-90:]
-
-    def ranked(col: int) -> dict:
-        best = sorted(stats.items(), key=lambda kv: -kv[1][col])[:top]
-        return {
-            name(k): dict(
-                self_us=round(v[2] * 1e6 / steps, 1),
-                cum_us=round(v[3] * 1e6 / steps, 1),
-                calls=round(v[1] / steps, 2),
-            )
-            for k, v in best
-        }
-
-    return dict(
-        conc=conc,
-        prompts=len(prompts),
-        steps=round(steps, 1),
-        wall_ms_per_step=round(dt * 1e3 / steps, 3),
-        by_self=ranked(2),
-        by_cum=ranked(3),
-    )
-
-
 def timed_decode(llm, prompts, sp, conc: int) -> tuple[float, int, float]:
     """Decode ``prompts`` ``conc`` at a time: (seconds, new tokens, engine
     steps; the draft counter counts one per request and step)."""
@@ -339,8 +248,7 @@ def run_engine(a) -> None:
     """One in-process engine: per concurrency the timed decodes, then the
     profiled ones; one ``ROW {json}`` line each."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if a.runner == "v2":
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     ddtree = a.method == "ddtree"
     if ddtree:
         os.environ["VLLM_DDTREE_TREE_ATTENTION"] = a.tree_attention
@@ -395,7 +303,6 @@ def run_engine(a) -> None:
         ),
         sampler=GpuSampler(),
         profile_conc=common.csv_ints(a.profile_conc) or conc,
-        host_conc=common.csv_ints(a.host_profile_conc),
         startup_s=startup_s,
         max_concurrency=max_concurrency,
         running=RunningProbe(llm),
@@ -436,9 +343,7 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
         median = ms_repeats.index(median_low(ms_repeats))
         dt, toks, steps = repeats[median]
         log(f"c={c}: {len(timed)} requests x {len(repeats)}: {ms_repeats} ms/step")
-        tag = (
-            f"{a.shape}-{a.method}-{a.runner}-{a.budget if ddtree else a.chain_k}-c{c}"
-        )
+        tag = f"{a.shape}-{a.method}-{a.budget if ddtree else a.chain_k}-c{c}"
         if ddtree:
             tag += f"-{a.tree_attention}"
         if weights != "dummy":
@@ -446,26 +351,16 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
         profiled = prompts[
             c * a.timed_batches : c * (a.timed_batches + a.profile_batches)
         ]
-        prof = host = None
+        prof = None
         if c in ctx.profile_conc:
             prof = profile.profile_steps(
                 llm, profiled, ctx.profile_sp, c, tag=tag, **ctx.profile_labels
             )
-        if c in ctx.host_conc:
-            # The same decode (its prefix is not cached) under cProfile.
-            host = host_profile(
-                llm,
-                profiled,
-                ctx.profile_sp,
-                c,
-                lambda c=c: common.spec_counters(llm)[1] / c,
-            )
-            log(f"c={c}: host profile {host['wall_ms_per_step']} ms/step")
         row = dict(
             shape=a.shape,
             weights=weights,
             method=a.method,
-            runner=a.runner,
+            runner="v2",
             budget=a.budget if ddtree else None,
             tree_attention=a.tree_attention if ddtree else None,
             concurrency=c,
@@ -486,26 +381,11 @@ def measure(a, ctx, weights: str, prompts: list) -> None:
             max_running=ctx.running.max_running,
             profile=prof,
         )
-        if host is not None:
-            row["host_profile"] = host
         common.emit("ROW", row)
         log(f"{tag}: {row['ms_per_step']} ms/step, GPU busy {row['gpu_busy']}")
 
 
 # ---------------------------------------------------------------- orchestration
-
-
-def engine_rows(lines, rows: list[dict] | None = None) -> list[dict]:
-    """The ``ROW {json}`` rows of an engine's output (``rows``: those already
-    read from it); a row without its engine's capacity (``max_concurrency``,
-    not recorded by earlier runs) takes it from vLLM's startup line there."""
-    lines = list(lines)
-    found = [float(m.group(1)) for m in map(MAX_CONCURRENCY.search, lines) if m]
-    rows = common.rows_in(lines) if rows is None else rows
-    for row in rows:
-        if row.get("max_concurrency") is None and found:
-            row["max_concurrency"] = found[-1]
-    return rows
 
 
 def write_result(a, result: dict) -> None:
@@ -523,9 +403,6 @@ def main(argv: list[str] | None = None) -> None:
         "--shapes": (",".join(SHAPES), None),
         "--conc": ("1,8,32", None),
         "--c1-budgets": ("64", "DDTree's budgets at concurrency 1"),
-        "--chain-last": (False, "the V2 chain after the DDTree engines"),
-        "--no-v1-chain": (False, "no V1-runner chain on the hybrid shape"),
-        "--host-profile-conc": ("", "concurrencies also decoded under cProfile"),
         "--profile-conc": ("", "concurrencies profiled (default: all)"),
         "--timed-batches": (4, None),
         "--timed-repeats": (3, "timed decodes per concurrency, the median taken"),
@@ -535,13 +412,11 @@ def main(argv: list[str] | None = None) -> None:
         "--weights": ("dummy", "'dummy', 'pair' or 'dummy,pair': 'pair' writes the "
             "shape's trained pair into each engine (after its dummy-weight figures) "
             "and decodes held-out prompts"),
-        "--rows-from": ("", "logs of engines run one by one (--engine): --out "
-            "from their ROW lines, no engine started"),
         "--tree-attention": ("unified,split", "VLLM_DDTREE_TREE_ATTENTION modes "
             "(unified, split, auto) of the DDTree engines, one set each"),
     })  # fmt: skip
     ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
-    for internal in ("--shape", "--method", "--runner"):
+    for internal in ("--shape", "--method"):
         ap.add_argument(internal, help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -553,15 +428,7 @@ def main(argv: list[str] | None = None) -> None:
         rows=[],
         engines=[],
     )
-    if a.rows_from:
-        for path in a.rows_from.split(","):
-            with open(path) as f:
-                new = engine_rows(f)
-            if not new:
-                raise SystemExit(f"{path}: no ROW lines (an engine's log is needed)")
-            result["engines"] += new
-    else:
-        run_engines(a, result)
+    run_engines(a, result)
     write_result(a, result)
     for r in result["rows"]:
         print(json.dumps(r))
@@ -575,15 +442,7 @@ def run_engines(a, result: dict) -> None:
     plan = [
         (shape, e)
         for shape in a.shapes.split(",")
-        for e in engines_for(
-            shape,
-            conc,
-            a.chain_k,
-            c1_budgets,
-            modes,
-            a.chain_last,
-            not a.no_v1_chain,
-        )
+        for e in engines_for(shape, conc, a.chain_k, c1_budgets, modes)
     ]
     t_all = time.time()
     for k, (shape, e) in enumerate(plan):
@@ -591,7 +450,7 @@ def run_engines(a, result: dict) -> None:
         what = " ".join(str(e.get(x, "")) for x in keys)
         log(f"engine {k + 1}/{len(plan)}: {shape} {what} ({time.time() - t_all:.0f} s)")
         cmd = [sys.executable, "-m", "bench.engine.step_cost", "--engine"]
-        cmd += ["--shape", shape, "--method", e["method"], "--runner", e["runner"]]
+        cmd += ["--shape", shape, "--method", e["method"]]
         cmd += ["--conc", ",".join(map(str, e["conc"]))]
         cmd += common.forward(a, FORWARDED_OPTIONS)
         if e.get("budget"):
@@ -604,7 +463,6 @@ def run_engines(a, result: dict) -> None:
         # vLLM logs to stdout: its lines (startup, PROFILE records) go to
         # this run's log, apart from the rows.
         sys.stderr.write("".join(x + "\n" for x in lines))
-        new = engine_rows(lines, new)
         result["engines"] += new or [dict(shape=shape, **e, error="no rows")]
         write_result(a, result)
 

@@ -15,9 +15,7 @@ in the TRITON_ATTN layout (block 16), at the Qwen3-8B (32 query / 8 KV heads of
                place (`SplitTreeAttention`, as the backend calls it);
   ``split_in_two`` the same with every request longer than the tree on FA3
                causal alone (where that bound should lie);
-* ``fa3_causal`` FA3 causal over the same tokens, as the chain's verification;
-* ``tree:<block or auto>:<warps>`` (``--tree-configs``) the tree kernel alone
-               at that launch shape.
+* ``fa3_causal`` FA3 causal over the same tokens, as the chain's verification.
 
 ``--chunks N`` adds a new prompt's prefill chunk of N tokens to each batch.
 Each method is captured in a CUDA graph; ``--iters`` replays between CUDA
@@ -259,40 +257,6 @@ def split_fn(
     return run
 
 
-def tree_kernel_fn(case: dict, out: torch.Tensor, config: str) -> Callable[[], None]:
-    """The split's part (b) alone at launch shape ``config``
-    (``<query tokens per program or auto>:<warps>``): the tree's own keys,
-    merged in place into ``out`` under a fixed prefix log-sum-exp."""
-    from vllm.v1.spec_decode.ddtree.tree_attention import tree_attention
-
-    block, warps = config.split(":")
-    query_block = None if block == "auto" else int(block)
-    num_tokens, num_q, _ = case["query"].shape
-    gen = torch.Generator().manual_seed(1)
-    prefix_out = torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
-    prefix_lse = torch.randn(num_q, num_tokens, generator=gen).to(out.device)
-
-    def run() -> None:
-        # The merge reads and writes ``out``: the same prefix output each call.
-        out.copy_(prefix_out)
-        tree_attention(
-            case["query"],
-            case["key_cache"],
-            case["value_cache"],
-            out,
-            case["cu_seqlens_q"],
-            case["seq_lens"],
-            case["block_table"],
-            case["tree_mask"],
-            case["scale"],
-            prefix_lse=prefix_lse,
-            query_block=query_block,
-            num_warps=int(warps),
-        )
-
-    return run
-
-
 def fa3_causal_fn(case: dict, out: torch.Tensor) -> Callable[[], None]:
     """FLASH_ATTN's call for T causal tokens under full CUDA graphs (AOT
     schedule, the CUDA-graph split bound)."""
@@ -363,8 +327,6 @@ def bench_case(
             fn = split_fn(
                 case, out, reference=not on_gpu, in_two=method == "split_in_two"
             )
-        elif method.startswith("tree:"):
-            fn = tree_kernel_fn(case, out, method.removeprefix("tree:"))
         else:
             assert method == "fa3_causal" and on_gpu
             fn = fa3_causal_fn(case, out)
@@ -378,8 +340,7 @@ def bench_case(
         torch.cuda.synchronize()
 
     # The largest difference of the split's outputs (as shipped and in two)
-    # from the unified kernel's, and of each tree-kernel launch shape's from
-    # the first's.
+    # from the unified kernel's.
     def max_diff(a: str, b: str) -> float:
         return float((outputs[a].float() - outputs[b].float()).abs().max())
 
@@ -387,7 +348,6 @@ def bench_case(
     diff = None
     if splits and "unified" in outputs:
         diff = max(max_diff(m, "unified") for m in splits)
-    tree = [m for m in outputs if m.startswith("tree:")]
     num_q, num_kv, head_size = case["shape"]
     rows = []
     for method, us in times.items():
@@ -408,8 +368,6 @@ def bench_case(
                 split_vs_unified_max_abs_diff=diff,
             )
         )
-        if method in tree:
-            rows[-1]["tree_vs_first_config_max_abs_diff"] = max_diff(method, tree[0])
     return rows
 
 
@@ -425,16 +383,12 @@ def main(argv: list[str] | None = None) -> int:
             "prompt's first prefill chunk of this many tokens (0: none), as "
             "continuous batching mixes prefills into decode steps"),
         "--methods": ("unified,split,fa3_causal", None),
-        "--tree-configs": ("", "also time the tree kernel alone at these launch "
-            "shapes, <query tokens per program or auto>:<warps>, e.g. "
-            "auto:4,16:4,16:8"),
         "--device": ("cuda", None),
     }, dict.fromkeys(lists, common.csv_ints))  # fmt: skip
     common.add_kernel_options(parser, iters=100, repeats=5)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     methods = [m for m in args.methods.split(",") if m]
-    methods += [f"tree:{c}" for c in args.tree_configs.split(",") if c]
     if device.type != "cuda":
         # No FA3 off a GPU: the split runs its torch reference prefix pass.
         methods = [m for m in methods if m != "fa3_causal"]

@@ -24,8 +24,7 @@ step (times 48 layers). Each row also has the largest difference of the
 chunked kernel's output from the replay kernel's. ``--table-budget 64``
 gives the trees a parent table of 64 columns, as the engine has with
 ``tree_budget`` 64 when its batch policy verifies 15-node trees; the call
-gets the step's longest query as the verifier passes it. ``--variants`` times
-other launch settings of `tree_gdn` beside the defaults. Prints a table,
+gets the step's longest query as the verifier passes it. Prints a table,
 writes JSON rows with ``--out``.
 
     python3 -m bench.kernels.tree_gdn --out bench/results/tree-gdn.json
@@ -99,54 +98,13 @@ def _path(parent_row, node):
     return path
 
 
-def parse_variant(text: str) -> dict[str, int | str]:
-    """``"CHUNK_MAX_NODES=64,CHUNK_NUM_WARPS=8"`` -> the tree_gdn launch
-    settings it sets."""
-    settings: dict[str, int | str] = {}
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        choices = VARIANT_SETTINGS.get(name)
-        if choices is int and value.isdigit():
-            settings[name] = int(value)
-        elif isinstance(choices, tuple) and value in choices:
-            settings[name] = value
-        else:
-            raise SystemExit(
-                f"bad variant setting {item!r}: NAME=VALUE with NAME one of "
-                f"{', '.join(VARIANT_SETTINGS)} (INVERSE_PRECISION: "
-                f"{' or '.join(VARIANT_SETTINGS['INVERSE_PRECISION'])}, the "
-                "others integers)"
-            )
-    return settings
-
-
-VARIANT_SETTINGS: dict[str, type | tuple[str, ...]] = {
-    "CHUNK_MAX_NODES": int,
-    "CHUNK_BLOCK_V": int,
-    "CHUNK_NUM_WARPS": int,
-    "BLOCKED_MAX_NODES": int,
-    "BLOCKED_ANCESTORS_FIRST": int,
-    "BLOCKED_ROWS": int,
-    "CHUNK_BLOCK_V_BATCHED": int,
-    "CHUNK_BATCHED_ROWS": int,
-    "INVERSE_PRECISION": ("ieee", "tf32x3"),
-}
-
-
-def tree_call(
-    case,
-    replay: bool,
-    settings: dict[str, int | str] | None = None,
-    max_query_len=None,
-):
-    """The verifier's call on ``case``; ``replay``: the path replay;
-    ``settings``: tree_gdn launch settings for this call only;
+def tree_call(case, replay: bool, max_query_len=None):
+    """The verifier's call on ``case``; ``replay``: the path replay (the
+    chunked and blocked kernels turned off for this call only);
     ``max_query_len``: the step's longest query, as the verifier passes it."""
     from vllm.v1.spec_decode.ddtree import tree_gdn
 
-    settings = dict(settings or {})
-    if replay:
-        settings.update(CHUNK_MAX_NODES=0, BLOCKED_MAX_NODES=0)
+    settings = dict(CHUNK_MAX_NODES=0, BLOCKED_MAX_NODES=0) if replay else {}
 
     def run():
         saved = {n: getattr(tree_gdn, n) for n in settings}
@@ -208,22 +166,18 @@ def main(argv: list[str] | None = None) -> None:
             "when wider than a row's budget: e.g. 64 times the 15-node trees of "
             "the default batch policy as the engine runs them (the kernel form "
             "follows the table)"),
-        "--variants": ("", "other launch settings to time beside the defaults, "
-            "';' between variants, e.g. "
-            "'CHUNK_MAX_NODES=64;CHUNK_MAX_NODES=64,CHUNK_NUM_WARPS=8'"),
     }, {"--table-budget": int})  # fmt: skip
     a = ap.parse_args(argv)
 
     def timed(fn) -> float:  # a graph of --iters calls, the median of replays
         return common.graph_us(fn, a.repeats, calls=a.iters)
 
-    variants = {v: parse_variant(v) for v in a.variants.split(";") if v}
     rows = []
     header = (
         f"{'batch':>5} {'budget':>6} {'scale':>5} {'depth':>5} "
         f"{'chunk us':>9} {'replay us':>9} {'chain us':>9} "
         f"{'chunk/chain':>11} {'max|diff|':>9}"
-    ) + "".join(f"  {v} us" for v in variants)
+    )
     print(header, flush=True)
     for batch in common.csv_ints(a.batches):
         for budget in common.csv_ints(a.budgets):
@@ -240,13 +194,6 @@ def main(argv: list[str] | None = None) -> None:
                     "replay": timed(replay),
                     "chain": timed(chain_call(case, batch, budget)),
                 }
-                variant_us, variant_diff = {}, {}
-                for name, settings in variants.items():
-                    fn = tree_call(case, False, settings, max_query_len=query_len)
-                    variant_diff[name] = (
-                        (fn().float() - replay().float()).abs().max().item()
-                    )
-                    variant_us[name] = timed(fn)
                 row = dict(
                     shape="hybrid-27b",
                     batch=batch,
@@ -262,20 +209,11 @@ def main(argv: list[str] | None = None) -> None:
                     chunk_max_abs_diff_from_replay=diff,
                     step_query_len=query_len,
                 )
-                if variants:
-                    row["variants_us_per_call"] = {
-                        v: round(t, 1) for v, t in variant_us.items()
-                    }
-                    row["variants_max_abs_diff_from_replay"] = variant_diff
                 rows.append(row)
                 print(
                     f"{batch:>5} {budget:>6} {scale:>5} {depth:>5} "
                     f"{us['chunk']:>9.1f} {us['replay']:>9.1f} {us['chain']:>9.1f} "
-                    f"{row['chunk_over_chain']:>11.3f} {diff:>9.2e}"
-                    + "".join(
-                        f"  {variant_us[v]:.1f} ({variant_diff[v]:.1e})"
-                        for v in variants
-                    ),
+                    f"{row['chunk_over_chain']:>11.3f} {diff:>9.2e}",
                     flush=True,
                 )
                 del case

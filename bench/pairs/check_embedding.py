@@ -111,7 +111,7 @@ def main() -> None:
             x = torch.tensor([p], device=dev)
             logits, feats = target_forward(small, x, layer_ids_s)
             res_small.append((logits.cpu(), feats))
-    big = text_model(spec["big_target"], dev, init=False).eval()
+    big = text_model(spec["big_target"], dev).eval()
     load_into(
         big,
         embed.target_weights(

@@ -2,11 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """An MTP head for a Qwen3.5-architecture benchmark pair: the model's own
 multi-token-prediction module as vLLM's ``method: "mtp"`` loads it
-(``vllm/model_executor/models/qwen3_5_mtp.py``), trained on the small target's
-own greedy continuations, and its offline acceptance.
+(``vllm/model_executor/models/qwen3_5_mtp.py``), and the offline acceptance
+of the committed head (``<models>/<pair>/mtp``).
 
     python3 -m bench.pairs.mtp [--models bench/pairs/models] [--pair hybrid-27b]
-        [--seconds 840] [--device cuda] [--work /tmp/mtp-work] [--threads 2]
+        [--prompts 48] [--device cpu]
 
 The module (``MTPHead``; checkpoint names ``mtp.*`` as in Qwen3.5 / Qwen3.6
 checkpoints): ``fc`` over ``[pre_fc_norm_embedding(embed(token t+1));
@@ -19,21 +19,12 @@ reads step s's output hidden state and its argmax token, one position further,
 attending to the head's own keys and values (those of verified positions come
 from the target's hidden states).
 
-Steps (seeded; time-boxed by ``--seconds``; on ``--device``, the CPU by
-default, where the committed head was trained, short of training):
-
-1. the held-out evaluation sequences, as offline_tau.evaluate makes them (the prompts
-   of ``prompts/heldout.jsonl`` cut to their last 160 tokens, 256 greedy tokens);
-2. the target's greedy continuations of standard-library code windows;
-3. the head, on those, at random positions: steps 1..``--unroll`` through
-   the recursion above, teacher-forced (hard and soft targets: the target's
-   own distribution, as the DFlash drafter is trained), its decoder layer
-   started from the target's last full-attention layer;
-4. offline tau of the chain MTP drafts for k = 1..4 tokens, replayed as vLLM
-   verifies it at temperature 0 (acceptance.chain_steps).
-
-Writes ``<models>/<pair>/mtp/{model.safetensors,config.json,train_log.json}``;
-the config is the target's with ``mtp_num_hidden_layers`` (what vLLM reads).
+The offline acceptance: on the held-out evaluation sequences, as
+offline_tau.evaluate makes them (the prompts of ``prompts/heldout.jsonl`` cut
+to their last 160 tokens, 256 greedy tokens), tau of the chain MTP drafts for
+k = 1..4 tokens, replayed as vLLM verifies it at temperature 0
+(acceptance.chain_steps); printed as one ``MTP_TAU {json}`` line, the
+``offline_heldout`` record of the head's ``train_log.json``.
 """
 
 from __future__ import annotations
@@ -42,12 +33,9 @@ import argparse
 import copy
 import json
 import os
-import sys
-import sysconfig
-import time
 
 from bench import common
-from bench.pairs import offline_tau, train
+from bench.pairs import offline_tau
 from bench.pairs import pair_configs as pc
 
 MTP_LAYERS = 1  # Qwen3.5 / Qwen3.6 checkpoints carry one MTP layer
@@ -55,8 +43,6 @@ MTP_LAYERS = 1  # Qwen3.5 / Qwen3.6 checkpoints carry one MTP layer
 # offline tau (models/hybrid-27b/mtp/train_log.json).
 SPECULATIVE_TOKENS = 3
 EVAL_DEPTHS = (1, 2, 3, 4)
-TRAIN_PROMPT_LEN = 128
-TRAIN_NEW_TOKENS = 128
 
 
 def with_mtp_keys(cfg: dict) -> dict:
@@ -109,12 +95,8 @@ def build_head(target_cfg: dict):
     return MTPHead(pc.text_config(target_cfg))
 
 
-def save_head(head, target_cfg: dict, out_dir: str) -> None:
-    train.save_weights(head, out_dir, with_mtp_keys(target_cfg), prefix="mtp.")
-
-
 def load_head(path: str):
-    """(head in float32, eval mode; its config) from a directory of save_head."""
+    """(head in float32, eval mode; its config) from a head's directory."""
     from safetensors.torch import load_file
 
     with open(os.path.join(path, "config.json")) as f:
@@ -221,7 +203,7 @@ def recursive_logits(head, hidden, tokens, embed, lm_head, anchors, depth, force
     return torch.stack(logits, 2)
 
 
-# ---------------------------------------------------------------- data, training
+# ---------------------------------------------------------------- offline tau
 
 
 def target_hidden(model, seqs, batch: int = 16):
@@ -232,106 +214,6 @@ def target_hidden(model, seqs, batch: int = 16):
     with torch.no_grad():
         out = [model.model(input_ids=x).last_hidden_state for x in seqs.split(batch)]
     return torch.cat(out).float()
-
-
-def init_from_target(head, model) -> None:
-    """Start the head's decoder layer and final norm from the target's last
-    full-attention layer and final norm (the same shapes), and ``fc`` from
-    passing the hidden state through (identity on the hidden half, small
-    random weights on the embedding half)."""
-    import torch
-
-    kinds = model.config.layer_types
-    last = max(i for i, k in enumerate(kinds) if k == "full_attention")
-    with torch.no_grad():
-        head.layers[0].load_state_dict(model.model.layers[last].state_dict())
-        head.norm.load_state_dict(model.model.norm.state_dict())
-        h = head.fc.weight.shape[0]
-        head.fc.weight[:, :h].mul_(0.1)
-        head.fc.weight[:, h:].copy_(torch.eye(h, device=head.fc.weight.device))
-
-
-def train_sequences(model, corpus, a, deadline: float, cache: str):
-    """Greedy continuations of random corpus windows, ``a.gen_batch`` at a time
-    until ``deadline`` (at least one batch); the batches already in ``cache``
-    (the same seeded draws) are reused. ``corpus()`` gives the token ids."""
-    import torch
-
-    gen = torch.Generator().manual_seed(a.seed + 7)
-    seqs = torch.load(cache) if os.path.exists(cache) else None
-    if seqs is not None and time.time() >= deadline:
-        return seqs
-    ids = corpus()
-    for _ in range(0 if seqs is None else len(seqs) // a.gen_batch):
-        train.windows(ids, a.gen_batch, TRAIN_PROMPT_LEN, gen)  # cached draws
-    while seqs is None or time.time() < deadline:
-        p = train.windows(ids, a.gen_batch, TRAIN_PROMPT_LEN, gen).to(a.device)
-        out = offline_tau.target_continue(model, p, TRAIN_NEW_TOKENS, False).cpu()
-        seqs = out if seqs is None else torch.cat([seqs, out])
-        torch.save(seqs, cache)
-        train.log(f"mtp: {len(seqs)} training continuations")
-    return seqs
-
-
-def distill_loss(logits, teacher_logp):
-    """train.distill_terms averaged."""
-    return train.distill_terms(logits, teacher_logp).mean()
-
-
-def train_head(a, head, model, seqs, hidden, deadline: float) -> dict:
-    import torch
-
-    embed, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
-    gen = torch.Generator().manual_seed(a.seed + 11)
-    seq_len, width = seqs.shape[1], hidden.shape[-1]
-    lo = TRAIN_PROMPT_LEN // 4
-
-    def batch_loss():
-        rows = torch.randint(0, seqs.shape[0], (a.batch,), generator=gen)
-        x, h = seqs[rows], hidden[rows]
-        anchors = torch.stack(
-            [
-                torch.randperm(seq_len - a.unroll - lo, generator=gen)[: a.anchors] + lo
-                for _ in range(a.batch)
-            ]
-        ).to(x.device)
-        # step s at anchor p predicts token p + s: the target's distribution
-        # at position p + s - 1
-        with torch.no_grad():
-            at = [
-                (anchors + s)[..., None].expand(-1, -1, width) for s in range(a.unroll)
-            ]
-            teacher = torch.stack([torch.gather(h, 1, i) for i in at], 2)
-            teacher = (teacher @ lm_head.T).log_softmax(-1)
-        logits = recursive_logits(head, h, x, embed, lm_head, anchors, a.unroll, True)
-        losses = [
-            distill_loss(logits[:, :, s], teacher[:, :, s]) for s in range(a.unroll)
-        ]
-
-        def point():
-            acc = (logits.argmax(-1) == teacher.argmax(-1)).float().mean((0, 1))
-            return [
-                [round(v.item(), 4) for v in losses],
-                [round(v, 3) for v in acc.tolist()],
-            ]
-
-        return sum(losses) / len(losses), point
-
-    fit = dict(lr=a.lr, warmup=20, floor=0.05, weight_decay=0.01, every=10)
-    rec = train.fit(head, batch_loss, deadline, "mtp head", **fit)
-    return {
-        "steps": rec["steps"],
-        "batch": a.batch,
-        "anchors_per_seq": a.anchors,
-        "unroll": a.unroll,
-        "peak_lr": a.lr,
-        "seconds": rec["seconds"],
-        "init": "decoder layer and final norm from the target's last "
-        "full-attention layer and final norm; fc passes the hidden state",
-        "curve": "[step, loss, loss per step 1..unroll, teacher-forced "
-        "top-1 agreement with the target per step 1..unroll]",
-        "points": rec["curve"],
-    }
 
 
 def offline_tau_of_head(head, model, seqs, hidden, plen: int) -> dict:
@@ -381,97 +263,31 @@ def offline_tau_of_head(head, model, seqs, hidden, plen: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_options(ap, {
-        "--models": (os.path.join(os.path.dirname(__file__), "models"), None),
+        "--models": (common.PAIR_MODELS, None),
         "--pair": ("hybrid-27b", None),
-        "--seconds": (840.0, "wall-clock budget of continuations and training "
-            "(the held-out sequences and the evaluation come on top)"),
-        "--device": ("cpu", "cpu (the committed head, short of training) or cuda "
-            "(a retrain that reaches far more steps)"),
-        "--work": ("/tmp/mtp-work", "cache of sequences"),
-        "--threads": (1, "torch threads (one is fastest on a shared, "
-            "oversubscribed CPU)"),
-        "--seed": (0, None),
-        "--gen-batch": (64, None),
-        "--gen-share": (0.35, None),
-        "--corpus-mb": (4, None),
-        "--batch": (8, None),
-        "--anchors": (32, "per sequence"),
-        "--unroll": (3, "draft steps trained"),
-        "--lr": (2e-3, "peak"),
         "--prompts": (48, None),
+        "--device": ("cpu", None),
     })  # fmt: skip
     a = ap.parse_args(argv)
 
     import torch
-    import transformers
-    from tokenizers import Tokenizer
 
-    torch.set_num_threads(a.threads)
-    torch.manual_seed(a.seed)
-    a.device = torch.device(a.device)
-    t0 = time.time()
-    os.makedirs(a.work, exist_ok=True)
-    spec = pc.load_pair(a.models, a.pair)
-    if "text_config" not in spec["small_target"]:
-        sys.exit(f"{a.pair}: not a Qwen3.5-architecture target (no MTP module)")
+    device = torch.device(a.device)
     pdir = os.path.join(a.models, a.pair)
-    model = offline_tau.load_target(os.path.join(pdir, "target"), a.device)
-    model.requires_grad_(False)
-    rec: dict = {
-        "pair": a.pair,
-        "seed": a.seed,
-        "device": str(a.device),
-        "threads": a.threads,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "target_id": pc.weights_id(a.models, a.pair, "target"),
-    }
-    held_path = os.path.join(a.work, "heldout.pt")
-    if not os.path.exists(held_path):
-        held = offline_tau.heldout_sequences(
-            model,
-            os.path.join(a.models, "prompts", "heldout.jsonl"),
-            a.prompts,
-            offline_tau.EVAL_PROMPT_LEN,
-            offline_tau.EVAL_NEW_TOKENS,
-            a.device,
-        )
-        torch.save(held.cpu(), held_path)
-    held = torch.load(held_path).to(a.device)
-    train.log(f"mtp: held-out sequences {tuple(held.shape)} ({time.time() - t0:.0f} s)")
-
-    def corpus():
-        """Standard-library Python (without train.py's held-out packages)."""
-        stdlib = sysconfig.get_paths()["stdlib"]
-        texts = train.gather_corpus([stdlib], a.corpus_mb << 20, set(), a.seed)[0]
-        tok = Tokenizer.from_file(os.path.join(a.models, "tokenizer", "tokenizer.json"))
-        return train.encode(tok, texts)
-
-    t1 = time.time()
-    cache = os.path.join(a.work, "train_seqs.pt")
-    seqs = train_sequences(model, corpus, a, t1 + a.gen_share * a.seconds, cache)
-    seqs = seqs.to(a.device)
-    rec["continuations"] = {
-        "source": "standard-library Python windows",
-        "sequences": seqs.shape[0],
-        "prompt_len": TRAIN_PROMPT_LEN,
-        "new_tokens": TRAIN_NEW_TOKENS,
-    }
-    hidden = target_hidden(model, seqs)
-    head = build_head(spec["small_target"]).to(a.device)
-    init_from_target(head, model)
-    rec["training"] = train_head(a, head, model, seqs, hidden, t1 + a.seconds)
-    train.round_to_bf16_(head)
-    out_dir = os.path.join(pdir, "mtp")
-    save_head(head, spec["small_target"], out_dir)
-    held_hidden = target_hidden(model, held)
-    rec["offline_heldout"] = offline_tau_of_head(
-        head, model, held, held_hidden, offline_tau.EVAL_PROMPT_LEN
+    model = offline_tau.load_target(os.path.join(pdir, "target"), device)
+    head = load_head(os.path.join(pdir, "mtp"))[0].to(device)
+    held = offline_tau.heldout_sequences(
+        model,
+        os.path.join(a.models, "prompts", "heldout.jsonl"),
+        a.prompts,
+        offline_tau.EVAL_PROMPT_LEN,
+        offline_tau.EVAL_NEW_TOKENS,
+        device,
     )
-    rec["mtp_id"] = pc.weights_id(a.models, a.pair, "mtp")
-    rec["seconds"] = round(time.time() - t0, 1)
-    train.log(f"mtp: offline held-out {rec['offline_heldout']}")
-    common.write_json(os.path.join(out_dir, "train_log.json"), rec)
+    rec = offline_tau_of_head(
+        head, model, held, target_hidden(model, held), offline_tau.EVAL_PROMPT_LEN
+    )
+    print("MTP_TAU " + json.dumps(rec), flush=True)
 
 
 if __name__ == "__main__":

@@ -32,11 +32,9 @@ EVAL_BUDGETS = (16, 64, 256)
 EVAL_PROMPT_LEN = 160
 
 
-def text_model(cfg: dict, device="cpu", init: bool = True):
+def text_model(cfg: dict, device="cpu"):
     """The Hugging Face text-only model of a target config, float32 (a Qwen3.5
-    config's language model); ``init=False`` leaves the weights unset."""
-    import contextlib
-
+    config's language model), its weights unset."""
     import torch
     from transformers.initialization import no_init_weights
 
@@ -46,12 +44,10 @@ def text_model(cfg: dict, device="cpu", init: bool = True):
     else:
         from transformers import Qwen3Config as config_cls
         from transformers import Qwen3ForCausalLM as cls
-    # a model to train starts from the CPU's seeded draws on any device
-    skip_init = contextlib.nullcontext() if init else no_init_weights()
-    with skip_init, torch.device("cpu" if init else device):
+    with no_init_weights(), torch.device(device):
         model = cls(config_cls(**pc.text_config(cfg)))
     model.tie_weights()  # a tied small target shares embedding and lm_head
-    return model.to(device=device, dtype=torch.float32)
+    return model.to(dtype=torch.float32)
 
 
 def load_target(path: str, device="cpu"):

@@ -55,34 +55,7 @@ def _drafter_model(runner):
     return None
 
 
-# The caching allocator's counters that tell a step's allocations apart: a
-# retry (cudaMalloc failed, the cached blocks were freed, which synchronises
-# the device, and it tried again), a failed allocation, the device allocations
-# and frees, and the synchronisations of every stream the allocator made.
-ALLOCATOR_COUNTERS = (
-    "num_alloc_retries",
-    "num_ooms",
-    "num_device_alloc",
-    "num_device_free",
-    "num_sync_all_streams",
-)
-
-
-def cuda_allocator_counts() -> dict[str, int]:
-    """`ALLOCATOR_COUNTERS` of this process's CUDA caching allocator, and the
-    bytes it holds from the device now."""
-    stats = torch.cuda.memory_stats()
-    out = {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTERS}
-    out["reserved_bytes"] = int(stats.get("reserved_bytes.all.current", 0))
-    return out
-
-
 class EmbeddedPairWorker:
-    def cuda_allocator_counts(self) -> dict[str, int]:
-        """The worker's allocator counters (`cuda_allocator_counts`), read
-        between engine steps (``collective_rpc``)."""
-        return cuda_allocator_counts()
-
     def load_embedded_pair(
         self, pair_dir: str, pair_name: str, with_drafter: bool = True
     ) -> dict:

@@ -22,15 +22,38 @@ LABELS = {
 }
 
 
-def format_axes(ax, title: str) -> None:
-    """Tokens/s against concurrency, both on log scales."""
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("concurrency (requests in flight)")
-    ax.set_ylabel("tokens/s")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+def plot_panels(panels: dict, title: str, path: str) -> None:
+    """One panel per pair of ``panels`` (``{pair: [(label, [(concurrency,
+    tokens/s, note or None), ...]), ...]}``): tokens/s against concurrency,
+    both on log scales, each note written at its point; ``title`` formatted
+    with ``pair``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False
+    )
+    for ax, (pair, series) in zip(axes[0], sorted(panels.items())):
+        for label, pts in series:
+            if pts:
+                ax.plot(
+                    [p[0] for p in pts], [p[1] for p in pts], marker="o", label=label
+                )
+            for x, y, note in pts:
+                if note:
+                    kw = dict(textcoords="offset points", xytext=(4, 4), fontsize=7)
+                    ax.annotate(note, (x, y), **kw)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(title.format(pair=pair))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
@@ -39,12 +62,6 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="PNG path")
     ap.add_argument("--dtype", default="bfloat16")
     a = ap.parse_args()
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     with open(a.results) as f:
         rows = [
             r
@@ -54,27 +71,21 @@ def main() -> None:
     pairs = sorted({r["pair"] for r in rows})
     if not pairs:
         raise SystemExit(f"no {a.dtype} rows with tok_s in {a.results}")
-    fig, axes = plt.subplots(
-        1, len(pairs), figsize=(6 * len(pairs), 4.5), squeeze=False
-    )
-    for ax, pair in zip(axes[0], pairs):
-        for method, label in LABELS.items():
-            pts = sorted(
-                (r["concurrency"], r["tok_s"], r.get("tau"))
-                for r in rows
-                if r["pair"] == pair and r["method"] == method
+    panels = {
+        pair: [
+            (
+                label,
+                sorted(
+                    (r["concurrency"], r["tok_s"], r.get("tau") and f"τ {r['tau']:.2f}")
+                    for r in rows
+                    if r["pair"] == pair and r["method"] == method
+                ),
             )
-            if pts:
-                ax.plot(
-                    [p[0] for p in pts], [p[1] for p in pts], marker="o", label=label
-                )
-            for x, y, t in pts:
-                if t:
-                    kw = dict(textcoords="offset points", xytext=(4, 4), fontsize=7)
-                    ax.annotate(f"τ {t:.2f}", (x, y), **kw)
-        format_axes(ax, f"{pair} ({a.dtype}, held-out prompts, greedy)")
-    fig.tight_layout()
-    fig.savefig(a.out, dpi=120)
+            for method, label in LABELS.items()
+        ]
+        for pair in pairs
+    }
+    plot_panels(panels, f"{{pair}} ({a.dtype}, held-out prompts, greedy)", a.out)
     print(a.out)
 
 

@@ -6,23 +6,22 @@ their production shapes, side by side, on held-out prompts.
     python3 -m bench.pairs.run_pairs --out bench/results/pairs.json \\
         --plot bench/results/pairs.png [--pairs dense-8b,hybrid-27b] \\
         [--dtypes bfloat16,float32] [--methods nospec,chain,ddtree] \\
-        [--conc 1,4,8,16,32] [--small] [--embedding full|none]
+        [--conc 1,4,8,16,32] [--small]
 
 Each (pair, dtype, method) runs in its own process: one vLLM engine loaded with
 dummy weights at the production shape (``<models>/<pair>/production-*``), the
 trained pair written in (pair_worker.py), then greedy decoding (``ignore_eos``)
 at each concurrency c with c requests always in flight. Rows: tokens/s of the
 steady window, tau, ms per engine step, whether each output equals no
-speculation's (the same pair, dtype and concurrency); bf16 engines then decode
-``--sampled-conc`` at temperature 1 (nothing compared). ``--small`` also runs
+speculation's (the same pair, dtype and concurrency). ``--small`` also runs
 the small pair itself (float32): the production shape's outputs must equal it.
 
 Methods: ``nospec``, ``chain``, ``chain_v2`` (the chain on the V2 model runner),
 ``ddtree`` (``budget_policy: "batch"`` unless ``--ddtree`` sets one),
 ``ddtree_measured``, ``mtp`` (the hybrid target's MTP head, ``--mtp-k``). The
 JSON is rewritten after every engine (a cut run keeps what finished); each
-engine's log is ``<workdir>/engine_<pair>_<dtype>_<method>.log``; then one
-embedding row per pair (check_embedding.py) and the plot.
+engine's log is ``<workdir>/engine_<pair>_<dtype>_<method>.log``; then the
+plot. The embedding rows come from check_embedding.py.
 """
 
 from __future__ import annotations
@@ -53,11 +52,6 @@ JIT_COMPILE = re.compile(
     r"(\d\d-\d\d \d\d:\d\d:\d\d).*JIT compilation during inference: (\w+)"
 )
 log = functools.partial(common.progress, "run_pairs")
-
-
-def sampled_conc(a) -> list[int]:
-    """The concurrencies an engine decodes again at temperature 1."""
-    return common.csv_ints(a.sampled_conc)
 
 
 def prompts_for(
@@ -214,25 +208,19 @@ class _CountedSteps:
     that returned outputs, ``outputs``: the outputs they returned) and joined
     requests (``joined``) are counted from the start. ``mark_window`` (as
     `decode_continuous`'s ``on_window``) records the counts when the steady
-    window opens (True) and closes (False), ``read_counters()`` then, outside
-    the window's step times, and the seconds between consecutive busy steps
-    inside the window: one engine step each."""
+    window opens (True) and closes (False), and the seconds between
+    consecutive busy steps inside the window: one engine step each."""
 
-    def __init__(self, engine, clock=time.perf_counter, read_counters=None):
-        self.engine, self._clock, self._read_counters = engine, clock, read_counters
+    def __init__(self, engine, clock=time.perf_counter):
+        self.engine, self._clock = engine, clock
         self.steps = self.joined = self.busy_steps = self.outputs = 0
         self.window_marks: dict[bool, tuple[int, int, int]] = {}
-        self.window_counters: dict[bool, dict] = {}
         self.window_step_seconds: list[float] = []
         self._last_busy: float | None = None
 
     def mark_window(self, opened: bool) -> None:
-        if opened and self._read_counters is not None:
-            self.window_counters[True] = self._read_counters()
         self.window_marks[opened] = (self.busy_steps, self.outputs, self.joined)
         self._last_busy = self._clock() if opened else None
-        if not opened and self._read_counters is not None:
-            self.window_counters[False] = self._read_counters()
 
     def add_request(self, *args, **kwargs):
         self.joined += 1
@@ -277,21 +265,6 @@ def step_time_spread(step_seconds: list[float], joined: int | None = None) -> di
         extra = sum(ms) - len(ms) * median
         out["ms_over_median_per_join"] = round(extra / joined, 2)
     return out
-
-
-def allocator_in_window(before: dict | None, after: dict | None) -> dict:
-    """What the target worker's CUDA caching allocator did in the steady
-    window (`pair_worker.cuda_allocator_counts` when it opened and closed):
-    each counter's increase and the GiB it held at the close. A retry frees
-    every cached block and synchronises the device (tens of ms on a full
-    GPU), which timings alone cannot tell from slow kernels."""
-    if not before or not after:
-        return {}
-    counts = {
-        k: after[k] - before[k] for k in after if k != "reserved_bytes" and k in before
-    }
-    counts["reserved_gib_at_close"] = round(after.get("reserved_bytes", 0) / 2**30, 2)
-    return dict(allocator_in_window=counts)
 
 
 def window_joined(marks: dict[bool, tuple[int, int, int]]) -> int | None:
@@ -385,7 +358,7 @@ def run_engine(a) -> None:
     drafter = os.path.join(pdir, prefix + "drafter")
     hybrid = pc.load_pair(a.models, a.pair)["kind"] == "hybrid"
     target = os.path.join(pdir, prefix + "target")
-    max_num_seqs = max(a.conc + sampled_conc(a))
+    max_num_seqs = max(a.conc)
     # Every compile after warm-up logged with its specialisation.
     kw = common.engine_kwargs(
         a, target, a.dtype, max_num_seqs, hybrid, jit_monitor_verbose=True
@@ -421,33 +394,22 @@ def run_engine(a) -> None:
         SamplingParams(temperature=0.0, **greedy),
         use_tqdm=False,
     )
-    # Temperature 1 (vLLM's default sampling) after the greedy sweep, bf16
-    # only: the float32 engines check exactness.
-    sampled = [] if a.dtype == "float32" else sampled_conc(a)
-    for conc, temperature in [(c, 0.0) for c in a.conc] + [(c, 1.0) for c in sampled]:
+    for conc in a.conc:
         batch = prompts_for(
             conc, prompts, a.c1_prompts, True, a.per_client, a.min_prompts
         )
         requests = [TokensPrompt(prompt_token_ids=p) for p in batch]
-        # Sampled: one seed per prompt, the same stream of seeds for every
-        # method (outputs still differ: speculation consumes the random
-        # numbers differently).
+        delta = RequestOutputKind.DELTA
         sps = [
-            SamplingParams(
-                temperature=temperature,
-                seed=None if temperature == 0 else j,
-                output_kind=RequestOutputKind.DELTA,
-                **greedy,
-            )
-            for j in range(len(batch))
+            SamplingParams(temperature=0.0, output_kind=delta, **greedy) for _ in batch
         ]
-        tag = f"c{conc}-t{temperature:g}"
+        tag = f"c{conc}-t0"
         warm_up(llm, requests, sps[0], conc, WARM_TOKENS, "warm-" + tag)
         what = dict(
             pair=a.pair,
             dtype=a.dtype,
             method=a.method,
-            temperature=temperature,
+            temperature=0.0,
             concurrency=conc,
             prompts=len(batch),
             prompt_tokens=a.prompt_tokens or None,
@@ -461,13 +423,7 @@ def run_engine(a) -> None:
         acc0, drafts0 = common.spec_counters(llm)
         ddtree = a.method in DDTREE_METHODS
         by_batch0 = ddtree_by_batch_size(llm, conc) if ddtree else {}
-        # The first worker's allocator (tensor-parallel ranks allocate alike).
-        counted = _CountedSteps(
-            llm.llm_engine,
-            read_counters=None
-            if small
-            else lambda: llm.collective_rpc("cuda_allocator_counts")[0],
-        )
+        counted = _CountedSteps(llm.llm_engine)
         running.max_running = None
         t = time.time()
         with running:
@@ -490,9 +446,6 @@ def run_engine(a) -> None:
             max_running=running.max_running,
             **window_step_stats(marks, steady_s),
             **step_time_spread(counted.window_step_seconds, window_joined(marks)),
-            **allocator_in_window(
-                counted.window_counters.get(True), counted.window_counters.get(False)
-            ),
             # The timed decode in the engine log's clock (`jit_compiles_in`).
             timed_from=time.strftime(LOG_TIME, time.localtime(t)),
             timed_to=time.strftime(LOG_TIME, time.localtime(t + dt)),
@@ -511,10 +464,9 @@ def run_engine(a) -> None:
         if load:
             row["weights_written"] = load
         common.emit("ROW", row)
-        if temperature == 0:
-            name = f"tokens_{a.pair}_{a.dtype}_{a.method}_c{conc}.json"
-            with open(os.path.join(a.workdir, name), "w") as f:
-                json.dump(toks, f)
+        name = f"tokens_{a.pair}_{a.dtype}_{a.method}_c{conc}.json"
+        with open(os.path.join(a.workdir, name), "w") as f:
+            json.dump(toks, f)
         log(f"{a.pair} {a.dtype} {a.method} {tag}: {row['tok_s']} tok/s")
 
 
@@ -580,15 +532,13 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
         "--mtp-k": (mtp.SPECULATIVE_TOKENS, "draft tokens of the mtp method"),
         "--profile": (False, "profile each steady window instead of timing it "
             "(torch profiler): rows with a 'profile' object, not for the tables"),
-        "--sampled-conc": ("1,8", "concurrencies decoded again at temperature 1 "
-            "by each bf16 engine ('' for none)"),
     })  # fmt: skip
 
 
 ENGINE_OPTIONS = (
     *common.ENGINE_OPTIONS,
     *("out", "prompts", "prompt_tokens", "c1_prompts", "per_client", "min_prompts"),
-    *("mtp_k", "sampled_conc", "workdir", "profile"),
+    *("mtp_k", "workdir", "profile"),
 )
 
 
@@ -605,7 +555,6 @@ def engine_command(a, pair, dtype, method, conc) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON rows (rewritten per engine)")
-    ap.add_argument("--embedding", choices=["full", "none"], default="full")
     common.add_options(ap, {
         "--pairs": (",".join(pc.PAIRS), None),
         "--dtypes": ("bfloat16,float32", None),
@@ -671,30 +620,10 @@ def main() -> None:
         rows += new
         annotate(rows, a.workdir)
         common.write_json(a.out, rows)
-    if a.embedding != "none":
-        for pair in a.pairs.split(","):
-            rows = [
-                r
-                for r in rows
-                if r.get("pair") != pair or "embedding_max_abs_logit_diff" not in r
-            ]
-            rows.append(check_embedding(a, pair))
-            common.write_json(a.out, rows)
     if a.plot:
         cmd = [sys.executable, "-m", "bench.pairs.plot_pairs", a.out, "--out", a.plot]
         subprocess.run(cmd, check=False)
     print(json.dumps(rows))
-
-
-def check_embedding(a, pair: str) -> dict:
-    """One pair's embedding row (check_embedding.py in its own process)."""
-    log(f"embedding check of {pair}")
-    cmd = [sys.executable, "-m", "bench.pairs.check_embedding"]
-    cmd += ["--models", a.models, "--pair", pair]
-    lines = common.run_engine_process(cmd, a.engine_timeout)[3]
-    rows = common.rows_in(lines, "EMBEDDING")
-    failed = dict(pair=pair, embedding_max_abs_logit_diff=None, error="check failed")
-    return rows[0] if rows else failed
 
 
 if __name__ == "__main__":

@@ -1,25 +1,21 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""DDTree's budget policy against the best alternative on the benchmark pairs:
-no speculation, the DFlash chain (K = 15) and DDTree, side by side on held-out
-prompts at concurrency 1 .. 64, bf16, one engine per method.
+"""DDTree's budget policy against the best alternative on the benchmark pairs,
+tabulated from run_pairs.py's rows (greedy, bf16; its methods ``nospec``, the
+chain, ``ddtree_measured``, ``ddtree``, ``mtp``):
 
-    python3 -m bench.pairs.run_policy --out bench/results/policy.json \\
-        --plot bench/results/policy.png [--pairs dense-8b] \\
-        [--conc 1,2,4,8,16,32,64] [--policies measured,batch] \\
-        [--rows bench/results/policy-rows.json]
+    python3 -m bench.pairs.run_policy --tabulate --rows pairs.json \
+        --out policy.json [--plot policy.png] [--pairs dense-8b] \
+        [--policies measured,batch] [--chain-method chain_v2]
 
-The engines are run_pairs.py's (``--methods nospec,<chain>,ddtree_measured,
-ddtree``; its rows, with the measured policy's budget and tau per batch size,
-go to ``--rows``). Then one row per pair and concurrency goes to ``--out``:
-``{"pair", "concurrency", "nospec_tok_s", "chain_tok_s", "ddtree_tok_s",
+One row per pair and concurrency goes to ``--out``: ``{"pair",
+"concurrency", "nospec_tok_s", "chain_tok_s", "ddtree_tok_s",
 "budget_chosen", "tau"}``, where ``ddtree_*`` is the first policy of
 ``--policies`` (the one judged), ``tau`` its acceptance length, plus each
 other policy's tokens/s and budget, both alternatives' tau and
 ``ddtree_over_best``: DDTree's tokens/s over max(chain, no speculation,
 MTP); ``mtp_tok_s``, ``mtp_tau`` and ``mtp_k`` where the target's MTP module
-ran (``--methods mtp`` adds its engine's rows to ``--rows``).
-``--tabulate`` rebuilds ``--out`` from existing ``--rows`` without running.
+ran.
 """
 
 from __future__ import annotations
@@ -27,9 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
-import subprocess
-import sys
 
 from bench import common
 
@@ -107,74 +100,51 @@ def tabulate(
 
 
 def plot(table: list[dict], path: str) -> None:
-    import matplotlib
+    """Tokens/s of each method and policy, the judged policy's budget written
+    at its points."""
+    from bench.pairs.plot_pairs import plot_panels
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from bench.pairs.plot_pairs import format_axes
-
-    pairs = sorted({r["pair"] for r in table})
-    fig, axes = plt.subplots(
-        1, len(pairs), figsize=(6 * len(pairs), 4.5), squeeze=False
-    )
-    for ax, pair in zip(axes[0], pairs):
+    panels = {}
+    for pair in sorted({r["pair"] for r in table}):
         rows = sorted(
             (r for r in table if r["pair"] == pair), key=lambda r: r["concurrency"]
         )
-        xs = [r["concurrency"] for r in rows]
-        series = [
-            ("nospec_tok_s", "no speculation"),
-            (
-                "chain_tok_s",
-                "DFlash chain K=15"
-                + (", V2 runner" if rows[0].get("chain_method") == "chain_v2" else ""),
-            ),
-            ("ddtree_tok_s", f"DDTree ({rows[0]['policy']} policy)"),
-        ] + [
-            (k, f"DDTree ({k[len('ddtree_') : -len('_tok_s')]} policy)")
+        v2 = rows[0].get("chain_method") == "chain_v2"
+        series = {
+            "nospec_tok_s": "no speculation",
+            "chain_tok_s": "DFlash chain K=15" + (", V2 runner" if v2 else ""),
+            "ddtree_tok_s": f"DDTree ({rows[0]['policy']} policy)",
+        } | {
+            k: f"DDTree ({k[len('ddtree_') : -len('_tok_s')]} policy)"
             for k in rows[0]
             if k.startswith("ddtree_") and k.endswith("_tok_s") and k != "ddtree_tok_s"
+        }
+
+        def note(key: str, r: dict) -> str | None:
+            judged = key == "ddtree_tok_s" and r.get("budget_chosen") is not None
+            return f"b={r['budget_chosen']}" if judged else None
+
+        panels[pair] = [
+            (label, [(r["concurrency"], r[k], note(k, r)) for r in rows if r.get(k)])
+            for k, label in series.items()
         ]
-        for key, label in series:
-            pts = [(x, r[key]) for x, r in zip(xs, rows) if r.get(key)]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=label)
-        for x, r in zip(xs, rows):
-            if r.get("budget_chosen") is not None:
-                ax.annotate(
-                    f"b={r['budget_chosen']}",
-                    (x, r["ddtree_tok_s"]),
-                    textcoords="offset points",
-                    xytext=(4, -10),
-                    fontsize=7,
-                )
-        format_axes(ax, f"{pair} (bf16, held-out prompts, greedy)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_panels(panels, "{pair} (bf16, held-out prompts, greedy)", path)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="the policy table (JSON)")
     common.add_options(ap, {
+        "--tabulate": (False, "build --out from --rows (run_pairs.py runs the "
+            "engines)"),
+        "--rows": (None, "run_pairs rows"),
         "--plot": (None, "PNG of tokens/s"),
-        "--rows": (None, "run_pairs rows (default: <out>-rows.json)"),
         "--pairs": ("dense-8b,hybrid-27b", None),
-        "--conc": ("1,2,4,8,16,32,64", None),
-        "--policies": ("measured,batch", "DDTree budget policies to run, the "
-            "first one judged"),
+        "--policies": ("measured,batch", "DDTree budget policies, the first one "
+            "judged"),
         "--chain-method": ("chain", "run_pairs method of the chain ('chain_v2': "
             "on the V2 runner)"),
-        "--methods": (None, "run only these run_pairs methods (default: all of "
-            "the table's)"),
-        "--tabulate": (False, "only rebuild --out"),
     })  # fmt: skip
-    ap.add_argument(
-        "run_pairs_args",
-        nargs=argparse.REMAINDER,
-        help="after '--': more run_pairs.py options (e.g. --c1-prompts 4)",
-    )
     a = ap.parse_args()
     policies = [p for p in a.policies.split(",") if p]
     unknown = set(policies) - set(POLICY_METHODS)
@@ -182,21 +152,12 @@ def main() -> None:
         raise SystemExit(
             f"--policies: {sorted(unknown) or 'none'} not among {list(POLICY_METHODS)}"
         )
-    rows_path = a.rows or os.path.splitext(a.out)[0] + "-rows.json"
-    if not a.tabulate:
-        methods = a.methods or ",".join(
-            ["nospec", a.chain_method] + [POLICY_METHODS[p] for p in policies]
-        )
-        extra = [x for x in a.run_pairs_args if x != "--"]
-        cmd = [sys.executable, "-m", "bench.pairs.run_pairs", "--out", rows_path]
-        cmd += ["--pairs", a.pairs, "--dtypes", "bfloat16", "--methods", methods]
-        cmd += ["--conc", a.conc, "--sampled-conc", "", "--embedding", "none", *extra]
-        log("running " + " ".join(cmd[1:]))
-        rc = subprocess.run(cmd).returncode
-        if rc != 0:
-            log(f"run_pairs ended with {rc}; tabulating what finished")
-    with open(rows_path) as f:
-        table = tabulate(json.load(f), policies, a.chain_method)
+    if not a.tabulate or not a.rows:
+        ap.error("--tabulate --rows ROWS: run bench.pairs.run_pairs for the rows")
+    pairs = set(a.pairs.split(","))
+    with open(a.rows) as f:
+        rows = [r for r in json.load(f) if r.get("pair") in pairs]
+    table = tabulate(rows, policies, a.chain_method)
     common.write_json(a.out, table)
     for r in table:
         log(

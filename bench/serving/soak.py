@@ -11,12 +11,11 @@ with a message, ``/health`` 200 right after it); load from ``--concurrency``
 httpx clients until ``--duration`` s and ``--requests`` requests (at most
 ``--max-duration`` s): chat and completions, streamed or not, greedy and
 sampled (penalties, seeds, ``n`` > 1), logprobs, stops, prompts near
-``max_model_len``, client aborts, bad inputs and the kinds DDTree refuses
-(structured outputs, ``response_format``, ``bad_words``: a 4xx, or a streamed
-request's first event, with DDTree's message), while ``/health``, ``/metrics``
-(parsed by prometheus_client), the GPU memory of the server's processes
-(nvidia-smi; each GPU's total when it lists none of them) and the server's RSS
-with its descendants (psutil) are sampled; with ``--launch --restart-at`` one
+``max_model_len`` and the kinds DDTree refuses (structured outputs,
+``response_format``, ``bad_words``: a 4xx, or a streamed request's first event,
+with DDTree's message), while ``/health``, ``/metrics`` (parsed by
+prometheus_client), each GPU's memory (nvidia-smi) and the server's RSS with its
+descendants (psutil) are sampled; with ``--launch --restart-at`` one
 restart, whose fault window runs to ``--fault-grace`` s after the server
 answers again and ``--after-start`` has run; drain, a short request,
 ``/health``; with ``--reference-url`` (no speculation, same model) every
@@ -68,7 +67,6 @@ from bench.common import (
     add_options,
     check_loopback,
     emit,
-    percentiles,
     progress,
     write_json,
 )
@@ -102,7 +100,7 @@ MONOTONE = ("_total", "_bucket", "_count", "_sum")  # without # TYPE lines
 # Fine outcomes per kind of request; those allowed only inside a fault window
 # (a 200 with fewer choices than asked is vLLM's answer for a request its
 # shutdown aborted).
-CLEAN = {"load": {"completed", "aborted"}, "refuse": {"refused"}, "bad": {"rejected"}}
+CLEAN = {"load": {"completed"}, "refuse": {"refused"}, "bad": {"rejected"}}
 FAULT_ONLY = {"server_error", "connection_error"}
 FAULT_ONLY_KINDS = {"missing_choices"}
 
@@ -197,8 +195,6 @@ class Plan:
     content_type: str = "application/json"
     greedy: bool = False
     n: int = 1
-    abort_chunks: int | None = None
-    abort_s: float | None = None
     expect_msg: str | None = None
     status: str = "pending"
     http: int | None = None
@@ -206,7 +202,6 @@ class Plan:
     error: str | None = None
     t_start: float = 0.0
     t_end: float = 0.0
-    ttft: float | None = None
     texts: dict[int, str] = field(default_factory=dict)
     completion_tokens: int | None = None
     epoch: int = 0
@@ -266,7 +261,6 @@ class Context:
     chat_prompts: list[tuple[str, int]]
     long_tokens: list[int]  # token ids to cut long prompts from
     stop_token_ids: list[int]
-    bad: list = field(default_factory=list)  # bad_cases(self), built once
 
     def long_prompt(self, length: int) -> list[int]:
         return [self.long_tokens[i % len(self.long_tokens)] for i in range(length)]
@@ -362,11 +356,7 @@ def make_plan(i: int, seed: int, ctx: Context, a: argparse.Namespace) -> Plan:
     requests whatever the concurrency and timing)."""
     rng = random.Random(seed * 1_000_003 + i)
     u = rng.uniform
-    r = rng.random()
-    if r < a.bad_fraction:
-        ctx.bad = ctx.bad or bad_cases(ctx)
-        return _bad_plan(i, ctx.bad[rng.randrange(len(ctx.bad))])
-    refusing = r < a.bad_fraction + a.refuse_fraction
+    refusing = rng.random() < a.refuse_fraction
     long_prompt = not refusing and rng.random() < LONG
     api = "chat" if not long_prompt and rng.random() < CHAT else "completion"
     stream = rng.random() < STREAM
@@ -430,13 +420,7 @@ def make_plan(i: int, seed: int, ctx: Context, a: argparse.Namespace) -> Plan:
         msg = REFUSE_BAD_WORDS if kind == "bad_words" else REFUSE_STRUCTURED
         return Plan(i, "refuse", kind, api, body, stream, expect_msg=msg, greedy=True)
     name = "long" if long_prompt else api
-    plan = Plan(i, "load", name, api, body, stream, greedy=greedy, n=n)
-    if rng.random() < a.abort_fraction:
-        if stream and rng.random() < 0.6:
-            plan.abort_chunks = rng.randint(1, 40)
-        else:
-            plan.abort_s = 0.0 if rng.random() < 0.2 else u(0, a.abort_max_s)
-    return plan
+    return Plan(i, "load", name, api, body, stream, greedy=greedy, n=n)
 
 
 def choice_text(api: str, c: dict, stream: bool = False) -> str:
@@ -483,17 +467,11 @@ def divergence_gap(char: int, tokens: list[str], gaps: list[float]) -> float | N
 
 async def run_plan(ep: Endpoint, req: Plan, timeout: float, clock) -> Plan:
     """Send ``req`` and record what came of it in it."""
-    req.t_start, t0, sent = clock(), time.monotonic(), asyncio.Event()
-
-    async def trace(event: str, info: dict) -> None:
-        if event.endswith("send_request_body.complete"):
-            sent.set()
+    req.t_start = clock()
 
     def take(payload: dict) -> None:
         for c in payload.get("choices") or []:
             text, idx = choice_text(req.api, c, req.stream), int(c.get("index", 0))
-            if text and req.stream and req.ttft is None:
-                req.ttft = time.monotonic() - t0
             req.texts[idx] = req.texts.get(idx, "") + text
         if usage := payload.get("usage"):
             req.completion_tokens = usage.get("completion_tokens")
@@ -502,7 +480,7 @@ async def run_plan(ep: Endpoint, req: Plan, timeout: float, clock) -> Plan:
         body = req.raw if req.raw is not None else json.dumps(req.body).encode()
         headers = {"content-type": req.content_type}
         async with ep.client.stream(
-            "POST", req.path, content=body, headers=headers, extensions={"trace": trace}
+            "POST", req.path, content=body, headers=headers
         ) as resp:
             req.http = resp.status_code
             if resp.status_code != 200:
@@ -513,7 +491,6 @@ async def run_plan(ep: Endpoint, req: Plan, timeout: float, clock) -> Plan:
                 return req.served()
             if "text/event-stream" not in resp.headers.get("content-type", ""):
                 return req.set("bad_response", "not_an_event_stream")
-            chunks = 0
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -525,29 +502,10 @@ async def run_plan(ep: Endpoint, req: Plan, timeout: float, clock) -> Plan:
                     msg, code = str(err.get("message", "")), int(err.get("code") or 500)
                     return req.error_answer(code, msg, "stream_error")
                 take(payload)
-                chunks += 1
-                if chunks == req.abort_chunks:
-                    req.status = "aborted"
-                    return
             req.set("connection_error", "stream_ended_without_done")
 
-    async def go() -> None:
-        task = asyncio.ensure_future(receive())
-        try:
-            if req.abort_s is not None:  # give up this long after sending
-                waiter = asyncio.ensure_future(sent.wait())
-                await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-                if not (await asyncio.wait([task], timeout=req.abort_s))[0]:
-                    req.status = "aborted"
-                    return
-            await task
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
     try:
-        await asyncio.wait_for(go(), timeout)
+        await asyncio.wait_for(receive(), timeout)
     except asyncio.TimeoutError:
         req.set("hang", "client_timeout", f"no complete answer within {timeout:g}s")
     except (httpx.TransportError, OSError) as e:
@@ -558,20 +516,19 @@ async def run_plan(ep: Endpoint, req: Plan, timeout: float, clock) -> Plan:
     return req
 
 
-def process_tree(pid: int) -> tuple[set[int] | None, float | None]:
-    """``pid`` and its descendants (vLLM's API server and engine cores) and
-    their RSS in MiB; (None, None) when ``pid`` is gone."""
+def process_tree(pid: int) -> float | None:
+    """The RSS in MiB of ``pid`` and its descendants (vLLM's API server and
+    engine cores); None when ``pid`` is gone."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
+        total = root.memory_info().rss / 2**20
     except psutil.Error:
-        return None, None
-    pids, total = set(), 0.0
-    for p in procs:
+        return None
+    for p in procs[1:]:
         with contextlib.suppress(psutil.Error):
             total += p.memory_info().rss / 2**20
-            pids.add(p.pid)
-    return (pids, total) if pid in pids else (None, None)
+    return total
 
 
 def nvidia_smi(cmd: str, query: str) -> tuple[list[tuple[str, float]], str]:
@@ -802,9 +759,7 @@ class Soak:
         self.health: list[tuple[float, float, int]] = []  # (sent, answered, status)
         self.rss: list[tuple[float, int, float]] = []  # (t, epoch, MiB)
         self.gpu: list[tuple[float, int, dict[str, float]]] = []
-        self.gpu_reason = self.gpu_scope_note = ""
-        # "server" or "device" once known; "device" without a server pid.
-        self.gpu_scope = None if a.launch or a.server_pid else "device"
+        self.gpu_reason = ""
         self.gpu_on = True
         self.scrapes: list[tuple[float, int, dict[str, float]]] = []
         self.cumulative: set[str] = set()
@@ -918,57 +873,25 @@ class Soak:
         if self.up.is_set():
             await self.scrape()
 
-    def gpu_sample(self, pids: set[int] | None) -> tuple[dict[str, float] | None, str]:
-        """The GPU memory of the server's processes once nvidia-smi is seen to
-        list them, else each GPU's total; None and why (an empty why: no
-        sample now, e.g. while the server restarts)."""
-        smi = self.a.nvidia_smi
-        if self.gpu_scope != "device":
-            if not pids:
-                return None, ""
-            rows, why = nvidia_smi(smi, "--query-compute-apps=pid,used_memory")
-            mine = [mib for pid, mib in rows if pid.isdigit() and int(pid) in pids]
-            if mine:
-                self.gpu_scope = "server"
-                return {"server": sum(mine)}, ""
-            if self.gpu_scope == "server":
-                return None, ""
-            why = why or f"{smi} lists no process of the server"
-            self.gpu_scope = "device"
-            self.gpu_scope_note = f"{why}: each GPU's total is sampled"
-        rows, why = nvidia_smi(smi, "--query-gpu=index,memory.used")
-        mem = dict(rows)
-        return (mem, "") if mem else (None, why or f"{smi} printed no memory.used")
-
     async def sample_memory(self) -> None:
-        t, epoch, pid, pids = self.clock(), self.epoch, self.server_pid, None
+        t, epoch, pid = self.clock(), self.epoch, self.server_pid
         if pid is not None:
-            pids, rss = await asyncio.to_thread(process_tree, pid)
+            rss = await asyncio.to_thread(process_tree, pid)
             if rss is not None:
                 self.rss.append((t, epoch, rss))
         if self.gpu_on:
-            mem, why = await asyncio.to_thread(self.gpu_sample, pids)
-            if mem is not None:
-                self.gpu.append((t, epoch, mem))
-            elif why:
+            query = (self.a.nvidia_smi, "--query-gpu=index,memory.used")
+            rows, why = await asyncio.to_thread(nvidia_smi, *query)
+            if rows:
+                self.gpu.append((t, epoch, dict(rows)))
+            else:
+                why = why or f"{self.a.nvidia_smi} printed no memory.used"
                 self.gpu_on, self.gpu_reason = not why.endswith("not found"), why
 
     async def progress(self) -> None:
         c = dict(sorted(Counter(o.status for o in self.outcomes).items()))
-        h = [s for _, _, s in self.health]
-        now = self.scrapes[-1][2] if self.scrapes else {}
-        s0 = next((x[2] for x in self.scrapes if x[1] == self.epoch), {})
-        d = {k: now.get(k, 0) - s0.get(k, 0) for k in (DRAFTS, ACCEPTED, PREEMPTIONS)}
-        tau = round(1 + d[ACCEPTED] / d[DRAFTS], 2) if d[DRAFTS] else None
-        rss = f"{self.rss[-1][2]:.0f}" if self.rss else "-"
-        gpu = (
-            "+".join(f"{v:.0f}" for v in self.gpu[-1][2].values()) if self.gpu else "-"
-        )
         log(
-            f"{self.clock():6.0f}s issued {self.issued} in flight {self.in_flight}"
-            f" | {c} | health {h[-1] if h else None} ({len(h) - h.count(200)}"
-            f" not 200 of {len(h)}) | rss {rss} gpu {gpu} MiB | preemptions"
-            f" {d[PREEMPTIONS]:g} tau {tau}"
+            f"{self.clock():6.0f}s issued {self.issued} in flight {self.in_flight}: {c}"
         )
 
     async def restarter(self) -> None:
@@ -1163,7 +1086,7 @@ class Soak:
         a, outs = self.a, self.outcomes
         failing = [o for o in outs if o.failing]
         crit: dict[str, dict] = {}
-        for cat, name in zip(CLEAN, ("requests", "refusals", "bad_input")):
+        for cat, name in (("load", "requests"), ("refuse", "refusals")):
             n = sum(o.category == cat for o in outs)
             bad = Counter(o.status for o in failing if o.category == cat)
             more = f"; failing: {dict(bad)}" if bad else ""
@@ -1171,12 +1094,8 @@ class Soak:
         if not any(o.category == "refuse" for o in outs):
             crit["refusals"] = _crit(False, "no refused kind was sent")
         phase_bad = [r["name"] for r in bad_rows if not r["ok"]]
-        n = len(bad_rows)
-        phase = f"{len(phase_bad)}/{n} failed ({', '.join(phase_bad[:8])})"
-        crit["bad_input"]["ok"] &= not phase_bad
-        crit["bad_input"]["detail"] += "; one at a time: " + (
-            phase if phase_bad else f"{n} ok"
-        )
+        detail = f"{len(phase_bad)}/{len(bad_rows)} failed ({', '.join(phase_bad[:8])})"
+        crit["bad_input"] = _crit(not phase_bad, detail if phase_bad else "all 4xx")
         ok = self.issued >= a.requests and self.load_end >= a.duration
         detail = f"{self.issued} requests in {self.load_end:.0f}s"
         crit["load"] = _crit(ok, detail + f" (asked: {a.requests} in {a.duration:g}s)")
@@ -1191,7 +1110,7 @@ class Soak:
         crit["final"] = _crit(drained and probe == "completed" and last == 200, detail)
         rss = [(t, e, {"rss": v}) for t, e, v in self.rss]
         rss = self.memory(rss, a.rss_growth_mib, lambda _, e: str(e))
-        gpu_name = lambda k, e: f"{k if k == 'server' else 'gpu' + k}/epoch{e}"
+        gpu_name = lambda k, e: f"gpu{k}/epoch{e}"
         gpu = self.memory(self.gpu, a.gpu_growth_mib, gpu_name)
         why = "no server pid (--launch, --server-pid)"
         why = "no RSS sample" if self.server_pid else why
@@ -1222,12 +1141,6 @@ class Soak:
             by_kind[f"{o.category}:{o.name}"][o.status] += 1
             kind = f"{o.status}:{o.error_kind}" if o.error_kind else o.status
             fault[kind] += o.in_fault
-        latency = {
-            s: percentiles([o.t_end - o.t_start for o in outs if o.status == s])
-            for s in ("completed", "aborted", "refused", "rejected")
-        }
-        ttft = [o.ttft for o in outs if o.status == "completed" and o.ttft is not None]
-        latency["completed_stream_ttft"] = percentiles(ttft)
         return {
             "ok": all(c["ok"] is not False for c in crit.values()),
             "criteria": crit,
@@ -1244,7 +1157,6 @@ class Soak:
                 "failing": [o.brief() for o in failing[:50]],
                 "n_failing": len(failing),
             },
-            "latency_s": latency,
             "health": {
                 "polls": len(self.health),
                 "by_status": dict(Counter(str(s) for _, _, s in self.health)),
@@ -1253,12 +1165,7 @@ class Soak:
             "memory": {
                 "warmup_s": self.warmup,
                 "rss": {"pid": self.server_pid, "epochs": rss},
-                "gpu": {
-                    "scope": self.gpu_scope,
-                    "scope_note": self.gpu_scope_note or None,
-                    "series": gpu,
-                    "unavailable": self.gpu_reason or None,
-                },
+                "gpu": {"series": gpu, "unavailable": self.gpu_reason or None},
             },
             "metrics": metrics,
             "greedy_reference": greedy,
@@ -1330,10 +1237,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts": (None, "JSONL with a 'prompt' field"),
         "--seed": (0, None),
         "--max-tokens-max": (1024, None),
-        "--abort-fraction": (0.2, None),
-        "--abort-max-s": (3.0, "aborts after a delay: uniform in [0, this]"),
         "--refuse-fraction": (0.05, None),
-        "--bad-fraction": (0.02, None),
         "--timeout": (300.0, "client-side limit per request (past it: hang)"),
         "--health-interval": (2.0, None),
         "--metrics-interval": (10.0, None),

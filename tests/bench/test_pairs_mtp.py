@@ -2,13 +2,12 @@
 """The benchmark pair's MTP head (bench/pairs/mtp.py): its packed recursion is
 vLLM's draft loop (one MTP layer run k times, each step attending to the
 head's keys and values of the verified positions and of its own earlier
-steps), a training step reaches every weight, and the checkpoint carries the
-names and config key vLLM's qwen3_5_mtp.py loads."""
+steps), and the committed checkpoint carries the names and config key vLLM's
+qwen3_5_mtp.py loads."""
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from repo_paths import PAIR_MODELS
@@ -108,29 +107,11 @@ def test_teacher_forced_steps_read_the_true_tokens():
         torch.testing.assert_close(forced2, free, rtol=1e-5, atol=1e-5)
 
 
-def test_training_step_reaches_every_weight():
-    head = random_head().train()
-    torch.manual_seed(3)
-    tokens = torch.randint(0, VOCAB, (2, 16))
-    hidden = torch.randn(2, 16, 64)
-    embed = torch.randn(VOCAB, 64)
-    teacher = torch.randn(2, 3, 3, VOCAB).log_softmax(-1)
-    anchors = torch.tensor([[2, 7, 11], [4, 5, 12]])
-    logits = mtp.recursive_logits(head, hidden, tokens, embed, embed, anchors, 3, True)
-    loss = sum(mtp.distill_loss(logits[:, :, s], teacher[:, :, s]) for s in range(3))
-    loss.backward()
-    assert torch.isfinite(loss)
-    for name, p in head.named_parameters():
-        assert p.grad is not None and p.grad.abs().sum() > 0, name
-
-
-def test_checkpoint_is_what_vllm_loads(tmp_path):
-    head = random_head()
-    cfg = tiny_target_cfg()
-    mtp.save_head(head, cfg, str(tmp_path))
+def test_checkpoint_is_what_vllm_loads():
     from safetensors.torch import load_file
 
-    names = set(load_file(os.path.join(tmp_path, "model.safetensors")))
+    path = PAIR_MODELS / "hybrid-27b" / "mtp"
+    names = set(load_file(str(path / "model.safetensors")))
     assert names == {
         "mtp.fc.weight",
         "mtp.pre_fc_norm_embedding.weight",
@@ -148,14 +129,9 @@ def test_checkpoint_is_what_vllm_loads(tmp_path):
         "mtp.layers.0.mlp.up_proj.weight",
         "mtp.layers.0.mlp.down_proj.weight",
     }
-    with open(os.path.join(tmp_path, "config.json")) as f:
+    with open(path / "config.json") as f:
         saved = json.load(f)
     assert saved["text_config"]["mtp_num_hidden_layers"] == 1
-    back, _ = mtp.load_head(str(tmp_path))
-    for k, v in head.state_dict().items():
-        torch.testing.assert_close(
-            back.state_dict()[k], v.to(torch.bfloat16).float(), rtol=0, atol=0
-        )
 
 
 # ---------------------------------------------------------------- embedding

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from repo_paths import BENCH_RESULTS
 
 from bench import common
@@ -95,19 +94,6 @@ def test_annotate_compares_greedy_rows_only(tmp_path):
     assert len(rows[4]) == 2
     assert rows[5]["identical_to_nospec"] == "5/6"
     assert rows[6]["identical_to_small"] == "4/4"
-
-
-def test_engine_command_passes_the_sampled_concurrencies():
-    ap = run_pairs.argparse.ArgumentParser()
-    run_pairs.add_engine_options(ap)
-    ap.add_argument("--out", default="x.json")
-    ap.add_argument("--workdir", default="w")
-    a = ap.parse_args(["--sampled-conc", "1,4", "--prompts", "p.jsonl"])
-    cmd = run_pairs.engine_command(a, "dense-8b", "bfloat16", "ddtree", "1,8")
-    assert cmd[cmd.index("--sampled-conc") + 1] == "1,4"
-    assert run_pairs.sampled_conc(a) == [1, 4]
-    a.sampled_conc = ""
-    assert run_pairs.sampled_conc(a) == []
 
 
 def test_ddtree_readings_take_the_budget_at_the_end_and_tau_over_the_run():
@@ -551,83 +537,3 @@ def test_steady_window_step_times_and_their_spread():
     uniform = run_pairs.step_time_spread([0.02] * 10)
     assert uniform["slow_steps_share"] == 0.0 and uniform["slow_step_ms"] is None
     assert run_pairs.step_time_spread([0.02]) == {}
-
-
-def test_allocator_counters_over_the_steady_window():
-    before = dict(
-        num_alloc_retries=2,
-        num_ooms=0,
-        num_device_alloc=40,
-        num_device_free=3,
-        num_sync_all_streams=2,
-        reserved_bytes=3 * 2**30,
-    )
-    after = dict(before, num_alloc_retries=9, num_device_alloc=61, num_device_free=17)
-    after["num_sync_all_streams"] = 9
-    after["reserved_bytes"] = 5 * 2**30
-    assert run_pairs.allocator_in_window(before, after) == dict(
-        allocator_in_window=dict(
-            num_alloc_retries=7,
-            num_ooms=0,
-            num_device_alloc=21,
-            num_device_free=14,
-            num_sync_all_streams=7,
-            reserved_gib_at_close=5.0,
-        )
-    )
-    # No reading (the small pair's engines have no worker extension).
-    assert run_pairs.allocator_in_window(None, after) == {}
-    assert run_pairs.allocator_in_window(before, None) == {}
-
-
-def test_the_worker_reads_the_allocator_counters():
-    torch = pytest.importorskip("torch")
-    from bench.pairs import pair_worker
-
-    if not torch.cuda.is_available():
-        # The counters' names are the allocator's own: memory_stats() keys.
-        stats = {k: 1 for k in pair_worker.ALLOCATOR_COUNTERS}
-        stats["reserved_bytes.all.current"] = 2**20
-        monkey = pytest.MonkeyPatch()
-        monkey.setattr(torch.cuda, "memory_stats", lambda: stats)
-        try:
-            counts = pair_worker.EmbeddedPairWorker().cuda_allocator_counts()
-        finally:
-            monkey.undo()
-        assert counts == dict.fromkeys(pair_worker.ALLOCATOR_COUNTERS, 1) | {
-            "reserved_bytes": 2**20
-        }
-        return
-    counts = pair_worker.cuda_allocator_counts()
-    assert set(counts) == {*pair_worker.ALLOCATOR_COUNTERS, "reserved_bytes"}
-
-
-def test_counters_are_read_outside_the_windows_step_times():
-    """``read_counters`` runs before the window's first step time starts and
-    after its last one ends: its own time is in no step."""
-    now = [0.0]
-    reads = []
-
-    def read():
-        reads.append(now[0])
-        now[0] += 5.0  # a slow reading
-        return {"n": len(reads)}
-
-    class Engine:
-        def step(self):
-            now[0] += 1.0
-            return ["out"]
-
-        def add_request(self, *args):
-            pass
-
-    counted = run_pairs._CountedSteps(
-        Engine(), clock=lambda: now[0], read_counters=read
-    )
-    counted.mark_window(True)
-    for _ in range(3):
-        counted.step()
-    counted.mark_window(False)
-    assert counted.window_step_seconds == [1.0, 1.0, 1.0]
-    assert counted.window_counters == {True: {"n": 1}, False: {"n": 2}}
-    assert reads == [0.0, 8.0]

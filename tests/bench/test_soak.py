@@ -38,23 +38,14 @@ CRITERIA = {
 }
 
 
-def fake_nvidia_smi(
-    tmp_path, step_mib: int, server_pid: int = 0, server_step_mib: int = 0
-) -> str:
-    """An nvidia-smi that prints 1000 MiB for GPU 0, plus step_mib per call;
-    asked for its compute apps: 2000 MiB (plus server_step_mib per call) for
-    server_pid and 500 MiB for another process, which grows as GPU 0 does."""
+def fake_nvidia_smi(tmp_path, step_mib: int) -> str:
+    """An nvidia-smi that prints 1000 MiB for GPU 0, plus step_mib per call."""
     path = tmp_path / "nvidia-smi"
     count = tmp_path / "smi-count"
     path.write_text(
         "#!/bin/sh\n"
         f'n=$(cat "{count}" 2>/dev/null || echo 0)\n'
         f'echo $((n + 1)) > "{count}"\n'
-        'case "$1" in --query-compute-apps*)\n'
-        f'  echo "{server_pid}, $((2000 + n * {server_step_mib}))"\n'
-        f'  echo "999999999, $((500 + n * {step_mib}))"\n'
-        "  exit 0;;\n"
-        "esac\n"
         f'echo "0, $((1000 + n * {step_mib}))"\n'
     )
     path.chmod(0o755)
@@ -68,8 +59,7 @@ def small_args(out: str, *extra: str) -> list[str]:
         "--metrics-interval", "0.1", "--memory-interval", "0.04",
         "--progress-interval", "5", "--timeout", "2", "--warmup", "0.2",
         "--rss-growth-mib", "32", "--gpu-growth-mib", "16",
-        "--refuse-fraction", "0.1", "--bad-fraction", "0.05",
-        "--abort-max-s", "0.05", "--drain-timeout", "2", "--seed", "0",
+        "--refuse-fraction", "0.1", "--drain-timeout", "2", "--seed", "0",
         "--out", out, *extra,
     ]  # fmt: skip
 
@@ -80,7 +70,6 @@ def run_soak(
     ref_cfg: FakeConfig | None = None,
     gpu_step: int = 0,
     extra: tuple[str, ...] = (),
-    smi: str | None = None,
 ) -> tuple[int, dict]:
     srv, th = soak_fake.start(cfg)
     ref, ref_th = soak_fake.start(ref_cfg or FakeConfig())
@@ -90,7 +79,7 @@ def run_soak(
         "--base-url", srv.url, "--reference-url", ref.url,
         "--server-pid", str(os.getpid()), "--expect-preemption",
         "--tree-budget", str(soak_fake.BUDGET),
-        "--nvidia-smi", smi or fake_nvidia_smi(tmp_path, gpu_step), *extra,
+        "--nvidia-smi", fake_nvidia_smi(tmp_path, gpu_step), *extra,
     )  # fmt: skip
     try:
         rc = soak.main(argv)
@@ -111,9 +100,8 @@ def test_good_fake_passes_every_criterion(tmp_path):
     assert set(r["criteria"]) == CRITERIA
     assert all(c["ok"] is True for c in r["criteria"].values()), r["criteria"]
     by = r["requests"]["by_outcome"]
-    assert by["completed"] > 40 and by["aborted"] > 0
-    assert by["refused"] > 0 and by["rejected"] > 0
-    assert set(by) == {"completed", "aborted", "refused", "rejected"}
+    assert by["completed"] > 40 and by["refused"] > 0
+    assert set(by) == {"completed", "refused"}
     kinds = r["requests"]["by_kind"]
     assert {"load:chat", "load:completion", "load:long"} <= set(kinds)
     assert {k for k in kinds if k.startswith("refuse:")} == {
@@ -126,9 +114,6 @@ def test_good_fake_passes_every_criterion(tmp_path):
         "stream_error_400",
     }
     assert r["requests"]["errors_by_kind"]["stream_error_400"] > 0
-    lat = r["latency_s"]["completed"]
-    assert lat["n"] == by["completed"] and lat["p50"] <= lat["p99"] <= lat["max"]
-    assert r["latency_s"]["completed_stream_ttft"]["n"] > 0
     # Every bad input, one at a time: a 4xx with a message, healthy after it.
     rows = r["bad_input"]
     assert len(rows) == len(soak.bad_cases(_ctx())) and all(x["ok"] for x in rows)
@@ -140,9 +125,6 @@ def test_good_fake_passes_every_criterion(tmp_path):
     assert len(ep) == 1 and ep[0]["drafts"] > 0 and ep[0]["preemptions"] > 0
     assert ep[0]["emitted_tokens"] == ep[0]["accepted"] + ep[0]["drafts"]
     assert ep[0]["generation_tokens"] >= ep[0]["client_completion_tokens"] > 0
-    # This nvidia-smi lists no process of the server: each GPU's total, said.
-    assert r["memory"]["gpu"]["scope"] == "device"
-    assert "lists no process of the server" in r["memory"]["gpu"]["scope_note"]
     gpu = r["memory"]["gpu"]["series"]["gpu0/epoch0"]
     assert gpu["ok"] and gpu["slope_mib_per_min"] == 0 and len(gpu["curve"]) > 5
     rss = r["memory"]["rss"]["epochs"]["0"]
@@ -170,7 +152,7 @@ def test_server_errors_non_greedy_rss_metrics_and_nothing_refused_fail(tmp_path)
         metrics_inconsistent=True,  # emitted tokens != accepted + drafts
         refuse=False,  # structured outputs and bad_words served
     )
-    rc, r = run_soak(tmp_path, cfg, extra=("--abort-fraction", "0"))
+    rc, r = run_soak(tmp_path, cfg)
     assert rc == 1 and not r["ok"]
     assert failed(r) == {
         "requests",
@@ -207,7 +189,7 @@ def test_hang_bad_input_health_gpu_drain_preemption_and_load_fail(tmp_path):
     rc, r = run_soak(
         tmp_path, cfg, gpu_step=40,
         extra=("--timeout", "1", "--drain-timeout", "0.3", "--max-duration", "0.5",
-               "--requests", "100000", "--abort-fraction", "0"),
+               "--requests", "100000"),
     )  # fmt: skip
     assert rc == 1
     assert failed(r) == {
@@ -229,28 +211,11 @@ def test_hang_bad_input_health_gpu_drain_preemption_and_load_fail(tmp_path):
     assert any("fell from" in p for p in r["metrics"]["problems"])
 
 
-@pytest.mark.parametrize("server_step", [0, 40])
-def test_gpu_memory_of_the_server_processes_only(tmp_path, server_step):
-    # Another process on the GPU grows (40 MiB a sample, the device's total
-    # with it): only the server's own processes count when nvidia-smi lists
-    # them.
-    smi = fake_nvidia_smi(tmp_path, 40, os.getpid(), server_step)
-    rc, r = run_soak(tmp_path, FakeConfig(), smi=smi)
-    gpu = r["memory"]["gpu"]
-    assert gpu["scope"] == "server" and gpu["scope_note"] is None
-    assert set(gpu["series"]) == {"server/epoch0"}
-    s = gpu["series"]["server/epoch0"]
-    assert len(s["curve"]) > 5 and s["curve"][0][1] >= 2000
-    assert r["criteria"]["gpu_memory"]["ok"] is (server_step == 0)
-    assert (s["growth_mib"] > 16) is (server_step > 0)
-    assert rc == (0 if server_step == 0 else 1)
-
-
 @pytest.mark.parametrize("float32", [True, False])
 def test_near_ties_are_allowed_only_in_float32(tmp_path, float32):
     # Every reference token's top-2 logprobs are 1e-4 apart: a divergence
     # there is a near-tie.
-    extra = ("--duration", "0.3", "--requests", "40", "--abort-fraction", "0") + (
+    extra = ("--duration", "0.3", "--requests", "40") + (
         ("--float32",) if float32 else ()
     )
     rc, r = run_soak(
@@ -289,7 +254,7 @@ def test_launched_server_restarted_mid_run(tmp_path):
         "--server-log", str(tmp_path / "server.log"), "--restart-at", "0.4",
         "--duration", "2.4", "--fault-grace", "0.2", "--stop-grace", "2",
         "--start-timeout", "20", "--nvidia-smi", str(tmp_path / "no-nvidia-smi"),
-        "--abort-fraction", "0", "--after-start", after,
+        "--after-start", after,
     )  # fmt: skip
     assert soak.main(argv) == 0
     with open(out) as f:
@@ -328,20 +293,13 @@ def test_plans_mix_every_kind_and_depend_on_seed_and_index_only():
     ctx = _ctx(2048)
     plans = [soak.make_plan(i, 0, ctx, args) for i in range(3000)]
     again = soak.make_plan(1234, 0, _ctx(2048), args)
-    assert again.body == plans[1234].body and again.abort_s == plans[1234].abort_s
+    assert again.body == plans[1234].body
     assert soak.make_plan(1234, 1, ctx, args).body != plans[1234].body
     load = [p for p in plans if p.category == "load"]
     bodies = [p.body for p in load]
     assert {p.api for p in load} == {"chat", "completion"}
     assert {p.stream for p in load} == {True, False}
     assert 0.4 < sum(p.greedy for p in load) / len(load) < 0.6
-    assert (
-        0.15
-        < sum(p.abort_s is not None or p.abort_chunks is not None for p in load)
-        / len(load)
-        < 0.25
-    )
-    assert any(p.abort_s == 0.0 for p in load) and any(p.abort_chunks for p in load)
     assert any(b.get("n", 1) > 1 for b in bodies)
     assert all(b.get("n", 1) == 1 for p, b in zip(load, bodies) if p.greedy)
     # vLLM refuses prompt logprobs on a stream: only the bad input sends both.
@@ -371,9 +329,6 @@ def test_plans_mix_every_kind_and_depend_on_seed_and_index_only():
         for p in longs
     )
     assert {p.name for p in plans if p.category == "refuse"} == set(soak.REFUSALS)
-    # The bad-input phase sends every case; the load mixes some in at random.
-    mixed = {p.name for p in plans if p.category == "bad"}
-    assert len(mixed) > 15 and mixed <= {c[0] for c in soak.bad_cases(ctx)}
 
 
 def test_flatness_slope_and_growth():

@@ -34,16 +34,6 @@ def test_engines_per_shape():
         ("ddtree", "v2", 64, "unified"),
         ("ddtree", "v2", 15, "split"),
         ("ddtree", "v2", 64, "split"),
-        ("chain", "v1", None, None),
-    ]
-
-
-def test_chain_last_moves_the_v2_chain_behind_ddtree():
-    hybrid = step_cost.engines_for("hybrid-27b", [1], 15, [], ("split",), True)
-    assert [(e["method"], e["runner"]) for e in hybrid] == [
-        ("ddtree", "v2"),
-        ("chain", "v2"),
-        ("chain", "v1"),
     ]
 
 
@@ -56,10 +46,9 @@ def test_random_prompts_are_seeded_and_in_range():
 
 # ms per step and GPU busy share of each fake engine measurement
 FAKE = {
-    ("chain", "v1", None): (18.0, 0.8),
-    ("chain", "v2", None): (20.0, 0.75),
-    ("ddtree", "v2", 15): (21.0, 0.7),
-    ("ddtree", "v2", 64): (23.0, 0.65),
+    ("chain", None): (20.0, 0.75),
+    ("ddtree", 15): (21.0, 0.7),
+    ("ddtree", 64): (23.0, 0.65),
 }
 
 
@@ -68,9 +57,9 @@ def _fake_run(cmd, stdout=None, stderr=None, text=None, timeout=None):
     for flag in it:
         arg[flag] = True if flag == "--engine" else next(it)
     budget = int(arg["--budget"]) if "--budget" in arg else None
-    key = (arg["--method"], arg["--runner"], budget)
+    key = (arg["--method"], budget)
     mode = arg.get("--tree-attention") if key[0] == "ddtree" else None
-    if key == ("ddtree", "v2", 64) and arg["--shape"] == "dense-8b":
+    if key == ("ddtree", 64) and arg["--shape"] == "dense-8b":
         return SimpleNamespace(stdout="engine died\n", returncode=1)
     ms, busy = FAKE[key]
     if mode == "split":
@@ -81,7 +70,7 @@ def _fake_run(cmd, stdout=None, stderr=None, text=None, timeout=None):
             dict(
                 shape=arg["--shape"],
                 method=key[0],
-                runner=key[1],
+                runner="v2",
                 budget=budget,
                 tree_attention=mode,
                 concurrency=int(c),
@@ -120,13 +109,12 @@ def test_rows_pair_ddtree_with_the_v2_chain(tmp_path, monkeypatch):
     r = rows[("hybrid-27b", 8, 15, "unified")]
     assert r["equal_tokens"] is True and r["chain_runner"] == "v2"
     assert (r["chain_ms_per_step"], r["ddtree_ms_per_step"]) == (160.0, 168.0)
-    assert r["ratio"] == 1.05 and r["ratio_to_chain_v1"] == round(168 / 144, 3)
+    assert r["ratio"] == 1.05
     assert (r["chain_gpu_busy"], r["ddtree_gpu_busy"]) == (0.75, 0.7)
     # The split engines' own figures, against the same chain.
     r = rows[("hybrid-27b", 8, 15, "split")]
     assert (r["chain_ms_per_step"], r["ddtree_ms_per_step"]) == (160.0, 160.0)
     assert rows[("hybrid-27b", 1, 64, "split")]["equal_tokens"] is False
-    assert "chain_v1_ms_per_step" not in rows[("dense-8b", 1, 15, "unified")]
     errors = [e for e in result["engines"] if "error" in e]
     assert [(e["shape"], e["budget"], e["tree_attention"]) for e in errors] == [
         ("dense-8b", 64, "unified"),
@@ -149,95 +137,12 @@ def test_chain_engines_take_no_tree_attention_mode(monkeypatch):
         ["--out", os.devnull, "--shapes", "hybrid-27b", "--tree-attention", "split"]
     )
     modes = {
-        (c[c.index("--method") + 1], c[c.index("--runner") + 1]): (
+        c[c.index("--method") + 1]: (
             c[c.index("--tree-attention") + 1] if "--tree-attention" in c else None
         )
         for c in calls
     }
-    assert modes == {
-        ("chain", "v2"): None,
-        ("ddtree", "v2"): "split",
-        ("chain", "v1"): None,
-    }
-
-
-def test_no_v1_chain_leaves_the_hybrid_v1_chain_out():
-    hybrid = step_cost.engines_for("hybrid-27b", [1], 15, [], ("auto",), False, False)
-    assert [(e["method"], e["runner"]) for e in hybrid] == [
-        ("chain", "v2"),
-        ("ddtree", "v2"),
-    ]
-
-
-def _busy_host_work(n: int) -> int:
-    # A plain loop: the time is this frame's own (with sum() over a
-    # generator, the builtin and the generator split it, either on top).
-    total = 0
-    for i in range(n):
-        total += i * i
-    return total
-
-
-def test_host_profile_attributes_time_per_step_to_functions():
-    """A cProfile pass over a fake engine: each generate() runs 4 steps, each step
-    calls the busy function once; per step that function has one call and
-    most of the self time."""
-
-    class FakeLLM:
-        def __init__(self):
-            self.steps = 0
-
-        def generate(self, prompts, sp, use_tqdm=False):
-            for _ in range(4):
-                _busy_host_work(20000)
-                self.steps += len(prompts)
-
-    llm = FakeLLM()
-    prompts = list(range(6))
-    res = step_cost.host_profile(llm, prompts, None, 2, lambda: llm.steps / 2)
-    assert res["steps"] == 12.0
-    assert res["prompts"] == 6 and res["conc"] == 2
-    busy = [k for k in res["by_cum"] if k.endswith(":_busy_host_work")]
-    assert busy, res["by_cum"]
-    entry = res["by_cum"][busy[0]]
-    assert entry["calls"] == 1.0
-    assert entry["cum_us"] > 0
-    assert entry["cum_us"] <= res["wall_ms_per_step"] * 1e3
-    # It holds the self time too.
-    top_self = next(iter(res["by_self"]))
-    assert "test_step_cost.py:" in top_self, res["by_self"]
-    assert top_self.endswith(":_busy_host_work"), res["by_self"]
-
-
-def test_gpu_busy_of_the_timed_step():
-    """The profiled GPU time per step over the unprofiled step time; None
-    without a profile (a timed-only concurrency)."""
-    row = dict(
-        ms_per_step=20.0,
-        profile=dict(gpu_us_per_step={"tree_build": 500.0, "other": 17500.0}),
-    )
-    assert step_cost.gpu_busy_timed(row) == 0.9
-    assert step_cost.gpu_busy_timed(dict(ms_per_step=20.0, profile=None)) is None
-    rows = step_cost.summarize(
-        [
-            dict(shape="s", method="chain", runner="v2", concurrency=1, **row),
-            dict(
-                shape="s",
-                method="ddtree",
-                runner="v2",
-                concurrency=1,
-                budget=15,
-                ms_per_step=25.0,
-                profile=None,
-            ),
-        ],
-        15,
-    )
-    assert rows[0]["chain_gpu_busy_timed"] == 0.9
-    assert rows[0]["ddtree_gpu_busy_timed"] is None
-    # The rest of the timed step: 20 ms against 18 ms of GPU work.
-    assert rows[0]["chain_host_gap_ms"] == 2.0
-    assert rows[0]["ddtree_host_gap_ms"] is None
+    assert modes == {"chain": None, "ddtree": "split"}
 
 
 def test_timed_decode_counts_steps_from_the_draft_counter():
@@ -356,95 +261,32 @@ def test_heldout_prompts_cut_and_repeat(tmp_path):
     assert max(map(len, committed)) == 128 and min(map(len, committed)) > 0
 
 
-def test_rows_from_the_logs_of_engines_run_one_by_one(tmp_path):
-    """--rows-from: the rows of engines run separately (their --engine logs,
-    vLLM's own lines among the ROW lines) give the rows a whole run would;
-    a log without ROW lines is refused."""
-
-    def row(method, budget, c, ms, busy=None):
-        return "ROW " + json.dumps(
-            dict(
-                shape="hybrid-27b",
-                weights="dummy",
-                method=method,
-                runner="v2",
-                budget=budget,
-                tree_attention="auto" if method == "ddtree" else None,
-                concurrency=c,
-                ms_per_step=ms,
-                gpu_busy=busy,
-                gpu={"sm_clock_mhz": 1980, "power_w": 500.0},
-            )
-        )
-
-    logs = {
-        "chain.txt": [
-            "INFO engine up",
-            row("chain", None, 1, 20.0, 0.7),
-            row("chain", None, 8, 28.0),
-        ],
-        "tree64.txt": [row("ddtree", 64, 1, 23.0, 0.9), "WARNING something"],
-        "tree15.txt": [row("ddtree", 15, 1, 19.0), row("ddtree", 15, 8, 24.0)],
-    }
-    paths = []
-    for name, lines in logs.items():
-        (tmp_path / name).write_text("\n".join(lines) + "\n")
-        paths.append(str(tmp_path / name))
-    out = tmp_path / "step-cost.json"
-    step_cost.main(["--out", str(out), "--rows-from", ",".join(paths)])
-    result = json.loads(out.read_text())
-    assert len(result["engines"]) == 5
-    rows = {(r["concurrency"], r["tree_budget"]): r for r in result["rows"]}
-    assert sorted(rows) == [(1, 15), (1, 64), (8, 15)]
-    assert rows[(1, 64)]["ratio"] == 1.15 and rows[(1, 64)]["equal_tokens"] is False
-    assert (rows[(1, 64)]["chain_gpu_busy"], rows[(1, 64)]["ddtree_gpu_busy"]) == (
-        0.7,
-        0.9,
-    )
-    assert rows[(8, 15)]["ratio"] == round(24 / 28, 3)
-    assert rows[(8, 15)]["equal_tokens"] is True
-    (tmp_path / "empty.txt").write_text("INFO nothing measured\n")
-    with pytest.raises(SystemExit, match="no ROW lines"):
-        step_cost.main(["--out", str(out), "--rows-from", str(tmp_path / "empty.txt")])
-
-
-def test_rows_of_an_engine_that_held_fewer_requests_are_not_compared(tmp_path):
+def test_rows_of_an_engine_that_held_fewer_requests_are_not_compared():
     """A chain engine whose KV cache (on a hybrid target: one recurrent
     state per draft position) holds fewer requests than the concurrency ran
-    smaller steps than the row's: no ratio, the reason, both tok/s. The
-    capacity comes from vLLM's startup line for rows that lack it."""
+    smaller steps than the row's: no ratio, the reason, both tok/s."""
 
     def row(method, budget, c, ms, **extra):
-        return "ROW " + json.dumps(
-            dict(
-                shape="hybrid-27b",
-                method=method,
-                runner="v2",
-                budget=budget,
-                concurrency=c,
-                ms_per_step=ms,
-                tok_s=c * 1000 / ms,
-                **extra,
-            )
+        return dict(
+            shape="hybrid-27b",
+            method=method,
+            runner="v2",
+            budget=budget,
+            concurrency=c,
+            ms_per_step=ms,
+            tok_s=c * 1000 / ms,
+            **extra,
         )
 
-    chain = [
-        "INFO 12-03 09:11:03 [kv_cache_utils.py:2178] Maximum concurrency for "
-        "1,024 tokens per request: 21.94x",
-        row("chain", None, 8, 28.0),
-        row("chain", None, 32, 90.0),
+    chain = dict(max_concurrency=21.94)
+    tree = dict(max_concurrency=205.5)
+    engines = [
+        row("chain", None, 8, 28.0, **chain),
+        row("chain", None, 32, 90.0, **chain),
+        row("ddtree", 15, 8, 24.0, **tree, max_running=8),
+        row("ddtree", 15, 32, 64.0, **tree, max_running=32),
     ]
-    tree = [
-        row("ddtree", 15, 8, 24.0, max_concurrency=205.5, max_running=8),
-        row("ddtree", 15, 32, 64.0, max_concurrency=205.5, max_running=32),
-    ]
-    paths = []
-    for name, lines in (("chain.txt", chain), ("tree.txt", tree)):
-        (tmp_path / name).write_text("\n".join(lines) + "\n")
-        paths.append(str(tmp_path / name))
-    out = tmp_path / "step-cost.json"
-    step_cost.main(["--out", str(out), "--rows-from", ",".join(paths)])
-    rows = {r["concurrency"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = {r["concurrency"]: r for r in step_cost.summarize(engines, 15)}
     assert rows[8]["ratio"] == round(24 / 28, 3) and "not_comparable" not in rows[8]
     assert rows[8]["chain_max_concurrency"] == 21.94
     assert rows[32]["ratio"] is None
