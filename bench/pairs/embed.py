@@ -410,6 +410,22 @@ def drafter_weights(
     yield "norm.weight", w.norm(small_dsd["norm.weight"], one_plus=False, final=True)
 
 
+def pair_weights(
+    spec: dict, part: str, small_sd: dict[str, torch.Tensor], **kw
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The production weights of a pair's ``part`` ("target", "drafter" or
+    "mtp"), ``spec`` as pair_configs.load_pair gives it, from the small
+    ``part``'s weights; ``kw``: device, dtype."""
+    small_t, big_t = spec["small_target"], spec["big_target"]
+    placement = spec["placement"]
+    if part == "target":
+        return target_weights(small_t, big_t, placement, small_sd, **kw)
+    if part == "mtp":
+        return mtp_weights(small_t, big_t, small_sd, **kw)
+    drafters = spec["small_drafter"], spec["big_drafter"]
+    return drafter_weights(*drafters, small_t, big_t, placement, small_sd, **kw)
+
+
 def mtp_weights(
     small_cfg: dict,
     big_cfg: dict,
