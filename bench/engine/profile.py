@@ -12,9 +12,9 @@ and counts as "other". Used by ``engine/step_cost.py`` and
 
 import bisect
 import functools
-import json
 import re
 import time
+from collections import Counter
 
 from bench import common
 
@@ -148,13 +148,12 @@ def step_kind_summary(events, cuda_type) -> dict:
         host_ranges = sorted(map(_span, cpu))
         # Host ranges end where the next may start: a start on an end is out.
         in_step = _starts_inside(host_ranges, end_inside=False)
-        ops: dict[str, float] = {}
+        ops: Counter[str] = Counter()
         for ev in events:
             if ev.device_type == cuda_type or ev.name.startswith(RANGE_PREFIX):
                 continue  # the ranges (the steps', the draft pass's) are no ops
             if in_step(ev):
-                name = ev.name[:60]
-                ops[name] = ops.get(name, 0.0) + getattr(ev, "self_cpu_time_total", 0)
+                ops[ev.name[:60]] += getattr(ev, "self_cpu_time_total", 0)
         host_us = sum(end - start for start, end in host_ranges)
         spans = sorted(
             _span(ev)
@@ -169,7 +168,7 @@ def step_kind_summary(events, cuda_type) -> dict:
             and not ev.name.startswith(RANGE_PREFIX)
             and inside(ev)
         )
-        top_ops = sorted(ops.items(), key=lambda kv: -kv[1])[:TOP_HOST_OPS]
+        top_ops = ops.most_common(TOP_HOST_OPS)
         out[kind] = dict(
             steps=steps,
             host_ms_per_step=round(host_us / steps / 1e3, 3),
@@ -200,8 +199,8 @@ def split_gpu_time(events, cuda_type) -> tuple[dict, dict, float, bool, dict]:
     )
     in_draft = _starts_inside(spans)
     us = {"tree_build": 0.0, "bookkeeping": 0.0, "other": 0.0}
-    top: dict[str, float] = {}
-    calls: dict[str, int] = {}
+    top: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
     draft_us = 0.0
     for ev in events:
         # Ranges (the draft pass's, the steps') are spans, not kernel time.
@@ -214,8 +213,8 @@ def split_gpu_time(events, cuda_type) -> tuple[dict, dict, float, bool, dict]:
             us["bookkeeping"] += dur
         else:
             us["other"] += dur
-        top[name] = top.get(name, 0.0) + dur
-        calls[name] = calls.get(name, 0) + 1
+        top[name] += dur
+        calls[name] += 1
         if in_draft(ev):
             draft_us += dur
     return us, top, draft_us, bool(spans), calls
@@ -231,7 +230,7 @@ def profile_summary(prof, steps: float, wall_s: float) -> dict:
     us, top, draft_us, has_draft, calls = split_gpu_time(prof.events(), cuda)
     wall_us = wall_s * 1e6 / steps
     averages = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    top_names = sorted(top, key=lambda k: -top[k])[:TOP_KERNELS]
+    top_names = [name for name, _ in top.most_common(TOP_KERNELS)]
     draft = draft_us - us["tree_build"]  # the DFlash pass less the tree build
 
     def per_step(values: dict, digits: int = 1) -> dict:
@@ -305,5 +304,5 @@ def profile_steps(llm, prompts, sp, conc: int = 1, **labels) -> dict:
         tau=round(1 + (acc1 - acc0) / drafts, 3) if drafts > 0 else None,
         **profile_summary(prof, steps, dt),
     )
-    print("PROFILE", json.dumps(res), flush=True)
+    common.emit("PROFILE", res)
     return res

@@ -134,14 +134,10 @@ def main() -> None:
 
     # (1) The first three emitted tokens, unseeded.
     t = time.time()
+    first_three = SamplingParams(max_tokens=3, **params)
     counts = []
     for prompt in prompts:
-        seqs = [
-            tuple(s)
-            for s in generate(
-                [prompt] * a.samples, SamplingParams(max_tokens=3, **params)
-            )
-        ]
+        seqs = [tuple(s) for s in generate([prompt] * a.samples, first_three)]
         assert all(len(s) == 3 for s in seqs)
         counts.append({k: Counter(s[i] for s in seqs) for i, k in enumerate(POSITIONS)})
         counts[-1]["seq3"] = Counter(seqs)
@@ -176,18 +172,10 @@ def main() -> None:
         seeded_identical_in_run=f"{sum(x == y for x, y in zip(*runs))}/{a.seeded}",
         startup_s=round(startup_s, 1),
     )
-    saved = [
-        {
-            k: [[list(x) if isinstance(x, tuple) else x, v] for x, v in c.items()]
-            for k, c in pc.items()
-        }
-        for pc in counts
-    ]
-    common.write_json(
-        os.path.join(a.outdir, f"sampling_{tag}.json"),
-        dict(counts=saved, seeded=runs[0]),
-        indent=None,
-    )
+    # As [[key, count], ...]: JSON has no tuple keys (the tuples become lists).
+    saved = [{k: list(c.items()) for k, c in pc.items()} for pc in counts]
+    out = os.path.join(a.outdir, f"sampling_{tag}.json")
+    common.write_json(out, dict(counts=saved, seeded=runs[0]), indent=None)
     ref_path = os.path.join(a.outdir, f"sampling_{a.ref}.json")
     if a.ref and os.path.exists(ref_path):
         with open(ref_path) as f:

@@ -142,6 +142,25 @@ def make_case(
     )
 
 
+def varlen_args(case: dict, out: torch.Tensor, **caches) -> dict:
+    """The keywords the Triton unified kernel and FA3 take alike for ``case``;
+    ``caches``: other views of its KV cache (``k``, ``v``) than its own."""
+    kw = dict(
+        q=case["query"],
+        k=case["key_cache"],
+        v=case["value_cache"],
+        out=out,
+        cu_seqlens_q=case["cu_seqlens_q"],
+        max_seqlen_q=case["max_query_len"],
+        seqused_k=case["seq_lens"],
+        max_seqlen_k=case["max_seq_len"],
+        softmax_scale=case["scale"],
+        causal=True,
+        block_table=case["block_table"],
+    )
+    return kw | caches
+
+
 def unified_fn(case: dict, out: torch.Tensor) -> Callable[[], None]:
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
     from vllm.v1.kv_cache_interface import KVQuantMode
@@ -160,18 +179,8 @@ def unified_fn(case: dict, out: torch.Tensor) -> Callable[[], None]:
 
     def run() -> None:
         unified_attention(
-            q=case["query"],
-            k=case["key_cache"],
-            v=case["value_cache"],
-            out=out,
-            cu_seqlens_q=case["cu_seqlens_q"],
-            max_seqlen_q=case["max_query_len"],
-            seqused_k=case["seq_lens"],
-            max_seqlen_k=case["max_seq_len"],
-            softmax_scale=case["scale"],
-            causal=True,
+            **varlen_args(case, out),
             window_size=(-1, -1),
-            block_table=case["block_table"],
             softcap=0,
             q_descale=None,
             k_descale=descale,
@@ -283,17 +292,7 @@ def fa3_causal_fn(case: dict, out: torch.Tensor) -> Callable[[], None]:
 
     def run() -> None:
         flash_attn_varlen_func(
-            q=case["query"],
-            k=key_cache,
-            v=value_cache,
-            out=out,
-            cu_seqlens_q=case["cu_seqlens_q"],
-            max_seqlen_q=case["max_query_len"],
-            seqused_k=case["seq_lens"],
-            max_seqlen_k=case["max_seq_len"],
-            softmax_scale=case["scale"],
-            causal=True,
-            block_table=case["block_table"],
+            **varlen_args(case, out, k=key_cache, v=value_cache),
             scheduler_metadata=scheduler_metadata,
             fa_version=3,
             num_splits=FA3_CUDA_GRAPH_SPLITS,
@@ -349,26 +348,24 @@ def bench_case(
     if splits and "unified" in outputs:
         diff = max(max_diff(m, "unified") for m in splits)
     num_q, num_kv, head_size = case["shape"]
-    rows = []
-    for method, us in times.items():
-        rows.append(
-            dict(
-                shape=shape,
-                num_q_heads=num_q,
-                num_kv_heads=num_kv,
-                head_size=head_size,
-                context=context,
-                tree_tokens=t,
-                batch=batch,
-                prefill_chunk=chunk,
-                method=method,
-                us=round(us, 2),
-                attention_layers=layers,
-                us_per_step=round(us * layers, 1),
-                split_vs_unified_max_abs_diff=diff,
-            )
+    return [
+        dict(
+            shape=shape,
+            num_q_heads=num_q,
+            num_kv_heads=num_kv,
+            head_size=head_size,
+            context=context,
+            tree_tokens=t,
+            batch=batch,
+            prefill_chunk=chunk,
+            method=method,
+            us=round(us, 2),
+            attention_layers=layers,
+            us_per_step=round(us * layers, 1),
+            split_vs_unified_max_abs_diff=diff,
         )
-    return rows
+        for method, us in times.items()
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,6 @@ check at reduced widths on the CPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -100,9 +99,7 @@ def main() -> None:
     small_sd = load_file(os.path.join(pdir, "target", "model.safetensors"))
     prefix = embed.target_prefix(spec["small_target"])
     small = load_target(os.path.join(pdir, "target"), dev)
-    with open(os.path.join(a.models, "prompts", "heldout.jsonl")) as f:
-        prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
-    prompts = prompts[: a.prompts]
+    prompts = common.load_prompts(os.path.join(a.models, common.HELDOUT))[: a.prompts]
     layer_ids_s = spec["small_drafter"]["dflash_config"]["target_layer_ids"]
     layer_ids_b = spec["big_drafter"]["dflash_config"]["target_layer_ids"]
     res_small = []
@@ -112,18 +109,7 @@ def main() -> None:
             logits, feats = target_forward(small, x, layer_ids_s)
             res_small.append((logits.cpu(), feats))
     big = text_model(spec["big_target"], dev).eval()
-    load_into(
-        big,
-        embed.target_weights(
-            spec["small_target"],
-            spec["big_target"],
-            spec["placement"],
-            small_sd,
-            device=dev,
-            dtype=torch.float32,
-        ),
-        prefix,
-    )
+    load_into(big, embed.pair_weights(spec, "target", small_sd, device=dev), prefix)
     v = pc.text_config(spec["small_target"])["vocab_size"]
     diff, margin, feats_b = 0.0, float("inf"), []
     with torch.no_grad():
@@ -142,20 +128,8 @@ def main() -> None:
     torch.cuda.empty_cache() if dev.type == "cuda" else None
     d_small = load_drafter(os.path.join(pdir, "drafter"), dev)
     d_big = DFlashDrafter(spec["big_drafter"]).to(dev).eval()
-    d_big.load_state_dict(
-        dict(
-            embed.drafter_weights(
-                spec["small_drafter"],
-                spec["big_drafter"],
-                spec["small_target"],
-                spec["big_target"],
-                spec["placement"],
-                d_small.state_dict(),
-                device=dev,
-                dtype=torch.float32,
-            )
-        )
-    )
+    weights = embed.pair_weights(spec, "drafter", d_small.state_dict(), device=dev)
+    d_big.load_state_dict(dict(weights))
     ddiff = 0.0
     with torch.no_grad():
         for p, (_, fs), fb in zip(prompts, res_small, feats_b):

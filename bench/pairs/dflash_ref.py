@@ -181,7 +181,7 @@ def target_forward(
     outs: dict[int, torch.Tensor] = {}
     hooks = [
         layers[i].register_forward_hook(
-            lambda mod, inp, out, i=i: outs.__setitem__(
+            lambda _module, _args, out, i=i: outs.__setitem__(
                 i, out[0] if isinstance(out, tuple) else out
             )
         )

@@ -141,6 +141,10 @@ class _Writer:
     def cast(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype)
 
+    def norm(self, w: torch.Tensor, *, one_plus: bool, final: bool = False):
+        """``Geometry.norm`` in this writer's device and dtype."""
+        return self.cast(self.geo.norm(w, one_plus=one_plus, final=final))
+
 
 def _attention(w: _Writer, small: dict, big: dict, s: dict | None, gated: bool):
     """(name suffix, tensor) of one attention block; ``s`` holds the small layer's
@@ -178,11 +182,8 @@ def _named(**weights) -> list[tuple[str, torch.Tensor]]:
 
 def _gated_delta_net(w: _Writer, small: dict, big: dict, s: dict | None):
     geo, dev, H = w.geo, w.device, w.geo.H
-    dk, dv, kern = (
-        big["linear_key_head_dim"],
-        big["linear_value_head_dim"],
-        big["linear_conv_kernel_dim"],
-    )
+    dk, dv = big["linear_key_head_dim"], big["linear_value_head_dim"]
+    kern = big["linear_conv_kernel_dim"]
     nk_b, nv_b = big["linear_num_key_heads"], big["linear_num_value_heads"]
     key_b, val_b = nk_b * dk, nv_b * dv
     conv_b = 2 * key_b + val_b
@@ -196,13 +197,9 @@ def _gated_delta_net(w: _Writer, small: dict, big: dict, s: dict | None):
     else:
         nk_s, nv_s = small["linear_num_key_heads"], small["linear_num_value_heads"]
         key_s, val_s = nk_s * dk, nv_s * dv
-        rows = torch.cat(
-            [
-                torch.arange(key_s, device=dev),
-                key_b + torch.arange(key_s, device=dev),
-                2 * key_b + torch.arange(val_s, device=dev),
-            ]
-        )
+        # q, k and v: the small heads first in each of the three sections.
+        sections = ((0, key_s), (key_b, key_s), (2 * key_b, val_s))
+        rows = torch.cat([at + torch.arange(n, device=dev) for at, n in sections])
         hs = torch.arange(geo.h, device=dev)
         w.put(qkv, rows, hs, s["in_proj_qkv.weight"])
         w.put(conv, rows, None, s["conv1d.weight"])
@@ -244,18 +241,13 @@ def _mlp(w: _Writer, small: dict, big: dict, s: dict | None):
 def check_placement(small: dict, big: dict, placement: list[int]) -> None:
     """Raise ValueError unless ``placement`` puts each small layer, in order, on a
     production layer of the same type."""
-    if (
-        len(placement) != small["num_hidden_layers"]
-        or sorted(set(placement)) != placement
-    ):
+    n_small, n_big = small["num_hidden_layers"], big["num_hidden_layers"]
+    if len(placement) != n_small or sorted(set(placement)) != placement:
         raise ValueError(
-            f"placement {placement} is not increasing over "
-            f"{small['num_hidden_layers']} layers"
+            f"placement {placement} is not increasing over {n_small} layers"
         )
-    if placement[-1] >= big["num_hidden_layers"]:
-        raise ValueError(
-            f"placement {placement} beyond {big['num_hidden_layers']} layers"
-        )
+    if placement[-1] >= n_big:
+        raise ValueError(f"placement {placement} beyond {n_big} layers")
     types_b = big.get("layer_types") or ["full_attention"] * big["num_hidden_layers"]
     types_s = (
         small.get("layer_types") or ["full_attention"] * small["num_hidden_layers"]
@@ -299,14 +291,11 @@ def _layers(
                 yield pre_b + "self_attn." + n, t
         for n, t in _mlp(w, small, big, sub("mlp")):
             yield pre_b + "mlp." + n, t
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             if i is None:
-                yield pre_b + norm + ".weight", w.rand(w.geo.H)
+                yield pre_b + norm, w.rand(w.geo.H)
             else:
-                t = w.geo.norm(
-                    small_sd[pre_s + norm + ".weight"], one_plus=one_plus, final=False
-                )
-                yield pre_b + norm + ".weight", w.cast(t)
+                yield pre_b + norm, w.norm(small_sd[pre_s + norm], one_plus=one_plus)
 
 
 def target_prefix(cfg: dict) -> str:
@@ -339,23 +328,17 @@ def target_weights(
     pre_b = target_prefix(big_cfg)
     emb_s = small_sd[pre + "embed_tokens.weight"]
     v_s, v_b = small["vocab_size"], big["vocab_size"]
-    hs = torch.arange(geo.h, device=device)
-    emb = w.zeros(v_b, geo.H)
-    w.put(emb, torch.arange(v_s, device=device), hs, emb_s, geo.c)
+    hs, vocab = torch.arange(geo.h, device=device), torch.arange(v_s, device=device)
+    emb = w.put(w.zeros(v_b, geo.H), vocab, hs, emb_s, geo.c)
     if geo.const_unit is not None:
         emb[:, geo.const_unit] = CONST_VALUE
     yield pre_b + "embed_tokens.weight", emb
     del emb
     for n, t in _layers(w, small, big, small_sd, pre, placement, one_plus):
         yield pre_b + n[len(pre) :], t
-    yield (
-        pre_b + "norm.weight",
-        w.cast(geo.norm(small_sd[pre + "norm.weight"], one_plus=one_plus, final=True)),
-    )
-    lm = w.rand(v_b, geo.H)
-    w.put(
-        lm, torch.arange(v_s, device=device), hs, small_sd.get("lm_head.weight", emb_s)
-    )
+    final_norm = w.norm(small_sd[pre + "norm.weight"], one_plus=one_plus, final=True)
+    yield pre_b + "norm.weight", final_norm
+    lm = w.put(w.rand(v_b, geo.H), vocab, hs, small_sd.get("lm_head.weight", emb_s))
     if geo.const_unit is not None:
         lm[:v_s, geo.const_unit] = 0
         lm[v_s:, geo.const_unit] = PAD_LOGIT_WEIGHT
@@ -406,11 +389,8 @@ def drafter_weights(
     if big_dcfg["hidden_size"] != text_config(big_target_cfg)["hidden_size"]:
         raise ValueError("the production drafter's width is not its target's")
     big_t, small_t = text_config(big_target_cfg), text_config(small_target_cfg)
-    geo = Geometry(
-        small_dcfg,
-        big_dcfg,
-        with_const_unit=big_t["vocab_size"] > small_t["vocab_size"],
-    )
+    const_unit = big_t["vocab_size"] > small_t["vocab_size"]
+    geo = Geometry(small_dcfg, big_dcfg, with_const_unit=const_unit)
     w = _Writer(geo, device, dtype, seed)
     s_ids = small_dcfg["dflash_config"]["target_layer_ids"]
     b_ids = big_dcfg["dflash_config"]["target_layer_ids"]
@@ -419,25 +399,31 @@ def drafter_weights(
     fc = w.zeros(H, len(b_ids) * H)
     hs = torch.arange(h, device=device)
     for s_slot, b_slot in slots.items():
-        w.put(
-            fc,
-            hs,
-            b_slot * H + hs,
-            small_dsd["fc.weight"][:, s_slot * h : (s_slot + 1) * h],
-        )
+        small_fc = small_dsd["fc.weight"][:, s_slot * h : (s_slot + 1) * h]
+        w.put(fc, hs, b_slot * H + hs, small_fc)
     yield "fc.weight", fc
-    yield (
-        "hidden_norm.weight",
-        w.cast(geo.norm(small_dsd["hidden_norm.weight"], one_plus=False, final=False)),
-    )
+    yield "hidden_norm.weight", w.norm(small_dsd["hidden_norm.weight"], one_plus=False)
     n_small = small_dcfg["num_hidden_layers"]
     yield from _layers(
         w, small_dcfg, big_dcfg, small_dsd, "", list(range(n_small)), one_plus=False
     )
-    yield (
-        "norm.weight",
-        w.cast(geo.norm(small_dsd["norm.weight"], one_plus=False, final=True)),
-    )
+    yield "norm.weight", w.norm(small_dsd["norm.weight"], one_plus=False, final=True)
+
+
+def pair_weights(
+    spec: dict, part: str, small_sd: dict[str, torch.Tensor], **kw
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The production weights of a pair's ``part`` ("target", "drafter" or
+    "mtp"), ``spec`` as pair_configs.load_pair gives it, from the small
+    ``part``'s weights; ``kw``: device, dtype."""
+    small_t, big_t = spec["small_target"], spec["big_target"]
+    placement = spec["placement"]
+    if part == "target":
+        return target_weights(small_t, big_t, placement, small_sd, **kw)
+    if part == "mtp":
+        return mtp_weights(small_t, big_t, small_sd, **kw)
+    drafters = spec["small_drafter"], spec["big_drafter"]
+    return drafter_weights(*drafters, small_t, big_t, placement, small_sd, **kw)
 
 
 def mtp_weights(
@@ -473,32 +459,14 @@ def mtp_weights(
     fc = w.zeros(H, 2 * H)
     w.put(fc, hs, hs, small_msd["mtp.fc.weight"][:, :h], geo.c)
     w.put(fc, hs, H + hs, small_msd["mtp.fc.weight"][:, h:], geo.c)
-    emb_norm = geo.norm(
-        small_msd["mtp.pre_fc_norm_embedding.weight"], one_plus=True, final=True
-    )
     if geo.const_unit is not None:
         fc[geo.const_unit, geo.const_unit] = 1.0
     yield "mtp.fc.weight", fc
-    yield "mtp.pre_fc_norm_embedding.weight", w.cast(emb_norm)
-    yield (
-        "mtp.pre_fc_norm_hidden.weight",
-        w.cast(
-            geo.norm(
-                small_msd["mtp.pre_fc_norm_hidden.weight"], one_plus=True, final=False
-            )
-        ),
-    )
+    for name, final in (("embedding", True), ("hidden", False)):
+        norm = small_msd[f"mtp.pre_fc_norm_{name}.weight"]
+        yield f"mtp.pre_fc_norm_{name}.weight", w.norm(norm, one_plus=True, final=final)
     one_layer = dict(num_hidden_layers=1, layer_types=["full_attention"])
-    yield from _layers(
-        w,
-        dict(small, **one_layer),
-        dict(big, **one_layer),
-        small_msd,
-        "mtp.",
-        [0],
-        one_plus=True,
-    )
-    yield (
-        "mtp.norm.weight",
-        w.cast(geo.norm(small_msd["mtp.norm.weight"], one_plus=True, final=True)),
-    )
+    small_1, big_1 = dict(small, **one_layer), dict(big, **one_layer)
+    yield from _layers(w, small_1, big_1, small_msd, "mtp.", [0], one_plus=True)
+    final_norm = w.norm(small_msd["mtp.norm.weight"], one_plus=True, final=True)
+    yield "mtp.norm.weight", final_norm

@@ -276,18 +276,12 @@ def main(argv: list[str] | None = None) -> None:
     pdir = os.path.join(a.models, a.pair)
     model = offline_tau.load_target(os.path.join(pdir, "target"), device)
     head = load_head(os.path.join(pdir, "mtp"))[0].to(device)
+    prompts, plen = os.path.join(a.models, common.HELDOUT), offline_tau.EVAL_PROMPT_LEN
     held = offline_tau.heldout_sequences(
-        model,
-        os.path.join(a.models, "prompts", "heldout.jsonl"),
-        a.prompts,
-        offline_tau.EVAL_PROMPT_LEN,
-        offline_tau.EVAL_NEW_TOKENS,
-        device,
+        model, prompts, a.prompts, plen, offline_tau.EVAL_NEW_TOKENS, device
     )
-    rec = offline_tau_of_head(
-        head, model, held, target_hidden(model, held), offline_tau.EVAL_PROMPT_LEN
-    )
-    print("MTP_TAU " + json.dumps(rec), flush=True)
+    rec = offline_tau_of_head(head, model, held, target_hidden(model, held), plen)
+    common.emit("MTP_TAU", rec)
 
 
 if __name__ == "__main__":

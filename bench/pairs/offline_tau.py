@@ -112,8 +112,7 @@ def heldout_sequences(
     padding), continued ``new`` tokens by the target (see target_continue)."""
     import torch
 
-    with open(prompts_path) as f:
-        rows = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
+    rows = common.load_prompts(prompts_path)
     rows = [r[-plen:] for r in rows if len(r) >= max(plen, least)][:n_prompts]
     prompts = torch.tensor(rows, device=device)
     return target_continue(model, prompts, new, device.type == "cuda", temperature)
@@ -144,15 +143,9 @@ def evaluate(
     amp = device.type == "cuda"
     plen, r = prompt_tokens, max(EVAL_BUDGETS)
     torch.manual_seed(seed)
+    least = min_prompt_tokens or 0
     seqs = heldout_sequences(
-        model,
-        prompts_path,
-        n_prompts,
-        plen,
-        new_tokens,
-        device,
-        temperature,
-        min_prompt_tokens or 0,
+        model, prompts_path, n_prompts, plen, new_tokens, device, temperature, least
     )
     chain, trees = [], {b: [] for b in EVAL_BUDGETS}
     end = seqs.shape[1] - 1
@@ -228,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
             res = evaluate(
                 model,
                 drafter,
-                os.path.join(a.models, "prompts", "heldout.jsonl"),
+                os.path.join(a.models, common.HELDOUT),
                 device,
                 a.prompts,
                 temperature=t,

@@ -26,8 +26,7 @@ import os
 from bench import common
 
 # Token ids of the shared byte-level BPE tokenizer (trained with the pairs).
-EOS_ID, MASK_ID, PAD_ID = 0, 1, 2
-SPECIAL_TOKENS = ["<|endoftext|>", "<|mask|>", "<|pad|>"]
+EOS_ID, PAD_ID = 0, 2
 SMALL_VOCAB = 8192
 CONFIG_DIRS = {
     "small_target": "target",

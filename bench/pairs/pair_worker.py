@@ -75,18 +75,8 @@ class EmbeddedPairWorker:
                 n_tensors += 1
                 yield name, t
 
-        target.load_weights(
-            counted(
-                embed.target_weights(
-                    spec["small_target"],
-                    spec["big_target"],
-                    spec["placement"],
-                    small_t,
-                    device=device,
-                    dtype=dtype,
-                )
-            )
-        )
+        kw = dict(device=device, dtype=dtype)
+        target.load_weights(counted(embed.pair_weights(spec, "target", small_t, **kw)))
         _finish_load(target, device)
         out = {
             "pair": pair_name,
@@ -96,26 +86,11 @@ class EmbeddedPairWorker:
         drafter = _drafter_model(runner)
         if with_drafter and drafter is not None:
             n_bytes = n_tensors = 0
-            if self.vllm_config.speculative_config.method == "mtp":
-                # the target's own MTP module (<pair_dir>/mtp), not a drafter
-                weights = embed.mtp_weights(
-                    spec["small_target"],
-                    spec["big_target"],
-                    _load_small(os.path.join(pair_dir, "mtp")),
-                    device=device,
-                    dtype=dtype,
-                )
-            else:
-                weights = embed.drafter_weights(
-                    spec["small_drafter"],
-                    spec["big_drafter"],
-                    spec["small_target"],
-                    spec["big_target"],
-                    spec["placement"],
-                    _load_small(os.path.join(pair_dir, "drafter")),
-                    device=device,
-                    dtype=dtype,
-                )
+            # "mtp": the target's own MTP module (<pair_dir>/mtp), not a drafter
+            mtp = self.vllm_config.speculative_config.method == "mtp"
+            part = "mtp" if mtp else "drafter"
+            small = _load_small(os.path.join(pair_dir, part))
+            weights = embed.pair_weights(spec, part, small, **kw)
             drafter.load_weights(counted(weights))
             _finish_load(drafter, device)
             out.update(drafter_tensors=n_tensors, drafter_gib=round(n_bytes / 2**30, 2))
