@@ -152,3 +152,34 @@ def sample_through_the_runner(speculator, hidden_states, batch):
         speculator=SimpleNamespace(draft_logits=None),
     )
     return GPUModelRunner.sample(runner, hidden_states, batch, None)
+
+
+def propose_after_the_walk(
+    speculator,
+    batch,
+    attn_metadata,
+    slot_mappings,
+    hidden_states,
+    aux_hidden_states,
+    num_sampled,
+    num_rejected,
+    **kwargs,
+):
+    """The runner's propose call after a step's walk, with B speculative
+    tokens and the sampler's other per-request-state inputs (last sampled
+    tokens, next prefill tokens, temperatures, seeds) as zeros."""
+    return speculator.propose(
+        batch,
+        attn_metadata,
+        slot_mappings,
+        hidden_states,
+        aux_hidden_states,
+        num_sampled,
+        num_rejected,
+        torch.zeros(4, dtype=torch.int64),
+        torch.zeros(1, 4, dtype=torch.int64),
+        torch.zeros(4),
+        torch.zeros(4, dtype=torch.int64),
+        num_speculative_tokens=B,
+        **kwargs,
+    )

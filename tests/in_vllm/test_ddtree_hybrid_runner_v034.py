@@ -35,6 +35,7 @@ from speculator_fakes import (  # noqa: E402
     fake_dflash_propose,
     fake_dflash_set_attn,
     make_speculator,
+    propose_after_the_walk,
     sample_through_the_runner,
     triton_builder,
 )
@@ -178,7 +179,8 @@ class HybridStep:
 
     def propose(self, batch, attn_metadata, num_sampled, num_rejected, **kwargs):
         slots = torch.arange(batch.num_tokens) + 16
-        return self.speculator.propose(
+        return propose_after_the_walk(
+            self.speculator,
             batch,
             attn_metadata,
             {TARGET_LAYER: slots},
@@ -186,11 +188,6 @@ class HybridStep:
             None,
             num_sampled,
             num_rejected,
-            torch.zeros(4, dtype=torch.int64),
-            torch.zeros(1, 4, dtype=torch.int64),
-            torch.zeros(4),
-            torch.zeros(4, dtype=torch.int64),
-            num_speculative_tokens=B,
             **kwargs,
         )
 

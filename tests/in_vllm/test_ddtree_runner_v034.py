@@ -50,6 +50,7 @@ from speculator_fakes import (  # noqa: E402
     fake_dflash_propose,
     fake_dflash_set_attn,
     make_speculator,
+    propose_after_the_walk,
     sample_through_the_runner,
     triton_builder,
 )
@@ -263,7 +264,8 @@ def test_a_tree_step_through_the_runners_hooks(monkeypatch):
     # propose: compaction, then the DFlash pass (its new tree in the batch
     # rows), then the tree store.
     dflash_calls = fake_dflash_propose(monkeypatch, next_tree_row=1)
-    draft_tokens = speculator.propose(
+    draft_tokens = propose_after_the_walk(
+        speculator,
         batch,
         {},
         {TARGET_LAYER: slots, DRAFT_LAYER: slots},
@@ -271,11 +273,6 @@ def test_a_tree_step_through_the_runners_hooks(monkeypatch):
         [hidden],
         num_sampled,
         num_rejected,
-        torch.zeros(4, dtype=torch.int64),
-        torch.zeros(1, 4, dtype=torch.int64),
-        torch.zeros(4),
-        torch.zeros(4, dtype=torch.int64),
-        num_speculative_tokens=B,
     )
     assert dflash_calls == [{"dummy_run": False, "num_speculative_tokens": B}]
     assert speculator.target_kv_caches_bound
