@@ -30,6 +30,7 @@ from verifier_fakes import (  # noqa: E402
     logits_for,
     make_spec,
     make_verifier,
+    on_device,
     prefill_and_tree_batch,
     store_trees,
 )
@@ -256,13 +257,6 @@ def _store_trees(verifier, req_states, trees):
     return store_trees(verifier, req_states, trees, DEVICE)
 
 
-def _on_device(batch):
-    for name, value in vars(batch).items():
-        if isinstance(value, torch.Tensor):
-            setattr(batch, name, value.to(DEVICE))
-    return batch
-
-
 def test_mrope_positions_get_the_tree_shift_in_every_section():
     verifier = _verifier()
     _store_trees(verifier, [2], [(PARENT, DEPTH, TOKENS)])
@@ -347,7 +341,7 @@ def test_one_verifier_step_advances_the_gdn_states_along_the_walk(monkeypatch):
     committed = [t.clone() for t in layer.kv_cache]
 
     positions = torch.tensor([30, 31, 32, 33, 34, 8, 9, 10, 11, 12, 0, 0])
-    batch = _on_device(
+    batch = on_device(
         SimpleNamespace(
             num_reqs=2,
             num_tokens=10,
@@ -365,7 +359,8 @@ def test_one_verifier_step_advances_the_gdn_states_along_the_walk(monkeypatch):
             seq_lens=torch.tensor([35, 13], dtype=torch.int32),
             num_draft_tokens_per_req=np.array([B, B], dtype=np.int32),
             num_scheduled_tokens=np.array([1 + B, 1 + B], dtype=np.int32),
-        )
+        ),
+        DEVICE,
     )
     # vLLM 0.33+: the sampler's per-request sequence-length bound, a host
     # tensor.

@@ -20,13 +20,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator  # noqa: E402
+from verifier_fakes import (  # noqa: E402
+    B,
+    D,
+    logits_for,
+    skip_module_without_speculator_hooks,
+)
 
-if not hasattr(BaseSpeculator, "prepare_verify"):
-    pytest.skip(
-        "the V2 runner has no speculator verifier hooks (the 0.26.0 line)",
-        allow_module_level=True,
-    )
+skip_module_without_speculator_hooks()
 
 from speculator_fakes import (  # noqa: E402
     DRAFT_LAYER,
@@ -50,7 +51,6 @@ from test_ddtree_gdn_hybrid import (  # noqa: E402
     make_layer,
     run_core,
 )
-from verifier_fakes import B, D, logits_for  # noqa: E402
 
 from vllm.config.compilation import CUDAGraphMode  # noqa: E402
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend  # noqa: E402

@@ -29,15 +29,10 @@ from verifier_fakes import (  # noqa: E402
     logits_for,
     prefill_and_tree_batch,
     prefill_and_tree_step_state,
+    skip_module_without_speculator_hooks,
 )
 
-from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator  # noqa: E402
-
-if not hasattr(BaseSpeculator, "prepare_verify"):
-    pytest.skip(
-        "the V2 runner has no speculator verifier hooks (the 0.26.0 line)",
-        allow_module_level=True,
-    )
+skip_module_without_speculator_hooks()
 
 from speculator_fakes import (  # noqa: E402
     DRAFT_LAYER,

@@ -43,6 +43,17 @@ needs_runner_holding_the_verifier = pytest.mark.skipif(
     reason="the 0.26.0 line's runner holds the verifier",
 )
 
+
+def skip_module_without_speculator_hooks():
+    """Skip the calling test module where the runner has no speculator
+    verifier hooks (before it imports speculator_fakes)."""
+    if not _speculator_verifies():
+        pytest.skip(
+            "the V2 runner has no speculator verifier hooks (the 0.26.0 line)",
+            allow_module_level=True,
+        )
+
+
 B, D = 4, 3
 # Request state 2 in most tests: root -> 1 -> 3, root -> 2, 1 -> 4
 # (depths 1, 1, 2, 2).
@@ -119,11 +130,18 @@ def prefill_and_tree_batch(device="cpu"):
         cu_num_logits=torch.tensor([0, 1, 6], dtype=torch.int32),
         query_start_loc=torch.tensor([0, 3, 8], dtype=torch.int32),
         seq_lens=torch.tensor([3, 25], dtype=torch.int32),
-        # vLLM 0.33+: the sampler's per-request sequence-length bound.
-        seq_lens_cpu_upper_bound=torch.tensor([3, 25], dtype=torch.int32),
         num_draft_tokens_per_req=np.array([0, B], dtype=np.int32),
         num_scheduled_tokens=np.array([3, 1 + B], dtype=np.int32),
     )
+    on_device(batch, device)
+    # vLLM 0.33+: the sampler's per-request sequence-length bound, a host
+    # tensor.
+    batch.seq_lens_cpu_upper_bound = torch.tensor([3, 25], dtype=torch.int32)
+    return batch
+
+
+def on_device(batch, device):
+    """``batch`` with its tensors moved to ``device``."""
     for name, value in vars(batch).items():
         if isinstance(value, torch.Tensor):
             setattr(batch, name, value.to(device))
