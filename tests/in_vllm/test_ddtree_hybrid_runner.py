@@ -30,6 +30,8 @@ from verifier_fakes import (  # noqa: E402
     logits_for,
     make_spec,
     make_verifier,
+    on_device,
+    prefill_and_tree_batch,
     store_trees,
 )
 
@@ -255,43 +257,10 @@ def _store_trees(verifier, req_states, trees):
     return store_trees(verifier, req_states, trees, DEVICE)
 
 
-def _on_device(batch):
-    for name, value in vars(batch).items():
-        if isinstance(value, torch.Tensor):
-            setattr(batch, name, value.to(DEVICE))
-    return batch
-
-
-def _prefill_and_tree_batch():
-    """Batch row 0: a prefill chunk of 3 tokens (request state 0); batch row 1:
-    tree verification of request state 2 (root + 4 nodes) at positions 20..24."""
-    positions = torch.tensor([0, 1, 2, 20, 21, 22, 23, 24, 0, 0], dtype=torch.int64)
-    return _on_device(
-        SimpleNamespace(
-            num_reqs=2,
-            num_tokens=8,
-            num_tokens_after_padding=10,
-            num_draft_tokens=B,
-            positions=positions,
-            input_ids=torch.arange(10, dtype=torch.int32),
-            logits_indices=torch.tensor([2, 3, 4, 5, 6, 7]),
-            expanded_idx_mapping=torch.tensor([0, 2, 2, 2, 2, 2], dtype=torch.int32),
-            expanded_local_pos=torch.tensor([0, 0, 1, 2, 3, 4], dtype=torch.int32),
-            idx_mapping=torch.tensor([0, 2], dtype=torch.int32),
-            idx_mapping_np=np.array([0, 2], dtype=np.int32),
-            cu_num_logits=torch.tensor([0, 1, 6], dtype=torch.int32),
-            query_start_loc=torch.tensor([0, 3, 8], dtype=torch.int32),
-            seq_lens=torch.tensor([3, 25], dtype=torch.int32),
-            num_draft_tokens_per_req=np.array([0, B], dtype=np.int32),
-            num_scheduled_tokens=np.array([3, 1 + B], dtype=np.int32),
-        )
-    )
-
-
 def test_mrope_positions_get_the_tree_shift_in_every_section():
     verifier = _verifier()
     _store_trees(verifier, [2], [(PARENT, DEPTH, TOKENS)])
-    batch = _prefill_and_tree_batch()
+    batch = prefill_and_tree_batch(DEVICE)
     verifier.prepare_verify(batch)
     # M-RoPE positions as the model state writes them after prepare_verify:
     # [3, padded tokens], text tokens = position + per-request delta; the
@@ -330,7 +299,7 @@ def test_mrope_positions_get_the_tree_shift_in_every_section():
 
 def test_mrope_rewrite_is_a_no_op_without_trees():
     verifier = _verifier()
-    batch = _prefill_and_tree_batch()
+    batch = prefill_and_tree_batch(DEVICE)
     batch.num_draft_tokens = 0
     verifier.prepare_verify(batch)
     mrope = torch.arange(30, dtype=torch.int64, device=DEVICE).view(3, 10)
@@ -372,7 +341,7 @@ def test_one_verifier_step_advances_the_gdn_states_along_the_walk(monkeypatch):
     committed = [t.clone() for t in layer.kv_cache]
 
     positions = torch.tensor([30, 31, 32, 33, 34, 8, 9, 10, 11, 12, 0, 0])
-    batch = _on_device(
+    batch = on_device(
         SimpleNamespace(
             num_reqs=2,
             num_tokens=10,
@@ -390,7 +359,8 @@ def test_one_verifier_step_advances_the_gdn_states_along_the_walk(monkeypatch):
             seq_lens=torch.tensor([35, 13], dtype=torch.int32),
             num_draft_tokens_per_req=np.array([B, B], dtype=np.int32),
             num_scheduled_tokens=np.array([1 + B, 1 + B], dtype=np.int32),
-        )
+        ),
+        DEVICE,
     )
     # vLLM 0.33+: the sampler's per-request sequence-length bound, a host
     # tensor.

@@ -20,14 +20,26 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator  # noqa: E402
+from verifier_fakes import (  # noqa: E402
+    B,
+    D,
+    logits_for,
+    skip_module_without_speculator_hooks,
+)
 
-if not hasattr(BaseSpeculator, "prepare_verify"):
-    pytest.skip(
-        "the V2 runner has no speculator verifier hooks (the 0.26.0 line)",
-        allow_module_level=True,
-    )
+skip_module_without_speculator_hooks()
 
+from speculator_fakes import (  # noqa: E402
+    DRAFT_LAYER,
+    TARGET_LAYER,
+    common_metadata,
+    fake_dflash_propose,
+    fake_dflash_set_attn,
+    make_speculator,
+    propose_after_the_walk,
+    sample_through_the_runner,
+    triton_builder,
+)
 from test_ddtree_gdn_builder import builder as gdn_builder  # noqa: E402
 from test_ddtree_gdn_builder import stub_prefill_kernels  # noqa: E402
 from test_ddtree_gdn_hybrid import (  # noqa: E402
@@ -39,17 +51,6 @@ from test_ddtree_gdn_hybrid import (  # noqa: E402
     make_layer,
     run_core,
 )
-from test_ddtree_runner_v034 import (  # noqa: E402
-    DRAFT_LAYER,
-    NEXT_DEPTH,
-    NEXT_PARENT,
-    NEXT_TOKENS,
-    TARGET_LAYER,
-    _speculator,
-    common_metadata,
-    triton_builder,
-)
-from verifier_fakes import ArgmaxSampler, B, D, logits_for  # noqa: E402
 
 from vllm.config.compilation import CUDAGraphMode  # noqa: E402
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend  # noqa: E402
@@ -57,17 +58,10 @@ from vllm.v1.attention.backends.triton_attn import (  # noqa: E402
     TritonAttentionBackend,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
-from vllm.v1.worker.gpu.model_runner import GPUModelRunner  # noqa: E402
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import (  # noqa: E402
     MambaHybridModelState,
 )
 from vllm.v1.worker.gpu.spec_decode.ddtree import config as ddtree_v034  # noqa: E402
-from vllm.v1.worker.gpu.spec_decode.ddtree.speculator import (  # noqa: E402
-    TreeWalkSampler,
-)
-from vllm.v1.worker.gpu.spec_decode.dflash.speculator import (  # noqa: E402
-    DFlashSpeculator,
-)
 from vllm.v1.worker.utils import AttentionGroup  # noqa: E402
 
 # GDN state slot of each request state (its mamba block).
@@ -90,7 +84,7 @@ class HybridStep:
 
     def __init__(self, monkeypatch):
         self.monkeypatch = monkeypatch
-        self.speculator = speculator = _speculator()
+        self.speculator = speculator = make_speculator()
         self.verifier = verifier = speculator.verifier
         verifier.gdn = gdn_context(verifier.req_parent_idx, D, 4)
         self.layer = make_layer(11)
@@ -143,12 +137,7 @@ class HybridStep:
         self.groups[1][0].kv_cache_spec = (
             self.groups[1][0].metadata_builders[0].kv_cache_spec
         )
-        draft_groups = [[SimpleNamespace(metadata_builders=[self.draft_triton])]]
-        monkeypatch.setattr(
-            DFlashSpeculator,
-            "set_attn",
-            lambda self, *args: setattr(self, "attn_groups", draft_groups),
-        )
+        fake_dflash_set_attn(monkeypatch, self.draft_triton)
         speculator.set_attn(
             "model_state", self.kv_cache_config, "block_tables", "bufs", self.groups
         )
@@ -190,7 +179,8 @@ class HybridStep:
 
     def propose(self, batch, attn_metadata, num_sampled, num_rejected, **kwargs):
         slots = torch.arange(batch.num_tokens) + 16
-        return self.speculator.propose(
+        return propose_after_the_walk(
+            self.speculator,
             batch,
             attn_metadata,
             {TARGET_LAYER: slots},
@@ -198,11 +188,6 @@ class HybridStep:
             None,
             num_sampled,
             num_rejected,
-            torch.zeros(4, dtype=torch.int64),
-            torch.zeros(1, 4, dtype=torch.int64),
-            torch.zeros(4),
-            torch.zeros(4, dtype=torch.int64),
-            num_speculative_tokens=B,
             **kwargs,
         )
 
@@ -317,27 +302,13 @@ def test_a_hybrid_tree_step_through_the_model_states_own_code(monkeypatch):
     # The runner's own sample(): state 2 accepts root -> node 1 -> node 4.
     hidden = torch.zeros(batch.num_tokens, 32)
     hidden[batch.logits_indices] = logits_for([11, 14, 30, 30, 9, 5, 7])
-    sampler = ArgmaxSampler()
-    runner = SimpleNamespace(
-        batch_sharder=None,
-        model_state=SimpleNamespace(compute_sample_logits=lambda h: h),
-        structured_outputs_worker=None,
-        sampler=sampler,
-        rejection_sampler=TreeWalkSampler(verifier, sampler, speculator.req_states),
-        speculator=SimpleNamespace(draft_logits=None),
+    out, num_sampled, num_rejected = sample_through_the_runner(
+        speculator, hidden, batch
     )
-    out, num_sampled, num_rejected = GPUModelRunner.sample(runner, hidden, batch, None)
     assert num_sampled.tolist() == [3, 1, 1]
     assert out.sampled_token_ids[0, :3].tolist() == [11, 14, 9]
 
-    def dflash_propose(self, input_batch, *args, **kwargs):
-        self.tree_parent_idx[0] = torch.tensor(NEXT_PARENT)
-        self.tree_depth[0] = torch.tensor(NEXT_DEPTH)
-        self.tree_valid[0] = True
-        self.draft_tokens[0] = torch.tensor(NEXT_TOKENS)
-        return self.draft_tokens[: input_batch.num_reqs]
-
-    monkeypatch.setattr(DFlashSpeculator, "propose", dflash_propose)
+    fake_dflash_propose(monkeypatch, next_tree_row=0)
     step.propose(batch, attn_metadata, num_sampled, num_rejected)
 
     step.assert_replay(2, x, b, a, [0, 1, 4])
@@ -364,11 +335,7 @@ def test_a_step_without_drafts_commits_each_decode_rows_token(monkeypatch):
     for r in (2, 1):
         assert torch.equal(layer.kv_cache[1][SLOT[r]], step.committed[1][SLOT[r]])
 
-    monkeypatch.setattr(
-        DFlashSpeculator,
-        "propose",
-        lambda self, input_batch, *a, **k: self.draft_tokens[: input_batch.num_reqs],
-    )
+    fake_dflash_propose(monkeypatch)
     ones = torch.ones(2, dtype=torch.int32)
     step.propose(batch, attn_metadata, ones, ones * 0)
     step.assert_replay(2, x, b, a, [0])

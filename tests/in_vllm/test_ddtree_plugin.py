@@ -7,10 +7,6 @@ and refuses bad configs in one line. Skipped on the 0.26.0 line, whose
 patched configs name DDTree themselves."""
 
 import importlib.metadata
-import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +17,7 @@ speculator_config = pytest.importorskip(
     reason="vLLM without the speculative-method interface (the 0.26.0 line)",
 )
 
+from engine_on_cpu import engine_config, run_on_cpu  # noqa: E402
 from verifier_fakes import DRAFTER, TARGET  # noqa: E402
 
 from vllm.v1.spec_decode import tree_hooks  # noqa: E402
@@ -128,25 +125,6 @@ def dflash_setup(monkeypatch):
     return calls
 
 
-def _engine_config(spec, **fields):
-    """The parts of a `VllmConfig` that DDTree's engine-level checks read."""
-    from vllm.config import AttentionConfig, CacheConfig
-
-    return SimpleNamespace(
-        speculative_config=spec,
-        attention_config=AttentionConfig(),
-        cache_config=CacheConfig(),
-        model_config=None,
-        parallel_config=SimpleNamespace(
-            pipeline_parallel_size=1, data_parallel_size=1, tensor_parallel_size=1
-        ),
-        scheduler_config=None,
-        compilation_config=None,
-        kv_transfer_config=None,
-        **fields,
-    )
-
-
 def _configure(spec):
     plugin_config.DDTreeSpeculatorConfig.configure(spec)
 
@@ -217,7 +195,9 @@ def test_a_good_config_is_resolved(monkeypatch, dflash_setup, budget_policy):
     )
     _configure(spec)
     # The engine-level checks pass it too (TRITON_ATTN for the target).
-    plugin_config.DDTreeSpeculatorConfig(spec).verify_vllm_config(_engine_config(spec))
+    plugin_config.DDTreeSpeculatorConfig(spec).verify_vllm_config(
+        engine_config(speculative_config=spec)
+    )
     assert dflash_setup == [32]
     assert spec.speculator_options["budget_policy"] == "batch"
     assert spec.num_speculative_tokens == 32
@@ -253,10 +233,6 @@ def test_what_this_line_cannot_run_yet_is_refused_in_one_line(
 
 SPECULATIVE_CONFIG_ON_CPU = """
 import json, os, sys
-from vllm import platforms
-from vllm.platforms.cpu import CpuPlatform
-if platforms.current_platform.is_unspecified():
-    platforms.current_platform = CpuPlatform()
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.spec_decode.ddtree import plugin
 from vllm.v1.spec_decode.ddtree.startup import ddtree_config_error_line
@@ -284,17 +260,7 @@ def test_method_ddtree_through_vllms_own_speculative_config():
     plugin's method goes through SpeculativeConfig's custom-method branch to
     DDTree's config class, which refuses it in one line on the release-line
     guard, or opted in, builds the engine config."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="ERROR")
-    p = subprocess.run(
-        [sys.executable, "-c", SPECULATIVE_CONFIG_ON_CPU, TARGET, DRAFTER],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
-    out = json.loads(line[len("RESULT ") :])
+    out = run_on_cpu(SPECULATIVE_CONFIG_ON_CPU, TARGET, DRAFTER)
     assert "release line has passed its CPU checks only" in out["0"]
     # Opted in, the config is built (the runner verifies trees).
     assert out["1"] == "ok"

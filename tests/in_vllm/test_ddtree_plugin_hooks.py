@@ -7,13 +7,12 @@ recurrent-state count (`num_draft_states`, read by the mamba layers and the
 GDN metadata builder), and the CLI's one line for a config error. The
 refusals themselves run through real configs in test_ddtree_refusals.py,
 the GDN tree branch in test_ddtree_gdn_hybrid.py / test_ddtree_gdn_builder.py,
-the state sizing in test_ddtree_hybrid_runner.py; here: each hook's own
-contract. The CLI helper is tested on both lines, the rest where vLLM has the
-speculative-method interface."""
+the state sizing in test_ddtree_hybrid_runner.py, `vllm serve` with bad
+configs (through the excepthook that DDTree's general plugin installs) in
+test_ddtree_serving.py; here: each hook's own contract. The CLI helper is
+tested on both lines, the rest where vLLM has the speculative-method
+interface."""
 
-import json
-import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -22,7 +21,7 @@ import pytest
 pytest.importorskip("torch")
 pydantic = pytest.importorskip("pydantic")
 
-from verifier_fakes import DRAFTER, TARGET  # noqa: E402
+from engine_on_cpu import engine_config  # noqa: E402
 
 from vllm.entrypoints.cli import config_errors  # noqa: E402
 
@@ -98,59 +97,6 @@ def test_the_excepthook_prints_a_config_error_on_one_line(monkeypatch, capsys):
     assert config_errors.cli_prog(["vllm", "--version"]) == "vllm"
 
 
-CLI_ON_CPU = (
-    "import sys\n"
-    "from vllm import platforms\n"
-    "from vllm.platforms.cpu import CpuPlatform\n"
-    "if platforms.current_platform.is_unspecified():\n"
-    "    platforms.current_platform = CpuPlatform()\n"
-    "from vllm.entrypoints.cli.main import main\n"
-    "sys.argv = ['vllm', *sys.argv[1:]]\n"
-    "main()\n"
-)
-
-
-@needs_interface
-def test_vllm_serve_prints_a_config_error_on_one_line():
-    """`vllm serve` with an option DDTree refuses (any config's ValueError
-    alike): status 1, `vllm serve: error: <message>`, no traceback. Through
-    the excepthook that DDTree's general plugin installs."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="WARNING")
-    spec = json.dumps(
-        {
-            "method": "ddtree",
-            "model": DRAFTER,
-            "speculator_options": {"tree_bugdet": 8},
-        }
-    )
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            CLI_ON_CPU,
-            "serve",
-            TARGET,
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "512",
-            "--speculative-config",
-            spec,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert p.returncode == 1, (p.returncode, p.stderr[-3000:])
-    assert "Traceback" not in p.stderr, p.stderr[-3000:]
-    last = lines[-1].split(") ", 1)[-1] if lines[-1].startswith("(") else lines[-1]
-    assert last.startswith(
-        "vllm serve: error: DDTree: unknown speculator_options 'tree_bugdet'"
-    ), p.stderr[-3000:]
-
-
 # --------------------------------------------------- speculator config hooks
 def _spec(**kw):
     return SimpleNamespace(num_speculative_tokens=8, speculator_options={}, **kw)
@@ -190,24 +136,6 @@ def test_ddtree_keeps_one_recurrent_state_and_refuses_chain_only_requests():
         assert "\n" not in reason
 
 
-def _engine(**fields):
-    from vllm.config import AttentionConfig, CacheConfig
-
-    engine = dict(
-        attention_config=AttentionConfig(),
-        cache_config=CacheConfig(),
-        model_config=None,
-        parallel_config=SimpleNamespace(
-            pipeline_parallel_size=1, data_parallel_size=1, tensor_parallel_size=1
-        ),
-        scheduler_config=None,
-        compilation_config=None,
-        kv_transfer_config=None,
-    )
-    engine.update(fields)
-    return SimpleNamespace(**engine)
-
-
 @needs_interface
 def test_ddtree_checks_the_engine_config(monkeypatch):
     """verify_vllm_config runs the 0.26.0 line's engine-level checks: the
@@ -221,18 +149,18 @@ def test_ddtree_checks_the_engine_config(monkeypatch):
     monkeypatch.delenv("VLLM_DDTREE_TREE_ATTENTION", raising=False)
     spec = _spec(method="dflash", custom_method="ddtree")
     config = DDTreeSpeculatorConfig(spec)
-    engine = _engine()
+    engine = engine_config()
     config.verify_vllm_config(engine)
     assert engine.attention_config.backend == AttentionBackendEnum.TRITON_ATTN
 
     connector = SimpleNamespace(kv_connector="ExampleConnector")
     with pytest.raises(ValueError) as info:
-        config.verify_vllm_config(_engine(kv_transfer_config=connector))
+        config.verify_vllm_config(engine_config(kv_transfer_config=connector))
     assert str(info.value).startswith("DDTree does not support KV connectors")
     assert "\n" not in str(info.value)
 
     from vllm.config import AttentionConfig
 
-    drafter = _engine(attention_config=AttentionConfig(use_non_causal=True))
+    drafter = engine_config(attention_config=AttentionConfig(use_non_causal=True))
     config.verify_vllm_config(drafter)
     assert drafter.attention_config.backend is None

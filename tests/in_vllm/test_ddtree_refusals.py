@@ -10,9 +10,6 @@ streaming-input requests. The real configs are built as `vllm serve` builds them
 subprocess); test_ddtree_serving.py runs some of them through the CLI."""
 
 import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 vllm = pytest.importorskip("vllm")
 
+from engine_on_cpu import run_on_cpu  # noqa: E402
 from verifier_fakes import DRAFTER, TARGET  # noqa: E402
 
 from vllm.v1.spec_decode.ddtree import config as ddtree_config  # noqa: E402
@@ -33,10 +31,6 @@ except ImportError:
 
 ENGINE_CONFIGS_ON_CPU = """
 import json, os, sys
-from vllm import platforms
-from vllm.platforms.cpu import CpuPlatform
-if platforms.current_platform.is_unspecified():
-    platforms.current_platform = CpuPlatform()
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.spec_decode.ddtree.startup import ddtree_config_error_line
 
@@ -194,26 +188,13 @@ ENGINE_CASES = {
 def engine_configs():
     """Every case's engine config, built in one subprocess (one vLLM import)."""
     cases = {name: kw for name, (kw, _) in ENGINE_CASES.items()}
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="ERROR")
-    env.pop("VLLM_DDTREE_BACKEND", None)
-    env.pop("VLLM_DDTREE_TREE_ATTENTION", None)
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            ENGINE_CONFIGS_ON_CPU,
-            TARGET,
-            DRAFTER,
-            json.dumps(cases),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
+    return run_on_cpu(
+        ENGINE_CONFIGS_ON_CPU,
+        TARGET,
+        DRAFTER,
+        json.dumps(cases),
+        unset=("VLLM_DDTREE_BACKEND", "VLLM_DDTREE_TREE_ATTENTION"),
     )
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
-    return json.loads(line[len("RESULT ") :])
 
 
 @pytest.mark.parametrize("name", list(ENGINE_CASES))

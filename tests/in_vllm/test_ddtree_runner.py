@@ -29,6 +29,8 @@ from verifier_fakes import (  # noqa: E402
     make_verifier,
     needs_patched_speculative_config,
     needs_runner_holding_the_verifier,
+    prefill_and_tree_batch,
+    prefill_and_tree_step_state,
     store_trees,
 )
 
@@ -330,34 +332,10 @@ def _masked_out(words, num_nodes):
     return ((w[:, cols // 32] >> (cols % 32)) & 1).bool()
 
 
-def _batch():
-    """Batch row 0: a prefill chunk of 3 tokens (request state 0); batch row 1:
-    tree verification of request state 2 (root + 4 nodes) at positions 20..24."""
-    positions = torch.tensor([0, 1, 2, 20, 21, 22, 23, 24, 0, 0], dtype=torch.int64)
-    return SimpleNamespace(
-        num_reqs=2,
-        num_tokens=8,
-        num_tokens_after_padding=10,
-        num_draft_tokens=B,
-        positions=positions,
-        input_ids=torch.arange(10, dtype=torch.int64),
-        logits_indices=torch.tensor([2, 3, 4, 5, 6, 7]),
-        expanded_idx_mapping=torch.tensor([0, 2, 2, 2, 2, 2], dtype=torch.int32),
-        expanded_local_pos=torch.tensor([0, 0, 1, 2, 3, 4], dtype=torch.int32),
-        idx_mapping=torch.tensor([0, 2], dtype=torch.int32),
-        idx_mapping_np=np.array([0, 2], dtype=np.int32),
-        cu_num_logits=torch.tensor([0, 1, 6], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, 3, 8], dtype=torch.int32),
-        seq_lens=torch.tensor([3, 25], dtype=torch.int32),
-        # vLLM 0.33+: the sampler's per-request sequence-length bound.
-        seq_lens_cpu_upper_bound=torch.tensor([3, 25], dtype=torch.int32),
-    )
-
-
 def test_prepare_verify_writes_tree_positions_and_bias():
     verifier = _verifier()
     _store_one_tree(verifier)
-    batch = _batch()
+    batch = prefill_and_tree_batch()
     # One int32 word of mask bits per node: 5 nodes.
     assert verifier.attn_bias.dtype == torch.int32
     assert verifier.attn_bias.shape == (4, B + 1, 1)
@@ -381,29 +359,10 @@ _logits_for = logits_for
 
 
 def _compact_batch(verifier, batch):
-    """Run compact() on _batch()'s 8 tokens. Hidden states: row = token index
-    * 10; KV cache: one block of 16 slots per request; slot of token i = i for
-    the prefill, 20 * 16 + 4 + (i - 3) for the tree; each slot holds its
-    token index. Returns (hidden, slots, kv_cache) after the compaction."""
-    hidden = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 2) * 10
-    slots = torch.tensor(
-        [
-            0,
-            1,
-            2,
-            20 * 16 + 4,
-            20 * 16 + 5,
-            20 * 16 + 6,
-            20 * 16 + 7,
-            20 * 16 + 8,
-            -1,
-            -1,
-        ]
-    )
-    kv_cache = torch.zeros(32, 1, 16, 2)
-    for tok in range(8):
-        s = int(slots[tok])
-        kv_cache[s // 16, 0, s % 16] = float(tok)
+    """Run compact() on prefill_and_tree_batch()'s 8 tokens with that step's
+    hidden states and KV cache (prefill_and_tree_step_state()). Returns
+    (hidden, slots, kv_cache) after the compaction."""
+    hidden, kv_cache, slots = prefill_and_tree_step_state()
     verifier.bind_kv_caches({"layer": kv_cache}, set())
     verifier.compact(batch, {"layer": slots}, [hidden])
     return hidden, slots, kv_cache
@@ -412,7 +371,7 @@ def _compact_batch(verifier, batch):
 def test_sample_walks_the_tree_and_compaction_moves_the_path():
     verifier = _verifier()
     draft_tokens = _store_one_tree(verifier)
-    batch = _batch()
+    batch = prefill_and_tree_batch()
     verifier.prepare_verify(batch)
     # Target tokens per logit row: prefill row -> 5; tree: root says 11
     # (node 1 accepted), node 1 says 14 (node 4 accepted, not the spine's 13),
@@ -564,7 +523,7 @@ def test_the_runner_binds_the_verifier_with_its_kv_cache_groups():
 def test_partially_scheduled_tree_never_accepts_unscheduled_nodes():
     verifier = _verifier()
     draft_tokens = _store_one_tree(verifier)
-    batch = _batch()
+    batch = prefill_and_tree_batch()
     # Only root + 2 nodes scheduled for request state 2 (query 3..5).
     batch.cu_num_logits = torch.tensor([0, 1, 4], dtype=torch.int32)
     batch.logits_indices = torch.tensor([2, 3, 4, 5])
@@ -599,7 +558,7 @@ def test_a_smaller_next_budget_verifies_the_prefix_of_the_stored_tree():
     draft_tokens = torch.zeros(4, B, dtype=torch.int64)
     verifier.store_trees(torch.tensor([2], dtype=torch.int32), spec, draft_tokens)
     assert draft_tokens[2].tolist() == TOKENS[:b] + [-1] * (B - b)
-    batch = _batch()
+    batch = prefill_and_tree_batch()
     # The scheduler's b placeholders: root + nodes 1, 2 of request state 2.
     batch.num_tokens = 6
     batch.cu_num_logits = torch.tensor([0, 1, 4], dtype=torch.int32)
@@ -632,7 +591,7 @@ def test_resumed_request_never_reads_the_stale_tree_of_its_slot():
     verifier = _verifier()
     stale_tokens = store_trees(verifier, [0], [(PARENT, DEPTH, TOKENS)])
     draft_tokens = _store_one_tree(verifier) + stale_tokens
-    batch = _batch()
+    batch = prefill_and_tree_batch()
     verifier.attn_bias.fill_(7)
     verifier.prepare_verify(batch)
     assert batch.positions[:3].tolist() == [0, 1, 2]
@@ -703,11 +662,11 @@ def test_a_step_without_drafts_marks_the_split_attention_no_tree():
     verifier = _verifier()
     _store_one_tree(verifier)
     splits = attach(verifier)
-    verifier.prepare_verify(_batch())
+    verifier.prepare_verify(prefill_and_tree_batch())
     assert not any(split.no_tree for split in splits)
 
     splits = attach(verifier)
-    batch = _batch()
+    batch = prefill_and_tree_batch()
     batch.num_draft_tokens = 0
     verifier.prepare_verify(batch)
     assert all(split.no_tree for split in splits)

@@ -16,110 +16,48 @@ import inspect
 import textwrap
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
+from engine_on_cpu import run_on_cpu  # noqa: E402
 from verifier_fakes import (  # noqa: E402
-    DEPTH,
-    PARENT,
-    TOKENS,
-    ArgmaxSampler,
+    DRAFTER,
+    TARGET,
     B,
     logits_for,
-    make_verifier,
-    store_trees,
+    prefill_and_tree_batch,
+    prefill_and_tree_step_state,
+    skip_module_without_speculator_hooks,
 )
 
-from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator  # noqa: E402
+skip_module_without_speculator_hooks()
 
-if not hasattr(BaseSpeculator, "prepare_verify"):
-    pytest.skip(
-        "the V2 runner has no speculator verifier hooks (the 0.26.0 line)",
-        allow_module_level=True,
-    )
+from speculator_fakes import (  # noqa: E402
+    DRAFT_LAYER,
+    NEXT_DEPTH,
+    NEXT_PARENT,
+    NEXT_TOKENS,
+    TARGET_LAYER,
+    attn_group,
+    common_metadata,
+    fake_dflash_propose,
+    fake_dflash_set_attn,
+    make_speculator,
+    propose_after_the_walk,
+    sample_through_the_runner,
+    triton_builder,
+)
 
 from vllm.v1.attention.backends import triton_attn  # noqa: E402
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner  # noqa: E402
-from vllm.v1.worker.gpu.spec_decode.ddtree import (  # noqa: E402
-    speculator as ddtree_speculator,
-)
 from vllm.v1.worker.gpu.spec_decode.ddtree.sampling import (  # noqa: E402
     TreePenaltiesState,
 )
-from vllm.v1.worker.gpu.spec_decode.dflash.speculator import (  # noqa: E402
-    DFlashSpeculator,
+from vllm.v1.worker.gpu.spec_decode.ddtree.speculator import (  # noqa: E402
+    TreeWalkSampler,
 )
-
-DDTreeSpeculator = ddtree_speculator.DDTreeSpeculator
-TreeWalkSampler = ddtree_speculator.TreeWalkSampler
-
-TARGET_LAYER = "model.layers.0.self_attn.attn"
-DRAFT_LAYER = "draft.layers.0.self_attn.attn"
-# The drafter's next tree for request state 2: root -> 1 -> 2 -> 3, root -> 4.
-NEXT_PARENT = [0, 1, 2, 0]
-NEXT_DEPTH = [1, 2, 3, 1]
-NEXT_TOKENS = [21, 22, 23, 24]
-
-
-def _batch():
-    """Batch row 0: a prefill chunk of 3 tokens (request state 0); batch row
-    1: tree verification of request state 2 (root + 4 nodes) at positions
-    20..24 (as in test_ddtree_runner.py)."""
-    positions = torch.tensor([0, 1, 2, 20, 21, 22, 23, 24, 0, 0], dtype=torch.int64)
-    return SimpleNamespace(
-        num_reqs=2,
-        num_tokens=8,
-        num_tokens_after_padding=10,
-        num_draft_tokens=B,
-        positions=positions,
-        input_ids=torch.arange(10, dtype=torch.int64),
-        logits_indices=torch.tensor([2, 3, 4, 5, 6, 7]),
-        expanded_idx_mapping=torch.tensor([0, 2, 2, 2, 2, 2], dtype=torch.int32),
-        expanded_local_pos=torch.tensor([0, 0, 1, 2, 3, 4], dtype=torch.int32),
-        idx_mapping=torch.tensor([0, 2], dtype=torch.int32),
-        idx_mapping_np=np.array([0, 2], dtype=np.int32),
-        cu_num_logits=torch.tensor([0, 1, 6], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, 3, 8], dtype=torch.int32),
-        seq_lens=torch.tensor([3, 25], dtype=torch.int32),
-        seq_lens_cpu_upper_bound=torch.tensor([3, 25], dtype=torch.int32),
-    )
-
-
-def _speculator():
-    """A DDTreeSpeculator with DDTree's own state only (the DFlash drafter's
-    model and buffers are not built: the DFlash pass is replaced where a
-    test runs it), its verifier on the shared fakes' sizes, and the runner's
-    request states; request state 2 holds the 4-node tree of the fakes."""
-    speculator = object.__new__(DDTreeSpeculator)
-    speculator.verifier = make_verifier()
-    speculator.req_states = SimpleNamespace(
-        draft_tokens=store_trees(speculator.verifier, [2], [(PARENT, DEPTH, TOKENS)]),
-        prefill_len=SimpleNamespace(gpu=torch.tensor([3, 0, 10, 0], dtype=torch.int32)),
-    )
-    speculator.draft_attn_layer_names = {DRAFT_LAYER}
-    speculator.target_kv_caches_bound = False
-    speculator.dflash_input_blocks_compiled = True
-    speculator.draft_next_step = True
-    speculator.tree_parent_idx = torch.zeros(4, B, dtype=torch.int64)
-    speculator.tree_depth = torch.zeros(4, B, dtype=torch.int64)
-    speculator.tree_valid = torch.zeros(4, B, dtype=torch.bool)
-    speculator.draft_tokens = torch.zeros(4, B, dtype=torch.int64)
-    return speculator
-
-
-def _kv_and_slots():
-    """KV cache of the target layer (one block of 16 slots per request; each
-    slot holds its token index) and the step's slot mapping; the drafter's
-    layer has a KV cache of its own, which the compaction leaves alone."""
-    slots = torch.tensor([0, 1, 2] + [20 * 16 + 4 + i for i in range(5)] + [-1, -1])
-    kv_cache = torch.zeros(32, 1, 16, 2)
-    for tok in range(8):
-        s = int(slots[tok])
-        kv_cache[s // 16, 0, s % 16] = float(tok)
-    return kv_cache, slots
 
 
 def _runner_calls(method, name):
@@ -157,7 +95,7 @@ def test_custom_sampler_binds_tree_penalties_and_returns_the_walk():
         PENALTIES_ARE_LOGITS_PROCESSOR,
     )
 
-    speculator = _speculator()
+    speculator = make_speculator()
     penalties = SimpleNamespace(
         req_states=SimpleNamespace(max_num_reqs=4, vocab_size=32, device="cpu")
     )
@@ -176,17 +114,6 @@ def test_custom_sampler_binds_tree_penalties_and_returns_the_walk():
     assert speculator.custom_sampler(sampler) is None
 
 
-def _attn_group(builder, spec=None, backend="TRITON_ATTN", layers=(TARGET_LAYER,)):
-    """An attention group as `init_attn_backend` makes it: its metadata
-    builders (one per micro-batch), KV-cache spec, backend and layers."""
-    return SimpleNamespace(
-        metadata_builders=[builder],
-        kv_cache_spec=spec,
-        backend=SimpleNamespace(get_name=lambda: backend),
-        layer_names=list(layers),
-    )
-
-
 def test_set_attn_hooks_the_target_builders_and_refuses_one_without_the_hook(
     monkeypatch,
 ):
@@ -198,24 +125,18 @@ def test_set_attn_hooks_the_target_builders_and_refuses_one_without_the_hook(
     skipped."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    calls = []
     draft_builder = SimpleNamespace(metadata_hook=None)
-
-    def dflash_set_attn(self, *args):
-        calls.append(args)
-        self.attn_groups = [[_attn_group(draft_builder)]]
-
-    monkeypatch.setattr(DFlashSpeculator, "set_attn", dflash_set_attn)
-    speculator = _speculator()
+    calls = fake_dflash_set_attn(monkeypatch, draft_builder)
+    speculator = make_speculator()
     speculator.target_kv_caches_bound = True
     target_builders = [SimpleNamespace(metadata_hook=None) for _ in range(2)]
-    mamba = _attn_group(SimpleNamespace(), object.__new__(MambaSpec), "GDN_ATTN")
+    mamba = attn_group(SimpleNamespace(), object.__new__(MambaSpec), "GDN_ATTN")
     runner_draft_builder = SimpleNamespace(metadata_hook=None)
-    runner_draft = _attn_group(runner_draft_builder, None, "FLASH_ATTN", [DRAFT_LAYER])
+    runner_draft = attn_group(runner_draft_builder, None, "FLASH_ATTN", [DRAFT_LAYER])
     groups = [
-        [_attn_group(target_builders[0]), runner_draft],
+        [attn_group(target_builders[0]), runner_draft],
         [mamba],
-        [_attn_group(target_builders[1])],
+        [attn_group(target_builders[1])],
     ]
     speculator.set_attn("state", "kv_cache_config", "block_tables", "bufs", groups)
     assert calls == [("state", "kv_cache_config", "block_tables", "bufs", groups)]
@@ -226,43 +147,9 @@ def test_set_attn_hooks_the_target_builders_and_refuses_one_without_the_hook(
     assert runner_draft_builder.metadata_hook is None
     # New KV caches follow every set_attn: bound again at the next propose.
     assert not speculator.target_kv_caches_bound
-    other = [[_attn_group(SimpleNamespace(), backend="FLASH_ATTN")]]
+    other = [[attn_group(SimpleNamespace(), backend="FLASH_ATTN")]]
     with pytest.raises(ValueError, match="TRITON_ATTN.*FLASH_ATTN"):
         speculator.set_attn("state", "kv_cache_config", "b", "i", other)
-
-
-def triton_builder():
-    """TRITON_ATTN's metadata builder with what its `build` reads (its
-    __init__ needs a whole engine config)."""
-    builder = object.__new__(triton_attn.TritonAttentionMetadataBuilder)
-    scratch = torch.zeros(1)
-    builder.seq_threshold_3D = 1
-    builder.num_par_softmax_segments = 16
-    builder.softmax_segm_output = builder.softmax_segm_max = scratch
-    builder.softmax_segm_expsum = scratch
-    builder.max_seqs_64_segments = 0
-    builder.rswa_window = None
-    builder.tree_split = None
-    builder.metadata_hook = None
-    return builder
-
-
-def common_metadata(query_lens, seq_lens):
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.tensor(query_lens), 0)
-    return CommonAttentionMetadata(
-        query_start_loc=qsl,
-        query_start_loc_cpu=qsl.clone(),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        num_reqs=len(query_lens),
-        num_actual_tokens=int(qsl[-1]),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_table_tensor=torch.zeros(len(query_lens), 4, dtype=torch.int32),
-        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
-    )
 
 
 def test_the_builder_calls_the_hook_with_every_metadata_it_builds():
@@ -324,9 +211,9 @@ def test_a_tree_step_through_the_runners_hooks(monkeypatch):
     runner's own `sample` walks the tree through the speculator's sampler,
     and propose compacts the accepted path's KV and hidden states before the
     DFlash pass and stores the new tree per request after it."""
-    speculator = _speculator()
+    speculator = make_speculator()
     verifier = speculator.verifier
-    kv_cache, slots = _kv_and_slots()
+    hidden, kv_cache, slots = prefill_and_tree_step_state()
     draft_kv = torch.full((4, 1, 16, 2), -1.0)
     speculator.vllm_config = SimpleNamespace(
         compilation_config=SimpleNamespace(
@@ -344,21 +231,15 @@ def test_a_tree_step_through_the_runners_hooks(monkeypatch):
     # The builders' hook: the target's metadata gets the tree bias; the
     # drafter's builders (its own) have no hook.
     target_builder, draft_builder = triton_builder(), triton_builder()
-    monkeypatch.setattr(
-        DFlashSpeculator,
-        "set_attn",
-        lambda self, *args: setattr(
-            self, "attn_groups", [[_attn_group(draft_builder)]]
-        ),
-    )
-    speculator.set_attn(None, None, None, None, [[_attn_group(target_builder)]])
+    fake_dflash_set_attn(monkeypatch, draft_builder)
+    speculator.set_attn(None, None, None, None, [[attn_group(target_builder)]])
     target_meta = target_builder.build(0, common_metadata([3, 5], [3, 25]))
     draft_meta = draft_builder.build(0, common_metadata([3, 5], [3, 25]))
     assert target_meta.tree_attn_bias is verifier.attn_bias
     assert draft_meta.tree_attn_bias is None
 
     # Before the target forward: tree positions (root 20, nodes 20 + depth).
-    batch = _batch()
+    batch = prefill_and_tree_batch()
     speculator.prepare_verify(batch, batch.positions)
     assert batch.positions.tolist() == [0, 1, 2, 20, 21, 21, 22, 22, 0, 0]
 
@@ -366,17 +247,8 @@ def test_a_tree_step_through_the_runners_hooks(monkeypatch):
     # the root (node 1), 14 at node 1 (node 4), 9 at node 4 (bonus).
     hidden_states = torch.zeros(10, 32)
     hidden_states[batch.logits_indices] = logits_for([5, 11, 14, 30, 30, 9])
-    sampler = ArgmaxSampler()
-    runner = SimpleNamespace(
-        batch_sharder=None,
-        model_state=SimpleNamespace(compute_sample_logits=lambda h: h),
-        structured_outputs_worker=None,
-        sampler=sampler,
-        rejection_sampler=TreeWalkSampler(verifier, sampler, speculator.req_states),
-        speculator=SimpleNamespace(draft_logits=None),
-    )
-    out, num_sampled, num_rejected = GPUModelRunner.sample(
-        runner, hidden_states, batch, None
+    out, num_sampled, num_rejected = sample_through_the_runner(
+        speculator, hidden_states, batch
     )
     assert num_sampled.tolist() == [1, 3]
     assert num_rejected.tolist() == [0, 2]
@@ -386,19 +258,9 @@ def test_a_tree_step_through_the_runners_hooks(monkeypatch):
 
     # propose: compaction, then the DFlash pass (its new tree in the batch
     # rows), then the tree store.
-    dflash_calls = []
-
-    def dflash_propose(self, input_batch, *args, **kwargs):
-        dflash_calls.append(kwargs)
-        self.tree_parent_idx[1] = torch.tensor(NEXT_PARENT)
-        self.tree_depth[1] = torch.tensor(NEXT_DEPTH)
-        self.tree_valid[1] = True
-        self.draft_tokens[1] = torch.tensor(NEXT_TOKENS)
-        return self.draft_tokens[: input_batch.num_reqs]
-
-    monkeypatch.setattr(DFlashSpeculator, "propose", dflash_propose)
-    hidden = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 2) * 10
-    draft_tokens = speculator.propose(
+    dflash_calls = fake_dflash_propose(monkeypatch, next_tree_row=1)
+    draft_tokens = propose_after_the_walk(
+        speculator,
         batch,
         {},
         {TARGET_LAYER: slots, DRAFT_LAYER: slots},
@@ -406,11 +268,6 @@ def test_a_tree_step_through_the_runners_hooks(monkeypatch):
         [hidden],
         num_sampled,
         num_rejected,
-        torch.zeros(4, dtype=torch.int64),
-        torch.zeros(1, 4, dtype=torch.int64),
-        torch.zeros(4),
-        torch.zeros(4, dtype=torch.int64),
-        num_speculative_tokens=B,
     )
     assert dflash_calls == [{"dummy_run": False, "num_speculative_tokens": B}]
     assert speculator.target_kv_caches_bound
@@ -430,16 +287,12 @@ def test_a_tree_step_through_the_runners_hooks(monkeypatch):
 
 
 def test_dummy_runs_neither_compact_nor_store_trees(monkeypatch):
-    speculator = _speculator()
+    speculator = make_speculator()
     before = speculator.req_states.draft_tokens.clone()
-    monkeypatch.setattr(
-        DFlashSpeculator,
-        "propose",
-        lambda self, input_batch, *a, **k: self.draft_tokens[: input_batch.num_reqs],
-    )
+    fake_dflash_propose(monkeypatch)
     speculator.draft_tokens.fill_(99)
     speculator.propose(
-        _batch(),
+        prefill_and_tree_batch(),
         {},
         None,
         None,
@@ -459,10 +312,6 @@ def test_dummy_runs_neither_compact_nor_store_trees(monkeypatch):
 
 SPECULATOR_FROM_THE_ENGINE_CONFIG = """
 import json, os, sys
-from vllm import platforms
-from vllm.platforms.cpu import CpuPlatform
-if platforms.current_platform.is_unspecified():
-    platforms.current_platform = CpuPlatform()
 import torch
 from vllm.config import set_current_vllm_config
 from vllm.engine.arg_utils import EngineArgs
@@ -525,24 +374,7 @@ def test_the_engine_configs_speculator_owns_the_verifier_and_the_walk():
     request states; it owns a verifier sized from DDTree's options, and the
     runner's `custom_sampler` hook gets the walk and tree-aware penalties on
     a real Sampler."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from verifier_fakes import DRAFTER, TARGET
-
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="ERROR")
-    p = subprocess.run(
-        [sys.executable, "-c", SPECULATOR_FROM_THE_ENGINE_CONFIG, TARGET, DRAFTER],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
-    out = json.loads(line[len("RESULT ") :])
+    out = run_on_cpu(SPECULATOR_FROM_THE_ENGINE_CONFIG, TARGET, DRAFTER)
     assert out == {
         "method": ["dflash", "ddtree"],
         "speculator": "DDTreeSpeculator",

@@ -6,7 +6,6 @@ length, values moving when fed the scheduler's stats), the periodic log line
 traceback, a non-zero exit."""
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -17,8 +16,8 @@ torch = pytest.importorskip("torch")
 vllm = pytest.importorskip("vllm")
 prometheus_client = pytest.importorskip("prometheus_client")
 
-from test_ddtree_runner import _spec  # noqa: E402
-from verifier_fakes import DRAFTER, TARGET  # noqa: E402
+from engine_on_cpu import CLI_ON_CPU, cpu_env, run_on_cpu  # noqa: E402
+from verifier_fakes import DRAFTER, TARGET, make_spec  # noqa: E402
 
 LABELS = ["model_name", "engine"]
 PER_ENGINE = {0: ["tiny", "0"]}
@@ -61,7 +60,9 @@ def test_ddtree_prometheus_series_exist_and_move(target_model_config, registry):
     from vllm.v1.spec_decode.ddtree.metrics import DDTREE_METRIC_NAMES
     from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
 
-    spec = _spec(target_model_config, method="ddtree", model=DRAFTER, tree_budget=256)
+    spec = make_spec(
+        target_model_config, method="ddtree", model=DRAFTER, tree_budget=256
+    )
     assert spec.use_ddtree() and spec.draft_depth == 15
     prom = SpecDecodingProm(spec, LABELS, PER_ENGINE)
 
@@ -133,7 +134,7 @@ def test_ddtree_prometheus_series_exist_and_move(target_model_config, registry):
 def test_plain_dflash_keeps_upstream_series_only(target_model_config, registry):
     from vllm.v1.spec_decode.metrics import SpecDecodingProm
 
-    spec = _spec(
+    spec = make_spec(
         target_model_config, method="dflash", model=DRAFTER, num_speculative_tokens=7
     )
     prom = SpecDecodingProm(spec, LABELS, PER_ENGINE)
@@ -146,10 +147,6 @@ def test_plain_dflash_keeps_upstream_series_only(target_model_config, registry):
 
 STAT_LOGGERS_ON_CPU = """
 import json, sys
-from vllm import platforms
-from vllm.platforms.cpu import CpuPlatform
-if platforms.current_platform.is_unspecified():
-    platforms.current_platform = CpuPlatform()
 import prometheus_client
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
@@ -186,17 +183,7 @@ def test_vllm_stat_loggers_export_ddtree_series():
     """The PrometheusStatLogger and LoggingStatLogger of vLLM, built from the
     engine config that `vllm serve` would build (EngineArgs ->
     create_engine_config, on vLLM's CPU platform), fed one scheduler step."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    p = subprocess.run(
-        [sys.executable, "-c", STAT_LOGGERS_ON_CPU, TARGET, DRAFTER],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
-    r = json.loads(line[len("RESULT ") :])
+    r = run_on_cpu(STAT_LOGGERS_ON_CPU, TARGET, DRAFTER, timeout=300)
     s = r["samples"]
     assert r["backend"].endswith("TRITON_ATTN")
     assert s["vllm:ddtree_tree_budget{}"] == 48
@@ -223,7 +210,9 @@ def test_vllm_stat_loggers_export_ddtree_series():
 def test_periodic_log_line_names_ddtree_and_budget(target_model_config):
     from vllm.v1.spec_decode.metrics import SpecDecodingLogging, SpecDecodingStats
 
-    spec = _spec(target_model_config, method="ddtree", model=DRAFTER, tree_budget=64)
+    spec = make_spec(
+        target_model_config, method="ddtree", model=DRAFTER, tree_budget=64
+    )
     logging = SpecDecodingLogging(speculative_config=spec)
     stats = SpecDecodingStats.new(spec.num_speculative_tokens)
     stats.observe_draft(num_draft_tokens=64, num_accepted_tokens=5)
@@ -408,28 +397,25 @@ BAD_CONFIGS = [
         "DDTree does not support pipeline parallelism (pipeline_parallel_size=2)",
     ),
 ]
-
-
-# `vllm serve` exactly as the console script runs it, except that on a machine
-# without a GPU the CUDA wheel cannot infer a device (DeviceConfig fails while
-# the argument parser is built), so the platform is set to vLLM's CPU platform
-# first, as `vllm bench` does in the same main().
-CLI_ON_CPU = (
-    "import sys\n"
-    "from vllm import platforms\n"
-    "from vllm.platforms.cpu import CpuPlatform\n"
-    "if platforms.current_platform.is_unspecified():\n"
-    "    platforms.current_platform = CpuPlatform()\n"
-    "from vllm.entrypoints.cli.main import main\n"
-    "sys.argv = ['vllm', *sys.argv[1:]]\n"
-    "main()\n"
-)
+if SPECULATOR_PLUGIN:
+    # A misspelt option: DDTree's config class refuses it, and the excepthook
+    # that DDTree's general plugin installs prints the refusal.
+    BAD_CONFIGS.append(
+        (
+            "unknown_option",
+            "ddtree",
+            {"tree_bugdet": 8},
+            {},
+            [],
+            "DDTree: unknown speculator_options 'tree_bugdet'",
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
     """Run `vllm serve` with every bad config at once (each start imports vLLM)."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="WARNING")
+    env = cpu_env(logging_level="WARNING")
     port = 18000
     procs = {}
     for i, (name, method, options, fields, extra, _) in enumerate(BAD_CONFIGS):
@@ -491,4 +477,6 @@ def test_vllm_serve_bad_config_is_one_line(
     else:
         assert last.startswith("vllm serve: error: DDTree"), stderr[-3000:]
         assert message in last, last
+        if message.startswith("DDTree"):
+            assert last.startswith(f"vllm serve: error: {message}"), last
     assert len(last) < 400

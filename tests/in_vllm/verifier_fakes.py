@@ -1,10 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Fakes shared by the verifier tests (test_ddtree_runner.py,
-test_ddtree_hybrid_runner.py): the dense benchmark pair's paths, a
-DDTreeVerifier on a minimal config, a stored 4-node tree, an argmax sampler."""
+test_ddtree_hybrid_runner.py and the 0.34.0 line's test_ddtree_runner_v034.py,
+test_ddtree_hybrid_runner_v034.py): the dense benchmark pair's paths, a
+DDTreeVerifier on a minimal config, a stored 4-node tree, a step's batch that
+verifies it next to a prefill chunk, that step's KV cache and hidden states,
+an argmax sampler."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import repo_paths
 import torch
@@ -38,6 +42,17 @@ needs_runner_holding_the_verifier = pytest.mark.skipif(
     _speculator_verifies(),
     reason="the 0.26.0 line's runner holds the verifier",
 )
+
+
+def skip_module_without_speculator_hooks():
+    """Skip the calling test module where the runner has no speculator
+    verifier hooks (before it imports speculator_fakes)."""
+    if not _speculator_verifies():
+        pytest.skip(
+            "the V2 runner has no speculator verifier hooks (the 0.26.0 line)",
+            allow_module_level=True,
+        )
+
 
 B, D = 4, 3
 # Request state 2 in most tests: root -> 1 -> 3, root -> 2, 1 -> 4
@@ -92,6 +107,60 @@ def store_trees(verifier, req_states, trees, device="cpu"):
         draft_tokens,
     )
     return draft_tokens
+
+
+def prefill_and_tree_batch(device="cpu"):
+    """Batch row 0: a prefill chunk of 3 tokens (request state 0); batch row
+    1: tree verification of request state 2 (root + 4 nodes) at positions
+    20..24; 2 padding tokens. The fields of the V2 runner's input batch that
+    the verifier, the runner's `sample` and the GDN tree path read."""
+    positions = torch.tensor([0, 1, 2, 20, 21, 22, 23, 24, 0, 0], dtype=torch.int64)
+    batch = SimpleNamespace(
+        num_reqs=2,
+        num_tokens=8,
+        num_tokens_after_padding=10,
+        num_draft_tokens=B,
+        positions=positions,
+        input_ids=torch.arange(10, dtype=torch.int64),
+        logits_indices=torch.tensor([2, 3, 4, 5, 6, 7]),
+        expanded_idx_mapping=torch.tensor([0, 2, 2, 2, 2, 2], dtype=torch.int32),
+        expanded_local_pos=torch.tensor([0, 0, 1, 2, 3, 4], dtype=torch.int32),
+        idx_mapping=torch.tensor([0, 2], dtype=torch.int32),
+        idx_mapping_np=np.array([0, 2], dtype=np.int32),
+        cu_num_logits=torch.tensor([0, 1, 6], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 3, 8], dtype=torch.int32),
+        seq_lens=torch.tensor([3, 25], dtype=torch.int32),
+        num_draft_tokens_per_req=np.array([0, B], dtype=np.int32),
+        num_scheduled_tokens=np.array([3, 1 + B], dtype=np.int32),
+    )
+    on_device(batch, device)
+    # vLLM 0.33+: the sampler's per-request sequence-length bound, a host
+    # tensor.
+    batch.seq_lens_cpu_upper_bound = torch.tensor([3, 25], dtype=torch.int32)
+    return batch
+
+
+def on_device(batch, device):
+    """``batch`` with its tensors moved to ``device``."""
+    for name, value in vars(batch).items():
+        if isinstance(value, torch.Tensor):
+            setattr(batch, name, value.to(device))
+    return batch
+
+
+def prefill_and_tree_step_state():
+    """What compaction moves in prefill_and_tree_batch()'s step: hidden
+    states (row = token index * 10), one layer's KV cache (one block of 16
+    slots per request; each slot holds its token index) and the step's slot
+    mapping (token i at slot i for the prefill, 20 * 16 + 4 + (i - 3) for the
+    tree, -1 for padding). Returns (hidden, kv_cache, slots)."""
+    hidden = torch.arange(10, dtype=torch.float32)[:, None].repeat(1, 2) * 10
+    slots = torch.tensor([0, 1, 2] + [20 * 16 + 4 + i for i in range(5)] + [-1, -1])
+    kv_cache = torch.zeros(32, 1, 16, 2)
+    for tok in range(8):
+        s = int(slots[tok])
+        kv_cache[s // 16, 0, s % 16] = float(tok)
+    return hidden, kv_cache, slots
 
 
 def tree_penalties(vocab=32, device="cpu"):
