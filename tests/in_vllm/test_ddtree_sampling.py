@@ -17,10 +17,10 @@ from test_ddtree_runner import (  # noqa: E402
     PARENT,
     TOKENS,
     B,
-    _batch,
     _store_one_tree,
     _verifier,
 )
+from verifier_fakes import prefill_and_tree_batch  # noqa: E402
 
 VOCAB = 32
 
@@ -271,7 +271,7 @@ def _node_path(node):
 def test_verifier_penalties_count_each_nodes_ancestor_path():
     verifier = _verifier()
     draft_tokens = _store_one_tree(verifier)
-    batch = _batch()
+    batch = prefill_and_tree_batch()
     # Query tokens: prefill chunk 0..2 (state 0), then root 7, nodes 11..14.
     batch.input_ids = torch.tensor([0, 1, 2, 7] + TOKENS + [0, 0])
     verifier.prepare_verify(batch)
@@ -349,7 +349,7 @@ def test_logprobs_rows_are_the_emitted_tokens(monkeypatch):
     monkeypatch.setattr(sampling, "compute_topk_scores", topk_scores)
     verifier = _verifier()
     draft_tokens = _store_one_tree(verifier)
-    batch = _batch()
+    batch = prefill_and_tree_batch()
     batch.cu_num_logits_np = np.array([0, 1, 6])
     verifier.prepare_verify(batch)
     # Root draws 11 (node 1), node 1 draws 14 (node 4), node 4 draws 9.
@@ -422,7 +422,7 @@ def _real_sampler(seeds):
 def _seeded_run(seed, monkeypatch):
     verifier, sampler = _real_sampler({0: 11, 2: seed})
     draft_tokens = _store_one_tree(verifier)
-    batch = _batch()
+    batch = prefill_and_tree_batch()
     verifier.prepare_verify(batch)
     logits = torch.zeros(6, VOCAB)  # uniform: the noise alone decides
     seen = {}
