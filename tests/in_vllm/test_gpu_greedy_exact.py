@@ -29,6 +29,8 @@ import textwrap
 import pytest
 from repo_paths import HELDOUT_PROMPTS, PAIR_MODELS
 
+from bench.common import is_hybrid
+
 NUM_PROMPTS = 16
 MAX_TOKENS = 64
 NEAR_TIE_NATS = 0.01
@@ -95,13 +97,10 @@ ENGINE = textwrap.dedent(
 
 def run_engine(pair: str, budget: int | None) -> dict:
     target = PAIR_MODELS / pair / "target"
-    with open(target / "config.json") as f:
-        config = json.load(f)
-    layer_types = config.get("text_config", config).get("layer_types", ())
     args = dict(
         target=str(target),
         drafter=str(PAIR_MODELS / pair / "drafter"),
-        hybrid="linear_attention" in layer_types,
+        hybrid=is_hybrid(str(target)),
         prompts=str(HELDOUT_PROMPTS),
         n=NUM_PROMPTS,
         max_tokens=MAX_TOKENS,
