@@ -1,6 +1,6 @@
-# vllm-ddtree: vLLM 0.26.0 + the patch stack in patches/ + our files in overlay/ (see README.md).
+# vllm-ddtree: vLLM 0.34.0 + the patch stack in patches/ + our files in overlay/ (see README.md).
 # LINE=<vLLM version> works on the release line in lines/<version>/ instead
-# (e.g. `make wheel LINE=0.34.0`); overlay/ is shared by every line.
+# (e.g. `make wheel LINE=0.26.0`, the measured line); overlay/ is shared by every line.
 PYTHON ?= python3
 .DEFAULT_GOAL := all
 LINE ?=
@@ -13,13 +13,14 @@ LINE_DIR := lines/$(LINE)
 TOOL := $(PYTHON) apply_patches.py --line $(LINE)
 SRC ?= build/src-$(LINE)
 endif
-# The other release lines, which `make test` checks too (see `line-check`).
+# The other release lines, which `make test` tests too (see `line-test`).
 OTHER_LINES := $(notdir $(patsubst %/,%,$(dir $(wildcard lines/*/upstream.lock))))
 PYTEST_ARGS ?=
 # Files and directories we own that ruff checks with vLLM's settings (add a path
 # to cover more).
 LINT_PATHS ?= overlay tests apply_patches.py patchstack bench
-# One directory of rebase reports per line (the default line's at the top).
+# One directory of rebase reports per line: the primary line's at the top,
+# each other line's in from-<version>/.
 ifeq ($(LINE),)
 REPORT_DIR ?= docs/rebase
 else
@@ -65,7 +66,7 @@ IMAGE ?= vllm-ddtree:$(subst +,-,$(VERSION))
 # Where pip puts console scripts (hadolint) for $(PYTHON).
 SCRIPTS = $$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
 
-.PHONY: all deps fetch check apply export wheel lint test test-gpu lint-docker image clean rebase-check line-check
+.PHONY: all deps fetch check apply export wheel lint test test-gpu lint-docker image clean rebase-check line-check line-test
 
 all: wheel
 
@@ -107,27 +108,28 @@ lint: $(TEST_DEPS)
 WHEEL_VENV = $$($(PYTHON) tests/helpers/ddtree_venv.py $(WHEEL))
 
 test: $(TEST_DEPS)
-	@echo "== [1/9] fetch (cache: $${VLLM_DDTREE_CACHE:-~/.cache/vllm-ddtree})"
+	@echo "== [1/10] fetch (cache: $${VLLM_DDTREE_CACHE:-~/.cache/vllm-ddtree})"
 	$(TOOL) fetch
-	@echo "== [2/9] apply --verify into $(SRC)"
+	@echo "== [2/10] apply --verify into $(SRC)"
 	$(TOOL) apply --src $(SRC) --verify
-	@echo "== [3/9] check"
+	@echo "== [3/10] check"
 	$(TOOL) check
-	@echo "== [4/9] export --dry-run (drift gate: patches and overlay)"
+	@echo "== [4/10] export --dry-run (drift gate: patches and overlay)"
 	$(TOOL) export --src $(SRC) --dry-run
-	@echo "== [5/9] lint (ruff, vLLM's settings)"
+	@echo "== [5/10] lint (ruff, vLLM's settings)"
 	$(MAKE) --no-print-directory lint
-	@echo "== [6/9] wheel + Dockerfile lint"
+	@echo "== [6/10] wheel + Dockerfile lint"
 	$(MAKE) --no-print-directory wheel lint-docker
-	@echo "== [7/9] the wheel's venv (the first time: about 8 GB of dependencies, minutes)"
+	@echo "== [7/10] the wheel's venv (the first time: about 8 GB of dependencies, minutes)"
 	$(PYTHON) tests/helpers/ddtree_venv.py $(WHEEL) >/dev/null
-	@echo "== [8/9] pytest: tests/unit, tests/tooling, tests/bench"
+	@echo "== [8/10] pytest: tests/unit, tests/tooling, tests/bench"
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
-	@echo "== [9/9] pytest inside the wheel's venv: tests/in_vllm (imports the patched vLLM)"
+	@echo "== [9/10] pytest inside the wheel's venv: tests/in_vllm (imports the patched vLLM)"
 	VENV=$(WHEEL_VENV) && \
 	  $$VENV/bin/python -m pytest -c tests/in_vllm/pytest.ini tests/in_vllm $(PYTEST_ARGS)
+	@echo "== [10/10] the other release lines: $(if $(LINE),none (LINE=$(LINE)),$(OTHER_LINES))"
 	@for line in $(if $(LINE),,$(OTHER_LINES)); do \
-	  $(MAKE) --no-print-directory line-check LINE=$$line || exit 1; done
+	  $(MAKE) --no-print-directory line-test LINE=$$line || exit 1; done
 
 # Every GPU test (a CUDA host; `make test` skips them): those of tests/unit
 # with $(PYTHON), those of tests/in_vllm in the wheel's venv.
@@ -146,6 +148,15 @@ line-check: $(TEST_DEPS)
 	$(TOOL) export --src $(SRC) --dry-run
 	$(MAKE) --no-print-directory lint LINE=$(LINE)
 
+# What `make test` runs for each other release line: line-check, then that
+# line's wheel and tests/in_vllm in its own venv (a folder per vLLM version:
+# tests/helpers/ddtree_venv.py).
+line-test: line-check
+	@echo "== line $(LINE): wheel, its venv, pytest tests/in_vllm inside it"
+	$(MAKE) --no-print-directory wheel LINE=$(LINE)
+	VENV=$(WHEEL_VENV) && \
+	  $$VENV/bin/python -m pytest -c tests/in_vllm/pytest.ini tests/in_vllm $(PYTEST_ARGS)
+
 # Scheduled CI (.ci/rebase-check): would the stack move to vLLM $(VERSION)
 # (`latest`: the newest final release on PyPI)? Dry run; writes
 # $(REPORT_DIR)/<version>.md and .json; fails when a patch conflicts.
@@ -154,8 +165,11 @@ rebase-check:
 	  echo "usage: make rebase-check VERSION=<vLLM release, e.g. 0.27.0>" >&2; exit 2; fi
 	$(TOOL) rebase --onto $(VERSION) --report-dir $(REPORT_DIR)
 
-# Needs a Docker engine (GPU hosts); our CI/dev machines have none.
+# Needs a Docker engine (GPU hosts); our CI/dev machines have none. The
+# Dockerfile's base image is the primary line's.
 image: $(WHEEL)
+	@if [ -n "$(LINE)" ]; then \
+	  echo "make image: the Dockerfile builds on the primary line's image, not vLLM $(LINE)'s" >&2; exit 2; fi
 	docker build \
 	  --build-arg DDTREE_VERSION=$(VERSION) \
 	  --build-arg UPSTREAM_COMMIT=$$($(TOOL) lock-get upstream.commit) \

@@ -72,16 +72,21 @@ def wheel_venv(our_wheel: Path) -> Path:
     return ddtree_venv.ensure_venv(our_wheel)
 
 
+# The release line whose stack the patch-tool tests copy, corrupt and replay
+# (tests/tooling/test_apply_patches.py names its patches, hunks and pins).
+STACK_COPY_LINE = REPO_ROOT / "lines" / "0.26.0"
+
+
 @pytest.fixture()
 def stack_copy(tmp_path: Path) -> tuple[Path, Path]:
-    """Copies of upstream.lock, patches/ and overlay/ (beside patches/, where the
-    tool looks for it) that a test may corrupt."""
-    from patchstack.common import DEFAULT_LOCK, DEFAULT_PATCHES, OVERLAY_DIRNAME
+    """Copies of the 0.26.0 line's upstream.lock and patches/, and of overlay/
+    (beside patches/, where the tool looks for it), that a test may corrupt."""
+    from patchstack.common import OVERLAY_DIRNAME
 
     lock = tmp_path / "upstream.lock"
-    shutil.copy(DEFAULT_LOCK, lock)
+    shutil.copy(STACK_COPY_LINE / "upstream.lock", lock)
     patches = tmp_path / "patches"
-    shutil.copytree(DEFAULT_PATCHES, patches)
+    shutil.copytree(STACK_COPY_LINE / "patches", patches)
     shutil.copytree(
         REPO_ROOT / OVERLAY_DIRNAME,
         tmp_path / OVERLAY_DIRNAME,

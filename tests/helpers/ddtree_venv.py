@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """A cached virtualenv with our wheel installed with its dependencies.
 
-Keyed by the wheel's sha256 under $VLLM_DDTREE_CACHE (default ~/.cache/vllm-ddtree);
-the first build pulls torch and CUDA libraries from PyPI (several GB, minutes).
+Keyed by the wheel's sha256 under ``$VLLM_DDTREE_CACHE-<vLLM version>`` (default
+~/.cache/vllm-ddtree-<version>); the first build pulls torch and CUDA libraries
+from PyPI (several GB, minutes).
 """
 
 from __future__ import annotations
@@ -19,16 +20,15 @@ import time
 from pathlib import Path
 
 
-def cache_dir(wheel: Path | None = None) -> Path:
-    """Where the venvs live. A wheel of another release line than the
-    primary one gets a folder of its own (``<cache>-<version>``), so that
-    testing both lines keeps both venvs (each several GB; one base venv per
-    folder)."""
+def cache_dir(wheel: Path) -> Path:
+    """Where the venvs of ``wheel``'s release line live: a folder per vLLM
+    version (``<cache>-<version>``, beside the cache of sdists), so that
+    testing every line keeps every line's venv (each several GB; one base venv
+    per folder), and which line is the primary one does not move them."""
     d = Path(
         os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree")
     )
-    if wheel is not None and _line_lock(wheel).parent != REPO_ROOT:
-        d = d.with_name(f"{d.name}-{_line_lock(wheel).parent.name}")
+    d = d.with_name(f"{d.name}-{_upstream_version(wheel)}")
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -93,11 +93,15 @@ def _requires(wheel: Path) -> str:
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def _upstream_version(wheel: Path) -> str:
+    """The vLLM release ``wheel`` is built on (0.34.0 of vllm-0.34.0+ddtree.1-...)."""
+    return wheel.name.split("-")[1].split("+")[0]
+
+
 def _line_lock(wheel: Path) -> Path:
     """The upstream.lock of the release line that built ``wheel``: the
     checkout's own for the primary line, lines/<version>/ for the others."""
-    version = wheel.name.split("-")[1].split("+")[0]
-    line = REPO_ROOT / "lines" / version / "upstream.lock"
+    line = REPO_ROOT / "lines" / _upstream_version(wheel) / "upstream.lock"
     return line if line.exists() else REPO_ROOT / "upstream.lock"
 
 

@@ -33,7 +33,7 @@ except ImportError:  # the 0.26.0 line: its patched SpeculativeConfig
 ddtree_metrics_line = pytest.mark.skipif(
     SPECULATOR_PLUGIN,
     reason="DDTree's Prometheus series and log line are not ported to vLLM's "
-    "speculative-method interface (docs/architecture-0.34.0.md, H7)",
+    "speculative-method interface (docs/architecture.md, H7)",
 )
 
 

@@ -30,6 +30,9 @@ from patchstack.repo import new_files, stack_tree
 from patchstack.series import read_series, series_hash
 
 TOOL = [sys.executable, str(REPO_ROOT / "apply_patches.py")]
+# The line whose stack `stack_copy` copies (tests/conftest.py); the names, hunks
+# and pins below are its own.
+STACK_LINE = LINES_DIR / "0.26.0"
 FIRST_PATCH = "dflash-swa-draft-layers-keep-full-kv.patch"
 
 
@@ -100,7 +103,7 @@ def test_unknown_line_is_one_line_error() -> None:
 
 
 def test_first_patch_is_listed_first() -> None:
-    assert read_series(DEFAULT_PATCHES)[0] == FIRST_PATCH
+    assert read_series(STACK_LINE / "patches")[0] == FIRST_PATCH
 
 
 def test_series_entry_without_file(stack_copy: tuple[Path, Path]) -> None:
@@ -281,7 +284,7 @@ def test_unparsable_patch(stack_copy: tuple[Path, Path]) -> None:
 
 def test_wrong_sha256_is_refused(stack_copy: tuple[Path, Path], tmp_path: Path) -> None:
     lock, patches = stack_copy
-    real = fetch_artifact(Lock.load(DEFAULT_LOCK), "sdist")
+    real = fetch_artifact(Lock.load(lock), "sdist")
     cache = tmp_path / "cache"
     cache.mkdir()
     os.symlink(real, cache / real.name)
@@ -421,12 +424,17 @@ def test_new_commit_becomes_a_new_patch(
     assert tool(lock, patches, "export", "--src", src).returncode == 0
     series = read_series(patches)
     assert series[0] == FIRST_PATCH and series[-1] == "ddtree-add-package.patch"
-    assert len(series) == len(read_series(DEFAULT_PATCHES)) + 1
+    assert len(series) == len(read_series(STACK_LINE / "patches")) + 1
     assert tool(lock, patches, "check").returncode == 0
 
 
 def test_lock_version_is_consistent() -> None:
     lock = Lock.load(DEFAULT_LOCK)
+    assert re.fullmatch(r"0\.34\.0\+ddtree\.\d+", lock.version)
+    assert lock.upstream["tag"] == "v0.34.0"
+    assert lock.upstream["commit"] == "62d4bc3c7"
+    assert lock.upstream["base_image"] == "vllm/vllm-openai:v0.34.0"
+    lock = Lock.load(STACK_LINE / "upstream.lock")
     assert re.fullmatch(r"0\.26\.0\+ddtree\.\d+", lock.version)
     assert lock.upstream["tag"] == "v0.26.0"
     assert lock.upstream["commit"] == "ffd46bfab"
@@ -597,7 +605,7 @@ def test_ruff_toml_is_upstreams(src_tree: Path, tmp_path: Path) -> None:
     assert ruff_config_drift(src_tree, REPO_ROOT / "ruff.toml") == []
     changed = tmp_path / "ruff.toml"
     changed.write_text(
-        (REPO_ROOT / "ruff.toml").read_text().replace('"E731", ', "")
+        (REPO_ROOT / "ruff.toml").read_text().replace('"E731",', "")
         + "\nline-length = 100\n"
     )
     drift = ruff_config_drift(src_tree, changed)

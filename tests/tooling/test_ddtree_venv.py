@@ -73,12 +73,14 @@ def test_the_0_34_0_test_venv_leaves_out_the_pin_pypi_lacks(tmp_path):
     ]
 
 
-def test_the_primary_line_skips_nothing_and_each_line_has_its_cache(
+def test_the_0_26_0_line_skips_nothing_and_each_line_has_its_cache(
     tmp_path, monkeypatch
 ):
+    """Each line's venvs live in a folder named by its vLLM version, whichever
+    line is the primary one."""
     monkeypatch.setenv("VLLM_DDTREE_CACHE", str(tmp_path / "vllm-ddtree"))
-    primary = _fake_wheel(tmp_path, "0.26.0+ddtree.1", ["torch==2.11.0"])
-    other = _fake_wheel(tmp_path, "0.34.0+ddtree.1", ["torch==2.14.0"])
-    assert ddtree_venv.skipped_requirements(primary) == []
-    assert ddtree_venv.cache_dir(primary) == tmp_path / "vllm-ddtree"
-    assert ddtree_venv.cache_dir(other) == tmp_path / "vllm-ddtree-0.34.0"
+    line_0_26 = _fake_wheel(tmp_path, "0.26.0+ddtree.1", ["torch==2.11.0"])
+    primary = _fake_wheel(tmp_path, "0.34.0+ddtree.1", ["torch==2.14.0"])
+    assert ddtree_venv.skipped_requirements(line_0_26) == []
+    assert ddtree_venv.cache_dir(line_0_26) == tmp_path / "vllm-ddtree-0.26.0"
+    assert ddtree_venv.cache_dir(primary) == tmp_path / "vllm-ddtree-0.34.0"

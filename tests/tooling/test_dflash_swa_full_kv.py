@@ -55,6 +55,6 @@ def test_swa_draft_layer_keeps_full_kv(
     # full-attention layers are unchanged
     assert r["0:None"]["spec"] == "FullAttentionSpec"
     assert r["1:None"] == r["0:None"]
-    # upstream 0.26.0: the sliding layer asks for a SlidingWindowSpec (the bug)
+    # upstream: the sliding layer asks for a SlidingWindowSpec (the bug)
     assert r["1:32"]["spec"] == "SlidingWindowSpec"
     assert r["1:32"]["impl_sliding_window"] == r["0:32"]["impl_sliding_window"]

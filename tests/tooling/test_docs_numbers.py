@@ -8,8 +8,9 @@
   table must have every row of the pairs it shows.
 - Relative links in README.md, docs/*.md and CHANGELOG.md reach a file (and a
   heading, for a Markdown anchor).
-- docs/architecture.md's hook table is ``patches/series``, each patch with the
-  upstream files it touches and its added and removed lines.
+- docs/architecture.md's hook table is ``patches/series`` (the primary line's),
+  docs/architecture-0.26.0.md's is ``lines/0.26.0/patches/series``, each patch
+  with the upstream files it touches and its added and removed lines.
 - Every refusal docs/configuration.md shows is a message the overlay builds.
 """
 
@@ -184,15 +185,15 @@ def test_relative_links_resolve(path):
     assert broken == [], f"{path.name}: links to nothing: {broken}"
 
 
-def patch_stack() -> dict[str, tuple[list[str], int, int]]:
+def patch_stack(patches: Path) -> dict[str, tuple[list[str], int, int]]:
     """Each patch of ``patches/series``: the upstream files it touches (under
     ``vllm/``), its added and removed lines."""
     stack = {}
-    for name in (REPO / "patches" / "series").read_text().splitlines():
+    for name in (patches / "series").read_text().splitlines():
         name = name.strip()
         if not name or name.startswith("#"):
             continue
-        text = (REPO / "patches" / name).read_text()
+        text = (patches / name).read_text()
         touched = re.findall(r"^\+\+\+ b/(\S+)", text, re.M)
         files = [f.removeprefix("vllm/") for f in touched]
         diff = text.split("\ndiff --git", 1)[1].splitlines()
@@ -202,10 +203,18 @@ def patch_stack() -> dict[str, tuple[list[str], int, int]]:
     return stack
 
 
-def test_the_hook_table_is_the_patch_stack():
-    """docs/architecture.md lists every patch of the series, in order, with the
-    files it touches and its line counts, and the stack's totals."""
-    lines = (REPO / "docs" / "architecture.md").read_text().splitlines()
+@pytest.mark.parametrize(
+    "doc, patches",
+    [
+        ("architecture.md", REPO / "patches"),
+        ("architecture-0.26.0.md", REPO / "lines" / "0.26.0" / "patches"),
+    ],
+    ids=["primary", "0.26.0"],
+)
+def test_the_hook_table_is_the_patch_stack(doc, patches):
+    """A line's architecture page lists every patch of its series, in order,
+    with the files it touches and its line counts, and the stack's totals."""
+    lines = (REPO / "docs" / doc).read_text().splitlines()
     header = ["patch", "upstream files"]
     start = next(i for i, line in enumerate(lines) if _cells(line)[:2] == header)
     rows = []
@@ -213,7 +222,7 @@ def test_the_hook_table_is_the_patch_stack():
         if not line.startswith("|"):
             break
         rows.append(_cells(line))
-    stack = patch_stack()
+    stack = patch_stack(patches)
     *patches, total = rows
     assert [r[0].strip("`") for r in patches] == list(stack)
     for row in patches:

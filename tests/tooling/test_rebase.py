@@ -550,7 +550,7 @@ def test_make_rebase_check_needs_version() -> None:
     assert "apply_patches.py rebase --onto 0.27.0 --report-dir docs/rebase" in r.stdout
     # Another line's reports go to a directory of their own.
     r = subprocess.run(
-        ["make", "-n", "rebase-check", "VERSION=latest", "LINE=0.34.0"]
+        ["make", "-n", "rebase-check", "VERSION=latest", "LINE=0.26.0"]
         + [f"PYTHON={sys.executable}"],
         cwd=REPO_ROOT,
         capture_output=True,
@@ -558,7 +558,7 @@ def test_make_rebase_check_needs_version() -> None:
     )
     assert r.returncode == 0
     assert (
-        "--line 0.34.0 rebase --onto latest --report-dir docs/rebase/from-0.34.0"
+        "--line 0.26.0 rebase --onto latest --report-dir docs/rebase/from-0.26.0"
         in r.stdout
     )
 

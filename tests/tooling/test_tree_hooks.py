@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The neutral tree-hook registry and the 0.34.0 line's plugin-first rules:
-the registry's behaviour, no upstream file of that line's stack importing a
-DDTree module, and the plugin entry point its upstream.lock declares naming
-a `register` function of the overlay. Needs neither vLLM nor a patched tree
-(overlay/ is on sys.path, see conftest.py)."""
+the registry's behaviour, no upstream file of that line's stack (the primary
+one, at the repository root) importing a DDTree module, and the plugin entry
+point its upstream.lock declares naming a `register` function of the overlay.
+Needs neither vLLM nor a patched tree (overlay/ is on sys.path, see
+conftest.py)."""
 
 import ast
 import re
@@ -15,7 +16,9 @@ from repo_paths import REPO_ROOT
 
 from vllm.v1.spec_decode import tree_hooks
 
-LINE_0_34 = REPO_ROOT / "lines" / "0.34.0"
+# The 0.34.0 line is the primary one: its upstream.lock and patches/ are the
+# repository root's.
+LINE_0_34 = REPO_ROOT
 OVERLAY = REPO_ROOT / "overlay"
 
 

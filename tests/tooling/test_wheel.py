@@ -169,7 +169,8 @@ def test_wheel_record_and_metadata(our_wheel: Path, lock: Lock, src_tree: Path) 
     with zipfile.ZipFile(our_wheel) as z:
         names = z.namelist()
         assert len(names) == len(set(names))
-        assert not [n for n in names if n.startswith("vllm-0.26.0.dist-info/")]
+        upstream_di = f"vllm-{lock.upstream['version']}.dist-info/"
+        assert not [n for n in names if n.startswith(upstream_di)]
         rows = {
             r[0]: r
             for r in csv.reader(io.StringIO(z.read(f"{di}/RECORD").decode()))

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 MEASURED_POLICY_UNPORTED_ERROR = (
     "DDTree: budget_policy 'measured' times the captured graphs on the worker, "
     "and this build's vLLM 0.34.0 line has no path for the measured schedule "
-    "to the scheduler yet (docs/architecture-0.34.0.md, H9); use "
+    "to the scheduler yet (docs/architecture.md, H9); use "
     "budget_policy 'batch' (the default here) or 'fixed'."
 )
 
