@@ -51,6 +51,9 @@ LOG_TIME = "%m-%d %H:%M:%S"
 JIT_COMPILE = re.compile(
     r"(\d\d-\d\d \d\d:\d\d:\d\d).*JIT compilation during inference: (\w+)"
 )
+# vLLM's startup line with the engine's KV-cache size (its last one: the
+# extensible KV cache of vLLM 0.34 logs the size it extends to).
+KV_CACHE_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 log = functools.partial(common.progress, "run_pairs")
 
 
@@ -485,6 +488,17 @@ def jit_compiles_in(log_lines, rows: list[dict]) -> None:
             r["jit_compiles"] = [name for at, name in compiles if lo <= at <= hi]
 
 
+def kv_cache_tokens_in(log_lines, rows: list[dict]) -> None:
+    """The engine's KV-cache size in tokens, from vLLM's own startup line, on
+    each of its rows (``kv_cache_tokens``): an engine whose cache holds fewer
+    requests than the concurrency runs fewer per step, which its tok/s then
+    measures."""
+    sizes = [m.group(1) for m in map(KV_CACHE_TOKENS.search, log_lines) if m]
+    if sizes:
+        for r in rows:
+            r["kv_cache_tokens"] = int(sizes[-1].replace(",", ""))
+
+
 def compare(workdir, pair, dtype, method, conc, ref_method) -> str | None:
     """``"same/total"`` outputs of ``method`` equal to ``ref_method``'s."""
     outputs = []
@@ -606,6 +620,7 @@ def main() -> None:
             stdout_path=engine_log,
         )
         jit_compiles_in(log_lines, new)
+        kv_cache_tokens_in(log_lines, new)
         for r in new:
             if r.get("jit_compiles"):
                 compiles = ", ".join(r["jit_compiles"])

@@ -377,6 +377,25 @@ def test_kernel_compiles_are_matched_to_the_timed_decodes():
     assert "jit_compiles" not in rows[2]
 
 
+def test_rows_carry_the_engine_s_kv_cache_size():
+    """The last KV-cache size line of vLLM (the extensible cache logs where it
+    extended to) on every row of the engine; no line, no field."""
+    log_lines = [
+        "(EngineCore pid=1) INFO 12-06 14:40:00 [kv_cache_utils.py:1168] GPU KV "
+        "cache size: 1,152 tokens, Maximum concurrency for 1,024 tokens per "
+        "request: 1.12x",
+        "(EngineCore pid=1) INFO 12-06 14:40:49 [kv_cache_utils.py:1168] GPU KV "
+        "cache size: 5,575 tokens, Maximum concurrency for 1,024 tokens per "
+        "request: 5.44x",
+    ]
+    rows = [dict(concurrency=1), dict(concurrency=8)]
+    run_pairs.kv_cache_tokens_in(log_lines, rows)
+    assert [r["kv_cache_tokens"] for r in rows] == [5575, 5575]
+    bare = [dict(concurrency=1)]
+    run_pairs.kv_cache_tokens_in(log_lines[:0], bare)
+    assert "kv_cache_tokens" not in bare[0]
+
+
 def test_policy_table_flags_kernel_compiles_while_timed():
     from bench.pairs import run_policy
 
