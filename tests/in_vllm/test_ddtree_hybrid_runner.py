@@ -173,7 +173,8 @@ def _spec(model_config, **kw):
     if plugin is not None and kw.get("method") == "ddtree":
         # DDTree's options are speculator_options on vLLM's interface.
         plugin.register()
-        kw["speculator_options"] = {"tree_budget": kw.pop("tree_budget")}
+        options = ("tree_budget", "budget_policy", "verify_tokens_per_step")
+        kw["speculator_options"] = {k: kw.pop(k) for k in options if k in kw}
     return make_spec(model_config, model=DRAFTER, **kw)
 
 
@@ -447,7 +448,105 @@ def test_verifier_sizes_the_gdn_buffers_from_the_hybrid_config(
     assert lines[0].endswith(
         f" + Gated DeltaNet verify buffers {gdn_bytes / 2**20:.1f} MiB (6 layers "
         "x 68 rows x (conv dim 256 + 2 x 4 value heads) float32; rows = "
-        "min(max_num_batched_tokens, max_num_seqs x (1 + tree_budget)))."
+        "min(max_num_batched_tokens, max_num_seqs + the sum over b = 1 .. "
+        "max_num_seqs of the largest tree budget of a batch of b or more "
+        "requests: by the budget schedule, tree_budget without a fixed one))."
     )
     cfg.scheduler_config.max_num_batched_tokens = 32
     assert DDTreeVerifier(cfg, torch.device(DEVICE)).gdn.x_buf.shape[1] == 32
+
+
+# The "batch" policy's schedule for tree_budget 64, the drafter's 15
+# positions and 128 verified tokens a step (the default).
+BATCH_POLICY_SCHEDULE = [(1, 1, 64), (2, 3, 32), (4, 1024, 15)]
+
+
+def _verifier_for(hybrid_model_config, monkeypatch, max_num_seqs, **spec_kw):
+    import vllm.v1.worker.gpu.spec_decode.ddtree.verifier as verifier_module
+    from vllm.config import ParallelConfig
+    from vllm.v1.worker.gpu.spec_decode.ddtree.verifier import DDTreeVerifier
+
+    lines = []
+    monkeypatch.setattr(
+        verifier_module,
+        "logger",
+        SimpleNamespace(info_once=lambda msg, *args: lines.append(msg % args)),
+    )
+    spec = _spec(hybrid_model_config, method="ddtree", tree_budget=64, **spec_kw)
+    cfg = SimpleNamespace(
+        model_config=hybrid_model_config,
+        parallel_config=ParallelConfig(),
+        speculative_config=spec,
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=8192
+        ),
+        max_concurrent_batches=2,
+    )
+    return DDTreeVerifier(cfg, torch.device(DEVICE)), spec, lines
+
+
+def _decode_step(drafts):
+    """Every request decodes and verifies ``drafts[r]`` tree nodes."""
+    drafts = np.array(drafts, dtype=np.int32)
+    num_reqs = len(drafts)
+    batch = SimpleNamespace(
+        num_reqs=num_reqs,
+        num_draft_tokens_per_req=drafts,
+        num_scheduled_tokens=drafts + 1,
+        idx_mapping_np=np.arange(num_reqs, dtype=np.int32),
+    )
+    if plugin is not None:
+        # vLLM 0.34's batch: the hybrid model state's decode-row rule.
+        batch.is_prefilling_np = np.zeros(num_reqs, dtype=bool)
+        batch.prefill_runs_as_decode_np = None
+    return batch
+
+
+def test_gdn_buffers_follow_the_batch_policys_schedule(
+    hybrid_model_config, monkeypatch
+):
+    """Under the "batch" policy (the 0.34.0 line's default) a step verifies
+    what the schedule gives its requests: 64 requests hold at most
+    64 + 2 x 32 + 61 x 15 draft rows (`policy.max_spec_rows_per_step`), not
+    64 x 64. The scheduler's own lookup turns the schedule into budgets."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    kw = {} if plugin is not None else {"budget_policy": "batch"}
+    verifier, spec, lines = _verifier_for(hybrid_model_config, monkeypatch, 64, **kw)
+    assert spec.num_speculative_tokens_per_batch_size == BATCH_POLICY_SCHEDULE
+    gdn = verifier.gdn
+    assert gdn.max_rows == 64 + 64 + 2 * 32 + 61 * 15 == 1107
+    assert gdn.x_buf.shape[1] == gdn.a_buf.shape[1] == gdn.b_buf.shape[1] == 1107
+    assert " x 1107 rows x " in lines[0]
+
+    lookup = build_dynamic_sd_schedule_lookup(
+        spec.num_speculative_tokens_per_batch_size,
+        vllm_max_batch_size=64,
+        vllm_num_speculative_tokens=spec.num_speculative_tokens,
+    )
+    # A step of the schedule's largest batch: 64 trees of 15 nodes.
+    gdn.prepare_step(_decode_step([lookup[64]] * 64))
+    assert gdn.num_spec == 64 and gdn.num_spec_tokens == 64 * 16
+    # The most a step can carry: request j drafted at a batch of j or more
+    # (those before it scheduled with it, those after it passed over since).
+    worst = [max(lookup[j:]) for j in range(1, 65)]
+    gdn.prepare_step(_decode_step(worst))
+    assert gdn.num_spec_tokens == gdn.max_rows
+    worst[-1] += 1
+    with pytest.raises(ValueError, match="exceed the GDN verify buffers"):
+        gdn.prepare_step(_decode_step(worst))
+
+
+@pytest.mark.parametrize("policy", ["fixed", "measured"])
+def test_gdn_buffers_hold_a_whole_tree_per_request_without_a_fixed_schedule(
+    hybrid_model_config, monkeypatch, policy
+):
+    """No schedule ("fixed"), or one the policy re-plans at runtime
+    ("measured", the 0.26.0 line only): every request may verify
+    tree_budget nodes."""
+    if policy == "measured" and plugin is not None:
+        pytest.skip("the 0.34.0 line refuses the measured policy")
+    verifier, _, _ = _verifier_for(
+        hybrid_model_config, monkeypatch, 8, budget_policy=policy
+    )
+    assert verifier.gdn.max_rows == 8 * (1 + 64)

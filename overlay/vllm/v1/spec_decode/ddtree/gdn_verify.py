@@ -51,10 +51,12 @@ import torch
 
 from vllm.logger import init_logger
 from vllm.triton_utils import tl, triton
+from vllm.v1.spec_decode.ddtree.config import ddtree_speculative_config
 from vllm.v1.spec_decode.ddtree.gdn_commit import (
     GDNCommitTables,
     commit_accepted_paths,
 )
+from vllm.v1.spec_decode.ddtree.policy import max_spec_rows_per_step
 from vllm.v1.spec_decode.ddtree.tree_conv import tree_causal_conv1d
 from vllm.v1.spec_decode.ddtree.tree_gdn import tree_gated_delta_rule
 from vllm.v1.worker.gpu.buffer_utils import UvaBufferPool
@@ -272,12 +274,20 @@ class DDTreeGDN:
         num_layers = model_config.get_num_layers_by_block_type(
             parallel_config, "linear_attention"
         )
-        # Spec rows per step: at most every scheduled token, at most one
-        # full tree per request.
+        # Spec rows per step: at most every scheduled token, and at most
+        # what the budget schedule lets a step verify (`max_spec_rows_per_step`
+        # says why); the "measured" policy may move any batch size to any
+        # budget at runtime, so it counts the whole tree at every batch size.
         tree_budget = parent_idx.shape[1]
-        max_rows = min(
+        spec = ddtree_speculative_config(vllm_config.speculative_config)
+        schedule = None
+        if getattr(spec, "budget_policy", None) not in ("measured", None):
+            schedule = getattr(spec, "num_speculative_tokens_per_batch_size", None)
+        max_rows = max_spec_rows_per_step(
+            scheduler_config.max_num_seqs,
             scheduler_config.max_num_batched_tokens,
-            scheduler_config.max_num_seqs * (1 + tree_budget),
+            tree_budget,
+            schedule,
         )
         dtype = model_config.dtype
         context = cls(

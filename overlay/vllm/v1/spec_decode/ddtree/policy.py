@@ -427,6 +427,76 @@ def describe_schedule(schedule: Sequence[tuple[int, int, int]], top: int) -> str
     )
 
 
+def budget_by_batch_size(
+    schedule: Sequence[tuple[int, int, int]] | None,
+    max_num_seqs: int,
+    tree_budget: int,
+) -> list[int]:
+    """The tree budget of each batch size ``1 .. max_num_seqs`` (index
+    ``b - 1``), as the scheduler reads ``schedule`` (vLLM's
+    `build_dynamic_sd_schedule_lookup`): a batch size between two ranges, or
+    past the last, keeps the budget of the range before it, and no budget
+    exceeds ``tree_budget`` (``num_speculative_tokens``). None: no schedule,
+    ``tree_budget`` at every batch size."""
+    budgets = [tree_budget] * max_num_seqs
+    if not schedule:
+        return budgets
+    ranges = sorted(schedule)
+    for b in range(1, max_num_seqs + 1):
+        # vLLM's schedules start at batch size 1; any batch size before the
+        # first range keeps tree_budget.
+        for lo, _, budget in ranges:
+            if lo > b:
+                break
+            budgets[b - 1] = min(tree_budget, budget)
+    return budgets
+
+
+def max_spec_rows_per_step(
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    tree_budget: int,
+    schedule: Sequence[tuple[int, int, int]] | None,
+) -> int:
+    """The most speculative (tree) rows one step verifies: the rows the Gated
+    DeltaNet verify buffers need.
+
+    ``schedule``: the budget schedule the scheduler keeps for the whole run
+    (``num_speculative_tokens_per_batch_size``); None where there is none, or
+    where it may change at runtime (the "measured" policy): ``tree_budget``
+    at every batch size.
+
+    A step's spec rows are its decode rows (vLLM 0.34.0 counts every decode
+    row, drafts or none; 0.26.0 only those with drafts): one row each, at
+    most ``max_num_seqs``, plus their draft tokens, and never more than the
+    step's tokens, ``max_num_batched_tokens``. A request's drafts were
+    proposed at the last step that scheduled it, ``K(b)`` of them, ``b``
+    that step's batch size (the scheduler picks the next proposal's budget
+    from the step's own batch size). A running request that a step does not
+    schedule keeps its drafts, so the drafts of one step may come from
+    several earlier steps; but the scheduler passes over a decoding request
+    only where it stops (token budget spent, no KV blocks left) or where the
+    request is about to finish (pipeline-stage cadence aside, which DDTree
+    refuses): every request after it waits too. Number the requests with
+    drafts ``1 .. n`` in the running order (append-only: admissions and
+    resumed requests go last): the last step that scheduled request ``j``
+    also scheduled every request before it (no cut came before ``j``),
+    so ``b >= j`` there, and its drafts number at most
+    ``K^(j) = max_{b >= j} K(b)``. Hence the drafts of a step are at most
+    ``sum_{j=1..max_num_seqs} K^(j)``: for the "batch" policy's 64 / 32 /
+    15 schedule at 64 requests, 64 + 2 x 32 + 61 x 15 = 1043, a little
+    more than the 64 x 15 of a step whose requests all come from one
+    proposal. CUDA-graph padding rows come after the real rows (the
+    buffers keep the first rows; the commit reads only the real ones)."""
+    budgets = budget_by_batch_size(schedule, max_num_seqs, tree_budget)
+    drafts = 0
+    largest_from_here = 0
+    for budget in reversed(budgets):
+        largest_from_here = max(largest_from_here, budget)
+        drafts += largest_from_here
+    return min(max_num_batched_tokens, max_num_seqs + drafts)
+
+
 def plan(
     budgets: Sequence[int],
     costs: StepCostTable,

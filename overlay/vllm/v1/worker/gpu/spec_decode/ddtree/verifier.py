@@ -238,7 +238,10 @@ class DDTreeVerifier:
             msg += (
                 " + Gated DeltaNet verify buffers %.1f MiB (%d layers x %d rows "
                 "x (conv dim %d + 2 x %d value heads) %s; rows = "
-                "min(max_num_batched_tokens, max_num_seqs x (1 + tree_budget)))"
+                "min(max_num_batched_tokens, max_num_seqs + the sum over b = 1 "
+                ".. max_num_seqs of the largest tree budget of a batch of b or "
+                "more requests: by the budget schedule, tree_budget without a "
+                "fixed one))"
             )
             args += [
                 sizes["gdn"] / 2**20,
