@@ -28,6 +28,11 @@ def _budget_at(schedule, b: int, tree_budget: int) -> int:
     return min(tree_budget, max(before)[1]) if before else tree_budget
 
 
+def _budgets(schedule, max_num_seqs: int, tree_budget: int) -> list[int]:
+    """K(1) .. K(max_num_seqs), as the scheduler's lookup gives them."""
+    return [_budget_at(schedule, b, tree_budget) for b in range(1, max_num_seqs + 1)]
+
+
 def _brute_force_max_rows(max_num_seqs: int, tree_budget: int, schedule) -> int:
     """The most spec rows of a step over every history of a scheduler that
     keeps its running requests in admission order and, each step: finishes
@@ -92,13 +97,8 @@ def test_bound_is_the_brute_force_maximum(seed):
     tree_budget = rng.randint(1, 4)
     schedule = _random_schedule(rng, max_num_seqs, tree_budget)
     brute = _brute_force_max_rows(max_num_seqs, tree_budget, schedule)
-    assert P.max_spec_rows_per_step(max_num_seqs, 10**6, tree_budget, schedule) == (
-        brute
-    )
-    # The scheduler's own batch size -> budget lookup.
-    assert P.budget_by_batch_size(schedule, max_num_seqs, tree_budget) == [
-        _budget_at(schedule, b, tree_budget) for b in range(1, max_num_seqs + 1)
-    ]
+    budgets = _budgets(schedule, max_num_seqs, tree_budget)
+    assert P.max_spec_rows_per_step(10**6, budgets) == brute
 
 
 def test_drafts_from_earlier_steps_exceed_one_proposal():
@@ -106,27 +106,29 @@ def test_drafts_from_earlier_steps_exceed_one_proposal():
     # all come from one proposal verifies at most max_b b x K(b) = 6 drafts;
     # requests passed over by the steps in between keep larger trees.
     schedule = [(1, 1, 4), (2, 3, 2), (4, 8, 1)]
-    budgets = P.budget_by_batch_size(schedule, 4, 4)
+    budgets = _budgets(schedule, 4, 4)
     one_proposal = max(b * k for b, k in enumerate(budgets, start=1))
     assert one_proposal == 6
     assert _brute_force_max_rows(4, 4, schedule) == 4 + 4 + 2 + 2 + 1
-    assert P.max_spec_rows_per_step(4, 10**6, 4, schedule) == 13
+    assert P.max_spec_rows_per_step(10**6, _budgets(schedule, 4, 4)) == 13
 
 
 def test_no_schedule_is_a_full_tree_per_request():
     assert _brute_force_max_rows(3, 4, None) == 3 * (1 + 4)
-    assert P.max_spec_rows_per_step(3, 10**6, 4, None) == 15
-    assert P.max_spec_rows_per_step(64, 16384, 64, None) == 64 * 65
-    assert P.max_spec_rows_per_step(256, 16384, 64, None) == 16384
+    assert P.max_spec_rows_per_step(10**6, _budgets(None, 3, 4)) == 15
+    assert P.max_spec_rows_per_step(16384, _budgets(None, 64, 64)) == 64 * 65
+    assert P.max_spec_rows_per_step(16384, _budgets(None, 256, 64)) == 16384
 
 
 def test_batch_policy_schedule_at_the_served_shape():
     # 64 requests: 64 + (64 + 2 x 32 + 61 x 15) rows, not 64 x 65 = 4160.
-    assert P.max_spec_rows_per_step(64, 8192, 64, BATCH_POLICY_SCHEDULE) == 1107
-    assert P.max_spec_rows_per_step(256, 16384, 64, BATCH_POLICY_SCHEDULE) == (
-        256 + 64 + 2 * 32 + 253 * 15
+    assert (
+        P.max_spec_rows_per_step(8192, _budgets(BATCH_POLICY_SCHEDULE, 64, 64)) == 1107
     )
+    assert P.max_spec_rows_per_step(
+        16384, _budgets(BATCH_POLICY_SCHEDULE, 256, 64)
+    ) == (256 + 64 + 2 * 32 + 253 * 15)
     # Never more than a step's tokens.
-    assert P.max_spec_rows_per_step(64, 512, 64, BATCH_POLICY_SCHEDULE) == 512
+    assert P.max_spec_rows_per_step(512, _budgets(BATCH_POLICY_SCHEDULE, 64, 64)) == 512
     # A schedule above tree_budget is clamped to it, as the scheduler does.
-    assert P.max_spec_rows_per_step(2, 10**6, 8, [(1, 4, 32)]) == 2 + 2 * 8
+    assert P.max_spec_rows_per_step(10**6, _budgets([(1, 4, 32)], 2, 8)) == 2 + 2 * 8

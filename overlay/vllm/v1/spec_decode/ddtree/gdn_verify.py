@@ -59,6 +59,7 @@ from vllm.v1.spec_decode.ddtree.gdn_commit import (
 from vllm.v1.spec_decode.ddtree.policy import max_spec_rows_per_step
 from vllm.v1.spec_decode.ddtree.tree_conv import tree_causal_conv1d
 from vllm.v1.spec_decode.ddtree.tree_gdn import tree_gated_delta_rule
+from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 from vllm.v1.worker.gpu.buffer_utils import UvaBufferPool
 
 logger = init_logger(__name__)
@@ -279,15 +280,20 @@ class DDTreeGDN:
         # says why); the "measured" policy may move any batch size to any
         # budget at runtime, so it counts the whole tree at every batch size.
         tree_budget = parent_idx.shape[1]
+        max_num_seqs = scheduler_config.max_num_seqs
         spec = ddtree_speculative_config(vllm_config.speculative_config)
         schedule = None
         if getattr(spec, "budget_policy", None) not in ("measured", None):
             schedule = getattr(spec, "num_speculative_tokens_per_batch_size", None)
+        if schedule:
+            # The scheduler's own lookup (index 0 unused).
+            budgets = build_dynamic_sd_schedule_lookup(
+                schedule, max_num_seqs, tree_budget
+            )[1:]
+        else:
+            budgets = [tree_budget] * max_num_seqs
         max_rows = max_spec_rows_per_step(
-            scheduler_config.max_num_seqs,
-            scheduler_config.max_num_batched_tokens,
-            tree_budget,
-            schedule,
+            scheduler_config.max_num_batched_tokens, budgets
         )
         dtype = model_config.dtype
         context = cls(

@@ -427,44 +427,15 @@ def describe_schedule(schedule: Sequence[tuple[int, int, int]], top: int) -> str
     )
 
 
-def budget_by_batch_size(
-    schedule: Sequence[tuple[int, int, int]] | None,
-    max_num_seqs: int,
-    tree_budget: int,
-) -> list[int]:
-    """The tree budget of each batch size ``1 .. max_num_seqs`` (index
-    ``b - 1``), as the scheduler reads ``schedule`` (vLLM's
-    `build_dynamic_sd_schedule_lookup`): a batch size between two ranges, or
-    past the last, keeps the budget of the range before it, and no budget
-    exceeds ``tree_budget`` (``num_speculative_tokens``). None: no schedule,
-    ``tree_budget`` at every batch size."""
-    budgets = [tree_budget] * max_num_seqs
-    if not schedule:
-        return budgets
-    ranges = sorted(schedule)
-    for b in range(1, max_num_seqs + 1):
-        # vLLM's schedules start at batch size 1; any batch size before the
-        # first range keeps tree_budget.
-        for lo, _, budget in ranges:
-            if lo > b:
-                break
-            budgets[b - 1] = min(tree_budget, budget)
-    return budgets
-
-
-def max_spec_rows_per_step(
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    tree_budget: int,
-    schedule: Sequence[tuple[int, int, int]] | None,
-) -> int:
+def max_spec_rows_per_step(max_num_batched_tokens: int, budgets: Sequence[int]) -> int:
     """The most speculative (tree) rows one step verifies: the rows the Gated
     DeltaNet verify buffers need.
 
-    ``schedule``: the budget schedule the scheduler keeps for the whole run
-    (``num_speculative_tokens_per_batch_size``); None where there is none, or
-    where it may change at runtime (the "measured" policy): ``tree_budget``
-    at every batch size.
+    ``budgets``: the tree budget of each batch size ``1 .. max_num_seqs``
+    (index ``b - 1``) for the whole run: the scheduler's lookup of the
+    budget schedule (vLLM's `build_dynamic_sd_schedule_lookup`), or
+    ``tree_budget`` at every batch size where there is none or where it may
+    change at runtime (the "measured" policy).
 
     A step's spec rows are its decode rows (vLLM 0.34.0 counts every decode
     row, drafts or none; 0.26.0 only those with drafts): one row each, at
@@ -488,13 +459,12 @@ def max_spec_rows_per_step(
     more than the 64 x 15 of a step whose requests all come from one
     proposal. CUDA-graph padding rows come after the real rows (the
     buffers keep the first rows; the commit reads only the real ones)."""
-    budgets = budget_by_batch_size(schedule, max_num_seqs, tree_budget)
     drafts = 0
     largest_from_here = 0
     for budget in reversed(budgets):
         largest_from_here = max(largest_from_here, budget)
         drafts += largest_from_here
-    return min(max_num_batched_tokens, max_num_seqs + drafts)
+    return min(max_num_batched_tokens, len(budgets) + drafts)
 
 
 def plan(
