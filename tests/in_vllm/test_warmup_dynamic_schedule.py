@@ -39,7 +39,6 @@ def _runner(schedule: list[tuple[int, int, int]] | None) -> SimpleNamespace:
         num_speculative_tokens_per_batch_size=schedule,
         max_num_new_slots_for_drafting=0,
     )
-    spec.uses_dynamic_speculative_decoding = lambda: schedule is not None
     group = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BLOCK_SIZE))
     return SimpleNamespace(
         vllm_config=SimpleNamespace(is_mm_encoder_only=False),
