@@ -172,13 +172,53 @@ def ddtree_config(drafter: str, **options) -> dict:
     return dict(method="ddtree", model=drafter, speculator_options=options)
 
 
+SPEC_COUNTERS = {
+    "accepted": "vllm:spec_decode_num_accepted_tokens",
+    "drafts": "vllm:spec_decode_num_drafts",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+}
+SPEC_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
 def spec_counters(llm) -> tuple[float, float]:
     """The accepted-token and draft counters of vLLM (tau over an interval:
     1 + accepted / drafts of their increases)."""
-    values = {m.name: getattr(m, "value", 0.0) for m in llm.get_metrics()}
-    return (
-        values.get("vllm:spec_decode_num_accepted_tokens", 0.0),
-        values.get("vllm:spec_decode_num_drafts", 0.0),
+    counters = spec_decode_counters(llm)
+    return counters["accepted"], counters["drafts"]
+
+
+def spec_decode_counters(llm) -> dict:
+    """The spec-decode counters of vLLM (`SPEC_COUNTERS`) and its accepted
+    tokens per draft position (``per_pos``, a list), read now; `spec_readings`
+    turns two readings into an interval's figures."""
+    metrics = {m.name: m for m in llm.get_metrics()}
+    out: dict = {
+        key: getattr(metrics.get(name), "value", 0.0)
+        for key, name in SPEC_COUNTERS.items()
+    }
+    out["per_pos"] = list(getattr(metrics.get(SPEC_PER_POSITION), "values", []))
+    return out
+
+
+def spec_readings(before: dict, after: dict) -> dict:
+    """An interval's spec-decode figures from two `spec_decode_counters` readings:
+    tau (1 + accepted / drafts), the draft tokens verified per request-step
+    (a tree's node count; K for a chain) and, per draft position, the share
+    of request-steps that accepted a token there. None without drafts."""
+    drafts = after["drafts"] - before["drafts"]
+    if not drafts:
+        return dict(tau=None, draft_tokens_per_draft=None, accepted_by_position=None)
+    before_pos = before["per_pos"] or [0] * len(after["per_pos"])
+    per_pos = [b - a for a, b in zip(before_pos, after["per_pos"])]
+    # Positions no request-step reached (a tree's past its depth) left out.
+    while per_pos and per_pos[-1] == 0:
+        per_pos.pop()
+    return dict(
+        tau=round(1 + (after["accepted"] - before["accepted"]) / drafts, 3),
+        draft_tokens_per_draft=round(
+            (after["draft_tokens"] - before["draft_tokens"]) / drafts, 2
+        ),
+        accepted_by_position=[round(n / drafts, 3) for n in per_pos] or None,
     )
 
 

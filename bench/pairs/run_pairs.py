@@ -423,7 +423,7 @@ def run_engine(a) -> None:
             common.emit("ROW", dict(what, profile=prof))
             log(f"{a.pair} {a.dtype} {a.method} c={conc}: profiled")
             continue
-        acc0, drafts0 = common.spec_counters(llm)
+        spec0 = common.spec_decode_counters(llm)
         ddtree = a.method in DDTREE_METHODS
         by_batch0 = ddtree_by_batch_size(llm, conc) if ddtree else {}
         counted = _CountedSteps(llm.llm_engine)
@@ -434,15 +434,16 @@ def run_engine(a) -> None:
                 counted, requests, sps, conc, tag, time.time, counted.mark_window
             )
         dt = time.time() - t
-        acc1, drafts1 = common.spec_counters(llm)
-        drafts, produced = drafts1 - drafts0, sum(map(len, toks))
+        spec1 = common.spec_decode_counters(llm)
+        drafts, produced = spec1["drafts"] - spec0["drafts"], sum(map(len, toks))
+        readings = common.spec_readings(spec0, spec1)
         marks = counted.window_marks
         row = dict(
             what,
             tok_s=round(steady_tokens / steady_s if steady_s else produced / dt, 1),
             tok_s_all=round(produced / dt, 1),
             steady_s=None if steady_s is None else round(steady_s, 2),
-            tau=round(1 + (acc1 - acc0) / drafts, 3) if drafts else None,
+            tau=readings.pop("tau"),
             ms_per_step=round(dt * 1e3 * conc / (drafts or produced), 3),
             startup_s=round(startup, 1),
             max_concurrency=max_concurrency,
@@ -454,6 +455,7 @@ def run_engine(a) -> None:
             timed_to=time.strftime(LOG_TIME, time.localtime(t + dt)),
         )
         if spec is not None:
+            row.update(readings)
             row["drafter_id"] = pc.weights_id(
                 a.models, a.pair, "mtp" if a.method == "mtp" else "drafter"
             )

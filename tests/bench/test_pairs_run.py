@@ -396,6 +396,46 @@ def test_rows_carry_the_engine_s_kv_cache_size():
     assert "kv_cache_tokens" not in bare[0]
 
 
+def test_spec_readings_give_tau_nodes_per_step_and_acceptance_by_position():
+    """The spec-decode counters as `LLM.get_metrics` gives them (the per-position one a
+    vector), read before and after a decode: tau, the draft tokens verified
+    per request-step (a tree's nodes) and the share of request-steps that
+    accepted a token at each position, trailing unreached positions left
+    out; an interval without drafts gives none."""
+    from types import SimpleNamespace as M
+
+    def llm(accepted, drafts, draft_tokens, per_pos):
+        metrics = [
+            M(name="vllm:spec_decode_num_accepted_tokens", value=accepted),
+            M(name="vllm:spec_decode_num_drafts", value=drafts),
+            M(name="vllm:spec_decode_num_draft_tokens", value=draft_tokens),
+            M(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=per_pos),
+            M(name="vllm:num_requests_running", value=3),
+        ]
+        return M(get_metrics=lambda: metrics)
+
+    before = common.spec_decode_counters(llm(10, 4, 256, [4, 3, 2, 1, 0, 0]))
+    assert common.spec_counters(llm(10, 4, 256, [])) == (10, 4)
+    assert before == dict(
+        accepted=10, drafts=4, draft_tokens=256, per_pos=[4, 3, 2, 1, 0, 0]
+    )
+    after = common.spec_decode_counters(llm(40, 14, 896, [14, 11, 8, 5, 2, 0]))
+    assert common.spec_readings(before, after) == dict(
+        tau=4.0,
+        draft_tokens_per_draft=64.0,
+        accepted_by_position=[1.0, 0.8, 0.6, 0.4, 0.2],
+    )
+    # No engine counters yet (vLLM's first reading), then drafts.
+    empty = common.spec_decode_counters(M(get_metrics=lambda: []))
+    assert empty == dict(accepted=0.0, drafts=0.0, draft_tokens=0.0, per_pos=[])
+    got = common.spec_readings(empty, after)
+    assert got["tau"] == round(1 + 40 / 14, 3)
+    assert got["accepted_by_position"][0] == 1.0
+    assert common.spec_readings(after, after) == dict(
+        tau=None, draft_tokens_per_draft=None, accepted_by_position=None
+    )
+
+
 def test_policy_table_flags_kernel_compiles_while_timed():
     from bench.pairs import run_policy
 
