@@ -458,7 +458,9 @@ def max_spec_rows_per_step(max_num_batched_tokens: int, budgets: Sequence[int]) 
     15 schedule at 64 requests, 64 + 2 x 32 + 61 x 15 = 1043, a little
     more than the 64 x 15 of a step whose requests all come from one
     proposal. CUDA-graph padding rows come after the real rows (the
-    buffers keep the first rows; the commit reads only the real ones)."""
+    buffers keep the first rows; the commit reads only the real ones).
+    vLLM's kernel warmup builds its decode steps outside the scheduler; the
+    warmup patch of each line makes them draft by the schedule too."""
     drafts = 0
     largest_from_here = 0
     for budget in reversed(budgets):
