@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The V2 runner's kernel warmup under a dynamic speculative-decoding
-schedule (the `v2-warmup-...` patch of each line): upstream's own warmup,
-driven with a runner that records the scheduler outputs it is given, drafts
-for each decode batch as many tokens as the schedule gives its size, so no
-warmup step verifies more rows than DDTree's Gated DeltaNet buffers hold
-(`policy.max_spec_rows_per_step`). Without a schedule every spec-decode
-request keeps the full draft count. The 0.34.0 line's warmup decodes several
-batch sizes and schedules the drafts of each step; the 0.26.0 line's decodes
-the full batch once."""
+"""The V2 runner's kernel warmup under a dynamic speculative-decoding schedule
+(the `v2-warmup-...` patch of each line): upstream's own warmup, driven with
+a runner that records the scheduler outputs it is given, drafts for each
+decode batch as many tokens as the schedule gives its size and verifies no
+more than a request holds, as the scheduler does, so no warmup step verifies
+more rows than DDTree's Gated DeltaNet buffers hold
+(`policy.max_spec_rows_per_step`) or a draft slot the runner marked invalid.
+Without a schedule every spec-decode request keeps the full draft count. The
+0.34.0 line's warmup decodes several batch sizes and schedules the drafts of
+each step; the 0.26.0 line's decodes the full batch once."""
 
 from types import SimpleNamespace
 
@@ -91,26 +92,43 @@ def test_warmup_decodes_follow_the_schedule(monkeypatch: pytest.MonkeyPatch):
     sizes = [len(o.num_scheduled_tokens) for o in decodes]
     assert sizes[0] == MAX_NUM_SEQS
     max_rows = max_spec_rows_per_step(MAX_NUM_TOKENS, lookup[1:])
+    # The draft tokens each request holds, as the scheduler tracks them: what
+    # the last step it ran in scheduled (0.26.0's prefill schedules none and
+    # its drafter drafts the most).
+    held = dict.fromkeys(
+        prefill.num_scheduled_tokens,
+        prefill.num_spec_tokens_to_schedule or TREE_BUDGET,
+    )
     spec_sizes = set()
+    verified = set()
     for o in decodes:
-        k = lookup[len(o.num_scheduled_tokens)]
+        size = len(o.num_scheduled_tokens)
         if SEVERAL_DECODE_STEPS:
-            assert o.num_spec_tokens_to_schedule == k
+            assert o.num_spec_tokens_to_schedule == lookup[size]
         rows = 0
         for req_id, drafts in o.scheduled_spec_decode_tokens.items():
-            assert len(drafts) == k
+            k = len(drafts)
+            # 0.34.0: what the request holds, as the scheduler verifies (the
+            # runner marks the rest of its draft slots invalid); 0.26.0: what
+            # the schedule gives the batch, of the most it holds.
+            expected = held[req_id] if SEVERAL_DECODE_STEPS else lookup[size]
+            assert k == expected <= held[req_id]
             assert o.num_scheduled_tokens[req_id] == 1 + k
             rows += 1 + k
-            spec_sizes.add(len(o.num_scheduled_tokens))
+            spec_sizes.add(size)
+            verified.add((size, k))
         assert rows <= max_rows
+        if SEVERAL_DECODE_STEPS:
+            for req_id in o.num_scheduled_tokens:
+                held[req_id] = o.num_spec_tokens_to_schedule
     assert MAX_NUM_SEQS in spec_sizes
     if not SEVERAL_DECODE_STEPS:
         return
     assert prefill.num_spec_tokens_to_schedule == lookup[num_reqs] == 15
     assert 1 in sizes and 2 in sizes
-    # The full batch and the single request both verify drafts: the
-    # widest shapes of both ends of the schedule are warmed.
-    assert {1, MAX_NUM_SEQS} <= spec_sizes
+    # The full batch and the single request both verify what the schedule
+    # gives them: the widest shapes of both ends of the schedule are warmed.
+    assert {(1, lookup[1]), (MAX_NUM_SEQS, lookup[MAX_NUM_SEQS])} <= verified
     # Computed tokens follow what each step scheduled.
     first, second = decodes[0], decodes[1]
     req0 = first.scheduled_cached_reqs.req_ids[0]
