@@ -361,7 +361,7 @@ def run_engine(a) -> None:
     drafter = os.path.join(pdir, prefix + "drafter")
     hybrid = pc.load_pair(a.models, a.pair)["kind"] == "hybrid"
     target = os.path.join(pdir, prefix + "target")
-    max_num_seqs = max(a.conc)
+    max_num_seqs = max(a.max_num_seqs, *a.conc)
     # Every compile after warm-up logged with its specialisation.
     kw = common.engine_kwargs(
         a, target, a.dtype, max_num_seqs, hybrid, jit_monitor_verbose=True
@@ -414,6 +414,7 @@ def run_engine(a) -> None:
             method=a.method,
             temperature=0.0,
             concurrency=conc,
+            max_num_seqs=max_num_seqs,
             prompts=len(batch),
             prompt_tokens=a.prompt_tokens or None,
             schedule="continuous",
@@ -545,6 +546,8 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
         "--per-client": (4, "c > 1 decodes this many prompts per client: the "
             "steady window spans about this many request lifetimes less one"),
         "--min-prompts": (0, "c > 1 decodes at least this many prompts"),
+        "--max-num-seqs": (0, "each engine's max_num_seqs, at least its largest "
+            "concurrency (0: that)"),
         "--mtp-k": (mtp.SPECULATIVE_TOKENS, "draft tokens of the mtp method"),
         "--profile": (False, "profile each steady window instead of timing it "
             "(torch profiler): rows with a 'profile' object, not for the tables"),
@@ -554,6 +557,7 @@ def add_engine_options(ap: argparse.ArgumentParser) -> None:
 ENGINE_OPTIONS = (
     *common.ENGINE_OPTIONS,
     *("out", "prompts", "prompt_tokens", "c1_prompts", "per_client", "min_prompts"),
+    "max_num_seqs",
     *("mtp_k", "workdir", "profile"),
 )
 

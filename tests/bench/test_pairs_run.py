@@ -334,6 +334,23 @@ def test_engine_command_passes_the_profile_flag():
     assert "--profile" in run_pairs.engine_command(a, "dense-8b", "bf16", "chain", "16")
 
 
+def test_engine_command_passes_max_num_seqs():
+    ap = run_pairs.argparse.ArgumentParser()
+    run_pairs.add_engine_options(ap)
+    ap.add_argument("--out", default="x.json")
+    ap.add_argument("--workdir", default="w")
+    a = ap.parse_args(["--prompts", "p.jsonl", "--max-num-seqs", "64"])
+    cmd = run_pairs.engine_command(a, "dense-8b", "bf16", "ddtree", "1")
+    i = cmd.index("--max-num-seqs")
+    assert cmd[i + 1] == "64"
+    engine = run_pairs.argparse.ArgumentParser()
+    run_pairs.add_engine_options(engine)
+    for flag in ("--out", "--workdir", "--pair", "--dtype", "--method", "--conc"):
+        engine.add_argument(flag)
+    engine.add_argument("--engine", action="store_true")
+    assert engine.parse_args(cmd[3:]).max_num_seqs == 64
+
+
 def test_profile_rows_are_not_compared(tmp_path):
     row = dict(
         pair="dense-8b",
