@@ -113,6 +113,7 @@ def add_engine_options(
         "--max-model-len": (max_model_len, None),
         "--gpu-memory-utilization": (gpu_util, None),
         "--chain-k": (15, "the chain's length K"),
+        "--enforce-eager": (False, "no CUDA graphs (tells a graph's effect apart)"),
     }
     if processes:
         options["--engine-timeout"] = (900, "seconds per engine")
@@ -120,7 +121,7 @@ def add_engine_options(
 
 
 ENGINE_OPTIONS = ("models", "max_tokens", "max_model_len", "gpu_memory_utilization")
-ENGINE_OPTIONS += ("chain_k",)
+ENGINE_OPTIONS += ("chain_k", "enforce_eager")
 
 
 def engine_kwargs(
@@ -140,6 +141,7 @@ def engine_kwargs(
         disable_log_stats=False,
         max_num_seqs=max_num_seqs,
         enable_prefix_caching=False,
+        enforce_eager=a.enforce_eager,
     )
     if hybrid:
         kw.update(

@@ -334,7 +334,7 @@ def test_engine_command_passes_the_profile_flag():
     assert "--profile" in run_pairs.engine_command(a, "dense-8b", "bf16", "chain", "16")
 
 
-def test_engine_command_passes_max_num_seqs():
+def test_engine_command_passes_max_num_seqs_and_enforce_eager():
     ap = run_pairs.argparse.ArgumentParser()
     run_pairs.add_engine_options(ap)
     ap.add_argument("--out", default="x.json")
@@ -343,12 +343,20 @@ def test_engine_command_passes_max_num_seqs():
     cmd = run_pairs.engine_command(a, "dense-8b", "bf16", "ddtree", "1")
     i = cmd.index("--max-num-seqs")
     assert cmd[i + 1] == "64"
+    assert "--enforce-eager" not in cmd
+    eager = ap.parse_args(["--prompts", "p.jsonl", "--enforce-eager"])
+    assert "--enforce-eager" in run_pairs.engine_command(
+        eager, "dense-8b", "bf16", "ddtree", "1"
+    )
     engine = run_pairs.argparse.ArgumentParser()
     run_pairs.add_engine_options(engine)
     for flag in ("--out", "--workdir", "--pair", "--dtype", "--method", "--conc"):
         engine.add_argument(flag)
     engine.add_argument("--engine", action="store_true")
-    assert engine.parse_args(cmd[3:]).max_num_seqs == 64
+    parsed = engine.parse_args(cmd[3:])
+    assert parsed.max_num_seqs == 64
+    kw = common.engine_kwargs(parsed, "t", "bfloat16", 64, False)
+    assert kw["max_num_seqs"] == 64 and kw["enforce_eager"] is False
 
 
 def test_profile_rows_are_not_compared(tmp_path):
