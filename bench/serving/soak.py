@@ -351,12 +351,25 @@ REFUSALS = {
 }
 
 
+def refusal_kind(i: int, refuse_fraction: float) -> str | None:
+    """The refusal request ``i`` asks for, or None: every round(1 / fraction)-th
+    request, the kinds in turn, so that any ``len(REFUSALS)`` refusals in a
+    row send each kind once, however many requests the load's time allows."""
+    if refuse_fraction <= 0:
+        return None
+    period = max(1, round(1 / refuse_fraction))
+    if i % period != period - 1:
+        return None
+    return list(REFUSALS)[(i // period) % len(REFUSALS)]
+
+
 def make_plan(i: int, seed: int, ctx: Context, a: argparse.Namespace) -> Plan:
     """Request ``i`` of the load, drawn from ``seed`` and ``i`` alone (the same
     requests whatever the concurrency and timing)."""
     rng = random.Random(seed * 1_000_003 + i)
     u = rng.uniform
-    refusing = rng.random() < a.refuse_fraction
+    kind = refusal_kind(i, a.refuse_fraction)
+    refusing = kind is not None
     long_prompt = not refusing and rng.random() < LONG
     api = "chat" if not long_prompt and rng.random() < CHAT else "completion"
     stream = rng.random() < STREAM
@@ -414,8 +427,7 @@ def make_plan(i: int, seed: int, ctx: Context, a: argparse.Namespace) -> Plan:
         body["prompt_logprobs"] = rng.randint(0, 3)
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
-    if refusing:
-        kind = list(REFUSALS)[rng.randrange(len(REFUSALS))]
+    if kind is not None:
         body.update(REFUSALS[kind], max_tokens=min(body["max_tokens"], 32))
         msg = REFUSE_BAD_WORDS if kind == "bad_words" else REFUSE_STRUCTURED
         return Plan(i, "refuse", kind, api, body, stream, expect_msg=msg, greedy=True)
@@ -1237,7 +1249,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts": (None, "JSONL with a 'prompt' field"),
         "--seed": (0, None),
         "--max-tokens-max": (1024, None),
-        "--refuse-fraction": (0.05, None),
+        "--refuse-fraction": (0.05, "every round(1 / F)-th request asks for a "
+            "refusal, the kinds in turn"),
         "--timeout": (300.0, "client-side limit per request (past it: hang)"),
         "--health-interval": (2.0, None),
         "--metrics-interval": (10.0, None),

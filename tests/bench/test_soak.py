@@ -94,6 +94,14 @@ def failed(report: dict) -> set[str]:
     return {k for k, c in report["criteria"].items() if c["ok"] is False}
 
 
+def test_refusals_come_at_a_fixed_period_and_take_every_kind_in_turn():
+    kinds = [soak.refusal_kind(i, 0.1) for i in range(60)]
+    sent = [k for k in kinds if k is not None]
+    assert [i for i, k in enumerate(kinds) if k is not None] == list(range(9, 60, 10))
+    assert sorted(sent) == sorted(soak.REFUSALS)
+    assert all(soak.refusal_kind(i, 0.0) is None for i in range(100))
+
+
 def test_good_fake_passes_every_criterion(tmp_path):
     rc, r = run_soak(tmp_path, FakeConfig())
     assert rc == 0 and r["ok"], r["criteria"]
