@@ -134,7 +134,10 @@ def test_good_fake_passes_every_criterion(tmp_path):
     assert ep[0]["emitted_tokens"] == ep[0]["accepted"] + ep[0]["drafts"]
     assert ep[0]["generation_tokens"] >= ep[0]["client_completion_tokens"] > 0
     gpu = r["memory"]["gpu"]["series"]["gpu0/epoch0"]
-    assert gpu["ok"] and gpu["slope_mib_per_min"] == 0 and len(gpu["curve"]) > 5
+    # ok needs 3 samples after the warm-up; how many more a 2-core CI machine
+    # takes in the run's 0.8 s varies.
+    assert gpu["ok"] and gpu["slope_mib_per_min"] == 0 and gpu["after_warmup"] >= 3
+    assert len(gpu["curve"]) == gpu["samples"] >= gpu["after_warmup"]
     rss = r["memory"]["rss"]["epochs"]["0"]
     assert rss["ok"] and rss["after_warmup"] >= 3 and "slope_mib_per_min" in rss
     assert r["health"]["by_status"] == {"200": r["health"]["polls"]}
