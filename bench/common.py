@@ -25,6 +25,10 @@ REPO = Path(__file__).resolve().parent.parent
 PAIR_MODELS = str(REPO / "bench" / "pairs" / "models")
 HELDOUT = "prompts/heldout.jsonl"  # under PAIR_MODELS: prompts no pair trained on
 LOOPBACK_HOSTS = {"127.0.0.1", "::1", "localhost"}
+# A float32 greedy output that differs from no speculation's where the
+# reference's top-2 logprob gap was below this is a near-tie, which the batch
+# shape decides (any speculative method diverges there too).
+NEAR_TIE_NATS = 0.01
 
 # Child processes import bench from this checkout too: the engine processes
 # (``python3 -m bench...``) and vLLM's workers, which load
@@ -148,6 +152,15 @@ def engine_kwargs(
             limit_mm_per_prompt={"image": 0, "video": 0}, gdn_prefill_backend="triton"
         )
     return kw | overrides
+
+
+def first_divergence(ref: list[int], out: list[int]) -> int | None:
+    """The first index where two token sequences differ (the shorter one's
+    length where one is the other's prefix); None when they are equal."""
+    j = next((j for j, (x, y) in enumerate(zip(ref, out)) if x != y), None)
+    if j is None and len(ref) != len(out):
+        j = min(len(ref), len(out))
+    return j
 
 
 def is_hybrid(model_dir: str) -> bool:

@@ -15,6 +15,13 @@ at each concurrency c with c requests always in flight. Rows: tokens/s of the
 steady window, tau, ms per engine step, whether each output equals no
 speculation's (the same pair, dtype and concurrency). ``--small`` also runs
 the small pair itself (float32): the production shape's outputs must equal it.
+After each timed decode the no-speculation engine scores its own outputs
+(untimed, ``prompt_logprobs``): the top-2 logprob gap at every token, so that
+a row that differs from no speculation says where (``divergence_gaps``, the
+gap at each differing output's first differing token) and, in float32, which
+differences are near-ties (a gap below ``common.NEAR_TIE_NATS``, as the
+greedy GPU test judges them) and which are not (``mismatches_to_nospec``);
+16-bit rows record the gaps and judge none.
 
 Methods: ``nospec``, ``chain``, ``chain_v2`` (the chain on the V2 model runner),
 ``ddtree`` (``budget_policy: "batch"`` unless ``--ddtree`` sets one),
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import re
 import statistics
@@ -473,6 +481,13 @@ def run_engine(a) -> None:
         name = f"tokens_{a.pair}_{a.dtype}_{a.method}_c{conc}.json"
         with open(os.path.join(a.workdir, name), "w") as f:
             json.dump(toks, f)
+        if a.method == "nospec":
+            # Untimed: where the other methods' outputs differ, how close the
+            # reference's own top two were there (`compare_outputs`).
+            gaps = score_outputs(llm, batch, toks)
+            name = f"gaps_{a.pair}_{a.dtype}_{a.method}_c{conc}.json"
+            with open(os.path.join(a.workdir, name), "w") as f:
+                json.dump(gaps, f)
         log(f"{a.pair} {a.dtype} {a.method} {tag}: {row['tok_s']} tok/s")
 
 
@@ -502,17 +517,104 @@ def kv_cache_tokens_in(log_lines, rows: list[dict]) -> None:
             r["kv_cache_tokens"] = int(sizes[-1].replace(",", ""))
 
 
+def top2_gap(position: dict | None) -> float:
+    """The logprob gap between the first and second most probable tokens of
+    one position of vLLM's prompt or sample logprobs (token id -> ``Logprob``,
+    the position's own token beside the top ones); inf without two ranked
+    tokens."""
+    ranked = sorted(
+        (lp.rank, lp.logprob) for lp in (position or {}).values() if lp.rank
+    )
+    if len(ranked) < 2 or ranked[1][0] != 2:
+        return math.inf
+    return ranked[0][1] - ranked[1][1]
+
+
+def score_outputs(llm, prompts, outputs) -> list[list[float | None]]:
+    """Each output's top-2 logprob gap at each of its tokens (None where
+    there are not two ranked tokens), from one untimed pass over prompt +
+    output but its last token: ``prompt_logprobs`` for the tokens before the
+    last, the one generated token's ``logprobs`` for the last (so the pass
+    fits ``max_model_len`` whenever the decode did)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=1,
+        logprobs=2,
+        prompt_logprobs=2,
+        detokenize=False,
+    )
+    scored = [(p, o) for p, o in zip(prompts, outputs) if o]
+    done = llm.generate(
+        [TokensPrompt(prompt_token_ids=p + o[:-1]) for p, o in scored],
+        params,
+        use_tqdm=False,
+    )
+    results = iter(done)
+    gaps: list[list[float | None]] = []
+    for output in outputs:
+        if not output:
+            gaps.append([])
+            continue
+        d = next(results)
+        # prompt_logprobs[k]: the distribution the k-th token was chosen from
+        # (read one by one: vLLM 0.26's flat container cannot slice empty).
+        n = len(d.prompt_token_ids)
+        positions = [d.prompt_logprobs[k] for k in range(n - len(output) + 1, n)]
+        positions.append(d.outputs[0].logprobs[0])
+        gaps.append([_finite_or_none(top2_gap(x)) for x in positions])
+    return gaps
+
+
+def _finite_or_none(x: float) -> float | None:
+    return None if math.isinf(x) else round(x, 5)
+
+
+def _read_json(workdir: str, name: str):
+    path = os.path.join(workdir, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def compare(workdir, pair, dtype, method, conc, ref_method) -> str | None:
     """``"same/total"`` outputs of ``method`` equal to ``ref_method``'s."""
-    outputs = []
-    for m in (ref_method, method):
-        path = os.path.join(workdir, f"tokens_{pair}_{dtype}_{m}_c{conc}.json")
-        if not os.path.exists(path):
-            return None
-        with open(path) as f:
-            outputs.append(json.load(f))
-    ref, got = outputs
-    return f"{sum(x == y for x, y in zip(ref, got))}/{len(got)}"
+    got = compare_outputs(workdir, pair, dtype, method, conc, ref_method)
+    return None if got is None else got[f"identical_to_{ref_method}"]
+
+
+def compare_outputs(workdir, pair, dtype, method, conc, ref_method) -> dict | None:
+    """``identical_to_<ref_method>``: ``"same/total"``; where the reference
+    scored its outputs (`score_outputs`): ``divergence_gaps``, the
+    reference's top-2 gap at each differing output's first differing token,
+    in prompt order (None past the end of its output or without two ranked
+    tokens), and in float32 how many of those are
+    near-ties (``near_ties_to_<ref>``, below ``common.NEAR_TIE_NATS``) and how many
+    are not (``mismatches_to_<ref>``). None without both token files."""
+    ref, got = (
+        _read_json(workdir, f"tokens_{pair}_{dtype}_{m}_c{conc}.json")
+        for m in (ref_method, method)
+    )
+    if ref is None or got is None:
+        return None
+    same = sum(x == y for x, y in zip(ref, got))
+    out: dict = {f"identical_to_{ref_method}": f"{same}/{len(got)}"}
+    scores = _read_json(workdir, f"gaps_{pair}_{dtype}_{ref_method}_c{conc}.json")
+    if scores is None or len(scores) != len(ref):
+        return out
+    gaps = []
+    for r, g, s in zip(ref, got, scores):
+        j = common.first_divergence(r, g)
+        if j is not None:
+            gaps.append(s[j] if j < len(s) else None)
+    out["divergence_gaps"] = gaps
+    if dtype == "float32":
+        near = sum(gap is not None and gap < common.NEAR_TIE_NATS for gap in gaps)
+        out[f"near_ties_to_{ref_method}"] = near
+        out[f"mismatches_to_{ref_method}"] = len(gaps) - near
+    return out
 
 
 def annotate(rows: list[dict], workdir: str) -> None:
@@ -527,11 +629,13 @@ def annotate(rows: list[dict], workdir: str) -> None:
             continue
         ref = "small" if r["method"] == "nospec" else "nospec"
         key = f"identical_to_{ref}"
-        got = compare(
+        got = compare_outputs(
             workdir, r["pair"], r["dtype"], r["method"], r["concurrency"], ref
         )
-        if got is not None or key not in r:
-            r[key] = got
+        if got is not None:
+            r.update(got)
+        elif key not in r:
+            r[key] = None
 
 
 def add_engine_options(ap: argparse.ArgumentParser) -> None:

@@ -63,6 +63,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import (
+    NEAR_TIE_NATS,
     REPO,
     add_options,
     check_loopback,
@@ -78,8 +79,6 @@ STOP_TEXTS = ("\n", ")", ":", " the")  # their last token ids stop requests
 # The load's mix; the prompts kept; the reference's concurrency.
 CHAT, STREAM, GREEDY, N_GT_1, LONG = 0.4, 0.5, 0.5, 0.15, 0.05
 NUM_PROMPTS, REFERENCE_CONCURRENCY, HEALTH_TIMEOUT = 64, 32, 5.0
-# With --float32: the largest top-2 logprob gap of a near-tie.
-TIE_TOLERANCE = 0.01
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -993,7 +992,7 @@ class Soak:
                 "ours": diffs[0][max(0, char - 20) : char + 20],
                 "ref": ref_text[max(0, char - 20) : char + 20],
             }
-            tie = a.float32 and gap is not None and gap < TIE_TOLERANCE
+            tie = a.float32 and gap is not None and gap < NEAR_TIE_NATS
             (near if tie else bad).append(row)
 
         await asyncio.gather(*(one(o) for o in todo))

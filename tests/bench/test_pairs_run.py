@@ -5,6 +5,8 @@ and how outputs are compared with no speculation."""
 from __future__ import annotations
 
 import json
+import math
+from types import SimpleNamespace
 
 from repo_paths import BENCH_RESULTS
 
@@ -44,6 +46,61 @@ def test_compare_counts_equal_outputs(tmp_path):
         run_pairs.compare(str(tmp_path), "dense-8b", "float32", "chain", 8, "nospec")
         is None
     )
+
+
+def test_top2_gap_reads_the_two_best_ranks():
+    def lp(rank, logprob):
+        return SimpleNamespace(rank=rank, logprob=logprob)
+
+    # The position's own token (rank 5) beside the top two.
+    assert run_pairs.top2_gap({3: lp(5, -4.0), 7: lp(1, -0.5), 8: lp(2, -0.75)}) == 0.25
+    assert run_pairs.top2_gap({7: lp(1, -0.5)}) == math.inf
+    assert run_pairs.top2_gap(None) == math.inf
+
+
+def test_float32_divergences_are_judged_by_the_reference_gap(tmp_path):
+    """Each differing output's first differing token, looked up in the
+    reference's scores: below the bound a near-tie, else a mismatch; a
+    16-bit row records the gaps and judges none."""
+
+    def save(dtype, kind, method, obj):
+        path = tmp_path / f"{kind}_dense-8b_{dtype}_{method}_c8.json"
+        path.write_text(json.dumps(obj))
+
+    ref = [[1, 2, 3], [4, 5, 6], [7, 8], [9]]
+    got = [[1, 2, 3], [4, 9, 9], [7, 5], [9, 1]]
+    gaps = [[0.5, 0.5, 0.5], [0.9, 0.004, 0.3], [0.2, 0.03], [0.7]]
+    for dtype in ("float32", "bfloat16"):
+        save(dtype, "tokens", "nospec", ref)
+        save(dtype, "tokens", "ddtree", got)
+        save(dtype, "gaps", "nospec", gaps)
+    f32 = run_pairs.compare_outputs(
+        str(tmp_path), "dense-8b", "float32", "ddtree", 8, "nospec"
+    )
+    # Prompt 1 differs at a near-tie, prompt 2 where the top two were 0.03
+    # apart, prompt 3 runs past the reference's end (no gap there).
+    assert f32 == dict(
+        identical_to_nospec="1/4",
+        divergence_gaps=[0.004, 0.03, None],
+        near_ties_to_nospec=1,
+        mismatches_to_nospec=2,
+    )
+    bf16 = run_pairs.compare_outputs(
+        str(tmp_path), "dense-8b", "bfloat16", "ddtree", 8, "nospec"
+    )
+    assert bf16 == dict(identical_to_nospec="1/4", divergence_gaps=[0.004, 0.03, None])
+    # No scores (an earlier run's reference): the count alone.
+    (tmp_path / "gaps_dense-8b_float32_nospec_c8.json").unlink()
+    assert run_pairs.compare_outputs(
+        str(tmp_path), "dense-8b", "float32", "ddtree", 8, "nospec"
+    ) == dict(identical_to_nospec="1/4")
+
+
+def test_first_divergence():
+    assert common.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert common.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert common.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert common.first_divergence([], [4]) == 0
 
 
 def test_committed_results_have_the_rows_the_yardstick_needs():

@@ -29,11 +29,10 @@ import textwrap
 import pytest
 from repo_paths import HELDOUT_PROMPTS, PAIR_MODELS
 
-from bench.common import is_hybrid
+from bench.common import NEAR_TIE_NATS, first_divergence, is_hybrid
 
 NUM_PROMPTS = 16
 MAX_TOKENS = 64
-NEAR_TIE_NATS = 0.01
 BUDGETS = (3, 16, 64)
 PAIRS = ("dense-8b", "hybrid-27b")
 
@@ -117,13 +116,6 @@ def run_engine(pair: str, budget: int | None) -> dict:
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, (p.returncode, p.stdout[-3000:], p.stderr[-5000:])
     return json.loads(line[len("RESULT ") :])
-
-
-def first_divergence(ref: list[int], out: list[int]) -> int | None:
-    j = next((j for j, (x, y) in enumerate(zip(ref, out)) if x != y), None)
-    if j is None and len(ref) != len(out):
-        j = min(len(ref), len(out))
-    return j
 
 
 @pytest.fixture(scope="module", params=PAIRS)
