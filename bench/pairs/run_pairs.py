@@ -579,20 +579,15 @@ def _read_json(workdir: str, name: str):
         return json.load(f)
 
 
-def compare(workdir, pair, dtype, method, conc, ref_method) -> str | None:
-    """``"same/total"`` outputs of ``method`` equal to ``ref_method``'s."""
-    got = compare_outputs(workdir, pair, dtype, method, conc, ref_method)
-    return None if got is None else got[f"identical_to_{ref_method}"]
-
-
 def compare_outputs(workdir, pair, dtype, method, conc, ref_method) -> dict | None:
-    """``identical_to_<ref_method>``: ``"same/total"``; where the reference
-    scored its outputs (`score_outputs`): ``divergence_gaps``, the
-    reference's top-2 gap at each differing output's first differing token,
-    in prompt order (None past the end of its output or without two ranked
-    tokens), and in float32 how many of those are
-    near-ties (``near_ties_to_<ref>``, below ``common.NEAR_TIE_NATS``) and how many
-    are not (``mismatches_to_<ref>``). None without both token files."""
+    """``identical_to_<ref_method>``: how many outputs of ``method`` equal
+    ``ref_method``'s, as ``"same/total"``. Where the reference scored its
+    outputs (`score_outputs`), also ``divergence_gaps``: the reference's
+    top-2 gap at each differing output's first differing token, in prompt
+    order (None past the end of its output or without two ranked tokens);
+    and in float32 how many of those are near-ties (``near_ties_to_<ref>``,
+    below ``common.NEAR_TIE_NATS``) and how many are not
+    (``mismatches_to_<ref>``). None without both token files."""
     ref, got = (
         _read_json(workdir, f"tokens_{pair}_{dtype}_{m}_c{conc}.json")
         for m in (ref_method, method)

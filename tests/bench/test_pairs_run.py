@@ -38,12 +38,13 @@ def test_compare_counts_equal_outputs(tmp_path):
 
     save("nospec", [[1, 2, 3], [4, 5], [6]])
     save("ddtree", [[1, 2, 3], [4, 9], [6]])
+    assert run_pairs.compare_outputs(
+        str(tmp_path), "dense-8b", "float32", "ddtree", 8, "nospec"
+    ) == dict(identical_to_nospec="2/3")
     assert (
-        run_pairs.compare(str(tmp_path), "dense-8b", "float32", "ddtree", 8, "nospec")
-        == "2/3"
-    )
-    assert (
-        run_pairs.compare(str(tmp_path), "dense-8b", "float32", "chain", 8, "nospec")
+        run_pairs.compare_outputs(
+            str(tmp_path), "dense-8b", "float32", "chain", 8, "nospec"
+        )
         is None
     )
 
