@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -161,6 +162,19 @@ def first_divergence(ref: list[int], out: list[int]) -> int | None:
     if j is None and len(ref) != len(out):
         j = min(len(ref), len(out))
     return j
+
+
+def top2_gap(position: dict | None) -> float:
+    """The logprob gap between the first and second most probable tokens of
+    one position of vLLM's prompt or sample logprobs (token id -> ``Logprob``,
+    the position's own token beside the top ones); inf without two ranked
+    tokens."""
+    ranked = sorted(
+        (lp.rank, lp.logprob) for lp in (position or {}).values() if lp.rank
+    )
+    if len(ranked) < 2 or ranked[1][0] != 2:
+        return math.inf
+    return ranked[0][1] - ranked[1][1]
 
 
 def is_hybrid(model_dir: str) -> bool:

@@ -517,19 +517,6 @@ def kv_cache_tokens_in(log_lines, rows: list[dict]) -> None:
             r["kv_cache_tokens"] = int(sizes[-1].replace(",", ""))
 
 
-def top2_gap(position: dict | None) -> float:
-    """The logprob gap between the first and second most probable tokens of
-    one position of vLLM's prompt or sample logprobs (token id -> ``Logprob``,
-    the position's own token beside the top ones); inf without two ranked
-    tokens."""
-    ranked = sorted(
-        (lp.rank, lp.logprob) for lp in (position or {}).values() if lp.rank
-    )
-    if len(ranked) < 2 or ranked[1][0] != 2:
-        return math.inf
-    return ranked[0][1] - ranked[1][1]
-
-
 def score_outputs(llm, prompts, outputs) -> list[list[float | None]]:
     """Each output's top-2 logprob gap at each of its tokens (None where
     there are not two ranked tokens), from one untimed pass over prompt +
@@ -563,7 +550,7 @@ def score_outputs(llm, prompts, outputs) -> list[list[float | None]]:
         n = len(d.prompt_token_ids)
         positions = [d.prompt_logprobs[k] for k in range(n - len(output) + 1, n)]
         positions.append(d.outputs[0].logprobs[0])
-        gaps.append([_finite_or_none(top2_gap(x)) for x in positions])
+        gaps.append([_finite_or_none(common.top2_gap(x)) for x in positions])
     return gaps
 
 

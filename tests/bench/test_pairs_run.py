@@ -54,9 +54,9 @@ def test_top2_gap_reads_the_two_best_ranks():
         return SimpleNamespace(rank=rank, logprob=logprob)
 
     # The position's own token (rank 5) beside the top two.
-    assert run_pairs.top2_gap({3: lp(5, -4.0), 7: lp(1, -0.5), 8: lp(2, -0.75)}) == 0.25
-    assert run_pairs.top2_gap({7: lp(1, -0.5)}) == math.inf
-    assert run_pairs.top2_gap(None) == math.inf
+    assert common.top2_gap({3: lp(5, -4.0), 7: lp(1, -0.5), 8: lp(2, -0.75)}) == 0.25
+    assert common.top2_gap({7: lp(1, -0.5)}) == math.inf
+    assert common.top2_gap(None) == math.inf
 
 
 def test_float32_divergences_are_judged_by_the_reference_gap(tmp_path):

@@ -42,6 +42,7 @@ ENGINE = textwrap.dedent(
     """
     import json, sys
     from vllm import LLM, SamplingParams
+    from bench.common import top2_gap
 
     args = json.loads(sys.argv[1])
     with open(args["prompts"]) as f:
@@ -72,13 +73,7 @@ ENGINE = textwrap.dedent(
         logprobs=2,
     )
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    gaps = []
-    for o in outs:
-        row = []
-        for step in o.outputs[0].logprobs or []:
-            vals = sorted((lp.logprob for lp in step.values()), reverse=True)
-            row.append(vals[0] - vals[1] if len(vals) > 1 else float("inf"))
-        gaps.append(row)
+    gaps = [[top2_gap(step) for step in o.outputs[0].logprobs or []] for o in outs]
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     spec = llm.llm_engine.vllm_config.speculative_config
     print("RESULT " + json.dumps({
